@@ -1,0 +1,57 @@
+"""qbits: quantized matmuls for JAX and Flax, forward and backward.
+
+The public API, layer by layer (each layer imports only the ones above it
+in this file):
+
+1. numerics: :class:`IntNumerics`, :class:`FpNumerics`, :class:`Fp8Numerics`,
+   :class:`NoNumerics`, :class:`UniformNoise`.
+2. calibration: :class:`AbsMax`, :class:`Percentile`, :class:`MseSearch`,
+   :class:`ConstantBound`; granularity: :class:`PerTensor`,
+   :class:`PerChannel`, :class:`Tiled`.
+3. :class:`QTensor` and :class:`Quantizer` (:func:`mx_quantizer`).
+"""
+
+from qbits import calibration, granularity, numerics, tensor
+from qbits.calibration import AbsMax, Calibration, ConstantBound, MseSearch, Percentile
+from qbits.context import Context
+from qbits.errors import InvalidArgumentError
+from qbits.granularity import Granularity, PerChannel, PerTensor, Tiled
+from qbits.numerics import (
+    Fp8Numerics,
+    FpNumerics,
+    IntNumerics,
+    NoNumerics,
+    QNumerics,
+    UniformNoise,
+)
+from qbits.quantizer import Quantizer, mx_quantizer
+from qbits.tensor import QTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbsMax",
+    "Calibration",
+    "ConstantBound",
+    "Context",
+    "Fp8Numerics",
+    "FpNumerics",
+    "Granularity",
+    "IntNumerics",
+    "InvalidArgumentError",
+    "MseSearch",
+    "NoNumerics",
+    "PerChannel",
+    "PerTensor",
+    "Percentile",
+    "QNumerics",
+    "QTensor",
+    "Quantizer",
+    "Tiled",
+    "UniformNoise",
+    "calibration",
+    "granularity",
+    "mx_quantizer",
+    "numerics",
+    "tensor",
+]

@@ -1,0 +1,113 @@
+"""Exceptions qbits raises for bad user input.
+
+Every constructor and entry point validates its arguments and raises
+:class:`InvalidArgumentError` (a :class:`ValueError`) naming the argument, the
+bad value and what is allowed. The structured fields let higher layers (the
+YAML config loader) prefix the path of the value inside a file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["InvalidArgumentError"]
+
+
+class InvalidArgumentError(ValueError):
+    """An argument has a value qbits cannot accept.
+
+    Attributes:
+      owner: What was being built or called, e.g. ``"IntNumerics"``.
+      argument: The argument's name, e.g. ``"bits"``.
+      value: The rejected value.
+      allowed: A human-readable description of the allowed values.
+
+    Example:
+      >>> from qbits import IntNumerics, InvalidArgumentError
+      >>> try:
+      ...     IntNumerics(bits=32)
+      ... except InvalidArgumentError as e:
+      ...     print(e)
+      IntNumerics: bits=32 is not allowed; expected an int in 1..16.
+    """
+
+    def __init__(
+        self, owner: str, argument: str, value: Any, allowed: str, why: str = ""
+    ):
+        self.owner = owner
+        self.argument = argument
+        self.value = value
+        self.allowed = allowed
+        self.why = why
+        because = f" ({why})" if why else ""
+        super().__init__(
+            f"{owner}: {argument}={_show(value)} is not allowed{because}; "
+            f"expected {allowed}."
+        )
+
+
+def _show(value: Any) -> str:
+    """Short, readable rendering of a rejected value."""
+    if isinstance(value, np.dtype):
+        return value.name
+    name = getattr(value, "__name__", None)
+    if isinstance(value, type) and name is not None:
+        return name
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_bool(owner: str, argument: str, value: Any) -> None:
+    """Raises InvalidArgumentError unless ``value`` is a Python bool."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(owner, argument, value, "True or False")
+
+
+def check_int(
+    owner: str, argument: str, value: Any, lo: int, hi: int | None = None
+) -> None:
+    """Raises InvalidArgumentError unless ``value`` is an int in ``lo..hi``."""
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    ok = ok and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        span = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise InvalidArgumentError(owner, argument, value, f"an int in {span}")
+
+
+def check_float(
+    owner: str,
+    argument: str,
+    value: Any,
+    *,
+    lo: float,
+    hi: float | None = None,
+    lo_open: bool = False,
+) -> None:
+    """Raises InvalidArgumentError unless ``value`` is a finite real in range."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = v == v and v not in (float("inf"), float("-inf"))
+        ok = ok and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        left = "(" if lo_open else "["
+        right = f"{hi}]" if hi is not None else "inf)"
+        raise InvalidArgumentError(
+            owner, argument, value, f"a finite number in {left}{lo}, {right}"
+        )
+
+
+def normalize_axis(owner: str, argument: str, axis: Any, ndim: int) -> int:
+    """Returns ``axis`` as a non-negative index into an array of rank ``ndim``."""
+    if not (isinstance(axis, int) and not isinstance(axis, bool)) or not (
+        -ndim <= axis < ndim
+    ):
+        raise InvalidArgumentError(
+            owner,
+            argument,
+            axis,
+            f"an int in {-ndim}..{ndim - 1} for an array of rank {ndim}",
+        )
+    return axis % ndim

@@ -1,0 +1,217 @@
+"""Layer 3: Quantizer = numerics + calibration + granularity."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import struct
+from jax import lax
+
+from qbits.calibration import (
+    SCALE_ROUNDINGS,
+    AbsMax,
+    Calibration,
+    ScaleRounding,
+    make_scale,
+)
+from qbits.context import Context
+from qbits.errors import InvalidArgumentError
+from qbits.granularity import BlockLayout, Granularity, PerTensor, Tiled
+from qbits.numerics import FpNumerics, IntNumerics, NoNumerics, QNumerics
+from qbits.numerics.base import check_float_input, compute_dtype
+from qbits.tensor import QTensor, storage_dtype
+
+__all__ = ["Quantizer", "mx_quantizer"]
+
+
+class Quantizer(struct.PyTreeNode):
+    r"""Quantizes a tensor: calibrate each block, scale, put on the grid.
+
+    For each scale block (see ``granularity``) the calibration gives a bound;
+    the scale is ``bound / numerics.abs_val_mapped_to()`` (rounded as
+    ``scale_rounding`` says), and
+
+    .. math:: q = \mathrm{numerics}(x / s), \qquad \hat{x} = q \cdot s.
+
+    Scales are computed in float32 and carry no gradient, so the fake
+    quantization ``quant(x).dequant()`` has exactly the numerics' gradient
+    (straight-through, or masked with ``clip_gradient``). Inputs of every
+    float dtype are quantized in float32 (float64 stays); ``dequant`` returns
+    the input's dtype. With :class:`~qbits.NoNumerics` the input comes back
+    bit for bit. Non-finite inputs and all-zero blocks behave as the
+    :mod:`qbits.calibration` docstring says.
+
+    Attributes:
+      numerics: The grid (:class:`~qbits.IntNumerics`,
+        :class:`~qbits.FpNumerics`, :class:`~qbits.NoNumerics`, ...).
+      calibration: How each block's bound is found.
+      granularity: Which elements share a scale.
+      scale_rounding: ``"none"``, ``"pow2"`` or ``"e8m0"`` (power of two
+        rounded up); see :func:`qbits.calibration.round_scale`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q = qbits.Quantizer(qbits.IntNumerics(bits=8),
+      ...                     granularity=qbits.PerChannel(shared_axes=(0,)))
+      >>> w = jnp.array([[1.0, -0.02], [-0.5, 0.04]])
+      >>> qt = q.quant(w, store=True)
+      >>> qt.qvalue
+      Array([[127, -64],
+             [-64, 127]], dtype=int8)
+      >>> qt.scale.shape
+      (1, 2)
+    """
+
+    numerics: QNumerics = struct.field(pytree_node=False)
+    calibration: Calibration = struct.field(pytree_node=False, default=AbsMax())
+    granularity: Granularity = struct.field(pytree_node=False, default=PerTensor())
+    scale_rounding: ScaleRounding = struct.field(pytree_node=False, default="none")
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("numerics", QNumerics),
+            ("calibration", Calibration),
+            ("granularity", Granularity),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise InvalidArgumentError(
+                    "Quantizer", name, getattr(self, name), f"a qbits {kind.__name__}"
+                )
+        if self.scale_rounding not in SCALE_ROUNDINGS:
+            raise InvalidArgumentError(
+                "Quantizer",
+                "scale_rounding",
+                self.scale_rounding,
+                "one of " + ", ".join(SCALE_ROUNDINGS),
+            )
+
+    def quant(
+        self, x: jax.Array, context: Context | None = None, *, store: bool = False
+    ) -> QTensor:
+        """Quantizes ``x``.
+
+        Args:
+          x: A floating-point array.
+          context: Carries the PRNG key for stochastic rounding.
+          store: Return ``qvalue`` in the storage dtype (int8, int4, fp8; fp6
+            in bfloat16) for real low-precision matmuls and serving. Stored
+            integers cannot carry a gradient, so differentiating through a
+            stored quantization raises; the default keeps ``qvalue`` in
+            float32 (exactly the same numbers) and differentiable. Stored
+            integers saturate at the storage dtype's range.
+
+        Returns:
+          A :class:`~qbits.QTensor`.
+
+        Raises:
+          InvalidArgumentError: If ``x`` is not floating point, the granularity
+            does not fit its shape, stochastic rounding has no key, or
+            ``store=True`` for numerics without a storage dtype.
+        """
+        x = check_float_input("Quantizer.quant", x)
+        qdtype = self.numerics.get_dtype()
+        if store and qdtype is None and not isinstance(self.numerics, NoNumerics):
+            raise InvalidArgumentError(
+                "Quantizer.quant",
+                "store",
+                True,
+                "False for these numerics",
+                why=f"{self.numerics!r} has no storage dtype",
+            )
+        if isinstance(self.numerics, NoNumerics):
+            return QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
+
+        layout = BlockLayout.create(x.shape, self.granularity.block_sizes(x.shape))
+        xb = x.astype(compute_dtype(x.dtype)).reshape(layout.blocked_shape)
+        mapped = self.numerics.abs_val_mapped_to()
+
+        def scale_of(bound: jax.Array) -> jax.Array:
+            return make_scale(bound, mapped, self.scale_rounding)
+
+        def quantize(v: jax.Array, bound: jax.Array) -> jax.Array:
+            s = scale_of(bound)
+            return self.numerics.fwd(v / s, context) * s
+
+        bound = self.calibration(lax.stop_gradient(xb), layout.reduce_axes, quantize)
+        scale = lax.stop_gradient(scale_of(bound))
+        q = self.numerics(xb / scale, context).reshape(x.shape)
+        if store:
+            q = _to_storage(q, qdtype)
+        scale = scale.reshape(layout.scale_shape).astype(jnp.float32)
+        return QTensor(q, scale, qdtype=qdtype, dtype=x.dtype)
+
+
+def _to_storage(q: jax.Array, qdtype: np.dtype) -> jax.Array:
+    """Casts grid values to their storage dtype (NaN -> 0 for integers)."""
+    target = storage_dtype(qdtype)
+    if jnp.issubdtype(target, jnp.integer):
+        info = ml_dtypes.iinfo(target)
+        q = jnp.clip(jnp.where(jnp.isnan(q), 0.0, q), info.min, info.max)
+    return _cast_no_grad(q, target)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _cast_no_grad(q: jax.Array, target: np.dtype) -> jax.Array:
+    return q.astype(target)
+
+
+@_cast_no_grad.defjvp
+def _cast_no_grad_jvp(target: np.dtype, primals: Any, tangents: Any) -> Any:
+    raise InvalidArgumentError(
+        "Quantizer.quant",
+        "store",
+        True,
+        "False when differentiating",
+        why=f"values stored as {np.dtype(target)} carry no gradient; "
+        "quant(x).dequant() with the default store=False has the numerics' "
+        "gradient",
+    )
+
+
+_MX_ELEMENTS = (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float6_e2m3fn",
+    "float6_e3m2fn",
+    "float4_e2m1fn",
+    "int8",
+)
+
+
+def mx_quantizer(element: str = "float8_e4m3fn", axis: int = -1) -> Quantizer:
+    """An OCP Microscaling (MX) quantizer: tiles of 32, E8M0 scales.
+
+    The shared power-of-two scale of each tile is rounded *up* so that no
+    element of the tile clips (as production FP8 training does; the MX v1.0
+    spec rounds down and saturates).
+
+    Args:
+      element: ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (MXFP8),
+        ``"float6_e2m3fn"`` / ``"float6_e3m2fn"`` (MXFP6), ``"float4_e2m1fn"``
+        (MXFP4) or ``"int8"`` (MXINT8).
+      axis: The contracting axis, tiled in blocks of 32.
+
+    Returns:
+      A :class:`Quantizer`.
+
+    Raises:
+      InvalidArgumentError: For another element format.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q = qbits.mx_quantizer("float4_e2m1fn")
+      >>> qt = q.quant(jnp.linspace(-1.0, 1.0, 64).reshape(1, 64))
+      >>> qt.scale.shape, qt.scale[0, 0]
+      ((1, 2), Array(0.25, dtype=float32))
+    """
+    if element not in _MX_ELEMENTS:
+        raise InvalidArgumentError(
+            "mx_quantizer", "element", element, "one of " + ", ".join(_MX_ELEMENTS)
+        )
+    numerics = IntNumerics(bits=8) if element == "int8" else FpNumerics(element)
+    return Quantizer(numerics, AbsMax(), Tiled(axis=axis, tile_size=32), "e8m0")

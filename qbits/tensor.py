@@ -1,0 +1,247 @@
+"""Layer 3: QTensor, quantized values with their scales."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import struct
+from jax import lax
+
+from qbits.errors import InvalidArgumentError, normalize_axis
+
+__all__ = ["PACKABLE_DTYPES", "QTensor", "pack_nibbles", "unpack_nibbles"]
+
+# 4-bit storage dtypes that pack two values per uint8 byte.
+PACKABLE_DTYPES: tuple[np.dtype, ...] = (
+    np.dtype(ml_dtypes.int4),
+    np.dtype(ml_dtypes.uint4),
+    np.dtype(ml_dtypes.float4_e2m1fn),
+)
+
+
+class QTensor(struct.PyTreeNode):
+    """Quantized values and their scales: ``value ≈ qvalue * scale``.
+
+    ``scale`` has the rank of the tensor and one entry per scale block:
+    along each axis its size is 1 (shared), the axis size (per channel), or
+    ``size // tile`` (tiled), so ``dequant`` broadcasts it over each block.
+
+    ``qvalue`` holds the grid values, either in float (as :meth:`Quantizer.quant
+    <qbits.Quantizer.quant>` returns them by default, differentiable) or in the
+    storage dtype ``qdtype`` (``store=True``: int8, int4, fp8, ...). 4-bit
+    storage can be packed two values per byte along one axis
+    (:meth:`pack`); ``dequant`` unpacks.
+
+    Attributes:
+      qvalue: The grid values.
+      scale: The scales, float32.
+      qdtype: The storage format (``int8``, ``float8_e4m3fn``, ...), or
+        ``None`` when the numerics has none.
+      dtype: The dtype :meth:`dequant` returns (the original input's dtype).
+      packed_axis: The axis packed two per byte (negative), or ``None``.
+      packed_pad: Whether the packed axis had odd length (its last nibble is
+        padding).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q = qbits.Quantizer(qbits.IntNumerics(bits=4))
+      >>> qt = q.quant(jnp.array([0.5, -7.5, 3.0]), store=True)
+      >>> qt.qvalue, qt.scale
+      (Array([0, -7, 3], dtype=int4), Array([1.], dtype=float32))
+      >>> qt.dequant()
+      Array([ 0., -7.,  3.], dtype=float32)
+      >>> packed = qt.pack()
+      >>> packed.qvalue.dtype, packed.qvalue.shape, packed.shape
+      (dtype('uint8'), (2,), (3,))
+      >>> bool((packed.dequant() == qt.dequant()).all())
+      True
+    """
+
+    qvalue: jax.Array
+    scale: jax.Array
+    qdtype: Any = struct.field(pytree_node=False, default=None)
+    dtype: Any = struct.field(pytree_node=False, default=np.dtype(np.float32))
+    packed_axis: int | None = struct.field(pytree_node=False, default=None)
+    packed_pad: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the tensor the QTensor stands for (packing undone)."""
+        shape = list(self.qvalue.shape)
+        if self.packed_axis is not None:
+            shape[self.packed_axis] = 2 * shape[self.packed_axis] - self.packed_pad
+        return tuple(shape)
+
+    @property
+    def ndim(self) -> int:
+        """The rank."""
+        return len(self.qvalue.shape)
+
+    @property
+    def is_stored(self) -> bool:
+        """Whether ``qvalue`` is in the storage dtype (or packed)."""
+        return self.packed_axis is not None or (
+            self.qdtype is not None and self.qvalue.dtype == self.storage_dtype
+        )
+
+    @property
+    def storage_dtype(self) -> np.dtype | None:
+        """The dtype that holds ``qdtype`` values in memory.
+
+        Equal to ``qdtype`` except for formats XLA cannot hold (fp6), whose
+        values are kept in bfloat16, which represents every one exactly.
+        """
+        return storage_dtype(self.qdtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ``qvalue`` and ``scale`` together."""
+        return sum(
+            int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+            for a in (self.qvalue, self.scale)
+        )
+
+    def unpack(self) -> QTensor:
+        """The same QTensor with ``qvalue`` unpacked (no-op when not packed)."""
+        if self.packed_axis is None:
+            return self
+        values = unpack_nibbles(
+            self.qvalue, self.storage_dtype, self.packed_axis, self.packed_pad
+        )
+        return self.replace(qvalue=values, packed_axis=None, packed_pad=False)
+
+    def pack(self, axis: int = -1) -> QTensor:
+        """Packs 4-bit stored values two per uint8 byte along ``axis``.
+
+        Raises:
+          InvalidArgumentError: If ``qvalue`` is not stored in a 4-bit dtype
+            (int4, uint4, float4_e2m1fn) or is already packed.
+        """
+        if self.packed_axis is not None:
+            raise InvalidArgumentError(
+                "QTensor.pack", "self", "a packed QTensor", "an unpacked QTensor"
+            )
+        axis = normalize_axis("QTensor.pack", "axis", axis, self.ndim)
+        packed = pack_nibbles(self.qvalue, axis)
+        return self.replace(
+            qvalue=packed,
+            packed_axis=axis - self.ndim,
+            packed_pad=bool(self.qvalue.shape[axis] % 2),
+        )
+
+    def dequant(self) -> jax.Array:
+        """``qvalue * scale`` in float32, returned as ``dtype``.
+
+        Raises:
+          InvalidArgumentError: If ``scale`` does not have one entry per block
+            of ``qvalue`` (see the class docstring).
+        """
+        q = self.unpack().qvalue
+        values = apply_scale(q.astype(jnp.float32), self.scale)
+        return values.astype(self.dtype)
+
+
+def storage_dtype(qdtype: Any) -> np.dtype | None:
+    """The in-memory dtype for values of format ``qdtype`` (bf16 for fp6)."""
+    if qdtype is None:
+        return None
+    qdtype = np.dtype(qdtype)
+    if qdtype.name.startswith("float6"):
+        return np.dtype(jnp.bfloat16)
+    return qdtype
+
+
+def apply_scale(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """Multiplies ``q`` by per-block ``scale`` (one entry per block per axis).
+
+    Raises:
+      InvalidArgumentError: If ``scale`` has another rank or an axis of
+        ``q`` is not a multiple of the scale's size along it.
+    """
+    if scale.ndim != q.ndim or any(
+        k == 0 or n % k for n, k in zip(q.shape, scale.shape, strict=True)
+    ):
+        raise InvalidArgumentError(
+            "QTensor",
+            "scale.shape",
+            scale.shape,
+            f"a shape of rank {q.ndim} whose sizes divide qvalue's {q.shape}",
+        )
+    if all(k in (1, n) for n, k in zip(q.shape, scale.shape, strict=True)):
+        return q * scale.astype(q.dtype)
+    q_shape: list[int] = []
+    s_shape: list[int] = []
+    for n, k in zip(q.shape, scale.shape, strict=True):
+        if k in (1, n):
+            q_shape.append(n)
+            s_shape.append(k)
+        else:
+            q_shape.extend((k, n // k))
+            s_shape.extend((k, 1))
+    scaled = q.reshape(q_shape) * scale.astype(q.dtype).reshape(s_shape)
+    return scaled.reshape(q.shape)
+
+
+def _nibble_codes(values: jax.Array) -> jax.Array:
+    """The 4-bit codes of int4/uint4/fp4 values, as uint8 in 0..15."""
+    if np.dtype(values.dtype) not in PACKABLE_DTYPES:
+        raise InvalidArgumentError(
+            "pack_nibbles",
+            "values.dtype",
+            values.dtype,
+            "int4, uint4 or float4_e2m1fn (store=True values)",
+        )
+    return lax.bitcast_convert_type(values, jnp.uint4).astype(jnp.uint8)
+
+
+def pack_nibbles(values: jax.Array, axis: int = -1) -> jax.Array:
+    """Packs 4-bit values two per uint8 byte along ``axis``.
+
+    Element ``2i`` goes to the low nibble of byte ``i``, element ``2i + 1`` to
+    the high nibble. An odd-length axis is padded with a zero nibble.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> v = jnp.array([1, -2, 7], jnp.int4)
+      >>> qbits.tensor.pack_nibbles(v)
+      Array([225,   7], dtype=uint8)
+    """
+    axis = normalize_axis("pack_nibbles", "axis", axis, values.ndim)
+    codes = jnp.moveaxis(_nibble_codes(values), axis, -1)
+    if codes.shape[-1] % 2:
+        codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, 1)])
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return jnp.moveaxis(packed, -1, axis)
+
+
+def unpack_nibbles(
+    packed: jax.Array, dtype: Any, axis: int = -1, pad: bool = False
+) -> jax.Array:
+    """Inverse of :func:`pack_nibbles`; drops the padding nibble if ``pad``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> packed = jnp.array([225, 7], jnp.uint8)
+      >>> qbits.tensor.unpack_nibbles(packed, jnp.int4, pad=True)
+      Array([1, -2, 7], dtype=int4)
+    """
+    if packed.dtype != jnp.uint8:
+        raise InvalidArgumentError(
+            "unpack_nibbles", "packed.dtype", packed.dtype, "uint8"
+        )
+    dtype = np.dtype(dtype)
+    if dtype not in PACKABLE_DTYPES:
+        raise InvalidArgumentError(
+            "unpack_nibbles", "dtype", dtype, "int4, uint4 or float4_e2m1fn"
+        )
+    axis = normalize_axis("unpack_nibbles", "axis", axis, packed.ndim)
+    b = jnp.moveaxis(packed, axis, -1)
+    codes = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
+    if pad:
+        codes = codes[..., :-1]
+    values = lax.bitcast_convert_type(codes.astype(jnp.uint4), dtype)
+    return jnp.moveaxis(values, -1, axis)

@@ -1,0 +1,35 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qbits
+from tests.helpers import FLOAT_DTYPES, bits_equal
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_no_numerics_is_the_identity(dtype):
+    x = jnp.array([0.1, -0.0, jnp.nan, jnp.inf, 3e4], dtype)
+    n = qbits.NoNumerics()
+    y = n(x)
+    assert y.dtype == dtype and bits_equal(y, x)
+    assert n.get_dtype() is None and n.abs_val_mapped_to() is None
+    g = jax.grad(lambda x: jnp.sum(n(x) * x))(jnp.array([1.0, 2.0]))
+    np.testing.assert_array_equal(g, [2.0, 4.0])
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+def test_uniform_noise_range_and_determinism(make_key):
+    noise = qbits.UniformNoise()
+    u = noise((10000,), make_key(0))
+    assert u.dtype == jnp.float32
+    assert float(u.min()) >= -0.5 and float(u.max()) < 0.5
+    assert abs(float(u.mean())) < 0.02
+    np.testing.assert_array_equal(u, noise((10000,), make_key(0)))
+    assert not np.array_equal(u, noise((10000,), make_key(1)))
+
+
+def test_context_is_a_pytree():
+    ctx = qbits.Context(jax.random.key(0))
+    assert len(jax.tree_util.tree_leaves(ctx)) == 1
+    assert jax.tree_util.tree_leaves(qbits.Context()) == []

@@ -1,0 +1,172 @@
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import qbits
+from qbits import AbsMax, ConstantBound, InvalidArgumentError, MseSearch, Percentile
+from qbits.calibration import make_scale, round_scale
+from tests.helpers import fake_quant, float_arrays, quant
+
+X = jnp.array([[1.0, -4.0, 0.5, 2.0], [0.25, 0.5, -0.125, 0.0]])
+
+
+def test_absmax_and_clip_factor():
+    np.testing.assert_array_equal(AbsMax()(X, (1,)), [[4.0], [0.5]])
+    np.testing.assert_array_equal(AbsMax(0.5)(X, (0, 1)), [[2.0]])
+    np.testing.assert_array_equal(AbsMax()(X, ()), jnp.abs(X))
+
+
+def test_percentile_matches_numpy():
+    x = jax.random.normal(jax.random.key(0), (3, 1000))
+    for p in (50.0, 99.0, 100.0):
+        np.testing.assert_allclose(
+            Percentile(p)(x, (1,)),
+            np.percentile(np.abs(np.asarray(x)), p, axis=1, keepdims=True),
+            rtol=1e-6,
+        )
+
+
+def test_constant_bound():
+    np.testing.assert_array_equal(ConstantBound(3.0)(X, (0,)), [[3.0] * 4])
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_mse_search_is_the_best_candidate(bits):
+    x = jax.random.laplace(jax.random.key(bits), (8, 256))
+    cal = MseSearch()
+    q = qbits.Quantizer(qbits.IntNumerics(bits=bits), cal, qbits.PerChannel((1,)))
+    got = np.asarray(q.quant(x).dequant())
+    # Brute force: quantize each row with each candidate, keep the best.
+    rows = []
+    for i in range(8):
+        best = None
+        for f in cal.clip_factors:
+            b = f * float(jnp.max(jnp.abs(x[i])))
+            row = qbits.Quantizer(qbits.IntNumerics(bits=bits), ConstantBound(b))
+            dq = np.asarray(row.quant(x[i]).dequant())
+            err = np.sum((dq - np.asarray(x[i])) ** 2)
+            if best is None or err < best[0] - 1e-9 * err:
+                best = (err, dq)
+        rows.append(best[1])
+    np.testing.assert_allclose(got, np.stack(rows), rtol=1e-6, atol=1e-7)
+
+
+@settings(max_examples=10)  # each example compiles 11 candidate quantizations
+@given(x=float_arrays())
+def test_mse_search_never_worse_than_absmax(x):
+    x = x.astype(jnp.float32)
+    n = qbits.IntNumerics(bits=3)
+    mse = fake_quant(qbits.Quantizer(n, MseSearch()), x)
+    absmax = fake_quant(qbits.Quantizer(n), x)
+    err = lambda y: float(jnp.sum((y - x) ** 2))  # noqa: E731
+    assert err(mse) <= err(absmax) * (1 + 1e-6)
+
+
+def test_mse_search_needs_the_quantize_function():
+    with pytest.raises(InvalidArgumentError, match=r"MseSearch: quantize=None"):
+        MseSearch()(X, (1,))
+
+
+# --- Non-finite input: the documented rule. ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cal", [AbsMax(), Percentile(90.0), MseSearch(), ConstantBound(2.0)]
+)
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_a_non_finite_value_poisons_only_its_own_block(cal, bad):
+    x = X.at[0, 2].set(bad)
+    q = qbits.Quantizer(qbits.IntNumerics(bits=8), cal, qbits.PerChannel((1,)))
+    for store in (False, True):
+        qt = quant(q, x, store=store)
+        dq = np.asarray(qt.dequant())
+        assert np.isnan(qt.scale[0, 0]) and np.isfinite(qt.scale[1, 0])
+        assert np.isnan(dq[0]).all()  # the whole block: never a plausible number
+        np.testing.assert_array_equal(dq[1], quant(q, X).dequant()[1])
+
+
+def test_all_zero_blocks_give_scale_one_and_exact_zeros():
+    x = jnp.zeros((2, 3)).at[1].set(jnp.array([0.5, -1.0, 0.0]))
+    for numerics in (qbits.IntNumerics(bits=4), qbits.Fp8Numerics()):
+        for rounding in ("none", "pow2", "e8m0"):
+            q = qbits.Quantizer(
+                numerics, granularity=qbits.PerChannel((1,)), scale_rounding=rounding
+            )
+            qt = q.quant(x, store=True)
+            assert float(qt.scale[0, 0]) == 1.0 and np.isfinite(qt.scale).all()
+            dq = qt.dequant()
+            np.testing.assert_array_equal(dq[0], 0.0)
+            assert not np.signbit(np.asarray(dq[0])).any()
+
+
+def test_tiny_values_get_a_normal_scale():
+    x = jnp.array([1e-39, -3e-40, 0.0], jnp.float32)  # float32 subnormals
+    qt = qbits.Quantizer(qbits.IntNumerics(bits=8)).quant(x)
+    assert float(qt.scale[0]) >= float(jnp.finfo(jnp.float32).tiny)
+    assert np.isfinite(qt.dequant()).all()
+
+
+# --- Scales. -----------------------------------------------------------------
+
+
+def test_round_scale():
+    s = jnp.array([0.3, 0.75, 4.0, 0.70, 0.71, 1.0, 2.0**-130, 2.0**127 * 1.5, jnp.nan])
+    pow2 = np.asarray(round_scale(s, "pow2"))
+    e8m0 = np.asarray(round_scale(s, "e8m0"))
+    np.testing.assert_array_equal(pow2[:6], [0.25, 1.0, 4.0, 0.5, 1.0, 1.0])
+    np.testing.assert_array_equal(e8m0[:6], [0.5, 1.0, 4.0, 1.0, 1.0, 1.0])
+    # Clamped to the normal float32 part of E8M0's range.
+    assert pow2[6] == e8m0[6] == 2.0**-126
+    assert pow2[7] == e8m0[7] == 2.0**127
+    assert np.isnan(pow2[8]) and np.isnan(e8m0[8])
+    # Every e8m0 scale is exactly representable as float8_e8m0fnu.
+    finite = e8m0[:8]
+    np.testing.assert_array_equal(
+        finite.astype(ml_dtypes.float8_e8m0fnu).astype(np.float32), finite
+    )
+    np.testing.assert_array_equal(round_scale(s, "none"), s)
+
+
+@given(x=float_arrays())
+def test_e8m0_scales_round_up_so_nothing_clips(x):
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x))
+    s = float(make_scale(amax, 448.0, "e8m0"))
+    raw = float(amax) / 448.0
+    assert raw <= s < 2 * raw or (raw == 0 and s == 1.0)
+    assert float(amax) / s <= 448.0
+
+
+def test_make_scale():
+    np.testing.assert_array_equal(
+        make_scale(jnp.array([255.0, 0.0, jnp.nan]), 127.5), [2.0, 1.0, jnp.nan]
+    )
+
+
+# --- Bad input. ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build, pattern",
+    [
+        (lambda: AbsMax(0.0), r"AbsMax: clip_factor=0\.0 .*\(0\.0, inf\)"),
+        (lambda: AbsMax(float("nan")), r"AbsMax: clip_factor=nan"),
+        (lambda: AbsMax("1"), r"AbsMax: clip_factor='1'"),
+        (lambda: Percentile(0.0), r"Percentile: percentile=0\.0 .*\(0\.0, 100\.0\]"),
+        (lambda: Percentile(100.5), r"percentile=100\.5"),
+        (lambda: MseSearch(()), r"MseSearch: clip_factors=\(\) .*non-empty"),
+        (lambda: MseSearch((1.0, -0.5)), r"clip_factors\[1\]=-0\.5"),
+        (lambda: ConstantBound(-1.0), r"ConstantBound: value=-1\.0"),
+        (lambda: round_scale(jnp.ones(2), "up"), r"rounding='up' .*none, pow2, e8m0"),
+    ],
+)
+def test_bad_arguments(build, pattern):
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        build()
+
+
+def test_clip_factors_accept_any_sequence():
+    assert MseSearch([1, 0.5]).clip_factors == (1.0, 0.5)

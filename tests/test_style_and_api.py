@@ -1,0 +1,54 @@
+"""The repository's own rules: ruff-clean, a documented public API."""
+
+import inspect
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import qbits
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("command", [["check", "."], ["format", "--check", "."]])
+def test_ruff(command):
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_public_api_is_explicit_and_documented():
+    assert sorted(qbits.__all__) == qbits.__all__
+    for name in qbits.__all__:
+        obj = getattr(qbits, name)
+        if inspect.ismodule(obj):
+            continue
+        doc = inspect.getdoc(obj) or ""
+        assert doc, f"qbits.{name} has no docstring"
+        assert "Example" in doc or ">>>" in doc, f"qbits.{name} has no example"
+
+
+def test_package_is_typed():
+    assert (pathlib.Path(qbits.__file__).parent / "py.typed").exists()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = [line for line in ci.splitlines() if line.startswith("python3 -m venv")]
+    assert len(command) == 1 and command[0] in readme
+
+
+def test_readme_python_blocks_run():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
