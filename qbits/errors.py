@@ -66,14 +66,19 @@ def check_bool(owner: str, argument: str, value: Any) -> None:
 
 
 def check_int(
-    owner: str, argument: str, value: Any, lo: int, hi: int | None = None
+    owner: str, argument: str, value: Any, lo: int | None = None, hi: int | None = None
 ) -> None:
     """Raises InvalidArgumentError unless ``value`` is an int in ``lo..hi``."""
     ok = isinstance(value, int) and not isinstance(value, bool)
-    ok = ok and value >= lo and (hi is None or value <= hi)
+    ok = ok and (lo is None or value >= lo) and (hi is None or value <= hi)
     if not ok:
-        span = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise InvalidArgumentError(owner, argument, value, f"an int in {span}")
+        span = {
+            (True, True): f" in {lo}..{hi}",
+            (True, False): f" >= {lo}",
+            (False, True): f" <= {hi}",
+            (False, False): "",
+        }[(lo is not None, hi is not None)]
+        raise InvalidArgumentError(owner, argument, value, f"an int{span}")
 
 
 def check_float(

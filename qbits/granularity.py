@@ -128,7 +128,7 @@ class Tiled(Granularity):
     shared_axes: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
     def __post_init__(self) -> None:
-        check_int("Tiled", "axis", self.axis, -(2**31))
+        check_int("Tiled", "axis", self.axis)
         check_int("Tiled", "tile_size", self.tile_size, 1)
         axes = _axes_tuple("Tiled", "shared_axes", self.shared_axes)
         object.__setattr__(self, "shared_axes", axes)

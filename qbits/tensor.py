@@ -12,6 +12,9 @@ from flax import struct
 from jax import lax
 
 from qbits.errors import InvalidArgumentError, normalize_axis
+from qbits.numerics import FLOAT_FORMATS
+
+_FORMATS_BY_DTYPE = {f.dtype: f for f in FLOAT_FORMATS.values()}
 
 __all__ = ["PACKABLE_DTYPES", "QTensor", "pack_nibbles", "unpack_nibbles"]
 
@@ -150,8 +153,8 @@ def storage_dtype(qdtype: Any) -> np.dtype | None:
     if qdtype is None:
         return None
     qdtype = np.dtype(qdtype)
-    if qdtype.name.startswith("float6"):
-        return np.dtype(jnp.bfloat16)
+    if qdtype in _FORMATS_BY_DTYPE:
+        return _FORMATS_BY_DTYPE[qdtype].storage
     return qdtype
 
 

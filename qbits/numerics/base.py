@@ -104,6 +104,19 @@ def _apply_bwd(
 _apply.defvjp(_apply_fwd, _apply_bwd)
 
 
+def clipped_straight_through(
+    x: jax.Array | None, g: jax.Array, bound: float
+) -> tuple[jax.Array, None]:
+    """Straight-through cotangents for ``(x, context)``; zero where ``|x| > bound``.
+
+    ``x`` is the residual the forward pass kept, ``None`` when the gradient
+    is not masked.
+    """
+    if x is None:
+        return g, None
+    return jnp.where(jnp.abs(x) <= bound, g, jnp.zeros_like(g)), None
+
+
 def check_float_input(owner: str, x: Any) -> jax.Array:
     """Returns ``x`` as a jax array, raising unless it is floating point."""
     x = jnp.asarray(x)

@@ -15,6 +15,7 @@ from qbits.numerics.base import (
     NoiseFn,
     QNumerics,
     check_float_input,
+    clipped_straight_through,
     compute_dtype,
     require_key,
 )
@@ -121,10 +122,7 @@ class FpNumerics(QNumerics):
         self, residuals: jax.Array | None, g: jax.Array
     ) -> tuple[jax.Array, None]:
         """Straight-through, zero where ``|x| > max`` with ``clip_gradient``."""
-        if not self.clip_gradient:
-            return g, None
-        inside = jnp.abs(residuals) <= self.format.max
-        return jnp.where(inside, g, jnp.zeros_like(g)), None
+        return clipped_straight_through(residuals, g, self.format.max)
 
 
 class Fp8Numerics(FpNumerics):

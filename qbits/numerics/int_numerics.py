@@ -17,6 +17,7 @@ from qbits.numerics.base import (
     NoiseFn,
     QNumerics,
     check_float_input,
+    clipped_straight_through,
     compute_dtype,
     require_key,
 )
@@ -214,8 +215,4 @@ class IntNumerics(QNumerics):
         self, residuals: jax.Array | None, g: jax.Array
     ) -> tuple[jax.Array, None]:
         """Straight-through, masked outside the clip range with ``clip_gradient``."""
-        if not self.clip_gradient:
-            return g, None
-        bound = self._clip_bound()
-        inside = (residuals >= -bound) & (residuals <= bound)
-        return jnp.where(inside, g, jnp.zeros_like(g)), None
+        return clipped_straight_through(residuals, g, self._clip_bound())
