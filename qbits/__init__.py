@@ -9,9 +9,11 @@ in this file):
    :class:`ConstantBound`; granularity: :class:`PerTensor`,
    :class:`PerChannel`, :class:`Tiled`.
 3. :class:`QTensor` and :class:`Quantizer` (:func:`mx_quantizer`).
+4. ops: :func:`dot_general` with :class:`DotGeneralConfig` and
+   :class:`MatmulConfig`.
 """
 
-from qbits import calibration, granularity, numerics, tensor
+from qbits import calibration, granularity, numerics, ops, tensor
 from qbits.calibration import AbsMax, Calibration, ConstantBound, MseSearch, Percentile
 from qbits.context import Context
 from qbits.errors import InvalidArgumentError
@@ -24,6 +26,7 @@ from qbits.numerics import (
     QNumerics,
     UniformNoise,
 )
+from qbits.ops import DotGeneral, DotGeneralConfig, MatmulConfig, dot_general
 from qbits.quantizer import Quantizer, mx_quantizer
 from qbits.tensor import QTensor
 
@@ -34,11 +37,14 @@ __all__ = [
     "Calibration",
     "ConstantBound",
     "Context",
+    "DotGeneral",
+    "DotGeneralConfig",
     "Fp8Numerics",
     "FpNumerics",
     "Granularity",
     "IntNumerics",
     "InvalidArgumentError",
+    "MatmulConfig",
     "MseSearch",
     "NoNumerics",
     "PerChannel",
@@ -50,8 +56,10 @@ __all__ = [
     "Tiled",
     "UniformNoise",
     "calibration",
+    "dot_general",
     "granularity",
     "mx_quantizer",
     "numerics",
+    "ops",
     "tensor",
 ]

@@ -11,7 +11,10 @@ Non-finite input:
   the calibration, so every element of that block dequantizes to NaN. A NaN
   or inf is never turned into a finite number, and it never changes the
   scale of any other block. (Calibrating only the finite values and clipping
-  the inf would hide an overflow as a plausible number.)
+  the inf would hide an overflow as a plausible number.) The check is that
+  the block's sum is finite, so a block of finite values whose sum overflows
+  float32 (magnitudes near 3e38) is treated as non-finite too: loudly, as
+  NaN.
 
 All-zero blocks:
   A bound of 0 gives a scale of 1, so an all-zero block quantizes to exact
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax import lax
 
 from qbits.errors import InvalidArgumentError, check_float
 
@@ -86,13 +90,26 @@ class Calibration(struct.PyTreeNode, metaclass=abc.ABCMeta):
         self, x: jax.Array, axes: Axes, quantize: QuantizeFn | None = None
     ) -> jax.Array:
         """The bound of each block; NaN for blocks holding a NaN or inf."""
-        bound = self.bound(x, axes, quantize)
-        finite = jnp.all(jnp.isfinite(x), axis=axes, keepdims=True)
-        return jnp.where(finite, bound, jnp.nan).astype(x.dtype)
+        bound = self.bound(x, axes, quantize).astype(x.dtype)
+        return lax.select(_all_finite(x, axes), bound, jnp.full_like(bound, jnp.nan))
+
+
+def _all_finite(x: jax.Array, axes: Axes) -> jax.Array:
+    """Whether each block holds only finite values: whether its sum is finite.
+
+    XLA:CPU's vectorized max reductions drop NaN (a NaN in a 512x2048 array
+    gives its largest finite magnitude), but sums keep NaN and inf, and a
+    plain sum reads the block without writing a transformed copy first.
+    """
+    return jnp.isfinite(jnp.sum(x, axis=axes, keepdims=True))
 
 
 def _absmax(x: jax.Array, axes: Axes) -> jax.Array:
-    return jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    # max(max x, -min x): reductions straight over x, which XLA:CPU does
+    # without first writing |x| out as a separate array.
+    return jnp.maximum(
+        jnp.max(x, axis=axes, keepdims=True), -jnp.min(x, axis=axes, keepdims=True)
+    )
 
 
 class AbsMax(Calibration):
@@ -278,7 +295,7 @@ def round_scale(scale: jax.Array, rounding: ScaleRounding) -> jax.Array:
     # The result is 0.5 * 2**e' = 2**(e' - 1); keep it a normal float32.
     exponent = jnp.clip(exponent + up.astype(exponent.dtype) - 1, -126, 127) + 1
     rounded = jnp.ldexp(jnp.full_like(scale, 0.5), exponent)
-    return jnp.where(jnp.isnan(scale), scale, rounded)
+    return lax.select(jnp.isnan(scale), scale, rounded)
 
 
 def make_scale(
@@ -297,5 +314,5 @@ def make_scale(
     """
     scale = bound / abs_val_mapped_to
     tiny = jnp.finfo(scale.dtype).tiny
-    scale = jnp.where(scale == 0, 1.0, jnp.maximum(scale, tiny)).astype(bound.dtype)
+    scale = lax.select(scale == 0, jnp.ones_like(scale), jnp.maximum(scale, tiny))
     return round_scale(scale, rounding)

@@ -5,6 +5,11 @@ the whole axis (the scale is shared along it), 1 (one scale per index: per
 channel), or a tile size in between (one scale per tile). Scales then have
 one entry per block: ``scale.shape[a] == shape[a] // block[a]``, which is how
 :class:`~qbits.QTensor` stores them.
+
+For a matmul operand, axes can be left to the matmul: ``PerChannel()`` shares
+the scale over the operand's contracting axes, so it factors out of the dot,
+and ``Tiled(tile_size=32)`` tiles the contracting axis. Quantizing a tensor on
+its own then needs explicit axes.
 """
 
 from __future__ import annotations
@@ -20,22 +25,43 @@ from qbits.errors import InvalidArgumentError, check_int, normalize_axis
 
 __all__ = ["BlockLayout", "Granularity", "PerChannel", "PerTensor", "Tiled"]
 
+Axes = tuple[int, ...]
 
-def _axes_tuple(owner: str, argument: str, axes: Any) -> tuple[int, ...]:
+
+def _axes_tuple(owner: str, argument: str, axes: Any) -> Axes | None:
+    if axes is None:
+        return None
     if isinstance(axes, int) and not isinstance(axes, bool):
         axes = (axes,)
     ok = isinstance(axes, Sequence) and not isinstance(axes, str)
     ok = ok and all(isinstance(a, int) and not isinstance(a, bool) for a in axes)
     if not ok:
-        raise InvalidArgumentError(owner, argument, axes, "an int or a tuple of ints")
+        raise InvalidArgumentError(
+            owner,
+            argument,
+            axes,
+            "None (the contracting axes), an int or a tuple of ints",
+        )
     return tuple(axes)
 
 
-def _normalize(owner: str, argument: str, axes: tuple[int, ...], ndim: int) -> set[int]:
+def _normalize(owner: str, argument: str, axes: Axes, ndim: int) -> set[int]:
     out = {normalize_axis(owner, argument, a, ndim) for a in axes}
     if len(out) != len(axes):
         raise InvalidArgumentError(owner, argument, axes, "distinct axes")
     return out
+
+
+def _contracting(owner: str, argument: str, contracting: Axes | None) -> Axes:
+    if contracting is None:
+        raise InvalidArgumentError(
+            owner,
+            argument,
+            None,
+            "explicit axes when quantizing outside a matmul (None means the "
+            "contracting axes, which only a matmul knows)",
+        )
+    return contracting
 
 
 class Granularity(struct.PyTreeNode, metaclass=abc.ABCMeta):
@@ -45,7 +71,7 @@ class Granularity(struct.PyTreeNode, metaclass=abc.ABCMeta):
       Blocks of 2x2:
 
       >>> class Squares(qbits.Granularity):
-      ...     def block_sizes(self, shape):
+      ...     def block_sizes(self, shape, contracting_axes=None):
       ...         return (2,) * len(shape)
       >>> import jax.numpy as jnp
       >>> q = qbits.Quantizer(qbits.IntNumerics(bits=8), granularity=Squares())
@@ -54,8 +80,15 @@ class Granularity(struct.PyTreeNode, metaclass=abc.ABCMeta):
     """
 
     @abc.abstractmethod
-    def block_sizes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def block_sizes(
+        self, shape: tuple[int, ...], contracting_axes: Axes | None = None
+    ) -> tuple[int, ...]:
         """The block size along each axis of ``shape``.
+
+        Args:
+          shape: The tensor's shape.
+          contracting_axes: The axes a matmul contracts (non-negative), or
+            ``None`` outside a matmul.
 
         Raises:
           InvalidArgumentError: If the granularity does not fit ``shape``.
@@ -70,7 +103,9 @@ class PerTensor(Granularity):
       (4, 6)
     """
 
-    def block_sizes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def block_sizes(
+        self, shape: tuple[int, ...], contracting_axes: Axes | None = None
+    ) -> tuple[int, ...]:
         """The whole shape."""
         return tuple(shape)
 
@@ -78,26 +113,36 @@ class PerTensor(Granularity):
 class PerChannel(Granularity):
     """Scales shared over ``shared_axes``, one per index of the other axes.
 
-    For a matmul operand, share the scale over the contracting axes: it then
-    factors out of the dot.
+    The default, ``shared_axes=None``, shares the scale over a matmul
+    operand's contracting axes (one scale per row of the activations, per
+    output channel of the weights), so it factors out of the dot: AQT's
+    default.
 
     Attributes:
-      shared_axes: The axes the scale is shared over (negative allowed).
+      shared_axes: The axes the scale is shared over (negative allowed), or
+        ``None`` for the contracting axes.
 
     Example:
       >>> qbits.PerChannel(shared_axes=(0,)).block_sizes((4, 6))
       (4, 1)
+      >>> qbits.PerChannel().block_sizes((4, 6), contracting_axes=(1,))
+      (1, 6)
     """
 
-    shared_axes: tuple[int, ...] = struct.field(pytree_node=False, default=(0,))
+    shared_axes: Axes | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self) -> None:
         axes = _axes_tuple("PerChannel", "shared_axes", self.shared_axes)
         object.__setattr__(self, "shared_axes", axes)
 
-    def block_sizes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def block_sizes(
+        self, shape: tuple[int, ...], contracting_axes: Axes | None = None
+    ) -> tuple[int, ...]:
         """The full size along shared axes, 1 along the others."""
-        shared = _normalize("PerChannel", "shared_axes", self.shared_axes, len(shape))
+        axes = self.shared_axes
+        if axes is None:
+            axes = _contracting("PerChannel", "shared_axes", contracting_axes)
+        shared = _normalize("PerChannel", "shared_axes", axes, len(shape))
         return tuple(n if a in shared else 1 for a, n in enumerate(shape))
 
 
@@ -109,13 +154,17 @@ class Tiled(Granularity):
     contracting axis with power-of-two (E8M0) scales.
 
     Attributes:
-      axis: The tiled axis (negative allowed).
+      axis: The tiled axis (negative allowed); ``None`` for a matmul
+        operand's contracting axis (it must have exactly one).
       tile_size: Elements per tile; must divide the axis.
-      shared_axes: Further axes the scale is shared over.
+      shared_axes: Further axes the scale is shared over; ``None`` for a
+        matmul operand's other contracting axes (none outside a matmul).
 
     Example:
       >>> qbits.Tiled(axis=1, tile_size=32).block_sizes((4, 128))
       (1, 32)
+      >>> qbits.Tiled(tile_size=32).block_sizes((128, 4), contracting_axes=(0,))
+      (32, 1)
       >>> qbits.Tiled(axis=-1, tile_size=3).block_sizes((4, 128))
       Traceback (most recent call last):
       ...
@@ -123,27 +172,46 @@ class Tiled(Granularity):
       (axis 1 has size 128); expected a divisor of 128: 1, 2, 4, 8, 16, 32, 64, 128.
     """
 
-    axis: int = struct.field(pytree_node=False, default=-1)
+    axis: int | None = struct.field(pytree_node=False, default=None)
     tile_size: int = struct.field(pytree_node=False, default=32)
-    shared_axes: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    shared_axes: Axes | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self) -> None:
-        check_int("Tiled", "axis", self.axis)
+        if self.axis is not None:
+            check_int("Tiled", "axis", self.axis)
         check_int("Tiled", "tile_size", self.tile_size, 1)
         axes = _axes_tuple("Tiled", "shared_axes", self.shared_axes)
         object.__setattr__(self, "shared_axes", axes)
 
-    def block_sizes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def block_sizes(
+        self, shape: tuple[int, ...], contracting_axes: Axes | None = None
+    ) -> tuple[int, ...]:
         """``tile_size`` along ``axis``, full along shared axes, else 1."""
         ndim = len(shape)
-        axis = normalize_axis("Tiled", "axis", self.axis, ndim)
-        shared = _normalize("Tiled", "shared_axes", self.shared_axes, ndim)
+        if self.axis is None:
+            contracting = _contracting("Tiled", "axis", contracting_axes)
+            if len(contracting) != 1:
+                raise InvalidArgumentError(
+                    "Tiled",
+                    "axis",
+                    None,
+                    "an explicit axis",
+                    why=f"the operand has {len(contracting)} contracting axes "
+                    f"{tuple(contracting)}, so which one to tile is ambiguous",
+                )
+            axis = contracting[0]
+        else:
+            axis = normalize_axis("Tiled", "axis", self.axis, ndim)
+        if self.shared_axes is not None:
+            shared = _normalize("Tiled", "shared_axes", self.shared_axes, ndim)
+        else:
+            shared = set(contracting_axes or ()) - {axis}
         if axis in shared:
             raise InvalidArgumentError(
                 "Tiled",
                 "shared_axes",
                 self.shared_axes,
-                f"axes other than the tiled axis {self.axis}",
+                f"axes other than the tiled axis {axis}",
             )
         n = shape[axis]
         if n % self.tile_size:

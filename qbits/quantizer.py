@@ -91,7 +91,12 @@ class Quantizer(struct.PyTreeNode):
             )
 
     def quant(
-        self, x: jax.Array, context: Context | None = None, *, store: bool = False
+        self,
+        x: jax.Array,
+        context: Context | None = None,
+        *,
+        store: bool = False,
+        contracting_axes: tuple[int, ...] | None = None,
     ) -> QTensor:
         """Quantizes ``x``.
 
@@ -103,7 +108,11 @@ class Quantizer(struct.PyTreeNode):
             integers cannot carry a gradient, so differentiating through a
             stored quantization raises; the default keeps ``qvalue`` in
             float32 (exactly the same numbers) and differentiable. Stored
-            integers saturate at the storage dtype's range.
+            integers saturate at the storage dtype's range; the codes of a
+            block whose scale is NaN (it held a NaN or inf) are unspecified.
+          contracting_axes: When ``x`` is a matmul operand, the axes the
+            matmul contracts; granularities with axes left as ``None`` use
+            them.
 
         Returns:
           A :class:`~qbits.QTensor`.
@@ -113,6 +122,47 @@ class Quantizer(struct.PyTreeNode):
             does not fit its shape, stochastic rounding has no key, or
             ``store=True`` for numerics without a storage dtype.
         """
+        qt, _ = self._quantize(x, context, store, contracting_axes, vjp=False)
+        return qt
+
+    def quant_vjp(
+        self,
+        x: jax.Array,
+        context: Context | None = None,
+        *,
+        store: bool = False,
+        contracting_axes: tuple[int, ...] | None = None,
+    ) -> tuple[QTensor, jax.tree_util.Partial]:
+        """Quantizes ``x`` for use inside a custom VJP.
+
+        Like :meth:`quant`, but not differentiable itself: it also returns the
+        gradient of the fake quantization, a pytree-valued function
+        ``grad(g) -> dx`` (the numerics' :meth:`~qbits.QNumerics.vjp_bwd`)
+        that can be kept as a residual. Numerics are elementwise, so
+        ``dx = vjp_bwd(residuals, g)`` needs no scaling.
+
+        Returns:
+          ``(qtensor, grad)``.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> q = qbits.Quantizer(qbits.IntNumerics(bits=8, clip_gradient=True),
+          ...                     qbits.ConstantBound(1.0))
+          >>> qt, grad = q.quant_vjp(jnp.array([0.5, 2.0]))
+          >>> grad(jnp.array([1.0, 1.0]))
+          Array([1., 0.], dtype=float32)
+        """
+        return self._quantize(x, context, store, contracting_axes, vjp=True)
+
+    def _quantize(
+        self,
+        x: jax.Array,
+        context: Context | None,
+        store: bool,
+        contracting_axes: tuple[int, ...] | None,
+        *,
+        vjp: bool,
+    ) -> tuple[QTensor, jax.tree_util.Partial | None]:
         x = check_float_input("Quantizer.quant", x)
         qdtype = self.numerics.get_dtype()
         if store and qdtype is None and not isinstance(self.numerics, NoNumerics):
@@ -124,9 +174,11 @@ class Quantizer(struct.PyTreeNode):
                 why=f"{self.numerics!r} has no storage dtype",
             )
         if isinstance(self.numerics, NoNumerics):
-            return QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
+            qt = QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
+            return qt, (jax.tree_util.Partial(_identity) if vjp else None)
 
-        layout = BlockLayout.create(x.shape, self.granularity.block_sizes(x.shape))
+        blocks = self.granularity.block_sizes(x.shape, contracting_axes)
+        layout = BlockLayout.create(x.shape, blocks)
         xb = x.astype(compute_dtype(x.dtype)).reshape(layout.blocked_shape)
         mapped = self.numerics.abs_val_mapped_to()
 
@@ -139,19 +191,45 @@ class Quantizer(struct.PyTreeNode):
 
         bound = self.calibration(lax.stop_gradient(xb), layout.reduce_axes, quantize)
         scale = lax.stop_gradient(scale_of(bound))
-        q = self.numerics(xb / scale, context).reshape(x.shape)
+        grad = None
+        if vjp:
+            q, residuals = self.numerics.vjp_fwd(xb / scale, context)
+            grad = jax.tree_util.Partial(
+                functools.partial(_numerics_grad, self.numerics, layout.blocked_shape),
+                residuals,
+            )
+        else:
+            q = self.numerics(xb / scale, context)
+        q = q.reshape(x.shape)
         if store:
-            q = _to_storage(q, qdtype)
+            clipped = isinstance(self.numerics, IntNumerics) and self.numerics.clip
+            q = _to_storage(q, qdtype, saturate=not clipped)
         scale = scale.reshape(layout.scale_shape).astype(jnp.float32)
-        return QTensor(q, scale, qdtype=qdtype, dtype=x.dtype)
+        return QTensor(q, scale, qdtype=qdtype, dtype=x.dtype), grad
 
 
-def _to_storage(q: jax.Array, qdtype: np.dtype) -> jax.Array:
-    """Casts grid values to their storage dtype (NaN -> 0 for integers)."""
+def _identity(g: jax.Array) -> jax.Array:
+    return g
+
+
+def _numerics_grad(
+    numerics: QNumerics, blocked_shape: tuple[int, ...], residuals: Any, g: jax.Array
+) -> jax.Array:
+    dx, _ = numerics.vjp_bwd(residuals, g.reshape(blocked_shape))
+    return dx.reshape(g.shape)
+
+
+def _to_storage(q: jax.Array, qdtype: np.dtype, *, saturate: bool) -> jax.Array:
+    """Casts grid values to their storage dtype.
+
+    Integers saturate at the dtype's range unless the numerics already clip.
+    A NaN element always lies in a block whose scale is NaN (see
+    :mod:`qbits.calibration`), so its integer code does not matter.
+    """
     target = storage_dtype(qdtype)
-    if jnp.issubdtype(target, jnp.integer):
+    if saturate and jnp.issubdtype(target, jnp.integer):
         info = ml_dtypes.iinfo(target)
-        q = jnp.clip(jnp.where(jnp.isnan(q), 0.0, q), info.min, info.max)
+        q = lax.clamp(float(info.min), q, float(info.max))
     return _cast_no_grad(q, target)
 
 
@@ -183,7 +261,7 @@ _MX_ELEMENTS = (
 )
 
 
-def mx_quantizer(element: str = "float8_e4m3fn", axis: int = -1) -> Quantizer:
+def mx_quantizer(element: str = "float8_e4m3fn", axis: int | None = None) -> Quantizer:
     """An OCP Microscaling (MX) quantizer: tiles of 32, E8M0 scales.
 
     The shared power-of-two scale of each tile is rounded *up* so that no
@@ -194,7 +272,8 @@ def mx_quantizer(element: str = "float8_e4m3fn", axis: int = -1) -> Quantizer:
       element: ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (MXFP8),
         ``"float6_e2m3fn"`` / ``"float6_e3m2fn"`` (MXFP6), ``"float4_e2m1fn"``
         (MXFP4) or ``"int8"`` (MXINT8).
-      axis: The contracting axis, tiled in blocks of 32.
+      axis: The axis tiled in blocks of 32; ``None`` for a matmul operand's
+        contracting axis.
 
     Returns:
       A :class:`Quantizer`.
@@ -204,7 +283,7 @@ def mx_quantizer(element: str = "float8_e4m3fn", axis: int = -1) -> Quantizer:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> q = qbits.mx_quantizer("float4_e2m1fn")
+      >>> q = qbits.mx_quantizer("float4_e2m1fn", axis=-1)
       >>> qt = q.quant(jnp.linspace(-1.0, 1.0, 64).reshape(1, 64))
       >>> qt.scale.shape, qt.scale[0, 0]
       ((1, 2), Array(0.25, dtype=float32))

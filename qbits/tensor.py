@@ -165,28 +165,34 @@ def apply_scale(q: jax.Array, scale: jax.Array) -> jax.Array:
       InvalidArgumentError: If ``scale`` has another rank or an axis of
         ``q`` is not a multiple of the scale's size along it.
     """
-    if scale.ndim != q.ndim or any(
-        k == 0 or n % k for n, k in zip(q.shape, scale.shape, strict=True)
+    return q * expand_scale(scale.astype(q.dtype), q.shape)
+
+
+def expand_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``scale`` (one entry per block) broadcast to ``shape``, tiles repeated.
+
+    Raises:
+      InvalidArgumentError: If ``scale`` has another rank than ``shape`` or
+        an axis of ``shape`` is not a multiple of the scale's size along it.
+    """
+    if scale.ndim != len(shape) or any(
+        k == 0 or n % k for n, k in zip(shape, scale.shape, strict=True)
     ):
         raise InvalidArgumentError(
             "QTensor",
             "scale.shape",
             scale.shape,
-            f"a shape of rank {q.ndim} whose sizes divide qvalue's {q.shape}",
+            f"a shape of rank {len(shape)} whose sizes divide qvalue's {shape}",
         )
-    if all(k in (1, n) for n, k in zip(q.shape, scale.shape, strict=True)):
-        return q * scale.astype(q.dtype)
-    q_shape: list[int] = []
-    s_shape: list[int] = []
-    for n, k in zip(q.shape, scale.shape, strict=True):
-        if k in (1, n):
-            q_shape.append(n)
-            s_shape.append(k)
-        else:
-            q_shape.extend((k, n // k))
-            s_shape.extend((k, 1))
-    scaled = q.reshape(q_shape) * scale.astype(q.dtype).reshape(s_shape)
-    return scaled.reshape(q.shape)
+    if all(k in (1, n) for n, k in zip(shape, scale.shape, strict=True)):
+        return scale
+    split: list[int] = []
+    for n, k in zip(shape, scale.shape, strict=True):
+        split.extend((k, 1) if k not in (1, n) else (k,))
+    full: list[int] = []
+    for n, k in zip(shape, scale.shape, strict=True):
+        full.extend((k, n // k) if k not in (1, n) else (n,))
+    return jnp.broadcast_to(scale.reshape(split), full).reshape(shape)
 
 
 def _nibble_codes(values: jax.Array) -> jax.Array:

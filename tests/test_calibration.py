@@ -88,6 +88,20 @@ def test_a_non_finite_value_poisons_only_its_own_block(cal, bad):
         np.testing.assert_array_equal(dq[1], quant(q, X).dequant()[1])
 
 
+@pytest.mark.parametrize(
+    "cal", [AbsMax(), Percentile(99.0), MseSearch(), ConstantBound(2.0)]
+)
+@pytest.mark.parametrize("granularity", [qbits.PerTensor(), qbits.PerChannel((0,))])
+def test_nan_in_a_large_tensor_is_not_lost(cal, granularity):
+    # XLA:CPU's vectorized max reductions drop NaN on arrays this large.
+    x = jnp.ones((512, 2048)).at[300, 1000].set(jnp.nan)
+    q = qbits.Quantizer(qbits.IntNumerics(bits=8), cal, granularity)
+    dq = fake_quant(q, x)
+    block = x.size if isinstance(granularity, qbits.PerTensor) else 512
+    assert int(jnp.isnan(dq).sum()) == block
+    assert bool(jnp.isnan(dq[:, 1000]).all())
+
+
 def test_all_zero_blocks_give_scale_one_and_exact_zeros():
     x = jnp.zeros((2, 3)).at[1].set(jnp.array([0.5, -1.0, 0.0]))
     for numerics in (qbits.IntNumerics(bits=4), qbits.Fp8Numerics()):

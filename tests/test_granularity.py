@@ -16,6 +16,21 @@ def test_block_sizes():
         5,
     )
     assert PerChannel(1).shared_axes == (1,)
+    # Left to the matmul: the contracting axes.
+    assert PerChannel().block_sizes((3, 4, 5), contracting_axes=(0, 2)) == (3, 1, 5)
+    assert Tiled(tile_size=2).block_sizes((3, 4), contracting_axes=(1,)) == (1, 2)
+    assert Tiled(axis=2, tile_size=3).block_sizes(
+        (3, 4, 6), contracting_axes=(1, 2)
+    ) == (
+        1,
+        4,
+        3,
+    )
+
+
+def test_tiled_contracting_axis_must_be_unambiguous():
+    with pytest.raises(InvalidArgumentError, match=r"2 contracting axes \(1, 2\)"):
+        Tiled(tile_size=2).block_sizes((3, 4, 6), contracting_axes=(1, 2))
 
 
 def test_block_layout():
@@ -47,6 +62,8 @@ def test_block_layout():
             (4, 8),
             r"other than the tiled axis",
         ),
+        (PerChannel(), (4, 8), r"PerChannel: shared_axes=None .*outside a matmul"),
+        (Tiled(tile_size=2), (4, 8), r"Tiled: axis=None .*outside a matmul"),
     ],
 )
 def test_granularity_that_does_not_fit_the_shape(granularity, shape, pattern):

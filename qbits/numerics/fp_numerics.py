@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax import lax
 
 from qbits.context import Context
 from qbits.errors import InvalidArgumentError, check_bool
@@ -106,7 +106,7 @@ class FpNumerics(QNumerics):
         fmt = self.format
         y = x.astype(compute_dtype(x.dtype))
         if self.clip:
-            y = jnp.clip(y, -fmt.max, fmt.max)
+            y = lax.clamp(-fmt.max, y, fmt.max)
         if self.noise_fn is not None:
             noise = self.noise_fn(y.shape, require_key(owner, context))
             y = stochastic_round_to_format(y, fmt, noise)

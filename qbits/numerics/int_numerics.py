@@ -197,7 +197,7 @@ class IntNumerics(QNumerics):
             y = y + self.noise_fn(y.shape, key).astype(y.dtype)
         if self.clip:
             bound = self._clip_bound()
-            y = jnp.clip(y, -bound, bound)
+            y = lax.clamp(-bound, y, bound)
         if self.round:
             if self.preserve_zero:
                 y = lax.round(y, lax.RoundingMethod.TO_NEAREST_EVEN)

@@ -1,0 +1,258 @@
+"""Quantized ``dot_general``: forward and both backward matmuls."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qbits.errors import InvalidArgumentError
+from qbits.ops.config import DotGeneralConfig
+from qbits.ops.dims import Dims
+from qbits.ops.matmul import matmul
+
+__all__ = ["DotGeneral", "dot_general"]
+
+# Key streams of the six quantized operands.
+_FWD_LHS, _FWD_RHS, _DLHS_LHS, _DLHS_RHS, _DRHS_LHS, _DRHS_RHS = range(6)
+
+
+def _keys(key: jax.Array | None, *streams: int) -> tuple[jax.Array | None, ...]:
+    if key is None:
+        return (None,) * len(streams)
+    return tuple(jax.random.fold_in(key, s) for s in streams)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DotGeneral:
+    """A drop-in ``jax.lax.dot_general`` that quantizes as its config says.
+
+    Made by :func:`dot_general`; call it exactly like ``lax.dot_general``.
+
+    Attributes:
+      config: The three matmuls.
+      key: PRNG key for stochastic rounding, or ``None``.
+
+    Example:
+      >>> import flax.linen as nn
+      >>> dg = qbits.dot_general(qbits.DotGeneralConfig())
+      >>> layer = nn.Dense(4, dot_general=dg)
+      >>> isinstance(layer.dot_general, qbits.DotGeneral)
+      True
+    """
+
+    config: DotGeneralConfig
+    key: jax.Array | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, DotGeneral)
+            and other.config == self.config
+            and other.key is self.key
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.config, id(self.key)))
+
+    def __call__(
+        self,
+        lhs: jax.typing.ArrayLike,
+        rhs: jax.typing.ArrayLike,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        *,
+        out_sharding: Any = None,
+    ) -> jax.Array:
+        """Computes ``lax.dot_general(lhs, rhs, ...)`` with quantized matmuls."""
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        config = self.config
+        if (
+            config.fwd.is_identity
+            and config.dlhs.is_identity
+            and config.drhs.is_identity
+        ):
+            return lax.dot_general(
+                lhs,
+                rhs,
+                dimension_numbers,
+                precision,
+                preferred_element_type,
+                out_sharding=out_sharding,
+            )
+        dims = Dims.create(dimension_numbers, lhs.ndim, rhs.ndim)
+        # Let lax check shapes and dtypes, with its own messages.
+        jax.eval_shape(
+            functools.partial(lax.dot_general, dimension_numbers=dims.lax()),
+            jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+            jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
+        )
+        for name, x in (("lhs", lhs), ("rhs", rhs)):
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                raise InvalidArgumentError(
+                    "dot_general", f"{name}.dtype", x.dtype, "a floating-point dtype"
+                )
+        return _quantized_dot(
+            config,
+            dims,
+            _hashable(precision),
+            preferred_element_type,
+            out_sharding,
+            lhs,
+            rhs,
+            self.key,
+        )
+
+
+def _hashable(precision: Any) -> Any:
+    if isinstance(precision, list):
+        return tuple(precision)
+    return precision
+
+
+def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGeneral:
+    """A quantized drop-in for ``jax.lax.dot_general``.
+
+    The returned function has exactly the signature of ``lax.dot_general``
+    (``precision`` may be positional, ``out_sharding`` is keyword-only), takes
+    any dimension numbers, and honours ``precision`` and
+    ``preferred_element_type``. Its gradient runs ``config.dlhs`` and
+    ``config.drhs``, each quantized as configured, through a custom VJP; a
+    numerics' gradient (straight-through, or masked with ``clip_gradient``)
+    applies on top. A config that quantizes nothing is ``lax.dot_general``
+    itself.
+
+    Args:
+      config: The forward matmul and the two gradient matmuls.
+      key: A PRNG key, required when any operand rounds stochastically.
+        The six operands draw from ``fold_in(key, i)``, i = 0..5. Pass a new
+        key each step (and per layer) for independent noise.
+
+    Returns:
+      A :class:`DotGeneral`, usable as ``dot_general=`` in ``flax.linen.Dense``
+      and ``flax.nnx.Linear``, and as ``jnp.einsum(..., _dot_general=...)``.
+
+    Raises:
+      InvalidArgumentError: If the config rounds stochastically and ``key`` is
+        ``None``: at once, rather than inside the backward pass.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> int8 = qbits.Quantizer(qbits.IntNumerics(bits=8))
+      >>> mm = qbits.MatmulConfig(lhs=int8, rhs=int8)
+      >>> dg = qbits.dot_general(qbits.DotGeneralConfig(fwd=mm, dlhs=mm, drhs=mm))
+      >>> x = jax.random.normal(jax.random.key(0), (4, 16))
+      >>> w = jax.random.normal(jax.random.key(1), (16, 8))
+      >>> y = dg(x, w, (((1,), (0,)), ((), ())))
+      >>> bool(jnp.allclose(y, x @ w, rtol=0.05, atol=0.1))
+      True
+      >>> gx, gw = jax.grad(lambda x, w: dg(x, w, (((1,), (0,)), ((), ()))).sum(),
+      ...                   argnums=(0, 1))(x, w)
+    """
+    if not isinstance(config, DotGeneralConfig):
+        raise InvalidArgumentError(
+            "dot_general", "config", config, "a qbits.DotGeneralConfig"
+        )
+    if config.needs_key and key is None:
+        raise InvalidArgumentError(
+            "dot_general",
+            "key",
+            None,
+            "a PRNG key (jax.random.key(...))",
+            why="the config rounds stochastically",
+        )
+    return DotGeneral(config, key)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _quantized_dot(
+    config: DotGeneralConfig,
+    dims: Dims,
+    precision: Any,
+    preferred_element_type: Any,
+    out_sharding: Any,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    key: jax.Array | None,
+) -> jax.Array:
+    out, _ = _fwd(
+        config, dims, precision, preferred_element_type, out_sharding, lhs, rhs, key
+    )
+    return out
+
+
+def _fwd(
+    config: DotGeneralConfig,
+    dims: Dims,
+    precision: Any,
+    preferred_element_type: Any,
+    out_sharding: Any,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    key: jax.Array | None,
+) -> tuple[jax.Array, tuple[Any, ...]]:
+    out, lhs_q, rhs_q = matmul(
+        lhs,
+        rhs,
+        dims,
+        config.fwd,
+        _keys(key, _FWD_LHS, _FWD_RHS),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+    )
+    # Keep only what the backward matmuls read: a float operand, or the
+    # forward's stored one when a backward matmul reuses it.
+    reuse_lhs, reuse_rhs = config.drhs.use_fwd_quant, config.dlhs.use_fwd_quant
+    residuals = (
+        lhs_q.qtensor if reuse_lhs else lhs,
+        rhs_q.qtensor if reuse_rhs else rhs,
+        lhs_q.grad,
+        rhs_q.grad,
+        key,
+    )
+    return out, residuals
+
+
+def _bwd(
+    config: DotGeneralConfig,
+    dims: Dims,
+    precision: Any,
+    preferred_element_type: Any,
+    out_sharding: Any,
+    residuals: tuple[Any, ...],
+    g: jax.Array,
+) -> tuple[jax.Array, jax.Array, None]:
+    lhs, rhs, lhs_grad, rhs_grad, key = residuals
+    # The two gradient matmuls, as JAX transposes dot_general:
+    # d_lhs = transpose(g . rhs, perm_l), d_rhs = transpose(g . lhs, perm_r).
+    dims_l, perm_l = dims.grad_lhs()
+    dl, _, _ = matmul(
+        g,
+        rhs,
+        dims_l,
+        config.dlhs,
+        _keys(key, _DLHS_LHS, _DLHS_RHS),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_perm=perm_l,
+    )
+    dims_r, perm_r = dims.grad_rhs()
+    dr, _, _ = matmul(
+        g,
+        lhs,
+        dims_r,
+        config.drhs,
+        _keys(key, _DRHS_LHS, _DRHS_RHS),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_perm=perm_r,
+    )
+    return lhs_grad(dl.astype(lhs.dtype)), rhs_grad(dr.astype(rhs.dtype)), None
+
+
+_quantized_dot.defvjp(_fwd, _bwd)

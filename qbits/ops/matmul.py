@@ -1,0 +1,464 @@
+"""One quantized matmul: quantize both operands, dot, rescale.
+
+This is the building block of :func:`qbits.dot_general`'s forward pass and of
+both backward matmuls. It is not differentiable itself; the custom VJP in
+:mod:`qbits.ops.dot_general` ties three of them together.
+
+Integer operands and XLA:CPU
+  XLA:CPU runs an s8 x s8 -> s32 dot on its fast kernel only when the lhs has
+  its contracting axes last; with any other lhs layout, and for an s8 array
+  that was transposed after quantization, it converts both operands to s32
+  (3-5x slower than float32); the rhs may be ``[K, N]`` or ``[N, K]``. So an
+  lhs whose contracting axes are not last is transposed (see ``_laid_out``),
+  and when the caller will permute the output the way exchanging the
+  operands does (the weight gradient ``x^T g``), the operands are exchanged,
+  so that the dot writes the final layout and the transposed operand is the
+  smaller activation rather than the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from qbits.context import Context
+from qbits.errors import InvalidArgumentError
+from qbits.ops.config import MatmulConfig
+from qbits.ops.dims import Axes, Dims
+from qbits.quantizer import Quantizer
+from qbits.tensor import QTensor, expand_scale
+
+__all__ = ["QuantizedOperand", "matmul", "result_dtype"]
+
+Grad = jax.tree_util.Partial
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedOperand:
+    """An operand as a matmul quantized it: its QTensor and its gradient."""
+
+    qtensor: QTensor
+    grad: Grad
+
+
+jax.tree_util.register_dataclass(
+    QuantizedOperand, data_fields=["qtensor", "grad"], meta_fields=[]
+)
+
+
+def result_dtype(
+    lhs: jax.Array | QTensor,
+    rhs: jax.Array | QTensor,
+    dims: Dims,
+    preferred_element_type: Any,
+) -> np.dtype:
+    """The dtype ``lax.dot_general`` would return for these operands."""
+    out = jax.eval_shape(
+        lambda a, b: lax.dot_general(
+            a, b, dims.lax(), preferred_element_type=preferred_element_type
+        ),
+        jax.ShapeDtypeStruct(lhs.shape, jnp.dtype(lhs.dtype)),
+        jax.ShapeDtypeStruct(rhs.shape, jnp.dtype(rhs.dtype)),
+    )
+    return np.dtype(out.dtype)
+
+
+def matmul(
+    lhs: jax.Array,
+    rhs: jax.Array | QTensor,
+    dims: Dims,
+    cfg: MatmulConfig,
+    keys: tuple[jax.Array | None, jax.Array | None] = (None, None),
+    *,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+    out_perm: Axes | None = None,
+) -> tuple[jax.Array, QuantizedOperand, QuantizedOperand]:
+    """Quantizes ``lhs`` and ``rhs`` as ``cfg`` says and contracts them.
+
+    Args:
+      lhs: Left operand, floating point.
+      rhs: Right operand, floating point; or a stored QTensor to reuse
+        (``use_fwd_quant``): its scale is folded into the lhs before the lhs
+        is quantized, and ``cfg.rhs`` is not used.
+      dims: The contraction.
+      cfg: How to quantize, and real or fake mode.
+      keys: PRNG keys for the lhs and rhs quantizers (stochastic rounding).
+      precision: Passed to ``lax.dot_general``.
+      preferred_element_type: The output dtype, as in ``lax.dot_general``.
+      out_sharding: Passed to ``lax.dot_general``.
+      out_perm: Return ``transpose(out, out_perm)`` (computed in the cheapest
+        way) instead of ``out``.
+
+    Returns:
+      ``(out, lhs_operand, rhs_operand)``: the output in the dtype
+      ``lax.dot_general`` would give, and both operands as quantized (in
+      their original layouts).
+    """
+    out_dtype = result_dtype(lhs, rhs, dims, preferred_element_type)
+    reuse = isinstance(rhs, QTensor)
+    if cfg.is_identity and not reuse:
+        out = lax.dot_general(
+            lhs,
+            rhs,
+            dims.lax(),
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
+        )
+        return _permute(out, out_perm), _unquantized(lhs), _unquantized(rhs)
+
+    real = cfg.mode == "real"
+    if reuse:
+        lhs = _fold_scale_into_lhs(lhs, rhs, dims)
+        # Its scale now lives in the lhs.
+        folded = jnp.ones((1,) * rhs.ndim, jnp.float32)
+        rhs_q = QuantizedOperand(
+            rhs.replace(scale=folded), jax.tree_util.Partial(_identity)
+        )
+    rhs_int = (
+        jnp.issubdtype(rhs.qvalue.dtype, jnp.integer)
+        if reuse
+        else _stores_integers(cfg.rhs)
+    )
+    if real and rhs_int and _stores_integers(cfg.lhs):
+        if reuse:
+            lhs_q = _quantize(cfg.lhs, lhs, dims.lhs_contract, keys[0], store=True)
+            order = dims.lhs_batch + dims.lhs_free + dims.lhs_contract
+            a_vals, a_scale = _laid_out(lhs_q.qtensor, order)
+            b_vals, b_scale = _dot_operand(rhs_q.qtensor), rhs_q.qtensor.scale
+            d = dims.moved(order)
+            out = _real_dot(a_vals, a_scale, b_vals, b_scale, d, cfg, precision, None)
+            return _permute(out.astype(out_dtype), out_perm), lhs_q, rhs_q
+        return _integer_matmul(
+            lhs, rhs, dims, cfg, keys, precision, out_dtype, out_perm, out_sharding
+        )
+
+    lhs_q = _quantize(cfg.lhs, lhs, dims.lhs_contract, keys[0], store=real)
+    if not reuse:
+        rhs_q = _quantize(cfg.rhs, rhs, dims.rhs_contract, keys[1], store=real)
+    if real:
+        lqt, rqt = lhs_q.qtensor, rhs_q.qtensor
+        out = _real_dot(
+            _dot_operand(lqt),
+            lqt.scale,
+            _dot_operand(rqt),
+            rqt.scale,
+            dims,
+            cfg,
+            precision,
+            out_sharding,
+        )
+    else:
+        out = lax.dot_general(
+            lhs_q.qtensor.dequant(),
+            rhs_q.qtensor.dequant(),
+            dims.lax(),
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
+        )
+    return _permute(out.astype(out_dtype), out_perm), lhs_q, rhs_q
+
+
+def _integer_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dims: Dims,
+    cfg: MatmulConfig,
+    keys: tuple[jax.Array | None, jax.Array | None],
+    precision: Any,
+    out_dtype: np.dtype,
+    out_perm: Axes | None,
+    out_sharding: Any,
+) -> tuple[jax.Array, QuantizedOperand, QuantizedOperand]:
+    """An integer dot with both operands laid out for XLA (module docstring)."""
+    lhs_q = _quantize(cfg.lhs, lhs, dims.lhs_contract, keys[0], store=True)
+    rhs_q = _quantize(cfg.rhs, rhs, dims.rhs_contract, keys[1], store=True)
+    swap = out_perm is not None and tuple(out_perm) == dims.swap_perm()
+    a, b, d = (rhs_q, lhs_q, dims.swapped()) if swap else (lhs_q, rhs_q, dims)
+    a_order = d.lhs_batch + d.lhs_free + d.lhs_contract
+    b_order = _rhs_order(d)
+    a_vals, a_scale = _laid_out(a.qtensor, a_order)
+    b_vals, b_scale = _laid_out(b.qtensor, b_order)
+    moved = d.moved(a_order, b_order)
+    sharding = out_sharding if (moved == dims and not swap) else None
+    out = _real_dot(a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding)
+    if not swap:
+        out = _permute(out, out_perm)
+    return out.astype(out_dtype), lhs_q, rhs_q
+
+
+def _rhs_order(d: Dims) -> Axes:
+    """The rhs layout for an integer dot.
+
+    The rhs stays as it is when it is ``[batch, K, N]`` or ``[batch, N, K]``
+    (both run on the fast kernel, and a transpose costs a strided pass over
+    the float operand); otherwise it becomes ``[batch, K, N]``.
+    """
+    for order in (
+        d.rhs_batch + d.rhs_contract + d.rhs_free,
+        d.rhs_batch + d.rhs_free + d.rhs_contract,
+    ):
+        if order == tuple(range(d.rhs_ndim)):
+            return order
+    return d.rhs_batch + d.rhs_contract + d.rhs_free
+
+
+def _laid_out(qt: QTensor, order: Axes) -> tuple[jax.Array, jax.Array]:
+    """The dot operand and scale of ``qt``, transposed to ``order``.
+
+    XLA:CPU turns a bare transpose of an s8 array into a copy and then runs
+    the dot in s32; inside an elementwise computation the transposed array
+    stays s8. Zeroing the values of blocks whose scale is NaN is such a
+    computation, and a harmless one (those outputs are NaN through the
+    scale). The barriers keep XLA from folding the transpose into the dot.
+    """
+    values = _dot_operand(qt)
+    if order == tuple(range(values.ndim)):
+        return values, qt.scale
+    scale = jnp.transpose(qt.scale, order)
+    values = jnp.transpose(lax.optimization_barrier(values), order)
+    poisoned = jnp.isnan(expand_scale(scale, values.shape))
+    values = jnp.where(poisoned, jnp.zeros_like(values), values)
+    return lax.optimization_barrier(values), scale
+
+
+def _permute(x: jax.Array, perm: Axes | None) -> jax.Array:
+    if perm is None or tuple(perm) == tuple(range(x.ndim)):
+        return x
+    return jnp.transpose(x, perm)
+
+
+def _identity(g: jax.Array) -> jax.Array:
+    return g
+
+
+def _unquantized(x: jax.Array) -> QuantizedOperand:
+    qt = QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
+    return QuantizedOperand(qt, jax.tree_util.Partial(_identity))
+
+
+def _stores_integers(quantizer: Quantizer) -> bool:
+    dtype = quantizer.numerics.get_dtype()
+    return dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+
+
+def _quantize(
+    quantizer: Quantizer,
+    x: jax.Array,
+    contracting: Axes,
+    key: jax.Array | None,
+    *,
+    store: bool,
+) -> QuantizedOperand:
+    store = store and quantizer.numerics.get_dtype() is not None
+    qt, grad = quantizer.quant_vjp(
+        x, Context(key), store=store, contracting_axes=contracting
+    )
+    return QuantizedOperand(qt, grad)
+
+
+def _fold_scale_into_lhs(lhs: jax.Array, rhs_fwd: QTensor, dims: Dims) -> jax.Array:
+    """``lhs * s`` where ``s`` is the rhs scale laid out along the lhs axes.
+
+    Reusing the forward pass's rhs in a backward matmul: its scale varies
+    along axes that this matmul contracts, so it cannot be applied to the
+    output; it is applied to the other operand instead (exact in real
+    arithmetic: ``sum_k g_k (s_k q_k) = sum_k (g_k s_k) q_k``).
+    """
+    scale = rhs_fwd.scale
+    if any(scale.shape[a] != 1 for a in dims.rhs_free):
+        raise InvalidArgumentError(
+            "dot_general",
+            "use_fwd_quant",
+            True,
+            "False for this forward quantization",
+            why=f"the forward operand's scale {scale.shape} varies along axes "
+            f"{dims.rhs_free} that the backward matmul does not contract "
+            "(tiled scales cannot be reused)",
+        )
+    pairs = dict(
+        zip(
+            dims.lhs_contract + dims.lhs_batch,
+            dims.rhs_contract + dims.rhs_batch,
+            strict=True,
+        )
+    )
+    paired = sorted(pairs)
+    # Put the paired rhs axes in lhs order (free rhs axes have size 1), then
+    # insert size-1 axes where the lhs has free axes.
+    scale = jnp.transpose(scale, [pairs[a] for a in paired] + list(dims.rhs_free))
+    shape = [
+        scale.shape[paired.index(a)] if a in pairs else 1 for a in range(dims.lhs_ndim)
+    ]
+    return lhs.astype(jnp.float32) * scale.reshape(shape)
+
+
+def _dot_operand(qt: QTensor) -> jax.Array:
+    """The stored values in a dtype XLA can contract."""
+    q = qt.unpack().qvalue
+    if q.dtype in (jnp.int4, jnp.int2):
+        return q.astype(jnp.int8)
+    if q.dtype == jnp.uint4:
+        return q.astype(jnp.uint8)
+    if q.dtype == np.dtype(ml_dtypes.float4_e2m1fn):
+        return q.astype(jnp.bfloat16)
+    return q
+
+
+def _common_dtypes(
+    a: jax.Array, b: jax.Array, accumulator: Any
+) -> tuple[jax.Array, jax.Array, np.dtype]:
+    """Operand and accumulator dtypes for the real dot."""
+    a_int = jnp.issubdtype(a.dtype, jnp.integer)
+    b_int = jnp.issubdtype(b.dtype, jnp.integer)
+    if a_int and b_int and accumulator in (None, np.dtype(np.int32)):
+        return a, b, np.dtype(np.int32)
+    if accumulator == np.dtype(np.int32):
+        raise InvalidArgumentError(
+            "MatmulConfig",
+            "accumulator",
+            "int32",
+            "None or float32 for these operands",
+            why=f"operands are {a.dtype} and {b.dtype}, not both integers",
+        )
+
+    # Integers meet a float operand (or a float accumulator): widen them to a
+    # float dtype that holds them exactly, the other operand's where it can.
+    def widened(x: jax.Array, other: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            return x
+        if ml_dtypes.iinfo(x.dtype).bits > 8:
+            return x.astype(jnp.float32)
+        float_other = jnp.issubdtype(other.dtype, jnp.floating)
+        if float_other and jnp.dtype(other.dtype).itemsize >= 2:
+            return x.astype(other.dtype)
+        return x.astype(jnp.bfloat16)
+
+    return widened(a, b), widened(b, a), np.dtype(np.float32)
+
+
+def _tiled_pair(
+    a: jax.Array, sl: jax.Array, sr: jax.Array, dims: Dims
+) -> tuple[int, int] | None:
+    """The contracting pair whose scales are tiled, and the tile size.
+
+    Raises:
+      InvalidArgumentError: If a scale varies along a contracting axis in a
+        way that cannot be factored out of the dot.
+    """
+    tiled = []
+    for i, (la, ra) in enumerate(
+        zip(dims.lhs_contract, dims.rhs_contract, strict=True)
+    ):
+        k = a.shape[la]
+        counts = {sl.shape[la], sr.shape[ra]} - {1}
+        if not counts:
+            continue
+        if len(counts) > 1:
+            raise _not_factorable(
+                f"lhs axis {la} and rhs axis {ra} are contracted, but their scales "
+                f"have {sl.shape[la]} and {sr.shape[ra]} entries along them"
+            )
+        tile = k // next(iter(counts))
+        if tile == 1:
+            raise _not_factorable(
+                f"the scales vary with every element of contracted axis {la}"
+            )
+        tiled.append((i, tile))
+    if len(tiled) > 1:
+        raise _not_factorable("real mode tiles at most one contracting axis")
+    return tiled[0] if tiled else None
+
+
+def _not_factorable(why: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        "MatmulConfig",
+        "mode",
+        "real",
+        "'fake' for these scales (real mode needs scales shared along the "
+        "contracting axes, or tiled alike along one of them)",
+        why=why,
+    )
+
+
+def _split(x: jax.Array, axis: int, tile: int) -> jax.Array:
+    shape = list(x.shape)
+    shape[axis : axis + 1] = [shape[axis] // tile, tile]
+    return x.reshape(shape)
+
+
+def _real_dot(
+    a: jax.Array,
+    sl: jax.Array,
+    b: jax.Array,
+    sr: jax.Array,
+    dims: Dims,
+    cfg: MatmulConfig,
+    precision: Any,
+    out_sharding: Any,
+) -> jax.Array:
+    """The low-precision dot and the rescaling, in float32.
+
+    A tiled contracting axis is split into (tiles, tile); the tile index
+    becomes a batch axis of the dot, and the per-tile products are scaled and
+    summed.
+    """
+    tiled = _tiled_pair(a, sl, sr, dims)
+    a, b, acc = _common_dtypes(a, b, cfg.accumulator)
+    if tiled is not None:
+        i, tile = tiled
+        la, ra = dims.lhs_contract[i], dims.rhs_contract[i]
+        a, b = _split(a, la, tile), _split(b, ra, tile)
+        sl, sr = jnp.expand_dims(sl, la + 1), jnp.expand_dims(sr, ra + 1)
+
+        def shift(axes: Axes, at: int) -> Axes:
+            return tuple(x + (x > at) for x in axes)
+
+        dims = Dims(
+            tuple(la + 1 if x == la else x for x in shift(dims.lhs_contract, la)),
+            tuple(ra + 1 if x == ra else x for x in shift(dims.rhs_contract, ra)),
+            (*shift(dims.lhs_batch, la), la),
+            (*shift(dims.rhs_batch, ra), ra),
+            a.ndim,
+            b.ndim,
+        )
+        out_sharding = None
+    out = lax.dot_general(
+        a,
+        b,
+        dims.lax(),
+        precision,
+        preferred_element_type=acc,
+        out_sharding=out_sharding,
+    ).astype(jnp.float32)
+    out = out * _scale_to_output(sl, dims, "lhs") * _scale_to_output(sr, dims, "rhs")
+    if tiled is not None:
+        out = jnp.sum(out, axis=len(dims.lhs_batch) - 1)
+    return out
+
+
+def _scale_to_output(scale: jax.Array, dims: Dims, side: str) -> jax.Array:
+    """Lays out an operand's scale like the dot's output.
+
+    The scale has size 1 along contracted axes; the output has the batch axes,
+    then the lhs free axes, then the rhs free axes.
+    """
+    if side == "lhs":
+        batch, free, contract = dims.lhs_batch, dims.lhs_free, dims.lhs_contract
+        before, after = 0, len(dims.rhs_free)
+    else:
+        batch, free, contract = dims.rhs_batch, dims.rhs_free, dims.rhs_contract
+        before, after = len(dims.lhs_free), 0
+    s = jnp.transpose(scale, batch + free + contract)
+    s = s.reshape(s.shape[: len(batch) + len(free)])
+    shape = s.shape[: len(batch)] + (1,) * before + s.shape[len(batch) :] + (1,) * after
+    return s.reshape(shape).astype(jnp.float32)

@@ -1,0 +1,418 @@
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import qbits
+from qbits import (
+    ConstantBound,
+    DotGeneralConfig,
+    IntNumerics,
+    InvalidArgumentError,
+    MatmulConfig,
+    PerChannel,
+    Quantizer,
+)
+
+NONE = Quantizer(qbits.NoNumerics())
+INT8 = Quantizer(IntNumerics(bits=8), granularity=PerChannel())
+
+# (lhs shape, rhs shape, dimension numbers): plain matmuls, batch dims, several
+# contracting dims, contracting dims out of order, batch dims not leading.
+DIMS = [
+    ((4, 6), (6, 5), (((1,), (0,)), ((), ()))),
+    ((4, 6), (5, 6), (((1,), (1,)), ((), ()))),
+    ((6, 4), (6, 5), (((0,), (0,)), ((), ()))),
+    ((2, 4, 6), (2, 6, 5), (((2,), (1,)), ((0,), (0,)))),
+    ((4, 2, 6), (6, 5, 2), (((2,), (0,)), ((1,), (2,)))),
+    ((3, 4, 6), (6, 3, 5), (((0, 2), (1, 0)), ((), ()))),
+    ((2, 3, 4, 5), (2, 5, 3, 7), (((3, 1), (1, 2)), ((0,), (0,)))),
+    ((7,), (7, 3), (((0,), (0,)), ((), ()))),
+    ((4, 6), (6,), (((1,), (0,)), ((), ()))),
+    ((2, 3), (4, 5), (((), ()), ((), ()))),
+]
+
+
+def operands(lhs_shape, rhs_shape, dtype=jnp.float32, seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    lhs = jax.random.normal(k1, lhs_shape).astype(dtype)
+    rhs = jax.random.normal(k2, rhs_shape).astype(dtype)
+    return lhs, rhs
+
+
+def cotangent(lhs, rhs, dn, seed=1):
+    out = jax.eval_shape(
+        functools.partial(lax.dot_general, dimension_numbers=dn), lhs, rhs
+    )
+    return jax.random.normal(jax.random.key(seed), out.shape).astype(out.dtype)
+
+
+def vjp(f, lhs, rhs, g):
+    out, pullback = jax.vjp(f, lhs, rhs)
+    return (out, *pullback(g))
+
+
+def assert_bits_equal(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_signature_is_exactly_lax_dot_general():
+    def params(f):
+        return [
+            (p.name, p.kind, p.default)
+            for p in inspect.signature(f).parameters.values()
+        ]
+
+    assert params(qbits.dot_general(DotGeneralConfig())) == params(lax.dot_general)
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dn", DIMS)
+@pytest.mark.parametrize(
+    "dtype, pet",
+    [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, jnp.float32)],
+)
+def test_identity_config_is_lax_dot_general_bit_for_bit(
+    lhs_shape, rhs_shape, dn, dtype, pet
+):
+    lhs, rhs = operands(lhs_shape, rhs_shape, dtype)
+    identity = MatmulConfig()
+    dg = qbits.dot_general(DotGeneralConfig(identity, identity, identity))
+    ours = functools.partial(dg, dimension_numbers=dn, preferred_element_type=pet)
+    ref = functools.partial(
+        lax.dot_general, dimension_numbers=dn, preferred_element_type=pet
+    )
+    g = cotangent(lhs, rhs, dn).astype(pet or dtype)
+    assert_bits_equal(vjp(ours, lhs, rhs, g), vjp(ref, lhs, rhs, g))
+    assert_bits_equal(vjp(jax.jit(ours), lhs, rhs, g), vjp(jax.jit(ref), lhs, rhs, g))
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dn", DIMS)
+@pytest.mark.parametrize(
+    "dtype, pet", [(jnp.float32, None), (jnp.bfloat16, jnp.float32)]
+)
+def test_custom_vjp_transposes_exactly_like_jax(lhs_shape, rhs_shape, dn, dtype, pet):
+    # A forward-only config goes through qbits' custom VJP, but its backward
+    # matmuls are float: with the same cotangent, both gradients must be the
+    # ones JAX computes for lax.dot_general, bit for bit.
+    lhs, rhs = operands(lhs_shape, rhs_shape, dtype)
+    fwd = MatmulConfig(lhs=INT8, rhs=INT8)
+    dg = qbits.dot_general(DotGeneralConfig(fwd=fwd))
+    ours = functools.partial(dg, dimension_numbers=dn, preferred_element_type=pet)
+    ref = functools.partial(
+        lax.dot_general, dimension_numbers=dn, preferred_element_type=pet
+    )
+    g = cotangent(lhs, rhs, dn).astype(pet or dtype)
+    _, dl, dr = vjp(jax.jit(ours), lhs, rhs, g)
+    _, dl_ref, dr_ref = vjp(jax.jit(ref), lhs, rhs, g)
+    assert_bits_equal((dl, dr), (dl_ref, dr_ref))
+
+
+def int8_all(mode="real", **kw):
+    m = MatmulConfig(lhs=INT8, rhs=INT8, mode=mode, **kw)
+    return DotGeneralConfig(m, m, m)
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dn", [d for d in DIMS if d[2][0][0]])
+def test_int8_real_equals_fake_within_float32_rounding(lhs_shape, rhs_shape, dn):
+    lhs, rhs = operands(lhs_shape, rhs_shape)
+    g = cotangent(lhs, rhs, dn)
+    real = vjp(
+        functools.partial(qbits.dot_general(int8_all("real")), dimension_numbers=dn),
+        lhs,
+        rhs,
+        g,
+    )
+    fake = vjp(
+        functools.partial(qbits.dot_general(int8_all("fake")), dimension_numbers=dn),
+        lhs,
+        rhs,
+        g,
+    )
+    for r, f in zip(real, fake, strict=True):
+        np.testing.assert_allclose(r, f, rtol=2e-5, atol=2e-5 * float(jnp.abs(f).max()))
+    # And the quantization is real: far from float.
+    exact = vjp(functools.partial(lax.dot_general, dimension_numbers=dn), lhs, rhs, g)
+    assert not np.allclose(real[0], exact[0], rtol=1e-5, atol=1e-5)
+
+
+def fq(quantizer, x, contracting):
+    return quantizer.quant(x, contracting_axes=contracting).dequant()
+
+
+def test_gradients_are_what_the_configured_backward_matmuls_compute():
+    # x [B, I] . w [I, O]; each backward matmul quantizes with its own config.
+    x, w = operands((8, 16), (16, 12))
+    g = jax.random.normal(jax.random.key(5), (8, 12))
+    int4 = Quantizer(IntNumerics(bits=4), granularity=PerChannel())
+    e5m2 = Quantizer(qbits.Fp8Numerics("float8_e5m2"))
+    e4m3 = Quantizer(qbits.Fp8Numerics("float8_e4m3fn"))
+    config = DotGeneralConfig(
+        fwd=MatmulConfig(lhs=INT8, rhs=INT8),
+        dlhs=MatmulConfig(lhs=int4, rhs=INT8, mode="fake"),
+        drhs=MatmulConfig(lhs=e5m2, rhs=e4m3, mode="fake"),
+    )
+    dn = (((1,), (0,)), ((), ()))
+    out, dx, dw = vjp(
+        functools.partial(qbits.dot_general(config), dimension_numbers=dn), x, w, g
+    )
+    np.testing.assert_allclose(
+        out, fq(INT8, x, (1,)) @ fq(INT8, w, (0,)), rtol=1e-5, atol=1e-5
+    )
+    # dx = g . w^T: g contracted over O (axis 1), w over O (axis 1).
+    np.testing.assert_allclose(
+        dx, fq(int4, g, (1,)) @ fq(INT8, w, (1,)).T, rtol=1e-6, atol=1e-6
+    )
+    # dw = x^T . g: g contracted over B (axis 0), x over B (axis 0).
+    np.testing.assert_allclose(
+        dw, fq(e4m3, x, (0,)).T @ fq(e5m2, g, (0,)), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_clip_gradient_masks_the_forward_operands():
+    clipped = Quantizer(IntNumerics(bits=8, clip_gradient=True), ConstantBound(1.0))
+    config = DotGeneralConfig(fwd=MatmulConfig(lhs=clipped, rhs=clipped))
+    x = jnp.array([[0.5, -2.0, 0.25]])
+    w = jnp.array([[0.9], [0.5], [3.0]])  # int8 clips at 127/127.5 of the bound
+    dx, dw = jax.grad(
+        lambda x, w: qbits.dot_general(config)(x, w, (((1,), (0,)), ((), ()))).sum(),
+        argnums=(0, 1),
+    )(x, w)
+    # Straight-through inside [-1, 1], zero outside, on each operand.
+    np.testing.assert_array_equal(dx, w.T * jnp.array([[1.0, 0.0, 1.0]]))  # g . w
+    np.testing.assert_array_equal(dw, [[0.5], [-2.0], [0.0]])
+
+
+def test_use_fwd_quant_reuses_the_forward_operands():
+    x, w = operands((8, 16), (16, 12))
+    g = jax.random.normal(jax.random.key(6), (8, 12))
+    reuse = MatmulConfig(lhs=INT8, rhs=INT8, use_fwd_quant=True)
+    config = DotGeneralConfig(
+        fwd=MatmulConfig(lhs=INT8, rhs=INT8), dlhs=reuse, drhs=reuse
+    )
+    dn = (((1,), (0,)), ((), ()))
+    for mode in ("real", "fake"):
+        cfg = config.replace(
+            dlhs=reuse.replace(mode=mode), drhs=reuse.replace(mode=mode)
+        )
+        _, dx, dw = vjp(
+            functools.partial(qbits.dot_general(cfg), dimension_numbers=dn), x, w, g
+        )
+        wq = INT8.quant(w, contracting_axes=(0,))  # the forward's w: scale per column
+        xq = INT8.quant(x, contracting_axes=(1,))  # the forward's x: scale per row
+        # dx = g . w^T with w's scale folded into g, then g quantized.
+        g_l = fq(INT8, g * wq.scale, (1,))
+        np.testing.assert_allclose(dx, g_l @ wq.qvalue.T, rtol=2e-5, atol=1e-5)
+        # dw = x^T . g with x's (per-row) scale folded into g.
+        g_r = fq(INT8, g * xq.scale.reshape(8, 1), (0,))
+        np.testing.assert_allclose(dw, xq.qvalue.T @ g_r, rtol=2e-5, atol=1e-5)
+
+
+def test_tiled_and_mx_real_equal_fake():
+    # Every matmul's contracting axis (128, 64, 32) holds whole tiles of 32.
+    x, w = operands((32, 128), (128, 64))
+    g = jax.random.normal(jax.random.key(7), (32, 64))
+    dn = (((1,), (0,)), ((), ()))
+    for quantizer in (
+        Quantizer(IntNumerics(bits=8), granularity=qbits.Tiled(tile_size=32)),
+        qbits.mx_quantizer("float8_e4m3fn"),
+        qbits.mx_quantizer("float4_e2m1fn"),
+        qbits.mx_quantizer("int8"),
+    ):
+        results = []
+        for mode in ("real", "fake"):
+            m = MatmulConfig(lhs=quantizer, rhs=quantizer, mode=mode)
+            f = functools.partial(
+                qbits.dot_general(DotGeneralConfig(m, m, m)), dimension_numbers=dn
+            )
+            results.append(vjp(f, x, w, g))
+        for r, f in zip(*results, strict=True):
+            np.testing.assert_allclose(
+                r, f, rtol=1e-5, atol=1e-5 * float(jnp.abs(f).max())
+            )
+
+
+@pytest.mark.parametrize(
+    "numerics",
+    [qbits.Fp8Numerics(), IntNumerics(bits=4), qbits.FpNumerics("float6_e2m3fn")],
+)
+def test_other_formats_real_equal_fake(numerics):
+    x, w = operands((4, 32), (32, 8))
+    q = Quantizer(numerics, granularity=PerChannel())
+    dn = (((1,), (0,)), ((), ()))
+    out = {
+        mode: qbits.dot_general(
+            DotGeneralConfig(fwd=MatmulConfig(lhs=q, rhs=q, mode=mode))
+        )(x, w, dn)
+        for mode in ("real", "fake")
+    }
+    np.testing.assert_allclose(out["real"], out["fake"], rtol=1e-5, atol=1e-5)
+
+
+def test_weight_only_int8_with_float_activations():
+    x, w = operands((4, 32), (32, 8))
+    config = DotGeneralConfig(fwd=MatmulConfig(lhs=NONE, rhs=INT8))
+    dn = (((1,), (0,)), ((), ()))
+    out = qbits.dot_general(config)(x, w, dn)
+    np.testing.assert_allclose(out, x @ fq(INT8, w, (0,)), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_dots_are_native_s8_in_the_optimized_hlo():
+    x, w = operands((16, 64), (64, 32))
+    dg = qbits.dot_general(int8_all())
+    dn = (((1,), (0,)), ((), ()))
+
+    def loss(x, w):
+        return jnp.sum(dg(x, w, dn) ** 2)
+
+    dots = qbits.ops.dot_dtypes(jax.grad(loss, argnums=(0, 1)), x, w)
+    # The forward and both gradient matmuls (dlhs is live: x is differentiated)
+    # stay s8 x s8 -> s32; XLA widens what it cannot run natively.
+    assert dots == [("s8", "s8", "s32")] * 3
+
+
+def test_preferred_element_type_and_precision_are_honoured():
+    lhs, rhs = operands((4, 8), (8, 3), jnp.bfloat16)
+    dn = (((1,), (0,)), ((), ()))
+    for config in (int8_all("real"), int8_all("fake")):
+        dg = qbits.dot_general(config)
+        assert dg(lhs, rhs, dn).dtype == jnp.bfloat16
+        assert dg(lhs, rhs, dn, preferred_element_type=jnp.float32).dtype == jnp.float32
+        dx = jax.grad(lambda a, dg=dg: dg(a, rhs, dn, None, jnp.float32).sum())(lhs)
+        assert dx.dtype == jnp.bfloat16
+    fake = qbits.dot_general(int8_all("fake"))
+    jaxpr = str(
+        jax.make_jaxpr(lambda a, b: fake(a, b, dn, lax.Precision.HIGHEST))(lhs, rhs)
+    )
+    assert "precision=(Precision.HIGHEST, Precision.HIGHEST)" in jaxpr
+
+
+def test_works_under_jit_vmap_checkpoint_and_scan():
+    dg = qbits.dot_general(int8_all())
+    dn = (((1,), (0,)), ((), ()))
+    ws = jax.random.normal(jax.random.key(0), (3, 16, 16)) / 4
+    x = jax.random.normal(jax.random.key(1), (5, 16))
+
+    def layer(h, w):
+        return jnp.tanh(dg(h, w, dn)), None
+
+    def loss(ws, x):
+        h, _ = lax.scan(jax.checkpoint(layer), x, ws)
+        return jnp.sum(h**2)
+
+    grads = jax.jit(jax.grad(loss))(ws, x)
+    unrolled = jax.grad(
+        lambda ws, x: jnp.sum(layer(layer(layer(x, ws[0])[0], ws[1])[0], ws[2])[0] ** 2)
+    )(ws, x)
+    np.testing.assert_allclose(grads, unrolled, rtol=1e-5, atol=1e-6)
+    # vmap over a batch of examples equals the batched call per example.
+    per_example = jax.vmap(lambda xi: dg(xi[None], ws[0], dn)[0])(x)
+    np.testing.assert_allclose(
+        per_example,
+        jnp.concatenate([dg(x[i : i + 1], ws[0], dn) for i in range(5)]),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    g = jax.vmap(jax.grad(lambda xi: dg(xi[None], ws[0], dn).sum()))(x)
+    assert g.shape == x.shape
+
+
+def test_stochastic_rounding_needs_a_key_up_front():
+    noisy = Quantizer(
+        IntNumerics(bits=8, noise_fn=qbits.UniformNoise()), granularity=PerChannel()
+    )
+    config = DotGeneralConfig(
+        fwd=MatmulConfig(lhs=INT8, rhs=INT8),
+        dlhs=MatmulConfig(lhs=noisy, rhs=INT8),
+        drhs=MatmulConfig(lhs=noisy, rhs=INT8),
+    )
+    with pytest.raises(
+        InvalidArgumentError, match=r"dot_general: key=None .*stochastic"
+    ):
+        qbits.dot_general(config)
+    x, w = operands((4, 8), (8, 3))
+    r = jax.random.normal(jax.random.key(9), (4, 3))  # a cotangent with variety
+    dn = (((1,), (0,)), ((), ()))
+
+    def grads(key):
+        return jax.grad(lambda x: (qbits.dot_general(config, key)(x, w, dn) * r).sum())(
+            x
+        )
+
+    a, b = grads(jax.random.key(0)), jax.jit(grads)(jax.random.key(0))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, grads(jax.random.key(1)))
+
+
+def test_jnp_einsum_with_dot_general():
+    dg = qbits.dot_general(int8_all("fake"))
+    a, b = operands((2, 3, 8), (2, 8, 5))
+    ours = jnp.einsum("bij,bjk->bik", a, b, _dot_general=dg)
+    ref = fq(INT8, a, (2,)).reshape(2, 3, 8) @ fq(INT8, b, (1,))
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    jax.grad(lambda a: jnp.einsum("bij,bjk->bik", a, b, _dot_general=dg).sum())(a)
+
+
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda dg, a, b: dg(a, b, ((1,), (0,))), r"dimension_numbers="),
+        (
+            lambda dg, a, b: dg(a, b, (((3,), (0,)), ((), ()))),
+            r"within the operand ranks",
+        ),
+        (
+            lambda dg, a, b: dg(a.astype(jnp.int32), b, (((1,), (0,)), ((), ()))),
+            r"lhs.dtype=int32",
+        ),
+    ],
+)
+def test_bad_calls(call, pattern):
+    a, b = operands((4, 8), (8, 3))
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        call(qbits.dot_general(int8_all()), a, b)
+
+
+def test_shape_mismatch_is_reported_by_lax():
+    a, b = operands((4, 8), (7, 3))
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
+        qbits.dot_general(int8_all())(a, b, (((1,), (0,)), ((), ())))
+
+
+def test_real_mode_needs_factorable_scales():
+    elementwise = Quantizer(IntNumerics(bits=8), granularity=PerChannel(shared_axes=()))
+    config = DotGeneralConfig(fwd=MatmulConfig(lhs=elementwise, rhs=INT8))
+    a, b = operands((4, 8), (8, 3))
+    with pytest.raises(
+        InvalidArgumentError, match=r"mode='real' .*'fake' for these scales"
+    ):
+        qbits.dot_general(config)(a, b, (((1,), (0,)), ((), ())))
+    fake = DotGeneralConfig(fwd=MatmulConfig(lhs=elementwise, rhs=INT8, mode="fake"))
+    qbits.dot_general(fake)(a, b, (((1,), (0,)), ((), ())))
+
+
+@pytest.mark.parametrize(
+    "build, pattern",
+    [
+        (lambda: MatmulConfig(lhs="int8"), r"MatmulConfig: lhs='int8'"),
+        (lambda: MatmulConfig(mode="emulated"), r"mode='emulated' .*'real' or 'fake'"),
+        (lambda: MatmulConfig(accumulator=jnp.int16), r"accumulator=int16"),
+        (
+            lambda: DotGeneralConfig(fwd=MatmulConfig(use_fwd_quant=True)),
+            r"fwd.use_fwd_quant",
+        ),
+        (
+            lambda: DotGeneralConfig(dlhs=MatmulConfig(use_fwd_quant=True)),
+            r"dlhs.use_fwd_quant=True .*fwd.rhs does not quantize",
+        ),
+        (lambda: qbits.dot_general("int8"), r"dot_general: config='int8'"),
+    ],
+)
+def test_bad_configs(build, pattern):
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        build()
