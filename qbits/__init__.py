@@ -9,8 +9,8 @@ in this file):
    :class:`ConstantBound`; granularity: :class:`PerTensor`,
    :class:`PerChannel`, :class:`Tiled`.
 3. :class:`QTensor` and :class:`Quantizer` (:func:`mx_quantizer`).
-4. ops: :func:`dot_general` with :class:`DotGeneralConfig` and
-   :class:`MatmulConfig`.
+4. ops: :func:`dot_general`, :func:`einsum` and :func:`conv_general_dilated`,
+   configured by :class:`DotGeneralConfig` and :class:`MatmulConfig`.
 """
 
 from qbits import calibration, granularity, numerics, ops, tensor
@@ -26,7 +26,16 @@ from qbits.numerics import (
     QNumerics,
     UniformNoise,
 )
-from qbits.ops import DotGeneral, DotGeneralConfig, MatmulConfig, dot_general
+from qbits.ops import (
+    ConvGeneralDilated,
+    DotGeneral,
+    DotGeneralConfig,
+    Einsum,
+    MatmulConfig,
+    conv_general_dilated,
+    dot_general,
+    einsum,
+)
 from qbits.quantizer import Quantizer, mx_quantizer
 from qbits.tensor import QTensor
 
@@ -37,8 +46,10 @@ __all__ = [
     "Calibration",
     "ConstantBound",
     "Context",
+    "ConvGeneralDilated",
     "DotGeneral",
     "DotGeneralConfig",
+    "Einsum",
     "Fp8Numerics",
     "FpNumerics",
     "Granularity",
@@ -56,7 +67,9 @@ __all__ = [
     "Tiled",
     "UniformNoise",
     "calibration",
+    "conv_general_dilated",
     "dot_general",
+    "einsum",
     "granularity",
     "mx_quantizer",
     "numerics",

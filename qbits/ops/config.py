@@ -153,6 +153,11 @@ class DotGeneralConfig(struct.PyTreeNode):
                 )
 
     @property
+    def is_identity(self) -> bool:
+        """Whether none of the three matmuls quantizes."""
+        return all(m.is_identity for m in (self.fwd, self.dlhs, self.drhs))
+
+    @property
     def needs_key(self) -> bool:
         """Whether any of the three matmuls rounds stochastically."""
         return any(m.needs_key for m in (self.fwd, self.dlhs, self.drhs))

@@ -8,7 +8,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from qbits.errors import InvalidArgumentError
 from qbits.ops.config import DotGeneralConfig
@@ -71,11 +73,7 @@ class DotGeneral:
         """Computes ``lax.dot_general(lhs, rhs, ...)`` with quantized matmuls."""
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         config = self.config
-        if (
-            config.fwd.is_identity
-            and config.dlhs.is_identity
-            and config.drhs.is_identity
-        ):
+        if config.is_identity:
             return lax.dot_general(
                 lhs,
                 rhs,
@@ -239,6 +237,7 @@ def _bwd(
         _keys(key, _DLHS_LHS, _DLHS_RHS),
         precision=precision,
         preferred_element_type=preferred_element_type,
+        out_sharding=_grad_sharding(lhs, perm_l),
         out_perm=perm_l,
     )
     dims_r, perm_r = dims.grad_rhs()
@@ -250,9 +249,27 @@ def _bwd(
         _keys(key, _DRHS_LHS, _DRHS_RHS),
         precision=precision,
         preferred_element_type=preferred_element_type,
+        out_sharding=_grad_sharding(rhs, perm_r),
         out_perm=perm_r,
     )
     return lhs_grad(dl.astype(lhs.dtype)), rhs_grad(dr.astype(rhs.dtype)), None
+
+
+def _grad_sharding(x: Any, perm: tuple[int, ...]) -> Any:
+    """The sharding of a gradient matmul's output, as JAX's transpose rule has it.
+
+    Under a mesh with explicit axes, the gradient of ``x`` gets ``x``'s
+    sharding; the matmul computes it before the transpose ``perm``, so its
+    output sharding is ``x``'s spec in that earlier axis order. Elsewhere
+    sharding is left to propagation (``None``).
+    """
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+    before = [int(i) for i in np.argsort(perm)]  # output axis -> x axis
+    return NamedSharding(mesh, PartitionSpec(*(spec[a] for a in before)))
 
 
 _quantized_dot.defvjp(_fwd, _bwd)

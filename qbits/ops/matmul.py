@@ -34,7 +34,13 @@ from qbits.ops.dims import Axes, Dims
 from qbits.quantizer import Quantizer
 from qbits.tensor import QTensor, expand_scale
 
-__all__ = ["QuantizedOperand", "matmul", "result_dtype"]
+__all__ = [
+    "QuantizedOperand",
+    "common_dtypes",
+    "dot_operand",
+    "matmul",
+    "result_dtype",
+]
 
 Grad = jax.tree_util.Partial
 
@@ -133,7 +139,7 @@ def matmul(
             lhs_q = _quantize(cfg.lhs, lhs, dims.lhs_contract, keys[0], store=True)
             order = dims.lhs_batch + dims.lhs_free + dims.lhs_contract
             a_vals, a_scale = _laid_out(lhs_q.qtensor, order)
-            b_vals, b_scale = _dot_operand(rhs_q.qtensor), rhs_q.qtensor.scale
+            b_vals, b_scale = dot_operand(rhs_q.qtensor), rhs_q.qtensor.scale
             d = dims.moved(order)
             out = _real_dot(a_vals, a_scale, b_vals, b_scale, d, cfg, precision, None)
             return _permute(out.astype(out_dtype), out_perm), lhs_q, rhs_q
@@ -147,9 +153,9 @@ def matmul(
     if real:
         lqt, rqt = lhs_q.qtensor, rhs_q.qtensor
         out = _real_dot(
-            _dot_operand(lqt),
+            dot_operand(lqt),
             lqt.scale,
-            _dot_operand(rqt),
+            dot_operand(rqt),
             rqt.scale,
             dims,
             cfg,
@@ -189,11 +195,21 @@ def _integer_matmul(
     a_vals, a_scale = _laid_out(a.qtensor, a_order)
     b_vals, b_scale = _laid_out(b.qtensor, b_order)
     moved = d.moved(a_order, b_order)
-    sharding = out_sharding if (moved == dims and not swap) else None
+    # Moving operand axes keeps the output layout; exchanging the operands
+    # writes the permuted output directly.
+    sharding = _permuted_sharding(out_sharding, out_perm) if swap else out_sharding
     out = _real_dot(a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding)
     if not swap:
         out = _permute(out, out_perm)
     return out.astype(out_dtype), lhs_q, rhs_q
+
+
+def _permuted_sharding(sharding: Any, perm: Axes | None) -> Any:
+    """The sharding of ``transpose(out, perm)`` given ``out``'s."""
+    if sharding is None or perm is None:
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+    return sharding.update(spec=type(sharding.spec)(*(spec[p] for p in perm)))
 
 
 def _rhs_order(d: Dims) -> Axes:
@@ -221,7 +237,7 @@ def _laid_out(qt: QTensor, order: Axes) -> tuple[jax.Array, jax.Array]:
     computation, and a harmless one (those outputs are NaN through the
     scale). The barriers keep XLA from folding the transpose into the dot.
     """
-    values = _dot_operand(qt)
+    values = dot_operand(qt)
     if order == tuple(range(values.ndim)):
         return values, qt.scale
     scale = jnp.transpose(qt.scale, order)
@@ -302,7 +318,7 @@ def _fold_scale_into_lhs(lhs: jax.Array, rhs_fwd: QTensor, dims: Dims) -> jax.Ar
     return lhs.astype(jnp.float32) * scale.reshape(shape)
 
 
-def _dot_operand(qt: QTensor) -> jax.Array:
+def dot_operand(qt: QTensor) -> jax.Array:
     """The stored values in a dtype XLA can contract."""
     q = qt.unpack().qvalue
     if q.dtype in (jnp.int4, jnp.int2):
@@ -314,7 +330,7 @@ def _dot_operand(qt: QTensor) -> jax.Array:
     return q
 
 
-def _common_dtypes(
+def common_dtypes(
     a: jax.Array, b: jax.Array, accumulator: Any
 ) -> tuple[jax.Array, jax.Array, np.dtype]:
     """Operand and accumulator dtypes for the real dot."""
@@ -413,7 +429,7 @@ def _real_dot(
     summed.
     """
     tiled = _tiled_pair(a, sl, sr, dims)
-    a, b, acc = _common_dtypes(a, b, cfg.accumulator)
+    a, b, acc = common_dtypes(a, b, cfg.accumulator)
     if tiled is not None:
         i, tile = tiled
         la, ra = dims.lhs_contract[i], dims.rhs_contract[i]

@@ -1,0 +1,97 @@
+"""Run with 8 CPU devices: sharded quantized matmuls equal unsharded ones.
+
+Invoked by test_sharding.py in a subprocess (XLA_FLAGS must be set before JAX
+starts). Exits non-zero on a mismatch.
+"""
+
+import functools
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qbits
+
+
+def main():
+    assert jax.device_count() == 8, jax.devices()
+    per_channel = qbits.Quantizer(
+        qbits.IntNumerics(bits=8), granularity=qbits.PerChannel()
+    )
+    per_tensor = qbits.Quantizer(qbits.IntNumerics(bits=8))
+    fp8 = qbits.Quantizer(qbits.Fp8Numerics())
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (32, 64))
+    w1 = jax.random.normal(k[1], (64, 128)) / 8
+    w2 = jax.random.normal(k[2], (128, 16)) / 11
+    dn = (((1,), (0,)), ((), ()))
+    for q in (per_channel, per_tensor, fp8):
+        for mode in ("real", "fake"):
+            m = qbits.MatmulConfig(lhs=q, rhs=q, mode=mode)
+            dg = qbits.dot_general(qbits.DotGeneralConfig(m, m, m))
+
+            def loss(x, w1, w2, dg=dg):
+                h = jax.nn.relu(dg(x, w1, dn))
+                return jnp.sum(dg(h, w2, dn) ** 2)
+
+            f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+            expected = f(x, w1, w2)
+            sx = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+            sw1 = jax.device_put(w1, NamedSharding(mesh, P(None, "model")))
+            sw2 = jax.device_put(w2, NamedSharding(mesh, P("model", None)))
+            got = f(sx, sw1, sw2)
+            assert len(got[1][1].sharding.device_set) == 8
+            for a, b in zip(
+                jax.tree.leaves(got), jax.tree.leaves(expected), strict=True
+            ):
+                np.testing.assert_allclose(
+                    a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max())
+                )
+    explicit_sharding(x, w1, w2, dn)
+    print("sharded results equal unsharded")
+
+
+BATCH_SHARDED = P("data", None)
+
+
+def explicit_sharding(x, w1, w2, dn):
+    """Explicit sharding (the mesh axes in the types): gradients have their
+    operands' shardings, as with lax.dot_general."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    q = qbits.Quantizer(qbits.IntNumerics(bits=8), granularity=qbits.PerChannel())
+    m = qbits.MatmulConfig(lhs=q, rhs=q)
+    results = {}
+    for name, dg in (
+        ("lax", jax.lax.dot_general),
+        ("qbits", qbits.dot_general(qbits.DotGeneralConfig(m, m, m))),
+    ):
+
+        def loss(x, w1, w2, dg=dg, out_sharding=BATCH_SHARDED):
+            h = jax.nn.relu(dg(x, w1, dn))
+            return jnp.sum(dg(h, w2, dn, out_sharding=out_sharding) ** 2)
+
+        with jax.set_mesh(mesh):
+            args = (
+                jax.device_put(x, P("data", None)),
+                jax.device_put(w1, P(None, "model")),
+                jax.device_put(w2, P("model", None)),
+            )
+            _, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+        results[name] = [g.sharding.spec for g in grads]
+        plain = functools.partial(loss, out_sharding=None)
+        unsharded = jax.jit(jax.value_and_grad(plain, argnums=(0, 1, 2)))(x, w1, w2)[1]
+        for a, b in zip(grads, unsharded, strict=True):
+            np.testing.assert_allclose(
+                a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max())
+            )
+    assert results["qbits"] == results["lax"], results
+
+
+if __name__ == "__main__":
+    main()

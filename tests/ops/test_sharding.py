@@ -1,0 +1,12 @@
+import pathlib
+import subprocess
+import sys
+
+
+def test_sharded_equals_unsharded_on_8_cpu_devices():
+    script = pathlib.Path(__file__).with_name("sharded_check.py")
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sharded results equal unsharded" in result.stdout
