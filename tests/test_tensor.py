@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -20,6 +20,7 @@ NIBBLE_VALUES = {
 
 
 @pytest.mark.parametrize("name", sorted(NIBBLE_VALUES))
+@settings(max_examples=15)  # per dtype
 @given(
     shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=7),
     data=st.data(),

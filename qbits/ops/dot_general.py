@@ -16,6 +16,7 @@ from qbits.errors import InvalidArgumentError
 from qbits.ops.config import DotGeneralConfig
 from qbits.ops.dims import Dims
 from qbits.ops.matmul import matmul
+from qbits.tensor import QTensor
 
 __all__ = ["DotGeneral", "dot_general"]
 
@@ -263,6 +264,8 @@ def _grad_sharding(x: Any, perm: tuple[int, ...]) -> Any:
     output sharding is ``x``'s spec in that earlier axis order. Elsewhere
     sharding is left to propagation (``None``).
     """
+    if isinstance(x, QTensor):  # a reused forward operand
+        x = x.qvalue
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:

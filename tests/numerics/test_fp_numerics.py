@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qbits
@@ -48,6 +48,7 @@ def values_around(draw, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@settings(max_examples=15)  # per format; each example compiles anew
 @given(data=st.data())
 def test_outputs_are_representable_finite_and_match_the_cast(fmt, data):
     x = data.draw(values_around(fmt))
