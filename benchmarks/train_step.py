@@ -67,7 +67,8 @@ def make_step(config: qbits.DotGeneralConfig | None, lr: float = 1e-3):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, help="where to write the results")
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--reps", type=int, default=3, help="runs per round")
     args = parser.parse_args()
 
     k = jax.random.split(jax.random.key(0), 4)
@@ -102,22 +103,30 @@ def main() -> None:
             ],
             "times": [],
         }
+    # Paired measurement: each round runs every variant a few times back to
+    # back (keeping the fastest, which filters out preemption) and compares
+    # it with float32 from the same round; the figure is the median of the
+    # per-round ratios, with its interquartile range.
     for _ in range(args.rounds):
         for v in variants.values():
-            start = time.perf_counter()
-            jax.block_until_ready(v["run"](params, x, y))
-            v["times"].append(time.perf_counter() - start)
+            best = float("inf")
+            for _ in range(args.reps):
+                start = time.perf_counter()
+                jax.block_until_ready(v["run"](params, x, y))
+                best = min(best, time.perf_counter() - start)
+            v["times"].append(best)
 
     base = variants["float32"]
-    base_t = statistics.median(base["times"])
     results = []
     for name, v in variants.items():
-        t = statistics.median(v["times"])
+        ratios = sorted(t / b for t, b in zip(v["times"], base["times"], strict=True))
+        q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
         results.append(
             {
                 "variant": name,
-                "step_ms": round(t * 1e3, 3),
-                "time_ratio": round(t / base_t, 3),
+                "step_ms": round(statistics.median(v["times"]) * 1e3, 3),
+                "time_ratio": round(statistics.median(ratios), 3),
+                "time_ratio_iqr": [round(q1, 3), round(q3, 3)],
                 "compile_s": round(v["compile_s"], 3),
                 "compile_ratio": round(v["compile_s"] / base["compile_s"], 3),
                 "dots": v["dots"],
@@ -127,6 +136,7 @@ def main() -> None:
         "benchmark": "train_step",
         "model": f"MLP {IN}->{HIDDEN}->{OUT}, batch {BATCH}, SGD, jit",
         "rounds": args.rounds,
+        "reps_per_round": args.reps,
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "devices": str(jax.devices()[0].device_kind),
@@ -140,11 +150,12 @@ def main() -> None:
         f"{meta['model']} on {meta['backend']} ({meta['devices']}), jax {meta['jax']}"
     )
     print()
-    print("| variant | time / f32 | compile / f32 | dots in the optimized HLO |")
+    print("| variant | time / f32 (IQR) | compile / f32 | dots in the optimized HLO |")
     print("|---|---|---|---|")
     for r in results:
         dots = "; ".join(sorted(set(r["dots"]), key=r["dots"].index))
-        ratios = f"{r['time_ratio']:.2f} | {r['compile_ratio']:.2f}"
+        q1, q3 = r["time_ratio_iqr"]
+        ratios = f"{r['time_ratio']:.2f} ({q1:.2f}-{q3:.2f}) | {r['compile_ratio']:.2f}"
         print(f"| {r['variant']} | {ratios} | {dots} |")
 
 

@@ -36,7 +36,7 @@ class Quantizer(struct.PyTreeNode):
     the scale is ``bound / numerics.abs_val_mapped_to()`` (rounded as
     ``scale_rounding`` says), and
 
-    .. math:: q = \mathrm{numerics}(x / s), \qquad \hat{x} = q \cdot s.
+    .. math:: q = \mathrm{numerics}(x \cdot (1 / s)), \qquad \hat{x} = q \cdot s.
 
     Scales are computed in float32 and carry no gradient, so the fake
     quantization ``quant(x).dequant()`` has exactly the numerics' gradient
@@ -189,27 +189,51 @@ class Quantizer(struct.PyTreeNode):
             s = scale_of(bound)
             return self.numerics.fwd(v / s, context) * s
 
-        bound = self.calibration(lax.stop_gradient(xb), layout.reduce_axes, quantize)
-        scale = lax.stop_gradient(scale_of(bound))
+        # quant_vjp is never differentiated (it runs inside custom VJPs), so
+        # only quant needs the gradient stops (and the storage-cast guard).
+        no_grad = (lambda v: v) if vjp else lax.stop_gradient
+        bound = self.calibration(no_grad(xb), layout.reduce_axes, quantize)
+        # Per-block arithmetic on a flat vector: XLA compiles one kernel for
+        # every distinct computation, and flat vectors of the same length are
+        # the same computation whichever axes the blocks span.
+        blocks = bound.shape
+        scale, inverse = _scale_and_inverse(no_grad(scale_of(bound.reshape(-1))))
+        scale, inverse = scale.reshape(blocks), inverse.reshape(blocks)
         grad = None
         if vjp:
-            q, residuals = self.numerics.vjp_fwd(xb / scale, context)
+            q, residuals = self.numerics.vjp_fwd(xb * inverse, context)
             grad = jax.tree_util.Partial(
                 functools.partial(_numerics_grad, self.numerics, layout.blocked_shape),
                 residuals,
             )
         else:
-            q = self.numerics(xb / scale, context)
+            q = self.numerics(xb * inverse, context)
         q = q.reshape(x.shape)
         if store:
             clipped = isinstance(self.numerics, IntNumerics) and self.numerics.clip
-            q = _to_storage(q, qdtype, saturate=not clipped)
+            q = _to_storage(q, qdtype, saturate=not clipped, guard=not vjp)
         scale = scale.reshape(layout.scale_shape).astype(jnp.float32)
         return QTensor(q, scale, qdtype=qdtype, dtype=x.dtype), grad
 
 
 def _identity(g: jax.Array) -> jax.Array:
     return g
+
+
+def _scale_and_inverse(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``scale`` and ``1 / scale`` (flat vectors), computed together, once.
+
+    Left to itself, XLA copies the small per-block arithmetic that makes a
+    scale into every element of each large consumer (the quantization, the
+    rescaled matmul output), and compiles one more kernel for the reciprocal
+    it uses to divide by the scale. Stacked and divided by a 1 that XLA
+    cannot see (exact), both come from one small kernel that runs once per
+    block.
+    """
+    n = scale.shape[0]
+    both = lax.concatenate([scale, 1.0 / scale], 0)
+    both = both / lax.optimization_barrier(jnp.ones_like(both))
+    return both[:n], both[n:]
 
 
 def _numerics_grad(
@@ -219,7 +243,9 @@ def _numerics_grad(
     return dx.reshape(g.shape)
 
 
-def _to_storage(q: jax.Array, qdtype: np.dtype, *, saturate: bool) -> jax.Array:
+def _to_storage(
+    q: jax.Array, qdtype: np.dtype, *, saturate: bool, guard: bool
+) -> jax.Array:
     """Casts grid values to their storage dtype.
 
     Integers saturate at the dtype's range unless the numerics already clip.
@@ -230,7 +256,7 @@ def _to_storage(q: jax.Array, qdtype: np.dtype, *, saturate: bool) -> jax.Array:
     if saturate and jnp.issubdtype(target, jnp.integer):
         info = ml_dtypes.iinfo(target)
         q = lax.clamp(float(info.min), q, float(info.max))
-    return _cast_no_grad(q, target)
+    return _cast_no_grad(q, target) if guard else q.astype(target)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))

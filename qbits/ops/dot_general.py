@@ -13,9 +13,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from qbits.errors import InvalidArgumentError
-from qbits.ops.config import DotGeneralConfig
+from qbits.ops.config import IDENTITY, DotGeneralConfig, MatmulConfig
 from qbits.ops.dims import Dims
-from qbits.ops.matmul import matmul
+from qbits.ops.matmul import matmul, quantize
 from qbits.tensor import QTensor
 
 __all__ = ["DotGeneral", "dot_general"]
@@ -204,17 +204,41 @@ def _fwd(
         preferred_element_type=preferred_element_type,
         out_sharding=out_sharding,
     )
-    # Keep only what the backward matmuls read: a float operand, or the
-    # forward's stored one when a backward matmul reuses it.
-    reuse_lhs, reuse_rhs = config.drhs.use_fwd_quant, config.dlhs.use_fwd_quant
+    # Keep what the backward matmuls read of the forward operands: quantized
+    # already, as each will use it (stored values are a quarter of float32's
+    # memory, and quantizing next to the forward pass reads the operand while
+    # it is still in cache), or the forward's own quantized operand when a
+    # backward matmul reuses it.
     residuals = (
-        lhs_q.qtensor if reuse_lhs else lhs,
-        rhs_q.qtensor if reuse_rhs else rhs,
+        _for_backward(
+            config.drhs, lhs, lhs_q.qtensor, dims.grad_rhs()[0], key, _DRHS_RHS
+        ),
+        _for_backward(
+            config.dlhs, rhs, rhs_q.qtensor, dims.grad_lhs()[0], key, _DLHS_RHS
+        ),
         lhs_q.grad,
         rhs_q.grad,
         key,
     )
     return out, residuals
+
+
+def _for_backward(
+    cfg: MatmulConfig,
+    x: jax.Array,
+    forward: QTensor,
+    dims: Dims,
+    key: jax.Array | None,
+    stream: int,
+) -> jax.Array | QTensor:
+    """A forward operand as the backward matmul ``cfg`` (its rhs) will use it."""
+    if cfg.use_fwd_quant:
+        return forward
+    if cfg.rhs == IDENTITY:
+        return x
+    (k,) = _keys(key, stream)
+    store = cfg.mode == "real"
+    return quantize(cfg.rhs, x, dims.rhs_contract, k, store=store).qtensor
 
 
 def _bwd(

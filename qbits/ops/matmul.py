@@ -39,6 +39,7 @@ __all__ = [
     "common_dtypes",
     "dot_operand",
     "matmul",
+    "quantize",
     "result_dtype",
 ]
 
@@ -123,85 +124,74 @@ def matmul(
 
     real = cfg.mode == "real"
     if reuse:
-        lhs = _fold_scale_into_lhs(lhs, rhs, dims)
-        # Its scale now lives in the lhs.
-        folded = jnp.ones((1,) * rhs.ndim, jnp.float32)
-        rhs_q = QuantizedOperand(
-            rhs.replace(scale=folded), jax.tree_util.Partial(_identity)
-        )
-    rhs_int = (
-        jnp.issubdtype(rhs.qvalue.dtype, jnp.integer)
-        if reuse
-        else _stores_integers(cfg.rhs)
-    )
-    if real and rhs_int and _stores_integers(cfg.lhs):
-        if reuse:
-            lhs_q = _quantize(cfg.lhs, lhs, dims.lhs_contract, keys[0], store=True)
-            order = dims.lhs_batch + dims.lhs_free + dims.lhs_contract
-            a_vals, a_scale = _laid_out(lhs_q.qtensor, order)
-            b_vals, b_scale = dot_operand(rhs_q.qtensor), rhs_q.qtensor.scale
-            d = dims.moved(order)
-            out = _real_dot(a_vals, a_scale, b_vals, b_scale, d, cfg, precision, None)
-            return _permute(out.astype(out_dtype), out_perm), lhs_q, rhs_q
-        return _integer_matmul(
-            lhs, rhs, dims, cfg, keys, precision, out_dtype, out_perm, out_sharding
-        )
-
-    lhs_q = _quantize(cfg.lhs, lhs, dims.lhs_contract, keys[0], store=real)
-    if not reuse:
-        rhs_q = _quantize(cfg.rhs, rhs, dims.rhs_contract, keys[1], store=real)
-    if real:
-        lqt, rqt = lhs_q.qtensor, rhs_q.qtensor
-        out = _real_dot(
-            dot_operand(lqt),
-            lqt.scale,
-            dot_operand(rqt),
-            rqt.scale,
-            dims,
-            cfg,
-            precision,
-            out_sharding,
-        )
+        rhs_q = _stored_rhs(rhs, lhs, dims)
+        if rhs_q.qtensor is not rhs:  # the reused operand's scale moved to the lhs
+            lhs = _fold_scale_into_lhs(lhs, rhs, dims)
     else:
+        rhs_q = quantize(cfg.rhs, rhs, dims.rhs_contract, keys[1], store=real)
+    lhs_q = quantize(cfg.lhs, lhs, dims.lhs_contract, keys[0], store=real)
+    lqt, rqt = lhs_q.qtensor, rhs_q.qtensor
+    if not real:
         out = lax.dot_general(
-            lhs_q.qtensor.dequant(),
-            rhs_q.qtensor.dequant(),
+            lqt.dequant(),
+            rqt.dequant(),
             dims.lax(),
             precision=precision,
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
         )
+        return _permute(out.astype(out_dtype), out_perm), lhs_q, rhs_q
+    a, b = dot_operand(lqt), dot_operand(rqt)
+    if jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
+        out = _integer_dot(lqt, rqt, dims, cfg, precision, out_perm, out_sharding)
+        return out.astype(out_dtype), lhs_q, rhs_q
+    out = _real_dot(a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding)
     return _permute(out.astype(out_dtype), out_perm), lhs_q, rhs_q
 
 
-def _integer_matmul(
-    lhs: jax.Array,
-    rhs: jax.Array,
+def _stored_rhs(rhs: QTensor, lhs: jax.Array, dims: Dims) -> QuantizedOperand:
+    """A stored rhs: used as it is when its scale factors out of this dot.
+
+    That is the case when it was quantized for this matmul (its scale is
+    shared along the contracted axes, or tiled); a forward operand reused by
+    a backward matmul (``use_fwd_quant``) has its scale along axes this
+    matmul contracts, and the scale is folded into the lhs instead.
+    """
+    identity = jax.tree_util.Partial(_identity)
+    shape = rhs.scale.shape
+    if all(shape[a] == 1 for a in dims.rhs_contract) or _single_tiled(shape, rhs, dims):
+        return QuantizedOperand(rhs, identity)
+    folded = jnp.ones((1,) * rhs.ndim, jnp.float32)
+    return QuantizedOperand(rhs.replace(scale=folded), identity)
+
+
+def _single_tiled(shape: tuple[int, ...], rhs: QTensor, dims: Dims) -> bool:
+    varying = [a for a in dims.rhs_contract if shape[a] != 1]
+    return len(varying) == 1 and 1 < shape[varying[0]] < rhs.shape[varying[0]]
+
+
+def _integer_dot(
+    lhs: QTensor,
+    rhs: QTensor,
     dims: Dims,
     cfg: MatmulConfig,
-    keys: tuple[jax.Array | None, jax.Array | None],
     precision: Any,
-    out_dtype: np.dtype,
     out_perm: Axes | None,
     out_sharding: Any,
-) -> tuple[jax.Array, QuantizedOperand, QuantizedOperand]:
+) -> jax.Array:
     """An integer dot with both operands laid out for XLA (module docstring)."""
-    lhs_q = _quantize(cfg.lhs, lhs, dims.lhs_contract, keys[0], store=True)
-    rhs_q = _quantize(cfg.rhs, rhs, dims.rhs_contract, keys[1], store=True)
     swap = out_perm is not None and tuple(out_perm) == dims.swap_perm()
-    a, b, d = (rhs_q, lhs_q, dims.swapped()) if swap else (lhs_q, rhs_q, dims)
+    a, b, d = (rhs, lhs, dims.swapped()) if swap else (lhs, rhs, dims)
     a_order = d.lhs_batch + d.lhs_free + d.lhs_contract
     b_order = _rhs_order(d)
-    a_vals, a_scale = _laid_out(a.qtensor, a_order)
-    b_vals, b_scale = _laid_out(b.qtensor, b_order)
+    a_vals, a_scale = _laid_out(a, a_order)
+    b_vals, b_scale = _laid_out(b, b_order)
     moved = d.moved(a_order, b_order)
     # Moving operand axes keeps the output layout; exchanging the operands
     # writes the permuted output directly.
     sharding = _permuted_sharding(out_sharding, out_perm) if swap else out_sharding
     out = _real_dot(a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding)
-    if not swap:
-        out = _permute(out, out_perm)
-    return out.astype(out_dtype), lhs_q, rhs_q
+    return out if swap else _permute(out, out_perm)
 
 
 def _permuted_sharding(sharding: Any, perm: Axes | None) -> Any:
@@ -216,8 +206,8 @@ def _rhs_order(d: Dims) -> Axes:
     """The rhs layout for an integer dot.
 
     The rhs stays as it is when it is ``[batch, K, N]`` or ``[batch, N, K]``
-    (both run on the fast kernel, and a transpose costs a strided pass over
-    the float operand); otherwise it becomes ``[batch, K, N]``.
+    (both run on the fast kernel, and a transpose costs a strided pass);
+    otherwise it becomes ``[batch, K, N]``.
     """
     for order in (
         d.rhs_batch + d.rhs_contract + d.rhs_free,
@@ -262,12 +252,7 @@ def _unquantized(x: jax.Array) -> QuantizedOperand:
     return QuantizedOperand(qt, jax.tree_util.Partial(_identity))
 
 
-def _stores_integers(quantizer: Quantizer) -> bool:
-    dtype = quantizer.numerics.get_dtype()
-    return dtype is not None and jnp.issubdtype(dtype, jnp.integer)
-
-
-def _quantize(
+def quantize(
     quantizer: Quantizer,
     x: jax.Array,
     contracting: Axes,
@@ -275,6 +260,7 @@ def _quantize(
     *,
     store: bool,
 ) -> QuantizedOperand:
+    """``quantizer.quant_vjp`` of a matmul operand, stored where it can be."""
     store = store and quantizer.numerics.get_dtype() is not None
     qt, grad = quantizer.quant_vjp(
         x, Context(key), store=store, contracting_axes=contracting
