@@ -435,3 +435,33 @@ def test_real_mode_needs_factorable_scales():
 def test_bad_configs(build, pattern):
     with pytest.raises(InvalidArgumentError, match=pattern):
         build()
+
+
+def test_fp8_lowers_to_the_gpu_fp8_gemm_pattern():
+    # XLA's GPU compiler rewrites a dot of fp8 operands with per-tensor scales
+    # into a cuBLASLt FP8 GEMM; E5M2 x E5M2 is not supported there.
+    e4m3 = Quantizer(qbits.Fp8Numerics("float8_e4m3fn"))
+    e5m2 = Quantizer(qbits.Fp8Numerics("float8_e5m2"))
+    config = DotGeneralConfig(
+        fwd=MatmulConfig(lhs=e4m3, rhs=e4m3),
+        dlhs=MatmulConfig(lhs=e5m2, rhs=e4m3),
+        drhs=MatmulConfig(lhs=e5m2, rhs=e4m3),
+    )
+    dg = qbits.dot_general(config)
+    dn = (((1,), (0,)), ((), ()))
+    x, w = operands((16, 32), (32, 8))
+    text = (
+        jax.jit(jax.grad(lambda x, w: jnp.sum(dg(x, w, dn) ** 2), argnums=(0, 1)))
+        .lower(x, w)
+        .as_text()
+    )
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    operand_types = [line.rsplit(":", 1)[1] for line in dots]
+    assert len(operand_types) == 3
+    assert (
+        "(tensor<16x32xf8E4M3FN>, tensor<32x8xf8E4M3FN>) -> tensor<16x8xf32>"
+        in operand_types[0]
+    )
+    assert all(
+        "xf8E5M2>, tensor<" in t and "xf8E4M3FN>)" in t for t in operand_types[1:]
+    )
