@@ -161,3 +161,22 @@ class DotGeneralConfig(struct.PyTreeNode):
     def needs_key(self) -> bool:
         """Whether any of the three matmuls rounds stochastically."""
         return any(m.needs_key for m in (self.fwd, self.dlhs, self.drhs))
+
+
+def check_config(owner: str, config: Any, key: Any) -> None:
+    """Raises unless ``config`` is a DotGeneralConfig with the key it needs.
+
+    Raises:
+      InvalidArgumentError: For another type, or a config that rounds
+        stochastically without a key (at once, not inside a backward pass).
+    """
+    if not isinstance(config, DotGeneralConfig):
+        raise InvalidArgumentError(owner, "config", config, "a qbits.DotGeneralConfig")
+    if config.needs_key and key is None:
+        raise InvalidArgumentError(
+            owner,
+            "key",
+            None,
+            "a PRNG key (jax.random.key(...))",
+            why="the config rounds stochastically",
+        )

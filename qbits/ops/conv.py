@@ -12,7 +12,7 @@ from jax import lax
 
 from qbits.context import Context
 from qbits.errors import InvalidArgumentError
-from qbits.ops.config import DotGeneralConfig, MatmulConfig
+from qbits.ops.config import DotGeneralConfig, MatmulConfig, check_config
 from qbits.ops.dot_general import _keys
 from qbits.ops.matmul import common_dtypes, dot_operand
 from qbits.tensor import QTensor
@@ -205,18 +205,7 @@ def conv_general_dilated(
       >>> conv(x, w, (1, 1), "SAME").shape
       (2, 4, 8, 8)
     """
-    if not isinstance(config, DotGeneralConfig):
-        raise InvalidArgumentError(
-            "conv_general_dilated", "config", config, "a qbits.DotGeneralConfig"
-        )
-    if config.needs_key and key is None:
-        raise InvalidArgumentError(
-            "conv_general_dilated",
-            "key",
-            None,
-            "a PRNG key (jax.random.key(...))",
-            why="the config rounds stochastically",
-        )
+    check_config("conv_general_dilated", config, key)
     return ConvGeneralDilated(config, key)
 
 

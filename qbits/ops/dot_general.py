@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from qbits.errors import InvalidArgumentError
-from qbits.ops.config import IDENTITY, DotGeneralConfig, MatmulConfig
+from qbits.ops.config import IDENTITY, DotGeneralConfig, MatmulConfig, check_config
 from qbits.ops.dims import Dims
 from qbits.ops.matmul import matmul, quantize
 from qbits.tensor import QTensor
@@ -152,18 +152,7 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
       >>> gx, gw = jax.grad(lambda x, w: dg(x, w, (((1,), (0,)), ((), ()))).sum(),
       ...                   argnums=(0, 1))(x, w)
     """
-    if not isinstance(config, DotGeneralConfig):
-        raise InvalidArgumentError(
-            "dot_general", "config", config, "a qbits.DotGeneralConfig"
-        )
-    if config.needs_key and key is None:
-        raise InvalidArgumentError(
-            "dot_general",
-            "key",
-            None,
-            "a PRNG key (jax.random.key(...))",
-            why="the config rounds stochastically",
-        )
+    check_config("dot_general", config, key)
     return DotGeneral(config, key)
 
 
@@ -251,33 +240,27 @@ def _bwd(
     g: jax.Array,
 ) -> tuple[jax.Array, jax.Array, None]:
     lhs, rhs, lhs_grad, rhs_grad, key = residuals
+
     # The two gradient matmuls, as JAX transposes dot_general:
     # d_lhs = transpose(g . rhs, perm_l), d_rhs = transpose(g . lhs, perm_r).
-    dims_l, perm_l = dims.grad_lhs()
-    dl, _, _ = matmul(
-        g,
-        rhs,
-        dims_l,
-        config.dlhs,
-        _keys(key, _DLHS_LHS, _DLHS_RHS),
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=_grad_sharding(lhs, perm_l),
-        out_perm=perm_l,
-    )
-    dims_r, perm_r = dims.grad_rhs()
-    dr, _, _ = matmul(
-        g,
-        lhs,
-        dims_r,
-        config.drhs,
-        _keys(key, _DRHS_LHS, _DRHS_RHS),
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=_grad_sharding(rhs, perm_r),
-        out_perm=perm_r,
-    )
-    return lhs_grad(dl.astype(lhs.dtype)), rhs_grad(dr.astype(rhs.dtype)), None
+    def gradient(of, other, grad_dims, cfg, streams):
+        dims_, perm = grad_dims
+        out, _, _ = matmul(
+            g,
+            other,
+            dims_,
+            cfg,
+            _keys(key, *streams),
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=_grad_sharding(of, perm),
+            out_perm=perm,
+        )
+        return out.astype(of.dtype)
+
+    dl = gradient(lhs, rhs, dims.grad_lhs(), config.dlhs, (_DLHS_LHS, _DLHS_RHS))
+    dr = gradient(rhs, lhs, dims.grad_rhs(), config.drhs, (_DRHS_LHS, _DRHS_RHS))
+    return lhs_grad(dl), rhs_grad(dr), None
 
 
 def _grad_sharding(x: Any, perm: tuple[int, ...]) -> Any:
