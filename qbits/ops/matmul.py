@@ -92,9 +92,11 @@ def matmul(
 
     Args:
       lhs: Left operand, floating point.
-      rhs: Right operand, floating point; or a stored QTensor to reuse
-        (``use_fwd_quant``): its scale is folded into the lhs before the lhs
-        is quantized, and ``cfg.rhs`` is not used.
+      rhs: Right operand, floating point; or a stored QTensor, which
+        ``cfg.rhs`` does not quantize again: used as it is when it was
+        quantized for this matmul (its scale factors out of the dot), else a
+        forward operand reused by a backward matmul (``use_fwd_quant``),
+        whose scale is folded into the lhs before the lhs is quantized.
       dims: The contraction.
       cfg: How to quantize, and real or fake mode.
       keys: PRNG keys for the lhs and rhs quantizers (stochastic rounding).
@@ -124,7 +126,7 @@ def matmul(
 
     real = cfg.mode == "real"
     if reuse:
-        rhs_q = _stored_rhs(rhs, lhs, dims)
+        rhs_q = _stored_rhs(rhs, dims)
         if rhs_q.qtensor is not rhs:  # the reused operand's scale moved to the lhs
             lhs = _fold_scale_into_lhs(lhs, rhs, dims)
     else:
@@ -149,7 +151,7 @@ def matmul(
     return _permute(out.astype(out_dtype), out_perm), lhs_q, rhs_q
 
 
-def _stored_rhs(rhs: QTensor, lhs: jax.Array, dims: Dims) -> QuantizedOperand:
+def _stored_rhs(rhs: QTensor, dims: Dims) -> QuantizedOperand:
     """A stored rhs: used as it is when its scale factors out of this dot.
 
     That is the case when it was quantized for this matmul (its scale is
