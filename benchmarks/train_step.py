@@ -29,6 +29,7 @@ BATCH, IN, HIDDEN, OUT = 256, 512, 2048, 512
 def configs() -> dict[str, qbits.DotGeneralConfig | None]:
     int8 = qbits.Quantizer(qbits.IntNumerics(bits=8), granularity=qbits.PerChannel())
     int8_mm = qbits.MatmulConfig(lhs=int8, rhs=int8)
+    reuse = int8_mm.replace(use_fwd_quant=True)
     e4m3 = qbits.Quantizer(
         qbits.Fp8Numerics("float8_e4m3fn"), granularity=qbits.PerTensor()
     )
@@ -39,6 +40,11 @@ def configs() -> dict[str, qbits.DotGeneralConfig | None]:
         "float32": None,
         "int8 fwd": qbits.DotGeneralConfig(fwd=int8_mm),
         "int8 fwd+bwd": qbits.DotGeneralConfig(fwd=int8_mm, dlhs=int8_mm, drhs=int8_mm),
+        # AQT's fully_quantized default: the backward matmuls reuse the
+        # forward's quantized operands and quantize only the gradient.
+        "int8 fwd+bwd, reusing fwd": qbits.DotGeneralConfig(
+            fwd=int8_mm, dlhs=reuse, drhs=reuse
+        ),
         "fp8 (e4m3 fwd, e5m2 grads)": qbits.DotGeneralConfig(
             fwd=qbits.MatmulConfig(lhs=e4m3, rhs=e4m3),
             dlhs=qbits.MatmulConfig(lhs=e5m2, rhs=e4m3),
