@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["InvalidArgumentError"]
+__all__ = ["ConfigError", "InvalidArgumentError"]
 
 
 class InvalidArgumentError(ValueError):
@@ -116,3 +116,54 @@ def normalize_axis(owner: str, argument: str, axis: Any, ndim: int) -> int:
             f"an int in {-ndim}..{ndim - 1} for an array of rank {ndim}",
         )
     return axis % ndim
+
+
+class ConfigError(ValueError):
+    """A quantization config (a YAML file, a dict or a rule) is invalid.
+
+    The message names where the bad value sits inside the config, the value
+    and what is allowed, for example
+    ``rules[1].config.fwd.rhs.numerics.bits: expected an int in 1..16, got 32``.
+
+    Attributes:
+      path: Where the value sits, e.g. ``"rules[1].config.fwd.rhs.numerics.bits"``
+        (empty for the whole document).
+      value: The rejected value.
+      allowed: A human-readable description of the allowed values.
+      source: The file the config came from, or ``None``.
+
+    Example:
+      >>> try:
+      ...     qbits.config.from_dict({"fwd": {"lhs": {"numerics": {"type": "int", "bits": 32}}}})
+      ... except qbits.ConfigError as e:
+      ...     print(e)
+      fwd.lhs.numerics.bits: expected an int in 1..16, got 32.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        value: Any,
+        allowed: str,
+        *,
+        why: str = "",
+        source: str | None = None,
+    ):
+        self.path = path
+        self.value = value
+        self.allowed = allowed
+        self.why = why
+        self.source = source
+        where = ": ".join(p for p in (source, path) if p)
+        because = f" ({why})" if why else ""
+        super().__init__(
+            f"{where + ': ' if where else ''}expected {allowed}, "
+            f"got {_show(value)}{because}."
+        )
+
+    def within(self, prefix: str = "", source: str | None = None) -> ConfigError:
+        """The same error with ``prefix`` put before its path."""
+        path = ".".join(p for p in (prefix, self.path) if p).replace(".[", "[")
+        return ConfigError(
+            path, self.value, self.allowed, why=self.why, source=source or self.source
+        )

@@ -4,7 +4,7 @@ from qbits.ops.config import DotGeneralConfig, MatmulConfig
 from qbits.ops.conv import ConvGeneralDilated, conv_general_dilated
 from qbits.ops.dot_general import DotGeneral, dot_general
 from qbits.ops.einsum import Einsum, einsum
-from qbits.ops.hlo import dot_dtypes
+from qbits.ops.hlo import dot_dtypes, jaxpr_dot_dtypes
 
 __all__ = [
     "ConvGeneralDilated",
@@ -16,4 +16,5 @@ __all__ = [
     "dot_dtypes",
     "dot_general",
     "einsum",
+    "jaxpr_dot_dtypes",
 ]

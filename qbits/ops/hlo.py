@@ -7,8 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend
 
-__all__ = ["dot_dtypes"]
+__all__ = ["dot_dtypes", "jaxpr_dot_dtypes"]
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[")
 _DOT = re.compile(r"= (\w+)\[[^\]]*\][^ ]* dot\(%?([\w.\-]+), %?([\w.\-]+)\)")
@@ -55,4 +56,44 @@ def dot_dtypes(f: Callable[..., Any] | str, *args: Any) -> list[tuple[str, str, 
         if m:
             out, a, b = m.groups()
             found.append((dtypes.get(a, "?"), dtypes.get(b, "?"), out))
+    return found
+
+
+def jaxpr_dot_dtypes(f: Callable[..., Any], *args: Any) -> list[tuple[str, str, str]]:
+    """``(lhs, rhs, out)`` dtype names of every ``dot_general`` in ``f``'s jaxpr.
+
+    Walks into nested jaxprs (``jit``, ``custom_vjp``, ``scan``, ...). Unlike
+    :func:`dot_dtypes` it shows what qbits emitted, before XLA rewrites it;
+    only the forward computation is traced unless ``f`` itself differentiates.
+
+    Args:
+      f: A function of ``args``.
+      *args: Arguments for ``f``.
+
+    Returns:
+      One ``(lhs, rhs, out)`` tuple of numpy dtype names per ``dot_general``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.ones((4, 8))
+      >>> int8 = qbits.presets.get("int8_fwd")
+      >>> qbits.ops.jaxpr_dot_dtypes(lambda a, b: qbits.dot_general(int8)(
+      ...     a, b, (((1,), (0,)), ((), ()))), x, x.T)
+      [('int8', 'int8', 'int32')]
+    """
+    found: list[tuple[str, str, str]] = []
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                a, b = (v.aval.dtype.name for v in eqn.invars)
+                found.append((a, b, eqn.outvars[0].aval.dtype.name))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple | list) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
     return found

@@ -1,0 +1,203 @@
+"""Named recipes: ready-made :class:`~qbits.DotGeneralConfig` s.
+
+A preset is a recipe built from the blocks of layers 1-4, never new math.
+Each one is also a YAML file, ``configs/<name>.yaml``, written from
+:func:`yaml_text`; a test keeps the two identical.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from qbits.calibration import AbsMax
+from qbits.errors import ConfigError
+from qbits.granularity import PerChannel, PerTensor, Tiled
+from qbits.numerics import Fp8Numerics, IntNumerics, UniformNoise
+from qbits.ops import DotGeneralConfig, MatmulConfig
+from qbits.quantizer import Quantizer, mx_quantizer
+
+__all__ = ["describe", "get", "names"]
+
+
+def _int(bits: int, *, stochastic: bool = False) -> Quantizer:
+    """AQT v2's integer quantizer: absmax shared along the contracting axes."""
+    noise = UniformNoise() if stochastic else None
+    return Quantizer(IntNumerics(bits=bits, noise_fn=noise), AbsMax(), PerChannel())
+
+
+def _fp8(dtype: str) -> Quantizer:
+    """Per-tensor current scaling: the scale is the tensor's own absmax."""
+    return Quantizer(Fp8Numerics(dtype), AbsMax(), PerTensor())
+
+
+def none() -> DotGeneralConfig:
+    """No quantization: exactly ``lax.dot_general``.
+
+    The float baseline of every ablation, and the config to give layers that
+    must stay float (or use ``null`` in a rule).
+    """
+    return DotGeneralConfig()
+
+
+def int8_fwd() -> DotGeneralConfig:
+    """int8 forward matmul, float backward: quantization-aware training.
+
+    Both operands int8 with AQT v2's defaults (symmetric grid with a zero,
+    bound mapped to 127.5 and clipped to +-127, absmax shared along the
+    contracting axes: per-row activations, per-column weights), so the
+    forward numbers equal AQT's. Follows AQT (Abdolrashidi et al., "Pareto-
+    Optimal Quantized ResNet Is Mostly 4-bit", arXiv 2105.03536).
+    """
+    return DotGeneralConfig(fwd=MatmulConfig(lhs=_int(8), rhs=_int(8)))
+
+
+def int8() -> DotGeneralConfig:
+    """int8 forward and both backward matmuls, stochastic rounding on gradients.
+
+    The forward is :func:`int8_fwd`; in the two backward matmuls the incoming
+    gradient is quantized to int8 with stochastic rounding (unbiased, so
+    gradient noise averages out) and the other operand to int8 with rounding
+    to nearest. Needs a PRNG key. Follows AQT's int8 training of transformers
+    (arXiv 2105.03536) and the int8 training recipe of Jin et al./SwitchBack.
+    """
+    fwd = MatmulConfig(lhs=_int(8), rhs=_int(8))
+    bwd = MatmulConfig(lhs=_int(8, stochastic=True), rhs=_int(8))
+    return DotGeneralConfig(fwd=fwd, dlhs=bwd, drhs=bwd)
+
+
+def int4_fwd() -> DotGeneralConfig:
+    """int4 forward matmul (both operands), float backward.
+
+    4-bit QAT as in AQT's ResNet study (arXiv 2105.03536), with the int4
+    operands widened to int8 for the matmul where the backend lacks int4.
+    """
+    return DotGeneralConfig(fwd=MatmulConfig(lhs=_int(4), rhs=_int(4)))
+
+
+def w4a8() -> DotGeneralConfig:
+    """int4 per-channel weights, int8 activations, float backward.
+
+    The serving format of GPTQ/AWQ-style deployments (W4A8, e.g. QServe,
+    arXiv 2405.04532): weights (the rhs) int4 with one scale per output
+    channel, activations (the lhs) int8 with one scale per row.
+    """
+    return DotGeneralConfig(fwd=MatmulConfig(lhs=_int(8), rhs=_int(4)))
+
+
+def int4_weight_only() -> DotGeneralConfig:
+    """int4 weights in tiles of 128 along the contracting axis, float activations.
+
+    Weight-only subchannel quantization (group size 128) as in GPTQ
+    (arXiv 2210.17323) and AWQ (arXiv 2306.00978): the activations stay
+    float. The contracting size of every layer it applies to must be a
+    multiple of 128.
+    """
+    rhs = Quantizer(IntNumerics(bits=4), AbsMax(), Tiled(tile_size=128))
+    return DotGeneralConfig(fwd=MatmulConfig(rhs=rhs))
+
+
+def fp8() -> DotGeneralConfig:
+    """FP8 training: E4M3 forward, E5M2 gradients, per-tensor current scaling.
+
+    The recipe of Micikevicius et al., "FP8 Formats for Deep Learning"
+    (arXiv 2209.05433), and Transformer Engine: forward operands E4M3, the
+    incoming gradient E5M2 (the other backward operand E4M3, never both
+    E5M2), one scale per tensor from its own absmax. On Hopper-class GPUs each
+    matmul becomes a cuBLASLt FP8 GEMM.
+    """
+    fwd = MatmulConfig(lhs=_fp8("float8_e4m3fn"), rhs=_fp8("float8_e4m3fn"))
+    bwd = MatmulConfig(lhs=_fp8("float8_e5m2"), rhs=_fp8("float8_e4m3fn"))
+    return DotGeneralConfig(fwd=fwd, dlhs=bwd, drhs=bwd)
+
+
+def mxfp8() -> DotGeneralConfig:
+    """MXFP8 in all three matmuls: tiles of 32 with E8M0 scales.
+
+    OCP Microscaling v1.0 and Rouhani et al., "Microscaling Data Formats for
+    Deep Learning" (arXiv 2310.10537): E4M3 elements forward, E5M2 for the
+    incoming gradient, each tile of 32 along the contracting axis sharing a
+    power-of-two scale (rounded up, so nothing clips).
+    """
+    e4m3 = mx_quantizer("float8_e4m3fn")
+    fwd = MatmulConfig(lhs=e4m3, rhs=e4m3)
+    bwd = MatmulConfig(lhs=mx_quantizer("float8_e5m2"), rhs=e4m3)
+    return DotGeneralConfig(fwd=fwd, dlhs=bwd, drhs=bwd)
+
+
+def mxfp4() -> DotGeneralConfig:
+    """MXFP4 forward matmul (E2M1 elements, tiles of 32, E8M0 scales).
+
+    The 4-bit MX format of OCP Microscaling v1.0 (arXiv 2310.10537) for both
+    forward operands; the backward stays float, as 4-bit gradients need more
+    than rounding to train well.
+    """
+    e2m1 = mx_quantizer("float4_e2m1fn")
+    return DotGeneralConfig(fwd=MatmulConfig(lhs=e2m1, rhs=e2m1))
+
+
+_PRESETS: dict[str, Callable[[], DotGeneralConfig]] = {
+    f.__name__: f
+    for f in (
+        none,
+        int8_fwd,
+        int8,
+        int4_fwd,
+        w4a8,
+        int4_weight_only,
+        fp8,
+        mxfp8,
+        mxfp4,
+    )
+}
+
+
+def names() -> tuple[str, ...]:
+    """The names of all presets.
+
+    Example:
+      >>> "int8" in qbits.presets.names()
+      True
+    """
+    return tuple(_PRESETS)
+
+
+def check_name(name: object, path: str = "") -> str:
+    """Returns ``name`` if it names a preset.
+
+    Raises:
+      ConfigError: Naming ``path``, for anything else.
+    """
+    if not isinstance(name, str) or name not in _PRESETS:
+        raise ConfigError(path, name, "a preset name: " + ", ".join(_PRESETS))
+    return name
+
+
+def get(name: str) -> DotGeneralConfig:
+    """The preset called ``name``.
+
+    Args:
+      name: One of :func:`names`.
+
+    Returns:
+      A :class:`~qbits.DotGeneralConfig`.
+
+    Raises:
+      ConfigError: For an unknown name.
+
+    Example:
+      >>> cfg = qbits.presets.get("int8_fwd")
+      >>> cfg.fwd.rhs.numerics.bits, cfg.dlhs.is_identity
+      (8, True)
+    """
+    return _PRESETS[check_name(name)]()
+
+
+def describe(name: str) -> str:
+    """What the preset is for and which paper or system it follows.
+
+    Example:
+      >>> qbits.presets.describe("fp8").splitlines()[0]
+      'FP8 training: E4M3 forward, E5M2 gradients, per-tensor current scaling.'
+    """
+    return inspect.getdoc(_PRESETS[check_name(name)]) or ""
