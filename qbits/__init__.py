@@ -11,12 +11,23 @@ in this file):
 3. :class:`QTensor` and :class:`Quantizer` (:func:`mx_quantizer`).
 4. ops: :func:`dot_general`, :func:`einsum` and :func:`conv_general_dilated`,
    configured by :class:`DotGeneralConfig` and :class:`MatmulConfig`.
+5. config: YAML files (:func:`load_config`), :mod:`presets`, per-layer rules
+   (:class:`QuantConfig`, :class:`Rule`); bad configs raise
+   :class:`ConfigError`.
 """
 
-from qbits import calibration, granularity, numerics, ops, tensor
+from qbits import calibration, config, granularity, numerics, ops, tensor
 from qbits.calibration import AbsMax, Calibration, ConstantBound, MseSearch, Percentile
+from qbits.config import (
+    LayerTable,
+    QuantConfig,
+    Rule,
+    UnusedRuleWarning,
+    load_config,
+    presets,
+)
 from qbits.context import Context
-from qbits.errors import InvalidArgumentError
+from qbits.errors import ConfigError, InvalidArgumentError
 from qbits.granularity import Granularity, PerChannel, PerTensor, Tiled
 from qbits.numerics import (
     Fp8Numerics,
@@ -44,6 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AbsMax",
     "Calibration",
+    "ConfigError",
     "ConstantBound",
     "Context",
     "ConvGeneralDilated",
@@ -55,6 +67,7 @@ __all__ = [
     "Granularity",
     "IntNumerics",
     "InvalidArgumentError",
+    "LayerTable",
     "MatmulConfig",
     "MseSearch",
     "NoNumerics",
@@ -63,16 +76,22 @@ __all__ = [
     "Percentile",
     "QNumerics",
     "QTensor",
+    "QuantConfig",
     "Quantizer",
+    "Rule",
     "Tiled",
     "UniformNoise",
+    "UnusedRuleWarning",
     "calibration",
+    "config",
     "conv_general_dilated",
     "dot_general",
     "einsum",
     "granularity",
+    "load_config",
     "mx_quantizer",
     "numerics",
     "ops",
+    "presets",
     "tensor",
 ]

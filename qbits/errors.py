@@ -133,8 +133,9 @@ class ConfigError(ValueError):
       source: The file the config came from, or ``None``.
 
     Example:
+      >>> data = {"fwd": {"lhs": {"numerics": {"type": "int", "bits": 32}}}}
       >>> try:
-      ...     qbits.config.from_dict({"fwd": {"lhs": {"numerics": {"type": "int", "bits": 32}}}})
+      ...     qbits.config.from_dict(data)
       ... except qbits.ConfigError as e:
       ...     print(e)
       fwd.lhs.numerics.bits: expected an int in 1..16, got 32.

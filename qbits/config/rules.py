@@ -34,7 +34,19 @@ ConfigRef = DotGeneralConfig | str | None
 
 
 class UnusedRuleWarning(UserWarning):
-    """Some rules of a :class:`QuantConfig` matched no layer of the model."""
+    """Some rules of a :class:`QuantConfig` matched no layer of the model.
+
+    Example:
+      A rule that matches nothing is reported, never silently ignored:
+
+      >>> import warnings
+      >>> qc = qbits.QuantConfig(rules=(qbits.Rule("mlp/.*", "int8_fwd"),))
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     qc.table([("head", "Dense")]).warn_unused()
+      >>> str(caught[0].message)
+      "rules[0] (pattern 'mlp/.*') matched no layer"
+    """
 
 
 def _check_ref(ref: Any, path: str) -> ConfigRef:
@@ -230,6 +242,17 @@ class LayerTable:
       rows: One :class:`LayerRow` per layer, in model order.
       unused_rules: Indices of rules that matched no layer.
       patterns: The patterns of all rules (to name the unused ones).
+
+    Example:
+      >>> qc = qbits.QuantConfig(rules=(qbits.Rule("head", None),), default="int8_fwd")
+      >>> table = qc.table([("fc1", "Dense"), ("head", "Dense")])
+      >>> print(table)
+      | layer | kind | config | from |
+      |---|---|---|---|
+      | fc1 | Dense | int8_fwd | default |
+      | head | Dense | float | rules[0].config |
+      >>> table.configs()["head"] is None
+      True
     """
 
     rows: tuple[LayerRow, ...]

@@ -1,0 +1,87 @@
+"""Per-layer rules: matching, the per-layer table, operand checks."""
+
+import pytest
+
+import qbits
+from qbits.config import check_operands
+
+DN = (((1,), (0,)), ((), ()))
+
+
+def _config():
+    return qbits.QuantConfig(
+        rules=(
+            qbits.Rule(r".*attn/(query|key|value)", "int8_fwd"),
+            qbits.Rule(r".*attn/.*", "fp8"),
+            qbits.Rule(r"head", None),
+            qbits.Rule(r"never/.*", "int8"),
+        ),
+        default="w4a8",
+    )
+
+
+def test_first_full_match_wins():
+    qc = _config()
+    assert qc.resolve("blocks_0/attn/query").name == "int8_fwd"
+    assert qc.resolve("blocks_0/attn/query").rule == 0
+    assert qc.resolve("blocks_0/attn/out").name == "fp8"  # rule 0 does not match
+    assert qc.resolve("head").config is None and qc.resolve("head").rule == 2
+    # Full match: "head" does not match "lm_head", which gets the default.
+    res = qc.resolve("lm_head")
+    assert res.rule is None and res.where == "default"
+    assert res.config == qbits.presets.get("w4a8")
+
+
+def test_table_lists_each_layer_and_the_rules_that_matched_nothing():
+    layers = [
+        ("blocks_0/attn/query", "DenseGeneral"),
+        ("blocks_0/attn/qk", "MultiHeadDotProductAttention.qk"),
+        ("blocks_0/mlp/fc1", "Dense"),
+        ("head", "Dense"),
+    ]
+    table = _config().table(layers, explicit=["blocks_0/mlp/fc1"])
+    assert [r.describe() for r in table.rows] == [
+        "int8_fwd",
+        "fp8",
+        "explicit",
+        "float",
+    ]
+    assert table.unused_rules == (3,)
+    assert "rules[3] (pattern 'never/.*') matched no layer" in str(table)
+    assert table.configs() == {
+        "blocks_0/attn/query": qbits.presets.get("int8_fwd"),
+        "blocks_0/attn/qk": qbits.presets.get("fp8"),
+        "head": None,
+    }
+    data = table.as_dicts()
+    assert data[0]["source"] == "rules[0].config"
+    assert data[0]["resolved"] == qbits.config.to_dict(qbits.presets.get("int8_fwd"))
+    assert data[2]["source"] == "model" and data[3]["resolved"] is None
+    assert table["head"].kind == "Dense"
+    with pytest.warns(qbits.UnusedRuleWarning, match="never"):
+        table.warn_unused()
+
+
+def test_inline_configs_and_an_empty_config():
+    inline = qbits.presets.get("int4_fwd")
+    qc = qbits.QuantConfig(rules=[qbits.Rule("a", inline)])
+    assert qc.rules == (qbits.Rule("a", inline),)
+    assert qc.resolve("a").config == inline and qc.resolve("a").name is None
+    assert qbits.QuantConfig().resolve("anything").config is None
+
+
+def test_check_operands_names_the_matmul_and_operand_that_does_not_fit():
+    cfg = qbits.presets.get("int4_weight_only")
+    check_operands(cfg, (4, 256), (256, 8), DN, "rules[0].config")
+    with pytest.raises(qbits.ConfigError) as info:
+        check_operands(cfg, (4, 200), (200, 8), DN, "rules[0].config")
+    assert info.value.path == "rules[0].config.fwd.rhs.granularity.tile_size"
+    assert "a divisor of 200" in str(info.value)
+    # MXFP8 tiles the backward matmuls along the output features: 8 is too few.
+    with pytest.raises(qbits.ConfigError) as info:
+        check_operands(qbits.presets.get("mxfp8"), (4, 64), (64, 8), DN, "default")
+    assert info.value.path == "default.dlhs.lhs.granularity.tile_size"
+    # ... and the weight gradient contracts over the batch: 4 rows are too few.
+    with pytest.raises(qbits.ConfigError, match=r"^drhs\.lhs\.granularity"):
+        check_operands(qbits.presets.get("mxfp8"), (4, 64), (64, 32), DN)
+    check_operands(qbits.presets.get("mxfp8"), (32, 64), (64, 32), DN)

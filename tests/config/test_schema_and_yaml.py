@@ -1,0 +1,412 @@
+"""Configs as data and YAML: round trips, presets, bad files."""
+
+import os
+import pathlib
+
+import pytest
+import yaml
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import qbits
+from qbits import config as qc
+from qbits.numerics.formats import FLOAT_FORMATS
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FORMATS = sorted(FLOAT_FORMATS)
+
+
+@pytest.mark.parametrize("name", qbits.presets.names())
+def test_every_preset_round_trips_through_yaml_and_dicts(name):
+    cfg = qbits.presets.get(name)
+    assert qc.loads(qc.dumps(cfg)) == cfg
+    assert qc.from_dict(qc.to_dict(cfg)) == cfg
+    # The dump is plain data: safe_dump accepts it, safe_load gives it back.
+    data = qc.to_dict(cfg)
+    assert yaml.safe_load(yaml.safe_dump(data)) == data
+
+
+@pytest.mark.parametrize("name", qbits.presets.names())
+def test_configs_folder_holds_every_preset_and_is_current(name):
+    path = ROOT / "configs" / f"{name}.yaml"
+    assert path.read_text() == qc.preset_yaml(name), (
+        f"{path} is stale: run python -c "
+        "\"import qbits; qbits.config.write_presets('configs')\""
+    )
+    assert qc.load(path) == qbits.presets.get(name)
+    assert qbits.load_config(path).default == qbits.presets.get(name)
+    # The header says what it is for and which work it follows.
+    assert "arXiv" in path.read_text() or name == "none"
+
+
+def test_presets_are_what_their_names_say():
+    get = qbits.presets.get
+    assert get("none").is_identity
+    int8_fwd = get("int8_fwd")
+    assert int8_fwd.fwd.lhs.numerics == qbits.IntNumerics(bits=8)
+    assert int8_fwd.fwd.lhs.granularity == qbits.PerChannel()
+    assert int8_fwd.dlhs.is_identity and int8_fwd.drhs.is_identity
+    int8 = get("int8")
+    assert int8.needs_key and not int8_fwd.needs_key
+    assert int8.dlhs.lhs.numerics.noise_fn is not None
+    assert int8.dlhs.rhs.numerics.noise_fn is None
+    assert get("w4a8").fwd.rhs.numerics.bits == 4
+    assert get("w4a8").fwd.lhs.numerics.bits == 8
+    wo = get("int4_weight_only").fwd
+    assert wo.lhs.numerics == qbits.NoNumerics()
+    assert wo.rhs.granularity == qbits.Tiled(tile_size=128)
+    fp8 = get("fp8")
+    assert fp8.fwd.lhs.numerics.dtype.name == "float8_e4m3fn"
+    for bwd in (fp8.dlhs, fp8.drhs):
+        assert bwd.lhs.numerics.dtype.name == "float8_e5m2"
+        assert bwd.rhs.numerics.dtype.name == "float8_e4m3fn"
+    assert fp8.fwd.lhs.granularity == qbits.PerTensor()
+    for name, element in (("mxfp8", "float8_e4m3fn"), ("mxfp4", "float4_e2m1fn")):
+        q = get(name).fwd.rhs
+        assert q.numerics.dtype.name == element
+        assert q.granularity == qbits.Tiled(tile_size=32)
+        assert q.scale_rounding == "e8m0"
+    assert set(qbits.presets.names()) >= {
+        "none", "int8_fwd", "int8", "int4_fwd", "w4a8", "int4_weight_only",
+        "fp8", "mxfp8", "mxfp4",
+    }  # fmt: skip
+
+
+@st.composite
+def quantizers(draw):
+    kind = draw(st.sampled_from(["int", "fp", "none"]))
+    noise = draw(st.sampled_from([None, qbits.UniformNoise()]))
+    if kind == "int":
+        bits = draw(st.integers(1, 16))
+        numerics = qbits.IntNumerics(
+            bits=bits,
+            preserve_zero=bits > 1 and draw(st.booleans()),
+            preserve_max_val=draw(st.booleans()),
+            clip=draw(st.booleans()),
+            clip_gradient=draw(st.booleans()),
+            round=draw(st.booleans()),
+            noise_fn=noise,
+        )
+    elif kind == "fp":
+        numerics = qbits.FpNumerics(
+            draw(st.sampled_from(FORMATS)),
+            clip=draw(st.booleans()),
+            clip_gradient=draw(st.booleans()),
+            noise_fn=noise,
+        )
+    else:
+        numerics = qbits.NoNumerics()
+    calibration = draw(
+        st.sampled_from(
+            [
+                qbits.AbsMax(),
+                qbits.AbsMax(clip_factor=0.9),
+                qbits.Percentile(99.5),
+                qbits.MseSearch(clip_factors=(1.0, 0.8)),
+                qbits.ConstantBound(2.5),
+            ]
+        )
+    )
+    granularity = draw(
+        st.sampled_from(
+            [
+                qbits.PerTensor(),
+                qbits.PerChannel(),
+                qbits.PerChannel(shared_axes=(0, -1)),
+                qbits.Tiled(tile_size=16),
+                qbits.Tiled(axis=-1, tile_size=8, shared_axes=(0,)),
+            ]
+        )
+    )
+    rounding = draw(st.sampled_from(["none", "pow2", "e8m0"]))
+    return qbits.Quantizer(numerics, calibration, granularity, rounding)
+
+
+@given(
+    st.lists(quantizers(), min_size=6, max_size=6),
+    st.sampled_from(["real", "fake"]),
+    st.sampled_from([None, "int32", "float32"]),
+)
+def test_any_config_round_trips(qs, mode, accumulator):
+    try:
+        mms = [
+            qbits.MatmulConfig(qs[i], qs[i + 1], mode=mode, accumulator=accumulator)
+            for i in (0, 2, 4)
+        ]
+    except qbits.InvalidArgumentError:
+        assume(False)
+    cfg = qbits.DotGeneralConfig(*mms)
+    assert qc.loads(qc.dumps(cfg)) == cfg
+
+
+def test_multi_rule_file_round_trips(tmp_path):
+    text = """
+rules:
+  - pattern: '.*attn/(query|key|value|out)'
+    config: int8_fwd
+  - pattern: '.*attn/(qk|pv)'
+    config:
+      fwd:
+        lhs: {numerics: {type: fp8, dtype: float8_e4m3fn}, granularity: per_tensor}
+        rhs: {numerics: {type: fp8}, granularity: per_tensor}
+  - pattern: '.*mlp.*'
+    config: w4a8
+  - pattern: head
+    config: null
+default: int8
+"""
+    path = tmp_path / "rules.yaml"
+    path.write_text(text)
+    loaded = qbits.load_config(path)
+    assert [r.config for r in loaded.rules][::2] == ["int8_fwd", "w4a8"]
+    assert loaded.rules[3].config is None and loaded.default == "int8"
+    qc.dump(loaded, tmp_path / "again.yaml")
+    assert qbits.load_config(tmp_path / "again.yaml") == loaded
+    assert qc.from_dict(qc.to_dict(loaded), qbits.QuantConfig) == loaded
+
+
+def test_single_config_and_preset_name_files_become_defaults(tmp_path):
+    (tmp_path / "a.yaml").write_text("int4_fwd\n")
+    assert qbits.load_config(tmp_path / "a.yaml").default == qbits.presets.get(
+        "int4_fwd"
+    )
+    (tmp_path / "b.yaml").write_text("fwd: {rhs: {numerics: {type: int, bits: 3}}}")
+    qcfg = qbits.load_config(tmp_path / "b.yaml")
+    assert qcfg.rules == () and qcfg.default.fwd.rhs.numerics.bits == 3
+
+
+# ---------------------------------------------------------------------------
+# Bad files: one exception type, naming the path, the value and what is allowed.
+
+BAD_FILES = [
+    # (name, yaml, path in the message, text the message must contain)
+    ("empty", "", "", "the document is empty"),
+    ("only a comment", "# nothing\n", "", "the document is empty"),
+    ("list at top", "- a\n- b\n", "", "a mapping"),
+    ("number at top", "42\n", "", "got 42"),
+    ("unknown preset at top", "int9\n", "", "int8_fwd"),
+    ("unknown top key", "fwdd: {}\n", "fwdd", "fwd, dlhs, drhs"),
+    ("mixed kinds of keys", "fwd: {}\nrules: []\n", "fwd", "both kinds"),
+    (
+        "python tag",
+        "fwd: !!python/object/apply:os.system ['echo hi']\n",
+        "",
+        "plain YAML",
+    ),
+    ("python name tag", "default: !!python/name:os.system\n", "", "plain YAML"),
+    ("syntax error", "fwd: {lhs: [}\n", "", "valid YAML"),
+    ("duplicate key", "fwd: {}\nfwd: {}\n", "", "duplicate key at line 2"),
+    (
+        "unknown field",
+        "fwd: {lhs: {numerics: {type: int, bitz: 8}}}\n",
+        "fwd.lhs.numerics.bitz",
+        "preserve_zero",
+    ),
+    (
+        "bits out of range",
+        "rules:\n- {pattern: a, config: null}\n- pattern: b\n  config:\n"
+        "    fwd: {rhs: {numerics: {type: int, bits: 32}}}\n",
+        "rules[1].config.fwd.rhs.numerics.bits",
+        "an int in 1..16, got 32",
+    ),
+    (
+        "bits wrong type",
+        "fwd: {rhs: {numerics: {type: int, bits: '8'}}}\n",
+        "fwd.rhs.numerics.bits",
+        "got '8'",
+    ),
+    (
+        "bool wrong type",
+        "fwd: {rhs: {numerics: {type: int, clip: maybe}}}\n",
+        "fwd.rhs.numerics.clip",
+        "True or False",
+    ),
+    (
+        "storage dtype too small",
+        "fwd: {rhs: {numerics: {type: int, bits: 8, dtype: int4}}}\n",
+        "fwd.rhs.numerics.dtype",
+        "int4",
+    ),
+    (
+        "unknown float format",
+        "fwd: {rhs: {numerics: {type: fp, dtype: float7_e3m3}}}\n",
+        "fwd.rhs.numerics.dtype",
+        "float8_e4m3fn",
+    ),
+    (
+        "fp8 numerics with a 4-bit format",
+        "fwd: {rhs: {numerics: {type: fp8, dtype: float4_e2m1fn}}}\n",
+        "fwd.rhs.numerics.dtype",
+        "float8",
+    ),
+    (
+        "missing required field",
+        "fwd: {rhs: {numerics: {type: fp}}}\n",
+        "fwd.rhs.numerics.dtype",
+        "required",
+    ),
+    (
+        "unknown numerics type",
+        "fwd: {rhs: {numerics: {type: posit}}}\n",
+        "fwd.rhs.numerics.type",
+        "int, fp, fp8, none",
+    ),
+    (
+        "numerics without a type",
+        "fwd: {rhs: {numerics: {bits: 8}}}\n",
+        "fwd.rhs.numerics.type",
+        "int, fp",
+    ),
+    (
+        "unknown calibration",
+        "fwd: {rhs: {numerics: int, calibration: minmax}}\n",
+        "fwd.rhs.calibration",
+        "absmax, percentile, mse, constant",
+    ),
+    (
+        "percentile out of range",
+        "fwd: {rhs: {numerics: int, calibration: {type: percentile, "
+        "percentile: 120}}}\n",
+        "fwd.rhs.calibration.percentile",
+        "120",
+    ),
+    (
+        "empty clip factor list",
+        "fwd: {rhs: {numerics: int, calibration: {type: mse, clip_factors: []}}}\n",
+        "fwd.rhs.calibration.clip_factors",
+        "non-empty",
+    ),
+    (
+        "negative clip factor in a list",
+        "fwd: {rhs: {numerics: int, calibration: {type: mse, "
+        "clip_factors: [1.0, -0.5]}}}\n",
+        "fwd.rhs.calibration.clip_factors[1]",
+        "-0.5",
+    ),
+    (
+        "tile size zero",
+        "fwd: {rhs: {numerics: int, granularity: {type: tiled, tile_size: 0}}}\n",
+        "fwd.rhs.granularity.tile_size",
+        "an int >= 1",
+    ),
+    (
+        "unknown scale rounding",
+        "fwd: {rhs: {numerics: int, scale_rounding: pow3}}\n",
+        "fwd.rhs.scale_rounding",
+        "e8m0",
+    ),
+    ("unknown mode", "fwd: {mode: approximate}\n", "fwd.mode", "'real' or 'fake'"),
+    (
+        "bad accumulator",
+        "fwd: {accumulator: int8}\n",
+        "fwd.accumulator",
+        "int32 or float32",
+    ),
+    (
+        "use_fwd_quant on the forward",
+        "fwd: {use_fwd_quant: true}\n",
+        "fwd.use_fwd_quant",
+        "only backward",
+    ),
+    ("matmul not a mapping", "dlhs: int8\n", "dlhs", "a mapping"),
+    ("rules not a list", "rules: {pattern: a}\n", "rules", "a list of rules"),
+    ("rule not a mapping", "rules: [int8]\n", "rules[0]", "pattern and config"),
+    (
+        "invalid regex",
+        "rules:\n- {pattern: '(attn', config: int8}\n",
+        "rules[0].pattern",
+        "a valid regular expression",
+    ),
+    (
+        "regex not a string",
+        "rules:\n- {pattern: 12, config: int8}\n",
+        "rules[0].pattern",
+        "a regular expression",
+    ),
+    (
+        "unknown preset in a rule",
+        "rules:\n- {pattern: a, config: int8}\n- {pattern: b, config: int7}\n",
+        "rules[1].config",
+        "a preset name",
+    ),
+    (
+        "rule without config",
+        "rules:\n- {pattern: head}\n",
+        "rules[0].config",
+        "config: null",
+    ),
+    (
+        "unknown rule key",
+        "rules:\n- {pattern: head, config: null, confg: int8}\n",
+        "rules[0].confg",
+        "pattern, config",
+    ),
+    ("unknown default preset", "default: int3\n", "default", "a preset name"),
+    ("default wrong type", "default: 8\n", "default", "null"),
+    ("non-string key", "fwd: {1: 2}\n", "fwd", "string keys"),
+]
+
+
+@pytest.mark.parametrize(
+    "text,path,needle", [b[1:] for b in BAD_FILES], ids=[b[0] for b in BAD_FILES]
+)
+def test_bad_files_raise_config_error_naming_path_value_and_allowed(
+    tmp_path, text, path, needle
+):
+    file = tmp_path / "bad.yaml"
+    file.write_text(text)
+    with pytest.raises(qbits.ConfigError) as info:
+        qbits.load_config(file)
+    err = info.value
+    assert err.path == path
+    assert err.source == os.fspath(file)
+    message = str(err)
+    assert message.startswith(f"{file}: {path + ': ' if path else ''}expected ")
+    assert needle in message
+
+
+def test_there_are_at_least_twenty_distinct_bad_files():
+    assert len({b[1] for b in BAD_FILES}) >= 20
+
+
+def test_python_tag_never_runs(tmp_path):
+    marker = tmp_path / "ran"
+    text = f"default: !!python/object/apply:os.system ['touch {marker}']\n"
+    with pytest.raises(qbits.ConfigError):
+        qc.loads(text)
+    assert not marker.exists()
+
+
+def test_unreadable_file_is_a_config_error(tmp_path):
+    with pytest.raises(qbits.ConfigError, match="a readable file"):
+        qbits.load_config(tmp_path / "missing.yaml")
+
+
+def test_config_errors_from_python():
+    with pytest.raises(qbits.ConfigError, match="int8_fwd"):
+        qbits.presets.get("int9")
+    with pytest.raises(qbits.ConfigError, match="pattern: expected a valid"):
+        qbits.Rule("[", None)
+    with pytest.raises(qbits.ConfigError, match=r"rules\[0\]: expected a qbits.Rule"):
+        qbits.QuantConfig(rules=("int8",))
+    with pytest.raises(qbits.ConfigError, match="default: expected a preset name"):
+        qbits.QuantConfig(default=3)
+    with pytest.raises(qbits.ConfigError, match=r"fwd\.lhs\.numerics\.bits"):
+        qc.from_dict({"fwd": {"lhs": {"numerics": {"type": "int", "bits": 0}}}})
+
+
+def test_to_dict_rejects_what_it_cannot_write():
+    unregistered = qbits.Quantizer(qbits.IntNumerics(bits=8, noise_fn=lambda s, k: 0))
+    with pytest.raises(qbits.InvalidArgumentError, match="noise_fn"):
+        qc.to_dict(unregistered)
+    with pytest.raises(qbits.InvalidArgumentError, match="a qbits config object"):
+        qc.to_dict({"fwd": {}})
+
+
+def test_register_rejects_bad_arguments():
+    with pytest.raises(qbits.InvalidArgumentError, match="field"):
+        qc.register("numerix", "x", qbits.IntNumerics)
+    with pytest.raises(qbits.InvalidArgumentError, match="cls"):
+        qc.register("numerics", "x", qbits.AbsMax)
+    with pytest.raises(qbits.InvalidArgumentError, match="not taken"):
+        qc.register("numerics", "int", qbits.FpNumerics)
