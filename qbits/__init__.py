@@ -14,6 +14,8 @@ in this file):
 5. config: YAML files (:func:`load_config`), :mod:`presets`, per-layer rules
    (:class:`QuantConfig`, :class:`Rule`); bad configs raise
    :class:`ConfigError`.
+6. Flax: :mod:`qbits.flax` (linen) and :mod:`qbits.nnx` quantize unmodified
+   models by per-layer rules (``quantize``, ``layer_table``).
 """
 
 from qbits import calibration, config, granularity, numerics, ops, tensor
@@ -48,6 +50,8 @@ from qbits.ops import (
     einsum,
 )
 from qbits.quantizer import Quantizer, mx_quantizer
+
+from qbits import flax, nnx  # isort: skip  (layer 6 imports everything above)
 from qbits.tensor import QTensor
 
 __version__ = "0.1.0"
@@ -87,9 +91,11 @@ __all__ = [
     "conv_general_dilated",
     "dot_general",
     "einsum",
+    "flax",
     "granularity",
     "load_config",
     "mx_quantizer",
+    "nnx",
     "numerics",
     "ops",
     "presets",

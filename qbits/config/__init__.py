@@ -16,6 +16,7 @@ from qbits.config.rules import (
     Resolution,
     Rule,
     UnusedRuleWarning,
+    check_conv_operands,
     check_operands,
 )
 from qbits.config.schema import from_dict, register, to_dict
@@ -36,6 +37,7 @@ __all__ = [
     "Resolution",
     "Rule",
     "UnusedRuleWarning",
+    "check_conv_operands",
     "check_operands",
     "dump",
     "dumps",

@@ -10,6 +10,7 @@ silently resolve to the last one. A file holds either one config (keys
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import yaml
@@ -120,11 +121,13 @@ def loads(text: str, source: str | None = None) -> DotGeneralConfig | QuantConfi
     except ConfigError as e:
         raise e.within(source=source) from None
     except yaml.constructor.ConstructorError as e:
+        tag = re.search(r"tag '([^']*)'", e.problem or "")
+        line = getattr(e.problem_mark, "line", -1) + 1
         raise ConfigError(
             "",
-            getattr(e.problem_mark, "line", -1) + 1,
+            tag.group(1) if tag else e.problem,
             "plain YAML: mappings, lists, strings, numbers, booleans and null",
-            why=f"line {getattr(e.problem_mark, 'line', -1) + 1}: {e.problem}",
+            why=f"line {line}: a tag that would build a Python object",
             source=source,
         ) from None
     except yaml.YAMLError as e:

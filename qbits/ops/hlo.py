@@ -59,7 +59,9 @@ def dot_dtypes(f: Callable[..., Any] | str, *args: Any) -> list[tuple[str, str, 
     return found
 
 
-def jaxpr_dot_dtypes(f: Callable[..., Any], *args: Any) -> list[tuple[str, str, str]]:
+def jaxpr_dot_dtypes(
+    f: Callable[..., Any], *args: Any, primitive: str = "dot_general"
+) -> list[tuple[str, str, str]]:
     """``(lhs, rhs, out)`` dtype names of every ``dot_general`` in ``f``'s jaxpr.
 
     Walks into nested jaxprs (``jit``, ``custom_vjp``, ``scan``, ...). Unlike
@@ -69,9 +71,11 @@ def jaxpr_dot_dtypes(f: Callable[..., Any], *args: Any) -> list[tuple[str, str, 
     Args:
       f: A function of ``args``.
       *args: Arguments for ``f``.
+      primitive: The primitive to list: ``"dot_general"`` or
+        ``"conv_general_dilated"``.
 
     Returns:
-      One ``(lhs, rhs, out)`` tuple of numpy dtype names per ``dot_general``.
+      One ``(lhs, rhs, out)`` tuple of numpy dtype names per matching equation.
 
     Example:
       >>> import jax.numpy as jnp
@@ -85,15 +89,11 @@ def jaxpr_dot_dtypes(f: Callable[..., Any], *args: Any) -> list[tuple[str, str, 
 
     def walk(jaxpr: Any) -> None:
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
+            if eqn.primitive.name == primitive:
                 a, b = (v.aval.dtype.name for v in eqn.invars)
                 found.append((a, b, eqn.outvars[0].aval.dtype.name))
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, tuple | list) else (param,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
 
     walk(jax.make_jaxpr(f)(*args).jaxpr)
     return found

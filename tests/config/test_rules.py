@@ -1,9 +1,10 @@
 """Per-layer rules: matching, the per-layer table, operand checks."""
 
+import jax.numpy as jnp
 import pytest
 
 import qbits
-from qbits.config import check_operands
+from qbits.config import check_conv_operands, check_operands
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -85,3 +86,21 @@ def test_check_operands_names_the_matmul_and_operand_that_does_not_fit():
     with pytest.raises(qbits.ConfigError, match=r"^drhs\.lhs\.granularity"):
         check_operands(qbits.presets.get("mxfp8"), (4, 64), (64, 32), DN)
     check_operands(qbits.presets.get("mxfp8"), (32, 64), (64, 32), DN)
+
+
+def test_check_conv_operands_uses_the_axes_each_convolution_contracts():
+    conv = ((1, 1), "SAME", None, None, ("NHWC", "HWIO", "NHWC"))
+    x, k = jnp.ones((8, 4, 4, 32)), jnp.ones((3, 3, 32, 16))
+    for name in ("int8", "fp8", "int4_fwd"):
+        check_conv_operands(qbits.presets.get(name), x, k, *conv, where="default")
+    # Tiles of 32 along the input channels fit 32 channels, not 16.
+    tiled = qbits.Quantizer(qbits.IntNumerics(bits=8), granularity=qbits.Tiled(3, 32))
+    cfg = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(lhs=tiled))
+    check_conv_operands(cfg, x, k, *conv, where="rules[0].config")
+    with pytest.raises(qbits.ConfigError) as info:
+        check_conv_operands(cfg, x[..., :16], k[:, :, :16], *conv, where="default")
+    assert info.value.path == "default.fwd.lhs.granularity.tile_size"
+    # MX tiles "the contracting axis", but a 3x3 convolution contracts three.
+    with pytest.raises(qbits.ConfigError, match="ambiguous") as info:
+        check_conv_operands(qbits.presets.get("mxfp8"), x, k, *conv, where="default")
+    assert info.value.path == "default.fwd.lhs.granularity.axis"

@@ -1,0 +1,297 @@
+"""Quantized matmul functions that are nnx Modules.
+
+Flax nnx layers take their matmul as an attribute: ``nnx.Linear.dot_general``,
+``nnx.LinearGeneral.dot_general``, ``nnx.Einsum.einsum_op`` and
+``nnx.Conv.conv_general_dilated``. The classes here are drop-ins for those
+functions that are also :class:`flax.nnx.Module` s, so that a layer holding
+one sees it as a child node. That is what stochastic rounding needs: the
+module owns an :class:`flax.nnx.RngStream` (its key and counter are nnx
+Variables, not parameters) and draws a fresh key on every call, so the noise
+advances from step to step under ``nnx.jit`` and differs between layers. A
+config that needs no key holds no state at all.
+
+Each call also checks, when it is traced, that the config fits the operands
+(e.g. a tile size divides the contracting axis) and names the place of a
+misfit inside the rules file: ``rules[1].config.fwd.rhs.granularity.tile_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+
+from qbits.config import presets
+from qbits.config.rules import check_conv_operands, check_operands
+from qbits.errors import InvalidArgumentError
+from qbits.ops import DotGeneralConfig, Einsum, conv_general_dilated, dot_general
+
+__all__ = ["QuantizedConv", "QuantizedDotGeneral", "QuantizedEinsum"]
+
+STREAM = "quant"
+
+
+def resolve_config(owner: str, config: Any) -> DotGeneralConfig:
+    """A DotGeneralConfig from a config or a preset name."""
+    if isinstance(config, DotGeneralConfig):
+        return config
+    if isinstance(config, str) and config in presets.names():
+        return presets.get(config)
+    raise InvalidArgumentError(
+        owner,
+        "config",
+        config,
+        "a qbits.DotGeneralConfig or a preset name: " + ", ".join(presets.names()),
+    )
+
+
+def has_stream(rngs: Any) -> bool:
+    """Whether ``rngs`` is an RngStream or Rngs with a ``quant``/default stream."""
+    if isinstance(rngs, nnx.RngStream):
+        return True
+    if isinstance(rngs, nnx.Rngs):
+        try:
+            rngs[STREAM]
+        except (AttributeError, KeyError):
+            return False
+        return True
+    return False
+
+
+def fork_stream(owner: str, rngs: Any, why: str) -> nnx.RngStream:
+    """A new RngStream forked from ``rngs``' ``quant`` (or default) stream."""
+    if isinstance(rngs, nnx.RngStream):
+        return rngs.fork()
+    if has_stream(rngs):
+        return rngs[STREAM].fork()
+    raise InvalidArgumentError(
+        owner,
+        "rngs",
+        rngs,
+        f"an nnx.Rngs with a {STREAM!r} (or 'default') stream, e.g. "
+        f"rngs=nnx.Rngs({STREAM}=0), or an nnx.RngStream",
+        why=why,
+    )
+
+
+class _Quantized(nnx.Module):
+    """Shared state of the quantized functions: the config and its key stream."""
+
+    def __init__(
+        self,
+        config: DotGeneralConfig | str,
+        *,
+        rngs: nnx.Rngs | nnx.RngStream | None = None,
+        where: str = "config",
+    ):
+        owner = type(self).__name__
+        self.config = resolve_config(owner, config)
+        if not isinstance(where, str):
+            raise InvalidArgumentError(owner, "where", where, "a string")
+        self.where = where
+        self.rngs = (
+            fork_stream(owner, rngs, "the config rounds stochastically")
+            if self.config.needs_key
+            else None
+        )
+
+    def _key(self) -> jax.Array | None:
+        """A new key for this call (advancing the stream), or ``None``."""
+        return None if self.rngs is None else self.rngs()
+
+
+class _Checked:
+    """A DotGeneral that first checks its config against the operand shapes."""
+
+    def __init__(self, config: DotGeneralConfig, key: Any, where: str):
+        self._config = config
+        self._dot_general = dot_general(config, key)
+        self._where = where
+
+    def __call__(
+        self,
+        lhs: jax.typing.ArrayLike,
+        rhs: jax.typing.ArrayLike,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        *,
+        out_sharding: Any = None,
+    ) -> jax.Array:
+        check_operands(
+            self._config,
+            jnp.shape(lhs),
+            jnp.shape(rhs),
+            dimension_numbers,
+            self._where,
+        )
+        return self._dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision,
+            preferred_element_type,
+            out_sharding=out_sharding,
+        )
+
+
+class QuantizedDotGeneral(_Quantized):
+    """A quantized ``lax.dot_general`` that is an nnx Module.
+
+    Give it as ``dot_general=`` to ``nnx.Linear`` or ``nnx.LinearGeneral``;
+    :func:`qbits.nnx.quantize` puts one into every matching layer. Call it
+    exactly like ``jax.lax.dot_general``.
+
+    Args:
+      config: A :class:`~qbits.DotGeneralConfig` or a preset name.
+      rngs: Where stochastic rounding draws its keys: an ``nnx.Rngs`` (its
+        ``quant`` stream, else its ``default`` one) or an ``nnx.RngStream``.
+        A stream is forked from it, and every call draws a new key. Needed
+        only when the config rounds stochastically (e.g. the ``int8``
+        preset); otherwise ignored.
+      where: The config's place in its file, used in error messages
+        (``"rules[0].config"``).
+
+    Raises:
+      InvalidArgumentError: For a config that is neither, or one that rounds
+        stochastically without ``rngs``.
+      ConfigError: At the first call, when the config does not fit the
+        operands (a tile size that does not divide an axis).
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> dg = qbits.nnx.QuantizedDotGeneral("int8", rngs=nnx.Rngs(quant=0))
+      >>> layer = nnx.Linear(16, 4, dot_general=dg, rngs=nnx.Rngs(0))
+      >>> grads = nnx.jit(nnx.grad(lambda m: m(jnp.ones((2, 16))).sum()))(layer)
+      >>> int(layer.dot_general.rngs.count[...])  # one key drawn per call
+      1
+    """
+
+    def __call__(
+        self,
+        lhs: jax.typing.ArrayLike,
+        rhs: jax.typing.ArrayLike,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        *,
+        out_sharding: Any = None,
+    ) -> jax.Array:
+        """Computes ``lax.dot_general(lhs, rhs, ...)`` with quantized matmuls."""
+        op = _Checked(self.config, self._key(), self.where)
+        return op(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision,
+            preferred_element_type,
+            out_sharding=out_sharding,
+        )
+
+
+class QuantizedEinsum(_Quantized):
+    """A quantized two-operand ``jnp.einsum`` that is an nnx Module.
+
+    Give it as ``einsum_op=`` to ``nnx.Einsum``; :func:`qbits.nnx.quantize`
+    uses it there and for the two einsums of ``nnx.MultiHeadAttention``.
+    See :func:`qbits.einsum` for the subscripts it takes.
+
+    Args:
+      config: A :class:`~qbits.DotGeneralConfig` or a preset name.
+      rngs: As for :class:`QuantizedDotGeneral`.
+      where: As for :class:`QuantizedDotGeneral`.
+
+    Raises:
+      InvalidArgumentError: As for :class:`QuantizedDotGeneral`.
+      ConfigError: At the first call, when the config does not fit the
+        operands.
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> op = qbits.nnx.QuantizedEinsum("int8_fwd")
+      >>> layer = nnx.Einsum("bd,dh->bh", (8, 4), einsum_op=op, rngs=nnx.Rngs(0))
+      >>> nnx.jit(lambda m, x: m(x))(layer, jnp.ones((2, 8))).shape
+      (2, 4)
+    """
+
+    def __call__(
+        self,
+        subscripts: str,
+        lhs: jax.typing.ArrayLike,
+        rhs: jax.typing.ArrayLike,
+        *,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        out_sharding: Any = None,
+    ) -> jax.Array:
+        """Computes ``jnp.einsum(subscripts, lhs, rhs)`` with quantized matmuls."""
+        op = Einsum(_Checked(self.config, self._key(), self.where))
+        return op(
+            subscripts,
+            lhs,
+            rhs,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
+        )
+
+
+class QuantizedConv(_Quantized):
+    """A quantized ``lax.conv_general_dilated`` that is an nnx Module.
+
+    Give it as ``conv_general_dilated=`` to ``nnx.Conv``;
+    :func:`qbits.nnx.quantize` puts one into every matching ``nnx.Conv``.
+
+    Args:
+      config: A :class:`~qbits.DotGeneralConfig` or a preset name.
+      rngs: As for :class:`QuantizedDotGeneral`.
+      where: As for :class:`QuantizedDotGeneral`.
+
+    Raises:
+      InvalidArgumentError: As for :class:`QuantizedDotGeneral`.
+      ConfigError: At the first call, when the config does not fit the
+        operands.
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> conv = qbits.nnx.QuantizedConv("int8_fwd")
+      >>> layer = nnx.Conv(3, 4, (3, 3), conv_general_dilated=conv,
+      ...                  rngs=nnx.Rngs(0))
+      >>> nnx.jit(lambda m, x: m(x))(layer, jnp.ones((1, 8, 8, 3))).shape
+      (1, 8, 8, 4)
+    """
+
+    def __call__(
+        self,
+        lhs: jax.typing.ArrayLike,
+        rhs: jax.typing.ArrayLike,
+        window_strides: Any,
+        padding: Any,
+        lhs_dilation: Any = None,
+        rhs_dilation: Any = None,
+        dimension_numbers: Any = None,
+        feature_group_count: int = 1,
+        batch_group_count: int = 1,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        out_sharding: Any = None,
+    ) -> jax.Array:
+        """Computes ``lax.conv_general_dilated`` with quantized convolutions."""
+        args = (
+            lhs,
+            rhs,
+            window_strides,
+            padding,
+            lhs_dilation,
+            rhs_dilation,
+            dimension_numbers,
+            feature_group_count,
+            batch_group_count,
+            precision,
+            preferred_element_type,
+        )
+        check_conv_operands(self.config, *args, where=self.where)
+        op = conv_general_dilated(self.config, self._key())
+        return op(*args, out_sharding=out_sharding)
