@@ -6,20 +6,33 @@ in this file):
 1. numerics: :class:`IntNumerics`, :class:`FpNumerics`, :class:`Fp8Numerics`,
    :class:`NoNumerics`, :class:`UniformNoise`.
 2. calibration: :class:`AbsMax`, :class:`Percentile`, :class:`MseSearch`,
-   :class:`ConstantBound`; granularity: :class:`PerTensor`,
+   :class:`ConstantBound`, stateful :class:`DelayedScaling` and
+   :class:`LearnedScale` (:mod:`lsq`); granularity: :class:`PerTensor`,
    :class:`PerChannel`, :class:`Tiled`.
 3. :class:`QTensor` and :class:`Quantizer` (:func:`mx_quantizer`).
 4. ops: :func:`dot_general`, :func:`einsum` and :func:`conv_general_dilated`,
-   configured by :class:`DotGeneralConfig` and :class:`MatmulConfig`.
+   configured by :class:`DotGeneralConfig` and :class:`MatmulConfig`;
+   :func:`stateful_dot_general` for delayed scaling.
 5. config: YAML files (:func:`load_config`), :mod:`presets`, per-layer rules
    (:class:`QuantConfig`, :class:`Rule`); bad configs raise
-   :class:`ConfigError`.
+   :class:`ConfigError`; :func:`freeze_ranges` (:mod:`ranges`) turns
+   collected activation ranges into static bounds.
 6. Flax: :mod:`qbits.flax` (linen) and :mod:`qbits.nnx` quantize unmodified
    models by per-layer rules (``quantize``, ``layer_table``).
+7. :mod:`qbits.serving`: convert trained params to stored int8/int4/fp8
+   weights, serve them, save/restore, size report.
 """
 
 from qbits import calibration, config, granularity, numerics, ops, tensor
-from qbits.calibration import AbsMax, Calibration, ConstantBound, MseSearch, Percentile
+from qbits.calibration import (
+    AbsMax,
+    Calibration,
+    ConstantBound,
+    DelayedScaling,
+    LearnedScale,
+    MseSearch,
+    Percentile,
+)
 from qbits.config import (
     LayerTable,
     QuantConfig,
@@ -45,14 +58,19 @@ from qbits.ops import (
     DotGeneralConfig,
     Einsum,
     MatmulConfig,
+    StatefulDotGeneral,
     conv_general_dilated,
     dot_general,
     einsum,
+    stateful_dot_general,
 )
 from qbits.quantizer import Quantizer, mx_quantizer
-
-from qbits import flax, nnx  # isort: skip  (layer 6 imports everything above)
 from qbits.tensor import QTensor
+
+from qbits import lsq, ranges  # isort: skip  (stateful scaling, layers 2-5)
+from qbits.ranges import freeze_ranges  # isort: skip
+from qbits import flax, nnx  # isort: skip  (layer 6 imports everything above)
+from qbits import serving  # isort: skip  (layer 7)
 
 __version__ = "0.1.0"
 
@@ -63,6 +81,7 @@ __all__ = [
     "ConstantBound",
     "Context",
     "ConvGeneralDilated",
+    "DelayedScaling",
     "DotGeneral",
     "DotGeneralConfig",
     "Einsum",
@@ -72,6 +91,7 @@ __all__ = [
     "IntNumerics",
     "InvalidArgumentError",
     "LayerTable",
+    "LearnedScale",
     "MatmulConfig",
     "MseSearch",
     "NoNumerics",
@@ -83,6 +103,7 @@ __all__ = [
     "QuantConfig",
     "Quantizer",
     "Rule",
+    "StatefulDotGeneral",
     "Tiled",
     "UniformNoise",
     "UnusedRuleWarning",
@@ -92,12 +113,17 @@ __all__ = [
     "dot_general",
     "einsum",
     "flax",
+    "freeze_ranges",
     "granularity",
     "load_config",
+    "lsq",
     "mx_quantizer",
     "nnx",
     "numerics",
     "ops",
     "presets",
+    "ranges",
+    "serving",
+    "stateful_dot_general",
     "tensor",
 ]

@@ -33,18 +33,23 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from qbits.errors import InvalidArgumentError, check_float
+from qbits.errors import InvalidArgumentError, check_float, check_int
 
 __all__ = [
+    "AMAX_COMPUTES",
     "SCALE_ROUNDINGS",
     "AbsMax",
     "Calibration",
     "ConstantBound",
+    "DelayedScaling",
+    "LearnedScale",
     "MseSearch",
     "Percentile",
     "ScaleRounding",
     "make_scale",
     "round_scale",
+    "scale_from_history",
+    "update_history",
 ]
 
 ScaleRounding = Literal["none", "pow2", "e8m0"]
@@ -316,3 +321,222 @@ def make_scale(
     tiny = jnp.finfo(scale.dtype).tiny
     scale = lax.select(scale == 0, jnp.ones_like(scale), jnp.maximum(scale, tiny))
     return round_scale(scale, rounding)
+
+
+AMAX_COMPUTES: tuple[str, ...] = ("max", "most_recent")
+LSQ_INITS: tuple[str, ...] = ("lsq", "absmax")
+
+
+class DelayedScaling(Calibration):
+    r"""Delayed scaling: the scale comes from an amax history of earlier steps.
+
+    This is production FP8 training's per-tensor scaling (Transformer
+    Engine, Flax's ``fp8_ops``). The quantizer's state holds a ``scale`` and
+    an ``amax_history`` ring buffer; at every step
+
+    .. math::
+
+       s_t = \frac{a \cdot 2^{\mathrm{margin}}}{\mathrm{fmt\_max}},
+       \quad a = \max(\mathrm{history}_{t-1})
+       \ (\text{or its most recent entry}),
+
+    the tensor is quantized with :math:`s_t`, and its own absmax is pushed
+    into the history for the next step (:func:`update_history`). When
+    :math:`a` is zero or not finite the old scale is kept. The math is in
+    :func:`scale_from_history` and :func:`update_history`; the state lives in
+    layer 6 (a linen variable collection, nnx Variables) and is updated
+    through the backward pass (see :mod:`qbits.ops.stateful`).
+
+    A delayed-scaling quantizer has no bound of its own: used by a stateless
+    ``qbits.dot_general`` it raises, naming the stateful alternatives.
+
+    Attributes:
+      history_length: Length of the amax ring buffer, an int >= 1 (1024 as
+        in Flax and Transformer Engine's defaults).
+      amax_compute: ``"max"`` (the largest amax in the history) or
+        ``"most_recent"`` (the last step's amax).
+      margin: The scale is multiplied by ``2**margin`` (headroom against
+        growth between steps); a finite number >= 0.
+
+    Example:
+      >>> cal = qbits.calibration.DelayedScaling(history_length=4)
+      >>> history = jnp.zeros((4,))
+      >>> history = qbits.calibration.update_history(history, jnp.float32(896.0))
+      >>> history
+      Array([896.,   0.,   0.,   0.], dtype=float32)
+      >>> cal.scale(history, jnp.ones((1,)), fmt_max=448.0)
+      Array([2.], dtype=float32)
+    """
+
+    history_length: int = struct.field(pytree_node=False, default=1024)
+    amax_compute: str = struct.field(pytree_node=False, default="max")
+    margin: float = struct.field(pytree_node=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        check_int("DelayedScaling", "history_length", self.history_length, lo=1)
+        if self.amax_compute not in AMAX_COMPUTES:
+            raise InvalidArgumentError(
+                "DelayedScaling",
+                "amax_compute",
+                self.amax_compute,
+                "one of " + ", ".join(AMAX_COMPUTES),
+            )
+        check_float("DelayedScaling", "margin", self.margin, lo=0.0)
+
+    def bound(
+        self, x: jax.Array, axes: Axes, quantize: QuantizeFn | None = None
+    ) -> jax.Array:
+        """Raises: a delayed scale is state, which a plain quantizer lacks."""
+        raise InvalidArgumentError(
+            "DelayedScaling",
+            "state",
+            None,
+            "a stateful matmul: qbits.flax.quantize / qbits.flax.StatefulDotGeneral "
+            "(linen), qbits.nnx.quantize / qbits.nnx.QuantizedDotGeneral (nnx) or "
+            "qbits.ops.stateful_dot_general",
+            why="a delayed scale comes from an amax history of earlier steps, "
+            "which only a stateful layer keeps",
+        )
+
+    def scale(
+        self, history: jax.Array, old_scale: jax.Array, fmt_max: float
+    ) -> jax.Array:
+        """This step's scale; :func:`scale_from_history` with these settings."""
+        return scale_from_history(
+            history, old_scale, fmt_max, self.margin, self.amax_compute
+        )
+
+
+def scale_from_history(
+    history: jax.Array,
+    old_scale: jax.Array,
+    fmt_max: float,
+    margin: float = 0.0,
+    amax_compute: str = "max",
+) -> jax.Array:
+    r"""The delayed scale: ``amax * 2**margin / fmt_max`` from an amax history.
+
+    Computed exactly as Flax's ``fp8_ops.compute_scale`` (and Transformer
+    Engine) do, as the reciprocal of :math:`(\mathrm{fmt\_max} / a) /
+    2^{\mathrm{margin}}`, so the two give the same bits.
+
+    Args:
+      history: The amax history, ``[history_length]`` (float32); entry 0 is
+        the most recent (see :func:`update_history`).
+      old_scale: The current scale, kept where the amax is 0 or not finite.
+      fmt_max: The largest magnitude of the format (448 for E4M3, 57344 for
+        E5M2): ``numerics.abs_val_mapped_to()``.
+      margin: Headroom: the scale is multiplied by ``2**margin``.
+      amax_compute: ``"max"`` over the history or ``"most_recent"``.
+
+    Returns:
+      The new scale, ``old_scale``'s shape and dtype.
+
+    Raises:
+      InvalidArgumentError: For an unknown ``amax_compute`` or an empty
+        history.
+
+    Example:
+      >>> h = jnp.array([2.0, 8.0, 0.0])
+      >>> qbits.calibration.scale_from_history(h, jnp.ones((1,)), 4.0)
+      Array([2.], dtype=float32)
+      >>> qbits.calibration.scale_from_history(
+      ...     h, jnp.ones((1,)), 4.0, amax_compute="most_recent")
+      Array([0.5], dtype=float32)
+      >>> qbits.calibration.scale_from_history(jnp.zeros(3), jnp.full((1,), 3.0), 4.0)
+      Array([3.], dtype=float32)
+    """
+    if amax_compute not in AMAX_COMPUTES:
+        raise InvalidArgumentError(
+            "scale_from_history",
+            "amax_compute",
+            amax_compute,
+            "one of " + ", ".join(AMAX_COMPUTES),
+        )
+    if history.ndim != 1 or history.shape[0] < 1:
+        raise InvalidArgumentError(
+            "scale_from_history",
+            "history.shape",
+            history.shape,
+            "(history_length,) with history_length >= 1",
+        )
+    amax = jnp.max(history, axis=0) if amax_compute == "max" else history[0]
+    amax = amax.astype(old_scale.dtype)
+    inverse = 1.0 / old_scale
+    factor = (fmt_max / amax) / (2.0**margin)
+    factor = jnp.where(amax > 0.0, factor, inverse)
+    factor = jnp.where(jnp.isfinite(amax), factor, inverse)
+    return 1.0 / factor
+
+
+def update_history(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """Pushes this step's amax into the ring buffer (as Flax's ``fp8_ops``).
+
+    The history is rolled one place towards the front and ``amax`` written
+    at index 0 (Flax's ``compute_amax_history``): index 0 holds the most
+    recent amax, indices 1.. the earlier ones, oldest first; after ``L``
+    steps it holds the last ``L`` amaxes.
+
+    Args:
+      history: ``[history_length]``.
+      amax: A scalar, the tensor's ``max(|x|)`` this step.
+
+    Returns:
+      The new history, same shape and dtype.
+
+    Example:
+      >>> h = jnp.array([1.0, 2.0, 3.0])
+      >>> qbits.calibration.update_history(h, jnp.float32(9.0))
+      Array([9., 3., 1.], dtype=float32)
+    """
+    amax = jnp.asarray(amax).astype(history.dtype)
+    return jnp.roll(history, shift=-1, axis=0).at[0].set(amax)
+
+
+class LearnedScale(Calibration):
+    r"""A learned step size (LSQ, Esser et al., arXiv 1902.08153).
+
+    The scale (the step between grid points) is a trainable parameter, one
+    per tensor, trained with the LSQ gradient (:func:`qbits.lsq.lsq_quantize`):
+
+    .. math::
+
+       \frac{\partial \hat{x}}{\partial s} = \begin{cases}
+       Q(v) - v & -Q_n < v < Q_p \\ Q(v) & \text{otherwise}\end{cases},
+       \quad v = x / s,
+
+    scaled by :math:`g = 1 / \sqrt{N Q_p}` (N elements per scale); ``x``
+    gets the straight-through gradient inside the range and zero outside.
+    The parameter lives with the model's parameters (linen ``params``
+    collection, ``<layer>/StatefulDotGeneral_0/lhs_step``).
+
+    Attributes:
+      init: How the step is initialised from the first batch: ``"lsq"``
+        (:math:`2\,\mathrm{mean}|x| / \sqrt{Q_p}`, the paper's) or
+        ``"absmax"`` (:math:`\max|x|` mapped onto the grid's edge).
+
+    Example:
+      >>> qbits.calibration.LearnedScale().init
+      'lsq'
+    """
+
+    init: str = struct.field(pytree_node=False, default="lsq")
+
+    def __post_init__(self) -> None:
+        if self.init not in LSQ_INITS:
+            raise InvalidArgumentError(
+                "LearnedScale", "init", self.init, "one of " + ", ".join(LSQ_INITS)
+            )
+
+    def bound(
+        self, x: jax.Array, axes: Axes, quantize: QuantizeFn | None = None
+    ) -> jax.Array:
+        """Raises: a learned step is a parameter, which a plain quantizer lacks."""
+        raise InvalidArgumentError(
+            "LearnedScale",
+            "step",
+            None,
+            "a layer that holds the step as a parameter: qbits.flax.quantize / "
+            "qbits.flax.StatefulDotGeneral or qbits.ops.stateful_dot_general "
+            "with steps=",
+        )

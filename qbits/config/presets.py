@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from qbits.calibration import AbsMax
+from qbits.calibration import AbsMax, DelayedScaling
 from qbits.errors import ConfigError
 from qbits.granularity import PerChannel, PerTensor, Tiled
 from qbits.numerics import Fp8Numerics, IntNumerics, UniformNoise
@@ -111,6 +111,25 @@ def fp8() -> DotGeneralConfig:
     return DotGeneralConfig(fwd=fwd, dlhs=bwd, drhs=bwd)
 
 
+def fp8_delayed() -> DotGeneralConfig:
+    """FP8 training with delayed scaling: E4M3 forward, E5M2 gradients.
+
+    Per-tensor scales from an amax history of the last 1024 steps (the
+    largest amax, no margin), as production FP8 training does (Transformer
+    Engine; Flax's ``Fp8DirectDotGeneralOp``, whose scales and histories
+    this reproduces). The backward matmuls reuse the forward's E4M3
+    operands. Stateful: use it through ``qbits.flax.quantize``,
+    ``qbits.nnx.quantize`` or ``qbits.ops.stateful_dot_general``, and write
+    the new state back each step. Follows "FP8 Formats for Deep Learning"
+    (arXiv 2209.05433).
+    """
+    e4m3 = Quantizer(Fp8Numerics("float8_e4m3fn"), DelayedScaling(), PerTensor())
+    e5m2 = Quantizer(Fp8Numerics("float8_e5m2"), DelayedScaling(), PerTensor())
+    fwd = MatmulConfig(lhs=e4m3, rhs=e4m3)
+    bwd = MatmulConfig(lhs=e5m2, rhs=e4m3, use_fwd_quant=True)
+    return DotGeneralConfig(fwd=fwd, dlhs=bwd, drhs=bwd)
+
+
 def mxfp8() -> DotGeneralConfig:
     """MXFP8 in all three matmuls: tiles of 32 with E8M0 scales.
 
@@ -146,6 +165,7 @@ _PRESETS: dict[str, Callable[[], DotGeneralConfig]] = {
         w4a8,
         int4_weight_only,
         fp8,
+        fp8_delayed,
         mxfp8,
         mxfp4,
     )

@@ -28,7 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from qbits.calibration import AbsMax, Calibration, ConstantBound, MseSearch, Percentile
+from qbits.calibration import (
+    AbsMax,
+    Calibration,
+    ConstantBound,
+    DelayedScaling,
+    LearnedScale,
+    MseSearch,
+    Percentile,
+)
 from qbits.config import presets
 from qbits.config.rules import QuantConfig, Rule
 from qbits.errors import ConfigError, InvalidArgumentError
@@ -59,6 +67,8 @@ _KINDS: dict[str, tuple[type, dict[str, type]]] = {
             "percentile": Percentile,
             "mse": MseSearch,
             "constant": ConstantBound,
+            "delayed": DelayedScaling,
+            "learned": LearnedScale,
         },
     ),
     "granularity": (

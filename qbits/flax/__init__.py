@@ -4,9 +4,24 @@ Explicit injection needs nothing from here: give a layer
 ``dot_general=qbits.dot_general(config)`` (or ``conv_general_dilated=``).
 :func:`quantize` applies per-layer rules to an *unmodified* linen model
 without patching JAX globally; :func:`layer_table` shows which config each
-layer gets.
+layer gets. Delayed scaling (the ``fp8_delayed`` preset) keeps its state in
+the :data:`STATE` collection (:mod:`qbits.flax.stateful`); :class:`TrainState`
+writes it back each step. :func:`collect_ranges` measures activation ranges
+for :func:`qbits.ranges.freeze_ranges` (static post-training ranges).
 """
 
 from qbits.flax.quantize import Quantized, layer_table, quantize
+from qbits.flax.ranges import RANGES, collect_ranges
+from qbits.flax.stateful import STATE, StatefulDotGeneral, TrainState, max_combining
 
-__all__ = ["Quantized", "layer_table", "quantize"]
+__all__ = [
+    "RANGES",
+    "STATE",
+    "Quantized",
+    "StatefulDotGeneral",
+    "TrainState",
+    "collect_ranges",
+    "layer_table",
+    "max_combining",
+    "quantize",
+]

@@ -30,10 +30,12 @@ from qbits.config.rules import (
     check_operands,
 )
 from qbits.errors import ConfigError, InvalidArgumentError
+from qbits.flax.stateful import StatefulDotGeneral
 from qbits.ops import ConvGeneralDilated, DotGeneral, DotGeneralConfig
 from qbits.ops import conv_general_dilated as make_conv
 from qbits.ops import dot_general as make_dot_general
 from qbits.ops.einsum import Einsum
+from qbits.ops.stateful import needs_state
 
 __all__ = ["ATTENTION", "Session"]
 
@@ -190,6 +192,14 @@ class Session:
         res = self.config.resolve(path)
         if res.config is None or res.config.is_identity:
             return None
+        if needs_state(res.config) and kind not in ("Dense", "DenseGeneral"):
+            raise InvalidArgumentError(
+                "qbits.flax.quantize",
+                res.where,
+                res.name or res.config,
+                f"a stateless config for layer {_show(path)} ({kind}): delayed "
+                "scaling is supported in Dense and DenseGeneral layers",
+            )
         key = None
         if res.config.needs_key:
             if not module.has_rng("quant"):
@@ -214,6 +224,10 @@ class Session:
         if found is None:
             return next_fun(*args, **kwargs)
         config, where, key = found
+        if needs_state(config):  # a child module holds the delayed scales
+            cls = functools.partial(StatefulDotGeneral, config, key)
+            with _fields(module, dot_general_cls=cls):
+                return next_fun(*args, **kwargs)
         fn = _LayerDot(make_dot_general(config, key), where, _path(module))
         with _fields(module, dot_general=fn):
             return next_fun(*args, **kwargs)

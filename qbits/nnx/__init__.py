@@ -10,17 +10,28 @@ and :class:`QuantizedAttention` (an ``attention_fn`` for
 Rule-based injection into an unmodified model: :func:`quantize` returns a
 copy of the model whose layers matching a :class:`~qbits.config.QuantConfig`
 run quantized; :func:`layer_table` shows which layer gets which config.
+Delayed scaling keeps its state in :class:`DelayedState` Variables of the
+:class:`QuantizedDotGeneral`; :func:`update_state` writes it back each
+step. :func:`collect_ranges` measures activation ranges for
+:func:`qbits.ranges.freeze_ranges`.
 """
 
 from qbits.nnx.attention import QuantizedAttention
 from qbits.nnx.layers import QuantizedConv, QuantizedDotGeneral, QuantizedEinsum
 from qbits.nnx.quantize import layer_table, quantize
+from qbits.nnx.ranges import collect_ranges
+from qbits.nnx.stateful import DelayedState, init_steps, max_combining, update_state
 
 __all__ = [
+    "DelayedState",
     "QuantizedAttention",
     "QuantizedConv",
     "QuantizedDotGeneral",
     "QuantizedEinsum",
+    "collect_ranges",
+    "init_steps",
     "layer_table",
+    "max_combining",
     "quantize",
+    "update_state",
 ]

@@ -26,7 +26,15 @@ import jax.numpy as jnp
 from qbits.config import presets
 from qbits.config.rules import check_conv_operands, check_operands
 from qbits.errors import InvalidArgumentError
+from qbits.nnx.stateful import DelayedState
 from qbits.ops import DotGeneralConfig, Einsum, conv_general_dilated, dot_general
+from qbits.ops.stateful import (
+    init_state,
+    init_steps,
+    learned_tensors,
+    needs_state,
+    stateful_dot_general,
+)
 
 __all__ = ["QuantizedConv", "QuantizedDotGeneral", "QuantizedEinsum"]
 
@@ -96,6 +104,14 @@ class _Quantized(nnx.Module):
             if self.config.needs_key
             else None
         )
+        if needs_state(self.config) and not isinstance(self, QuantizedDotGeneral):
+            raise InvalidArgumentError(
+                owner,
+                "config",
+                config,
+                "a stateless config: delayed scaling is supported by "
+                "QuantizedDotGeneral (nnx.Linear, nnx.LinearGeneral)",
+            )
 
     def _key(self) -> jax.Array | None:
         """A new key for this call (advancing the stream), or ``None``."""
@@ -144,6 +160,13 @@ class QuantizedDotGeneral(_Quantized):
     :func:`qbits.nnx.quantize` puts one into every matching layer. Call it
     exactly like ``jax.lax.dot_general``.
 
+    A config with delayed scaling (``"fp8_delayed"``) gives the module
+    :class:`~qbits.nnx.DelayedState` Variables, updated through the
+    backward pass (see :func:`qbits.nnx.update_state`). A config with
+    learned steps (:class:`~qbits.calibration.LearnedScale`) gives it
+    ``nnx.Param`` s ``lhs_step`` / ``rhs_step``, NaN until
+    :func:`qbits.nnx.init_steps` initialises them from a batch.
+
     Args:
       config: A :class:`~qbits.DotGeneralConfig` or a preset name.
       rngs: Where stochastic rounding draws its keys: an ``nnx.Rngs`` (its
@@ -169,6 +192,25 @@ class QuantizedDotGeneral(_Quantized):
       1
     """
 
+    def __init__(
+        self,
+        config: DotGeneralConfig | str,
+        *,
+        rngs: nnx.Rngs | nnx.RngStream | None = None,
+        where: str = "config",
+    ):
+        super().__init__(config, rngs=rngs, where=where)
+        self._state_names = tuple(init_state(self.config))
+        for name, value in init_state(self.config).items():
+            setattr(self, name, DelayedState(value))
+        # Learned steps: NaN until qbits.nnx.init_steps sets them from data.
+        self._step_names = tuple(
+            sorted(f"{t}_step" for t in learned_tensors(self.config))
+        )
+        for name in self._step_names:
+            setattr(self, name, nnx.Param(jnp.full((), jnp.nan, jnp.float32)))
+        self._init_steps_next_call = False
+
     def __call__(
         self,
         lhs: jax.typing.ArrayLike,
@@ -180,6 +222,26 @@ class QuantizedDotGeneral(_Quantized):
         out_sharding: Any = None,
     ) -> jax.Array:
         """Computes ``lax.dot_general(lhs, rhs, ...)`` with quantized matmuls."""
+        if self._state_names or self._step_names:
+            state = {name: getattr(self, name)[...] for name in self._state_names}
+            steps = None
+            if self._step_names:
+                if self._init_steps_next_call:
+                    first = init_steps(self.config, jnp.asarray(lhs), jnp.asarray(rhs))
+                    for name, value in first.items():
+                        getattr(self, name)[...] = value
+                    self._init_steps_next_call = False
+                steps = {name: getattr(self, name)[...] for name in self._step_names}
+            return stateful_dot_general(self.config, self._key())(
+                lhs,
+                rhs,
+                dimension_numbers,
+                precision,
+                preferred_element_type,
+                state=state,
+                steps=steps,
+                out_sharding=out_sharding,
+            )
         op = _Checked(self.config, self._key(), self.where)
         return op(
             lhs,

@@ -5,6 +5,17 @@ from qbits.ops.conv import ConvGeneralDilated, conv_general_dilated
 from qbits.ops.dot_general import DotGeneral, dot_general
 from qbits.ops.einsum import Einsum, einsum
 from qbits.ops.hlo import dot_dtypes, jaxpr_dot_dtypes
+from qbits.ops.stateful import (
+    StatefulDotGeneral,
+    combine_state,
+    delayed_tensors,
+    init_state,
+    init_steps,
+    learned_tensors,
+    max_combining,
+    needs_state,
+    stateful_dot_general,
+)
 
 __all__ = [
     "ConvGeneralDilated",
@@ -12,9 +23,18 @@ __all__ = [
     "DotGeneralConfig",
     "Einsum",
     "MatmulConfig",
+    "StatefulDotGeneral",
+    "combine_state",
     "conv_general_dilated",
+    "delayed_tensors",
     "dot_dtypes",
     "dot_general",
     "einsum",
+    "init_state",
+    "init_steps",
     "jaxpr_dot_dtypes",
+    "learned_tensors",
+    "max_combining",
+    "needs_state",
+    "stateful_dot_general",
 ]

@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from qbits.calibration import DelayedScaling, LearnedScale
 from qbits.errors import InvalidArgumentError
 from qbits.ops.config import IDENTITY, DotGeneralConfig, MatmulConfig, check_config
 from qbits.ops.dims import Dims
@@ -153,6 +154,19 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
       ...                   argnums=(0, 1))(x, w)
     """
     check_config("dot_general", config, key)
+    for m_name in ("fwd", "dlhs", "drhs"):
+        for side in ("lhs", "rhs"):
+            cal = getattr(getattr(config, m_name), side).calibration
+            if isinstance(cal, DelayedScaling | LearnedScale):
+                raise InvalidArgumentError(
+                    "dot_general",
+                    f"config.{m_name}.{side}.calibration",
+                    cal,
+                    "a stateless calibration; for DelayedScaling and "
+                    "LearnedScale use "
+                    "qbits.ops.stateful_dot_general, qbits.flax.quantize or "
+                    "qbits.nnx.quantize, which keep its state",
+                )
     return DotGeneral(config, key)
 
 

@@ -37,6 +37,7 @@ from qbits.tensor import QTensor, expand_scale
 __all__ = [
     "QuantizedOperand",
     "common_dtypes",
+    "contract",
     "dot_operand",
     "matmul",
     "quantize",
@@ -132,8 +133,43 @@ def matmul(
     else:
         rhs_q = quantize(cfg.rhs, rhs, dims.rhs_contract, keys[1], store=real)
     lhs_q = quantize(cfg.lhs, lhs, dims.lhs_contract, keys[0], store=real)
-    lqt, rqt = lhs_q.qtensor, rhs_q.qtensor
-    if not real:
+    out = contract(
+        lhs_q.qtensor,
+        rhs_q.qtensor,
+        dims,
+        cfg,
+        out_dtype,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+        out_perm=out_perm,
+    )
+    return out, lhs_q, rhs_q
+
+
+def contract(
+    lqt: QTensor,
+    rqt: QTensor,
+    dims: Dims,
+    cfg: MatmulConfig,
+    out_dtype: Any,
+    *,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+    out_perm: Axes | None = None,
+) -> jax.Array:
+    """Contracts two operands quantized already, as ``cfg.mode`` says.
+
+    The second half of :func:`matmul`, for callers that quantize the
+    operands themselves (with scales kept as state, see
+    :mod:`qbits.ops.stateful`). Scales must factor out of the dot in real
+    mode (shared along the contracting axes, or tiled).
+
+    Returns:
+      The output in ``out_dtype``, transposed by ``out_perm``.
+    """
+    if cfg.mode != "real":
         out = lax.dot_general(
             lqt.dequant(),
             rqt.dequant(),
@@ -142,13 +178,13 @@ def matmul(
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
         )
-        return _permute(out.astype(out_dtype), out_perm), lhs_q, rhs_q
+        return _permute(out.astype(out_dtype), out_perm)
     a, b = dot_operand(lqt), dot_operand(rqt)
     if jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
         out = _integer_dot(lqt, rqt, dims, cfg, precision, out_perm, out_sharding)
-        return out.astype(out_dtype), lhs_q, rhs_q
+        return out.astype(out_dtype)
     out = _real_dot(a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding)
-    return _permute(out.astype(out_dtype), out_perm), lhs_q, rhs_q
+    return _permute(out.astype(out_dtype), out_perm)
 
 
 def _stored_rhs(rhs: QTensor, dims: Dims) -> QuantizedOperand:

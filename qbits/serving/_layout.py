@@ -1,0 +1,287 @@
+"""What a served layer stores, and how its weights are quantized once.
+
+A served layer keeps its weight as the QTensor the training (QAT) forward
+pass would compute from the float weight at every step: the same quantizer
+(the layer's ``fwd.rhs``), the same contracting axes, the same float dtype
+(after the layer's own dtype promotion). 4-bit values are packed two per
+byte along the weight's last axis (an output-feature axis: unpacking it
+needs no transpose). :class:`LayerInfo` records all of that, and the
+layer's forward config, as static metadata next to the arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qbits.config import presets
+from qbits.config.rules import QuantConfig, Rule
+from qbits.config.schema import to_dict
+from qbits.errors import ConfigError, InvalidArgumentError
+from qbits.ops import DotGeneralConfig, MatmulConfig
+from qbits.ops.config import IDENTITY
+from qbits.ops.matmul import quantize
+from qbits.tensor import PACKABLE_DTYPES, QTensor, storage_dtype
+
+__all__ = [
+    "LayerInfo",
+    "as_config",
+    "check_layers",
+    "check_stored",
+    "fingerprint",
+    "forward_only",
+    "store_weight",
+]
+
+# Name of the linen variable collection that holds the stored weights.
+COLLECTION = "qbits_serving"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """One served layer: where it is and how its weight is stored.
+
+    Attributes:
+      path: The layer's module path (``"block_0/mlp/fc1"``).
+      kind: The Flax class (``"Dense"``, ``"DenseGeneral"``, ``"Linear"``,
+        ``"LinearGeneral"``).
+      shape: Shape of the float weight (the kernel).
+      dtype: The kernel's float dtype as the layer's matmul sees it.
+      contracting: The kernel axes the matmul contracts.
+      qdtype: The stored format (``int8``, ``int4``, ``float8_e4m3fn``).
+      packed: Whether 4-bit values are packed two per byte (last axis).
+      config: The layer's forward matmul config, as canonical JSON.
+      name: The preset the config came from, or ``""``.
+
+    Example:
+      >>> import flax.linen as nn
+      >>> x = jnp.ones((2, 8))
+      >>> params = nn.Dense(4).init(jax.random.key(0), x)
+      >>> info = qbits.serving.convert(nn.Dense(4), "w4a8", params, x).layers[0]
+      >>> info.kind, info.shape, info.qdtype, info.packed, info.describe()
+      ('Dense', (8, 4), 'int4', True, 'w4a8')
+    """
+
+    path: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    contracting: tuple[int, ...]
+    qdtype: str
+    packed: bool
+    config: str
+    name: str = ""
+
+    def describe(self) -> str:
+        """The config, short: the preset name or the forward quantizers."""
+        if self.name:
+            return self.name
+        return describe_matmul(json.loads(self.config))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (for the checkpoint's metadata)."""
+        d = dataclasses.asdict(self)
+        d["shape"], d["contracting"] = list(self.shape), list(self.contracting)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerInfo:
+        """Inverse of :meth:`as_dict`."""
+        data = dict(data)
+        data["shape"] = tuple(data["shape"])
+        data["contracting"] = tuple(data["contracting"])
+        return cls(**data)
+
+
+def describe_matmul(data: dict[str, Any]) -> str:
+    """``lhs <numerics> x rhs <numerics>`` from a MatmulConfig's dict."""
+
+    def side(name: str) -> str:
+        q = data.get(name)
+        if not q:
+            return "float"
+        numerics = q.get("numerics", "none")
+        if isinstance(numerics, dict):
+            numerics = numerics.get("dtype") or numerics.get("type")
+        gran = q.get("granularity", "per_tensor")
+        if isinstance(gran, dict):
+            gran = gran.get("type", "")
+        return f"{numerics} {gran}"
+
+    return f"{side('lhs')} x {side('rhs')}"
+
+
+def fingerprint(cfg: MatmulConfig) -> str:
+    """The forward matmul config as canonical JSON: equal iff configs are."""
+    return json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":"))
+
+
+def as_config(owner: str, config: Any) -> QuantConfig:
+    """A QuantConfig from a QuantConfig, DotGeneralConfig or preset name."""
+    if isinstance(config, QuantConfig):
+        return config
+    if isinstance(config, DotGeneralConfig) or (
+        isinstance(config, str) and config in presets.names()
+    ):
+        return QuantConfig(default=config)
+    raise InvalidArgumentError(
+        owner,
+        "config",
+        config,
+        "a qbits.QuantConfig, a qbits.DotGeneralConfig or a preset name: "
+        + ", ".join(presets.names()),
+    )
+
+
+def _fwd_only(ref: Any) -> DotGeneralConfig | None:
+    config = presets.get(ref) if isinstance(ref, str) else ref
+    if config is None or config.fwd.is_identity:
+        return None
+    return DotGeneralConfig(fwd=config.fwd)
+
+
+def forward_only(config: QuantConfig) -> QuantConfig:
+    """The same rules with only their forward matmuls (serving has no backward).
+
+    A rule whose forward matmul quantizes nothing becomes ``None`` (float).
+    """
+    return QuantConfig(
+        rules=tuple(Rule(r.pattern, _fwd_only(r.config)) for r in config.rules),
+        default=_fwd_only(config.default),
+    )
+
+
+def stores_weight(config: DotGeneralConfig | None) -> bool:
+    """Whether a layer with this config keeps a stored (quantized) weight."""
+    return config is not None and config.fwd.rhs != IDENTITY
+
+
+def check_servable(owner: str, path: str, cfg: MatmulConfig, where: str) -> None:
+    """Raises for a forward matmul that cannot be served deterministically."""
+    if cfg.needs_key:
+        raise ConfigError(
+            f"{where}.fwd",
+            "a forward matmul that rounds stochastically",
+            "a forward matmul without noise_fn (serving is deterministic)",
+            why=f"layer {path!r}, in {owner}",
+        )
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _store(kernel: jax.Array, cfg: MatmulConfig, contracting: tuple[int, ...]):
+    # Exactly what the forward matmul does to its float rhs in real mode.
+    qt = quantize(cfg.rhs, kernel, contracting, None, store=True).qtensor
+    if np.dtype(qt.qvalue.dtype) in PACKABLE_DTYPES:
+        qt = qt.pack(axis=-1)
+    return qt
+
+
+def store_weight(kernel: jax.Array, cfg: MatmulConfig, contracting: Any) -> QTensor:
+    """The stored QTensor of a float kernel, as the forward matmul quantizes it.
+
+    Args:
+      kernel: The float kernel (already in the dtype the matmul sees).
+      cfg: The layer's forward matmul config.
+      contracting: The kernel axes the matmul contracts.
+
+    Returns:
+      A :class:`~qbits.QTensor` in the storage dtype; 4-bit values packed
+      two per byte along the last axis.
+    """
+    return _store(kernel, cfg, tuple(int(a) for a in contracting))
+
+
+def stored_qtensor(info: LayerInfo, qvalue: jax.Array, scale: jax.Array) -> QTensor:
+    """The QTensor of a served layer from its two stored arrays."""
+    return QTensor(
+        qvalue,
+        scale,
+        qdtype=np.dtype(info.qdtype),
+        dtype=np.dtype(info.dtype),
+        packed_axis=-1 if info.packed else None,
+        packed_pad=bool(info.packed and info.shape[-1] % 2),
+    )
+
+
+def expected_arrays(info: LayerInfo) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype of the stored ``qvalue`` of a layer."""
+    shape = list(info.shape)
+    if info.packed:
+        shape[-1] = (shape[-1] + 1) // 2
+        return tuple(shape), np.dtype(np.uint8)
+    return tuple(shape), np.dtype(storage_dtype(info.qdtype))
+
+
+def fingerprint_dict(res: Any) -> dict[str, Any]:
+    """The forward config of a resolution as plain data."""
+    return json.loads(fingerprint(res.config.fwd))
+
+
+def check_stored(owner: str, info: LayerInfo, qvalue: Any, scale: Any) -> None:
+    """Raises unless the stored arrays of a layer have the stored layout."""
+    shape, dtype = expected_arrays(info)
+    if np.dtype(qvalue.dtype) != dtype or tuple(qvalue.shape) != shape:
+        float_given = jnp.issubdtype(qvalue.dtype, jnp.floating) and dtype.kind != "f"
+        hint = " (float values: run qbits.serving.convert)" if float_given else ""
+        raise InvalidArgumentError(
+            owner,
+            f"{info.path}/qvalue",
+            f"an array {np.dtype(qvalue.dtype).name}{list(qvalue.shape)}",
+            f"{dtype.name}{list(shape)}, as stored for {info.describe()}",
+            why=f"layer {_show(info.path)}{hint}",
+        )
+    if not jnp.issubdtype(scale.dtype, jnp.floating) or scale.ndim != len(info.shape):
+        raise InvalidArgumentError(
+            owner,
+            f"{info.path}/scale",
+            f"an array {np.dtype(scale.dtype).name}{list(scale.shape)}",
+            f"a float array of rank {len(info.shape)}",
+            why=f"layer {_show(info.path)}",
+        )
+
+
+def check_layers(
+    owner: str,
+    config: QuantConfig,
+    original: QuantConfig,
+    layers: tuple[LayerInfo, ...],
+    source: str | None = None,
+) -> None:
+    """Raises ConfigError unless every stored layer has the config's forward.
+
+    Args:
+      owner: Who checks (for messages).
+      config: The forward-only rules of the serving model.
+      original: The rules as given (for preset names in messages).
+      layers: The stored layers of the params or checkpoint.
+      source: The checkpoint directory, if any.
+    """
+    for info in layers:
+        res = config.resolve(info.path)
+        if stores_weight(res.config) and fingerprint(res.config.fwd) == info.config:
+            continue
+        if stores_weight(res.config):
+            expected = original.resolve(info.path).name or describe_matmul(
+                fingerprint_dict(res)
+            )
+        else:
+            expected = "a float weight (no stored weight)"
+        raise ConfigError(
+            res.where,
+            info.describe(),
+            f"{expected}, the serving model's config for layer {info.path!r}",
+            why=f"{owner}: the serving params were converted with another "
+            "config; convert with the serving model's config, or serve them "
+            "with the config they were converted with",
+            source=source,
+        )
+
+
+def _show(path: str) -> str:
+    return repr(path) if path else "'' (the top-level module)"

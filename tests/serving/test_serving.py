@@ -1,0 +1,317 @@
+"""qbits.serving: convert, serve, save/restore, size report, bad input."""
+
+import functools
+
+import flax.linen as nn
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qbits
+import qbits.serving as serving
+
+INT8_WEIGHT_ONLY = qbits.DotGeneralConfig(
+    fwd=qbits.MatmulConfig(
+        rhs=qbits.Quantizer(qbits.IntNumerics(bits=8), granularity=qbits.PerChannel())
+    )
+)
+CONFIGS = {
+    "w8a8": "int8_fwd",
+    "w4a8": "w4a8",
+    "int4_weight_only": "int4_weight_only",
+    "int8_weight_only": INT8_WEIGHT_ONLY,
+    "fp8": "fp8",
+}
+STORED = {
+    "w8a8": "int8",
+    "w4a8": "uint8",
+    "int4_weight_only": "uint8",
+    "int8_weight_only": "int8",
+    "fp8": "float8_e4m3fn",
+}
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+        x = nn.relu(nn.Dense(256, name="fc1")(x))
+        return nn.Dropout(0.5, deterministic=not train)(x)
+
+
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = Block(name="block")(x, train)
+        x = nn.DenseGeneral((2, 8), name="proj")(x)
+        x = nn.LayerNorm(name="norm")(x.reshape(x.shape[0], -1))
+        return nn.Dense(10, name="head")(x)
+
+
+def nnx_mlp(seed=0):
+    return nnx.Sequential(
+        nnx.Linear(128, 256, rngs=nnx.Rngs(seed)),
+        nnx.relu,
+        nnx.LinearGeneral(256, (2, 8), rngs=nnx.Rngs(seed + 1)),
+        lambda x: x.reshape(x.shape[0], -1),
+        nnx.Linear(16, 10, rngs=nnx.Rngs(seed + 2)),
+    )
+
+
+@pytest.fixture(scope="module")
+def linen_setup():
+    x = jax.random.normal(jax.random.key(0), (4, 128))
+    model = Mlp()
+    return model, jax.jit(model.init)(jax.random.key(1), x), x
+
+
+@pytest.fixture(scope="module")
+def nnx_setup():
+    return nnx_mlp(), jax.random.normal(jax.random.key(0), (4, 128))
+
+
+def _bits(a):
+    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    return np.asarray(a).view(np.uint8)
+
+
+def _rules(config):
+    # head stays float: a served model mixes stored and float layers.
+    return qbits.QuantConfig(rules=(qbits.Rule("head|layers/4", None),), default=config)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_linen_serving_equals_qat_forward_bit_for_bit(linen_setup, name):
+    model, params, x = linen_setup
+    config = _rules(CONFIGS[name])
+    sp = serving.convert(model, config, params, x, False)  # non-array arguments
+    assert [info.path for info in sp.layers] == ["block/fc1", "proj"]
+    stored = sp.variables["qbits_serving"]
+    assert stored["block"]["fc1"]["qvalue"].dtype == np.dtype(STORED[name])
+    # No float kernel of a stored layer is left anywhere.
+    assert "kernel" not in sp.variables["params"]["block"]["fc1"]
+    assert "kernel" not in sp.variables["params"]["proj"]
+    assert "kernel" in sp.variables["params"]["head"]  # a float layer
+    served = jax.jit(serving.serve(model, config).apply)(sp, x)
+    qat = jax.jit(qbits.flax.quantize(model, config).apply)(params, x)
+    np.testing.assert_array_equal(served, qat)
+    assert served.dtype == qat.dtype
+    # Not the float forward: the weights really are quantized.
+    assert not np.array_equal(served, model.apply(params, x))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_nnx_serving_equals_qat_forward_bit_for_bit(nnx_setup, name):
+    model, x = nnx_setup
+    config = _rules(CONFIGS[name])
+    served = serving.convert(model, config)
+    paths = [info.path for info in serving.size_report(served).layers]
+    assert paths == ["layers/0", "layers/2"]
+    assert served.layers[0].dot_general.qvalue[...].dtype == np.dtype(STORED[name])
+    assert served.layers[0].kernel[...].shape == (0,)  # no float kernel
+    assert model.layers[0].kernel[...].shape == (128, 256)  # original unchanged
+    qat = qbits.nnx.quantize(model, config)
+    run = nnx.jit(lambda m, x: m(x))
+    np.testing.assert_array_equal(run(served, x), run(qat, x))
+
+
+def test_linen_stochastic_backward_configs_serve_without_keys(linen_setup):
+    model, params, x = linen_setup
+    sp = serving.convert(model, "int8", params, x)  # backward rounds stochastically
+    served = jax.jit(serving.serve(model, "int8").apply)(sp, x)
+    qat = jax.jit(qbits.flax.quantize(model, "int8").apply)(
+        params, x, rngs={"quant": jax.random.key(2)}
+    )
+    np.testing.assert_array_equal(served, qat)
+
+
+def test_linen_bfloat16_layers_and_methods():
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, dtype=jnp.bfloat16, name="fc")(x)
+
+        def twice(self, x):
+            return self(x) * 2
+
+    x = jax.random.normal(jax.random.key(0), (2, 256))
+    model = Model()
+    params = model.init(jax.random.key(1), x)
+    sp = serving.convert(model, "int8_fwd", params, x)
+    served = serving.serve(model, "int8_fwd")
+    qat = qbits.flax.quantize(model, "int8_fwd")
+    out = jax.jit(functools.partial(served.apply, method="twice"))(sp, x)
+    assert out.dtype == jnp.bfloat16
+    expected = jax.jit(functools.partial(qat.apply, method="twice"))(params, x)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_size_report_counts_values_and_scales(linen_setup, nnx_setup):
+    model, params, x = linen_setup
+    sp = serving.convert(model, _rules("int4_weight_only"), params, x)
+    report = serving.size_report(sp)
+    fc1 = report.layers[0]
+    assert fc1.value_bytes == 128 * 256 // 2  # two int4 per byte
+    assert fc1.scale_bytes == 256 * 4  # one tile of 128 per column
+    assert fc1.float32_bytes == 128 * 256 * 4
+    assert report.bytes == sum(r.value_bytes + r.scale_bytes for r in report.layers)
+    assert report.ratio == pytest.approx(report.bytes / report.float32_bytes)
+    assert report.other_bytes > 0  # biases, the norm, the float head
+    text = str(report)
+    assert text.startswith("| layer |") and "| fc1 | uint4" not in text
+    assert "int4 (packed)" in text and "**stored weights**" in text
+    assert report.as_dicts()[-1]["path"] == "all parameters"
+    nnx_report = serving.size_report(serving.convert(nnx_setup[0], "int8_fwd"))
+    assert nnx_report.ratio < 0.26
+    # Shapes are enough: eval_shape'd params give the same report.
+    abstract = jax.eval_shape(lambda: serving.convert(model, "int8_fwd", params, x))
+    concrete = serving.size_report(serving.convert(model, "int8_fwd", params, x))
+    assert serving.size_report(abstract) == concrete
+
+
+@pytest.mark.parametrize("name", ["w4a8", "fp8"])
+def test_linen_checkpoint_round_trips_exactly(tmp_path, linen_setup, name):
+    model, params, x = linen_setup
+    config = _rules(CONFIGS[name])
+    sp = serving.convert(model, config, params, x)
+    serving.save(tmp_path / "ckpt", sp)
+    target = jax.eval_shape(lambda: serving.convert(model, config, params, x))
+    back = serving.restore(tmp_path / "ckpt", target)
+    assert back.layers == sp.layers
+    for a, b in zip(
+        jax.tree.leaves(sp.variables), jax.tree.leaves(back.variables), strict=True
+    ):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    run = jax.jit(serving.serve(model, config).apply)
+    np.testing.assert_array_equal(run(back, x), run(sp, x))
+
+
+def test_nnx_checkpoint_round_trips_exactly(tmp_path, nnx_setup):
+    model, _ = nnx_setup
+    served = serving.convert(model, "w4a8")
+    serving.save(tmp_path / "ckpt", served)
+    target = serving.convert(nnx_mlp(seed=5), "w4a8")  # other weights, same config
+    restored = serving.restore(tmp_path / "ckpt", target)
+    assert restored is target
+    abstract = nnx.eval_shape(lambda: serving.convert(nnx_mlp(), "w4a8"))
+    from_abstract = serving.restore(tmp_path / "ckpt", abstract)
+    assert from_abstract.layers[0].kernel[...].shape == (0,)  # made concrete
+    for other in (restored, from_abstract):
+        for a, b in zip(
+            jax.tree.leaves(nnx.state(served)),
+            jax.tree.leaves(nnx.state(other)),
+            strict=True,
+        ):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_checkpoint_of_the_wrong_config_is_refused(tmp_path, linen_setup, nnx_setup):
+    model, params, x = linen_setup
+    serving.save(tmp_path / "w8", serving.convert(model, "int8_fwd", params, x))
+    wrong = serving.convert(model, "w4a8", params, x)
+    with pytest.raises(
+        qbits.ConfigError, match=r"layers\['block/fc1'\].config.*w4a8.*int8_fwd"
+    ):
+        serving.restore(tmp_path / "w8", wrong)
+    # A rule that keeps a layer float differs too.
+    partly = serving.convert(model, _rules("int8_fwd"), params, x)
+    serving.save(tmp_path / "partly", partly)
+    with pytest.raises(qbits.ConfigError, match=r"head.*float weight"):
+        serving.restore(
+            tmp_path / "partly", serving.convert(model, "int8_fwd", params, x)
+        )
+    # linen checkpoint into an nnx target.
+    with pytest.raises(qbits.InvalidArgumentError, match="linen"):
+        serving.restore(tmp_path / "w8", serving.convert(nnx_setup[0], "int8_fwd"))
+    with pytest.raises(qbits.InvalidArgumentError, match="directory"):
+        serving.restore(tmp_path / "missing", wrong)
+
+
+def test_serving_params_of_the_wrong_config_are_refused(linen_setup):
+    model, params, x = linen_setup
+    sp = serving.convert(model, "int8_fwd", params, x)
+    with pytest.raises(qbits.ConfigError, match=r"default: expected w4a8.*int8_fwd"):
+        serving.serve(model, "w4a8").apply(sp, x)
+    # int8_fwd and int8 share the forward matmul: interchangeable for serving.
+    jax.eval_shape(serving.serve(model, "int8").apply, sp, x)
+    # A layer the serving model stores but the params keep float.
+    partly = serving.convert(model, _rules("int8_fwd"), params, x)
+    with pytest.raises(qbits.InvalidArgumentError, match=r"float params.*head"):
+        jax.jit(serving.serve(model, "int8_fwd").apply)(partly, x)
+
+
+def test_linen_serving_model_given_float_params(linen_setup):
+    model, params, x = linen_setup
+    served = serving.serve(model, "int8_fwd")
+    with pytest.raises(
+        qbits.InvalidArgumentError, match="float variables: run convert"
+    ):
+        served.apply(params, x)
+    sp = serving.convert(model, "int8_fwd", params, x)
+    # Float values where the stored weight should be.
+    floats = jax.tree.map(lambda a: a, sp.variables)
+    floats["qbits_serving"]["block"]["fc1"]["qvalue"] = jnp.zeros((128, 256))
+    with pytest.raises(
+        qbits.InvalidArgumentError, match=r"fc1.*run qbits.serving.convert"
+    ):
+        served.apply(serving.ServingParams(floats, sp.layers), x)
+    # A float kernel beside the stored one.
+    both = jax.tree.map(lambda a: a, sp.variables)
+    both["params"]["block"]["fc1"]["kernel"] = params["params"]["block"]["fc1"][
+        "kernel"
+    ]
+    with pytest.raises(qbits.InvalidArgumentError, match="'block/fc1' has a float"):
+        served.apply(serving.ServingParams(both, sp.layers), x)
+
+
+def test_nnx_serving_model_given_float_params(nnx_setup):
+    model, x = nnx_setup
+    served = serving.convert(model, "int8_fwd")
+    nnx.update(served, nnx.state(model))  # the float model's params
+    with pytest.raises(
+        qbits.InvalidArgumentError, match=r"layers/0.*given float params"
+    ):
+        served(x)
+    served = serving.convert(model, "int8_fwd")
+    served.layers[2].dot_general.qvalue.set_value(jnp.zeros((256, 2, 8)))
+    with pytest.raises(qbits.InvalidArgumentError, match=r"layers/2.*float values"):
+        served(x)
+
+
+def test_bad_arguments(linen_setup, nnx_setup, tmp_path):
+    model, params, x = linen_setup
+    with pytest.raises(qbits.InvalidArgumentError, match="model"):
+        serving.convert("model", "int8_fwd")
+    with pytest.raises(qbits.InvalidArgumentError, match="variables=None"):
+        serving.convert(model, "int8_fwd")
+    with pytest.raises(qbits.InvalidArgumentError, match="config"):
+        serving.convert(model, 8, params, x)
+    with pytest.raises(qbits.InvalidArgumentError, match="converted already"):
+        sp = serving.convert(model, "int8_fwd", params, x)
+        serving.convert(model, "int8_fwd", sp.variables, x)
+    with pytest.raises(qbits.InvalidArgumentError, match="nnx model"):
+        serving.convert(nnx_setup[0], "int8_fwd", params)
+    with pytest.raises(qbits.InvalidArgumentError, match="serving"):
+        serving.size_report(params)
+    with pytest.raises(qbits.InvalidArgumentError, match="no stored layers"):
+        serving.save(tmp_path / "x", nnx_setup[0])
+    with pytest.raises(qbits.InvalidArgumentError, match="model"):
+        serving.serve(nnx_setup[0], "int8_fwd")
+    noisy = qbits.Quantizer(qbits.IntNumerics(bits=8, noise_fn=qbits.UniformNoise()))
+    config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(lhs=noisy, rhs=noisy))
+    with pytest.raises(qbits.ConfigError, match="stochastically"):
+        serving.convert(model, config, params, x)
+    with pytest.raises(qbits.ConfigError, match="stochastically"):
+        serving.convert(nnx_setup[0], config)
+
+
+def test_serving_dots_are_int8_on_xla_cpu(linen_setup):
+    model, params, x = linen_setup
+    sp = serving.convert(model, _rules("int8_fwd"), params, x)
+    served = serving.serve(model, _rules("int8_fwd"))
+    dots = qbits.ops.dot_dtypes(served.apply, sp, x)
+    assert dots.count(("s8", "s8", "s32")) == 2  # fc1 and proj; head is float

@@ -1,0 +1,95 @@
+"""Delayed-scaling state in nnx models: DelayedState Variables, update_state."""
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import qbits
+from qbits.nnx import DelayedState
+
+WRT = nnx.DiffState(0, (nnx.Param, DelayedState))
+
+
+def _model():
+    return nnx.Sequential(
+        nnx.Linear(16, 32, rngs=nnx.Rngs(0)),
+        nnx.relu,
+        nnx.Linear(32, 4, rngs=nnx.Rngs(1)),
+    )
+
+
+def test_training_writes_new_state_and_optimizer_skips_it():
+    rules = qbits.QuantConfig(
+        rules=[qbits.Rule("layers/2", None)], default="fp8_delayed"
+    )
+    model = qbits.nnx.quantize(_model(), rules)
+    dot = model.layers[0].dot_general
+    assert dot.lhs_amax_history[...].shape == (1024,)
+    assert not hasattr(model.layers[2].dot_general, "lhs_scale")  # float layer
+    opt = nnx.Optimizer(model, optax.sgd(0.01), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    y = jax.random.normal(jax.random.key(1), (8, 4))
+
+    @nnx.jit
+    def step(model, opt, x, y):
+        def loss(m):
+            return jnp.mean((m(x) - y) ** 2)
+
+        grads = nnx.grad(loss, argnums=WRT)(model)
+        opt.update(model, qbits.nnx.update_state(model, grads))
+
+    kernel = model.layers[0].kernel[...]
+    step(model, opt, x, y)
+    assert dot.lhs_amax_history[0] == jnp.max(jnp.abs(x))
+    assert dot.lhs_scale[0] == 1.0 and dot.grad_amax_history[0] > 0
+    assert not np.array_equal(model.layers[0].kernel[...], kernel)
+    step(model, opt, x, y)
+    np.testing.assert_allclose(dot.lhs_scale[...], jnp.max(jnp.abs(x)) / 448, rtol=1e-6)
+    # The float model is untouched and holds no state.
+    assert not nnx.state(_model(), DelayedState)
+
+
+def test_same_numbers_as_linen_and_the_functional_op():
+    model = qbits.nnx.quantize(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), "fp8_delayed")
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    grads = nnx.jit(nnx.grad(lambda m: (m(x) ** 2).sum(), argnums=WRT))(model)
+    op = qbits.ops.stateful_dot_general(qbits.presets.get("fp8_delayed"))
+    kernel = model.kernel[...]
+    ref = jax.jit(
+        jax.grad(
+            lambda s: (op(x, kernel, (((1,), (0,)), ((), ())), state=s) ** 2).sum()
+        )
+    )(op.init_state())
+    for k, v in ref.items():
+        np.testing.assert_array_equal(grads["dot_general"][k][...], v, err_msg=k)
+
+
+def test_micro_batches_in_one_loss_combine_with_max():
+    model = qbits.nnx.quantize(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), "fp8_delayed")
+    a = jax.random.normal(jax.random.key(0), (4, 16))
+    b = 3 * jax.random.normal(jax.random.key(1), (4, 16))
+
+    def two(m):
+        with qbits.nnx.max_combining(m):
+            return (m(a) ** 2).sum() + (m(b) ** 2).sum()
+
+    grads = nnx.jit(nnx.grad(two, argnums=WRT))(model)
+    full = nnx.jit(
+        nnx.grad(lambda m: (m(jnp.concatenate([a, b])) ** 2).sum(), argnums=WRT)
+    )(model)
+    for k in ("lhs_amax_history", "grad_amax_history", "lhs_scale", "rhs_scale"):
+        np.testing.assert_array_equal(
+            grads["dot_general"][k][...], full["dot_general"][k][...], err_msg=k
+        )
+    # The model's state is float32 again after the block.
+    assert model.dot_general.lhs_scale[...].dtype == jnp.float32
+
+
+def test_delayed_config_on_einsum_or_conv_raises():
+    with pytest.raises(qbits.InvalidArgumentError, match="QuantizedEinsum: config="):
+        qbits.nnx.QuantizedEinsum("fp8_delayed")
+    with pytest.raises(qbits.InvalidArgumentError, match="QuantizedConv: config="):
+        qbits.nnx.QuantizedConv("fp8_delayed")
