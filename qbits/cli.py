@@ -1,0 +1,356 @@
+"""The ``qbits`` command: train example models, run ablation sweeps, inspect configs.
+
+::
+
+    qbits train [CONFIG] [--model lm|mlp] [--steps N] [--seed S] [--out DIR]
+    qbits sweep SWEEP.yaml [--out DIR] [--rerun]
+    qbits inspect CONFIG [--model lm|mlp]
+    qbits presets
+
+CONFIG is a preset name (``qbits presets``) or a YAML config file (a single
+config, or per-layer rules; see the README's config reference). Every user
+error (bad argument, bad file, unknown preset, unwritable folder) prints one
+line, ``qbits: error: ...``, and exits with status 2; an interrupted command
+exits with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import pathlib
+import shutil
+import sys
+import warnings
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+_PROG = "qbits"
+
+
+class UsageError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _config(arg: str):
+    """A preset name or a YAML file -> (name, QuantConfig or None)."""
+    import qbits
+
+    path = pathlib.Path(arg)
+    if arg in qbits.presets.names() and not path.is_file():
+        name = arg
+        return name, (None if arg == "none" else qbits.QuantConfig(default=arg))
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path.stem, qbits.load_config(path)
+    raise UsageError(
+        f"unknown config {arg!r}: expected a YAML file or a preset name: "
+        + ", ".join(qbits.presets.names())
+    )
+
+
+def _out_dir(path: str) -> pathlib.Path:
+    """Creates ``path`` and checks it can be written, before any training."""
+    out = pathlib.Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".qbits-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(
+            f"cannot write to the output folder {path!r} ({e.strerror or e})"
+        ) from None
+    return out
+
+
+def _progress_factory(quiet: bool, steps: int):
+    """``progress(run_id, index, total)`` -> a per-step callback (tqdm)."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    def factory(run_id: str, index: int, total: int):
+        bar = tqdm(
+            total=steps,
+            desc=f"[{index + 1}/{total}] {run_id}",
+            unit="step",
+            leave=False,
+            # A terminal that reports no size (0 columns) still gets a bar.
+            ncols=shutil.get_terminal_size().columns or 100,
+            file=sys.stderr,
+        )
+
+        def update(step: int, loss: float) -> None:
+            bar.update(1)
+            if step % 10 == 0 or step == steps:
+                bar.set_postfix(loss=f"{loss:.3f}")
+            if step == steps:
+                bar.close()
+
+        return update
+
+    return factory
+
+
+def _log(quiet: bool):
+    def log(line: str) -> None:
+        if not quiet or line.startswith("warning"):
+            print(line, file=sys.stderr if line.startswith("warning") else sys.stdout)
+
+    return log
+
+
+def _train(args: argparse.Namespace) -> int:
+    from qbits.experiments import spec
+    from qbits.experiments.sweep import Entry, Sweep, config_bits, run_sweep
+
+    name, config = _config(args.config)
+    model_spec = spec(args.model, args.size)
+    steps = model_spec.steps if args.steps is None else args.steps
+    out = _out_dir(args.out or f"runs/train/{args.model}-{name}-seed{args.seed}")
+    entries = [Entry("float32", None, 32.0)]
+    if config is not None:
+        entries.append(Entry(name, config, config_bits(config)))
+    sweep = Sweep(
+        f"qbits train {args.model} {name}",
+        model_spec,
+        steps,
+        (args.seed,),
+        tuple(entries),
+        "float32",
+        args.size,
+    )
+    if not args.quiet:
+        print(
+            f"training {args.model} ({args.size}) for {steps} steps, seed "
+            f"{args.seed}: float32 and {name}; results in {out}"
+        )
+    runs = run_sweep(
+        sweep,
+        out,
+        resume=False,
+        progress=_progress_factory(args.quiet, steps),
+        log=_log(args.quiet),
+    )
+    from qbits.experiments.report import summarize
+
+    rows = summarize(runs, "float32")
+    metric = "char accuracy" if args.model == "lm" else "accuracy"
+    print(
+        f"\n{'run':<16} {'train loss':>10} {'eval loss':>10} {'eval / f32':>10} "
+        f"{metric:>13} {'time':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['config']:<16} {r['train_loss']:>10.4f} {r['eval_loss']:>10.4f} "
+            f"{r['ratio']:>10.4f} {r['eval_accuracy']:>13.3f} {r['seconds']:>6.0f}s"
+        )
+    print(f"\nwrote {out}/results.md, results.csv, results.json, loss_curves.png")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from qbits.experiments.sweep import load_sweep, run_sweep
+
+    sweep = load_sweep(args.file)
+    out = _out_dir(args.out or f"runs/{sweep.name}")
+    total = len(sweep.entries) * len(sweep.seeds)
+    if not args.quiet:
+        print(
+            f"sweep {sweep.name!r}: {len(sweep.entries)} configs x "
+            f"{len(sweep.seeds)} seeds = {total} runs of {sweep.spec.model} "
+            f"({sweep.size}, {sweep.steps} steps); results in {out}"
+        )
+    rows_runs = run_sweep(
+        sweep,
+        out,
+        resume=not args.rerun,
+        progress=_progress_factory(args.quiet, sweep.steps),
+        log=_log(args.quiet),
+    )
+    del rows_runs
+    if not args.quiet:
+        print((out / "results.md").read_text(encoding="utf-8"))
+    print(
+        f"wrote {out}/results.md, results.csv, results.json, loss_curves.png, "
+        "quality_vs_bits.png"
+    )
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import flax.nnx as nnx
+
+    import qbits
+    from qbits.experiments import build_model, spec
+
+    name, config = _config(args.config)
+    model_spec = spec(args.model)
+    # Only the graph is needed: shapes, no parameters computed.
+    model = nnx.eval_shape(lambda: build_model(model_spec, 0)[0])
+    table = qbits.nnx.layer_table(model, config if config is not None else "none")
+    print(f"{args.model}: {name}\n")
+    print(table)
+    message = table.unused_message()
+    print(f"\nunused rules: {message}" if message else "\nunused rules: none")
+    return 0
+
+
+def _presets(args: argparse.Namespace) -> int:
+    import qbits
+
+    del args
+    for name in qbits.presets.names():
+        print(f"{name:<18} {qbits.presets.describe(name).splitlines()[0]}")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse's own status)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=_PROG,
+        description="qbits: quantized training and ablations for JAX and Flax.",
+        epilog="Run 'qbits COMMAND --help' for the options of a command.",
+    )
+    try:
+        version = importlib.metadata.version("qbits")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        version = "unknown"
+    parser.add_argument("--version", action="version", version=f"qbits {version}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    model_help = (
+        "the example model: lm (char transformer) or mlp (default: %(default)s)"
+    )
+
+    train = sub.add_parser(
+        "train",
+        help="train an example model quantized by CONFIG, beside float32",
+        description="Train an example model with every matmul quantized as CONFIG "
+        "says, and the same model, data and seed in float32; print the final "
+        "train/eval metrics of both and write results.{md,csv,json} and "
+        "loss_curves.png to --out.",
+    )
+    train.add_argument(
+        "config",
+        nargs="?",
+        default="int8",
+        metavar="CONFIG",
+        help="a preset name or a YAML config file (default: %(default)s)",
+    )
+    train.add_argument("--model", choices=("lm", "mlp"), default="lm", help=model_help)
+    train.add_argument("--steps", type=_positive, help="training steps")
+    train.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    train.add_argument(
+        "--out", help="output folder (default: runs/train/MODEL-CONFIG-seedS)"
+    )
+    train.add_argument(
+        "--size",
+        choices=("default", "tiny"),
+        default="default",
+        help="model size; tiny is for smoke tests (default: %(default)s)",
+    )
+    train.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(run=_train)
+
+    sweep = sub.add_parser(
+        "sweep",
+        help="run an ablation sweep from a YAML file",
+        description="Run every config x seed of SWEEP.yaml (runs finished before "
+        "are skipped), then write results.{md,csv,json}, loss_curves.png and "
+        "quality_vs_bits.png to --out.",
+    )
+    sweep.add_argument("file", metavar="SWEEP.yaml", help="the sweep file")
+    sweep.add_argument("--out", help="output folder (default: runs/NAME)")
+    sweep.add_argument(
+        "--rerun", action="store_true", help="rerun runs that are already finished"
+    )
+    sweep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sweep.set_defaults(run=_sweep)
+
+    inspect = sub.add_parser(
+        "inspect",
+        help="show which config each layer of an example model gets",
+        description="Print the per-layer table (layer path -> config) of CONFIG "
+        "applied to an example model, and the rules that match no layer.",
+    )
+    inspect.add_argument(
+        "config", metavar="CONFIG", help="a preset name or a YAML config file"
+    )
+    inspect.add_argument(
+        "--model", choices=("lm", "mlp"), default="lm", help=model_help
+    )
+    inspect.set_defaults(run=_inspect)
+
+    presets = sub.add_parser(
+        "presets",
+        help="list the presets",
+        description="List the preset configs and what each is for.",
+    )
+    presets.set_defaults(run=_presets)
+    return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive int, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``qbits`` command; returns its exit status.
+
+    Args:
+      argv: The arguments (default ``sys.argv[1:]``).
+
+    Returns:
+      0 on success, 2 for a user error (one line on stderr), 130 when
+      interrupted.
+
+    Example:
+      >>> from qbits.cli import main
+      >>> main(["presets"])  # doctest: +ELLIPSIS
+      none ...
+      0
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    import qbits
+    from qbits.experiments.sweep import SweepError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", qbits.UnusedRuleWarning)
+            return args.run(args)
+    except (UsageError, SweepError, qbits.ConfigError, qbits.InvalidArgumentError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{_PROG}: error: {message}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        where = f" {e.filename!r}" if e.filename else ""
+        print(f"{_PROG}: error:{where} {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"{_PROG}: interrupted; finished runs are kept, rerun to continue",
+            file=sys.stderr,
+        )
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Layer 9: example models, their training loop, ablation sweeps and reports.
+
+What the ``qbits`` command runs (:mod:`qbits.cli`), usable from Python too:
+
+- :func:`spec`, :class:`ModelSpec`: the ``lm`` (a character-level decoder-only
+  transformer on a corpus that ships with qbits) and ``mlp`` (a classifier on
+  generated data) example models, at ``default`` or ``tiny`` size.
+- :func:`train`: trains one with every matmul quantized as a per-layer
+  config says (:func:`qbits.nnx.quantize`); :class:`RunResult`.
+- :func:`load_sweep`, :func:`run_sweep`: a grid of configs and seeds from a
+  YAML file, one result file per run (a rerun skips finished runs), then the
+  table and plots (:func:`write_report`).
+"""
+
+from qbits.experiments import corpus
+from qbits.experiments.data import CharData, ClassData, char_data, class_data
+from qbits.experiments.models import (
+    MODELS,
+    Classifier,
+    ModelSpec,
+    TransformerLM,
+    spec,
+)
+from qbits.experiments.report import summarize, write_report
+from qbits.experiments.sweep import Entry, Sweep, SweepError, load_sweep, run_sweep
+from qbits.experiments.train import RunResult, build_model, train
+
+__all__ = [
+    "MODELS",
+    "CharData",
+    "ClassData",
+    "Classifier",
+    "Entry",
+    "ModelSpec",
+    "RunResult",
+    "Sweep",
+    "SweepError",
+    "TransformerLM",
+    "build_model",
+    "char_data",
+    "class_data",
+    "corpus",
+    "load_sweep",
+    "run_sweep",
+    "spec",
+    "summarize",
+    "train",
+    "write_report",
+]

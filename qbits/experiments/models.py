@@ -1,0 +1,190 @@
+"""The example models: a character-level transformer LM and an MLP classifier.
+
+Both are plain Flax nnx models (nothing in them knows about qbits); the
+training loop quantizes them with :func:`qbits.nnx.quantize`, so every
+``nnx.Linear``, ``nnx.LinearGeneral`` and both attention einsums follow the
+config. The embedding lookup is a gather, not a matmul, and stays float.
+
+Layer paths (for per-layer rules, see ``qbits inspect``):
+
+- ``lm``: ``blocks/<i>/attn/{query,key,value,out,qk,pv}``,
+  ``blocks/<i>/mlp/{fc1,fc2}``, ``head``.
+- ``mlp``: ``layers/<i>`` (hidden layers), ``head``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import flax.nnx as nnx
+import jax
+
+__all__ = ["MODELS", "SIZES", "Classifier", "ModelSpec", "TransformerLM", "spec"]
+
+MODELS = ("lm", "mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The sizes and training hyperparameters of an example model.
+
+    Every config trained in one comparison uses the same spec (the float32
+    baseline included): nothing here is tuned per config.
+
+    Attributes:
+      model: ``"lm"`` or ``"mlp"``.
+      width: ``d_model`` of the LM, hidden width of the MLP.
+      depth: Transformer blocks, or hidden layers of the MLP.
+      heads: Attention heads (``lm``).
+      context: Characters per training sequence (``lm``).
+      batch: Sequences (``lm``) or examples (``mlp``) per step.
+      steps: Default number of training steps.
+      lr: Peak AdamW learning rate (linear warm-up, cosine decay).
+      eval_batches: Batches of held-out data in each evaluation.
+      evals: Evaluations during training (for the curves), the last at the end.
+      fast_compile: Compile without XLA's optimizations: seconds less to
+        start, slower steps (the ``tiny`` sizes, which run a few steps).
+
+    Example:
+      >>> from qbits.experiments import spec
+      >>> spec("lm").width, spec("lm", "tiny").width
+      (128, 16)
+    """
+
+    model: str
+    width: int
+    depth: int
+    heads: int
+    context: int
+    batch: int
+    steps: int
+    lr: float
+    eval_batches: int = 8
+    evals: int = 5
+    fast_compile: bool = False
+
+
+SIZES: dict[tuple[str, str], ModelSpec] = {
+    ("lm", "default"): ModelSpec("lm", 128, 2, 4, 64, 32, 800, 3e-3),
+    ("lm", "tiny"): ModelSpec("lm", 16, 1, 2, 16, 4, 4, 3e-3, 1, 1, True),
+    ("mlp", "default"): ModelSpec("mlp", 256, 2, 1, 1, 256, 400, 3e-3),
+    ("mlp", "tiny"): ModelSpec("mlp", 16, 1, 1, 1, 16, 4, 3e-3, 1, 1, True),
+}
+
+
+def spec(model: str, size: str = "default") -> ModelSpec:
+    """The :class:`ModelSpec` of ``model`` at ``size`` (``default`` or ``tiny``).
+
+    ``tiny`` exists for smoke tests: it runs in seconds and learns little.
+
+    Raises:
+      ValueError: For an unknown model or size (the message lists them).
+
+    Example:
+      >>> from qbits.experiments import spec
+      >>> spec("mlp").batch
+      256
+    """
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; expected one of: lm, mlp")
+    if (model, size) not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of: default, tiny")
+    return SIZES[model, size]
+
+
+class _Mlp(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.fc2 = nnx.Linear(4 * width, width, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class _Block(nnx.Module):
+    def __init__(self, width: int, heads: int, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(width, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            heads, width, decode=False, deterministic=True, rngs=rngs
+        )
+        self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+        self.mlp = _Mlp(width, rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm1(x), mask=mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class TransformerLM(nnx.Module):
+    """A small decoder-only (pre-norm, GPT-style) character-level transformer.
+
+    Args:
+      vocab: Number of distinct characters.
+      spec: The sizes (``width``, ``depth``, ``heads``, ``context``).
+      rngs: Initialisation keys.
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> from qbits.experiments import TransformerLM, spec
+      >>> make = lambda: TransformerLM(10, spec("lm", "tiny"), rngs=nnx.Rngs(0))
+      >>> lm = nnx.eval_shape(make)  # the graph only, no parameters computed
+      >>> [row.path for row in qbits.nnx.layer_table(lm, "int8").rows]
+      ... # doctest: +NORMALIZE_WHITESPACE
+      ['blocks/0/attn/key', 'blocks/0/attn/out', 'blocks/0/attn/query',
+       'blocks/0/attn/value', 'blocks/0/attn/qk', 'blocks/0/attn/pv',
+       'blocks/0/mlp/fc1', 'blocks/0/mlp/fc2', 'head']
+    """
+
+    def __init__(self, vocab: int, spec: ModelSpec, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(vocab, spec.width, rngs=rngs)
+        self.pos = nnx.Param(
+            0.02 * jax.random.normal(rngs.params(), (spec.context, spec.width))
+        )
+        self.blocks = nnx.List(
+            [_Block(spec.width, spec.heads, rngs) for _ in range(spec.depth)]
+        )
+        self.norm = nnx.LayerNorm(spec.width, rngs=rngs)
+        self.head = nnx.Linear(spec.width, vocab, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Next-character logits ``[batch, length, vocab]`` of int ``tokens``."""
+        length = tokens.shape[-1]
+        x = self.embed(tokens) + self.pos[:length]
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+
+class Classifier(nnx.Module):
+    """An MLP classifier: ``depth`` hidden layers of ``width`` with GELU.
+
+    Args:
+      features: Input features.
+      classes: Output classes.
+      spec: The sizes (``width``, ``depth``).
+      rngs: Initialisation keys.
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> from qbits.experiments import Classifier, spec
+      >>> net = nnx.eval_shape(
+      ...     lambda: Classifier(8, 3, spec("mlp", "tiny"), rngs=nnx.Rngs(0))
+      ... )
+      >>> [row.path for row in qbits.nnx.layer_table(net, "none").rows]
+      ['head', 'layers/0']
+    """
+
+    def __init__(self, features: int, classes: int, spec: ModelSpec, *, rngs):
+        widths = [features] + [spec.width] * spec.depth
+        self.layers = nnx.List(
+            [nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(widths)]
+        )
+        self.head = nnx.Linear(widths[-1], classes, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Class logits ``[batch, classes]`` of features ``[batch, features]``."""
+        for layer in self.layers:
+            x = jax.nn.gelu(layer(x))
+        return self.head(x)

@@ -1,0 +1,84 @@
+"""The example models, their data and the example files."""
+
+import pathlib
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qbits
+from qbits.experiments import (
+    TransformerLM,
+    char_data,
+    class_data,
+    corpus,
+    load_sweep,
+    spec,
+)
+from qbits.experiments.data import char_batch, char_eval_batches
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_shipped_corpus_is_the_generated_text():
+    text = corpus.read()
+    assert text == corpus.generate()
+    assert 250_000 < len(text) < 400_000 and text.isascii()
+
+
+def test_char_data_split_and_vocabulary():
+    data = char_data()
+    assert data.vocab == len(set(corpus.read())) < 64
+    assert data.train.dtype == jnp.int32
+    assert data.train.shape[0] + data.eval.shape[0] == len(corpus.read())
+    decoded = "".join(data.chars[i] for i in np.asarray(data.eval[:40]))
+    assert decoded == corpus.read()[data.train.shape[0] :][:40]
+
+
+def test_batches_are_shifted_windows():
+    tokens = jnp.arange(100, dtype=jnp.int32)
+    x, y = char_batch(tokens, jax.random.key(0), 4, 8)
+    assert x.shape == y.shape == (4, 8)
+    np.testing.assert_array_equal(y[:, :-1], x[:, 1:])
+    ex, ey = char_eval_batches(tokens, 2, 3, 8)
+    assert ex.shape == (2, 3, 8)
+    np.testing.assert_array_equal(ey[..., :-1], ex[..., 1:])
+
+
+def test_class_data_is_deterministic():
+    a, b = class_data(n=16, n_eval=4), class_data(n=16, n_eval=4)
+    np.testing.assert_array_equal(a.x, b.x)
+    np.testing.assert_array_equal(a.y_eval, b.y_eval)
+
+
+def test_lm_layer_paths():
+    model = nnx.eval_shape(lambda: TransformerLM(40, spec("lm"), rngs=nnx.Rngs(0)))
+    paths = [row.path for row in qbits.nnx.layer_table(model, "int8").rows]
+    assert len(paths) == 2 * 8 + 1
+    assert {"blocks/0/attn/qk", "blocks/1/mlp/fc2", "head"} <= set(paths)
+
+
+def test_unknown_model_and_size():
+    with pytest.raises(ValueError, match="unknown model 'cnn'"):
+        spec("cnn")
+    with pytest.raises(ValueError, match="unknown size 'huge'"):
+        spec("lm", "huge")
+
+
+def test_example_files_load():
+    rules = qbits.load_config(ROOT / "examples" / "transformer_rules.yaml")
+    model = nnx.eval_shape(lambda: TransformerLM(40, spec("lm"), rngs=nnx.Rngs(0)))
+    table = qbits.nnx.layer_table(model, rules)
+    assert not table.unused_rules
+    assert table["head"].describe() == "w4a8"
+    assert table["blocks/0/attn/qk"].describe() == "float"
+    lm = load_sweep(ROOT / "examples" / "sweep_lm.yaml")
+    names = [e.name for e in lm.entries]
+    assert names == ["none", "int8_fwd", "int8", "fp8", "w4a8", "w4a8_attn8"]
+    w4 = qbits.nnx.layer_table(model, lm.entries[-1].config)
+    assert w4["blocks/0/attn/pv"].describe() == "int8_fwd"
+    assert w4["blocks/0/mlp/fc1"].describe() == "w4a8" and not w4.unused_rules
+    bits = load_sweep(ROOT / "examples" / "sweep_bits.yaml")
+    assert len(bits.entries) == 2 + 3 * 2 * 2 and bits.seeds == (0, 1)
