@@ -14,7 +14,8 @@ Non-finite input:
   the inf would hide an overflow as a plausible number.) The check is that
   the block's sum is finite, so a block of finite values whose sum overflows
   float32 (magnitudes near 3e38) is treated as non-finite too: loudly, as
-  NaN.
+  NaN. (:class:`AbsMax` finds non-finite values in its own single pass
+  and has no such limit.)
 
 All-zero blocks:
   A bound of 0 gives a scale of 1, so an all-zero block quantizes to exact
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -91,12 +92,19 @@ class Calibration(struct.PyTreeNode, metaclass=abc.ABCMeta):
             calibrations use it.
         """
 
+    #: Whether :meth:`bound` is itself non-finite for every block holding a
+    #: NaN or an inf, so that no separate pass over ``x`` has to find them.
+    bound_flags_non_finite: ClassVar[bool] = False
+
     def __call__(
         self, x: jax.Array, axes: Axes, quantize: QuantizeFn | None = None
     ) -> jax.Array:
         """The bound of each block; NaN for blocks holding a NaN or inf."""
         bound = self.bound(x, axes, quantize).astype(x.dtype)
-        return lax.select(_all_finite(x, axes), bound, jnp.full_like(bound, jnp.nan))
+        finite = jnp.isfinite(bound) if self.bound_flags_non_finite else None
+        if finite is None:
+            finite = _all_finite(x, axes)
+        return lax.select(finite, bound, jnp.full_like(bound, jnp.nan))
 
 
 def _all_finite(x: jax.Array, axes: Axes) -> jax.Array:
@@ -139,11 +147,19 @@ class AbsMax(Calibration):
     def __post_init__(self) -> None:
         check_float("AbsMax", "clip_factor", self.clip_factor, lo=0.0, lo_open=True)
 
+    bound_flags_non_finite: ClassVar[bool] = True
+
     def bound(
         self, x: jax.Array, axes: Axes, quantize: QuantizeFn | None = None
     ) -> jax.Array:
-        """``clip_factor * max(|x|)`` over ``axes``."""
-        return _absmax(x, axes) * self.clip_factor
+        """``clip_factor * max(|x|)`` over ``axes``; inf where ``x`` holds NaN.
+
+        One pass over ``x``: NaN is mapped to inf before the reduction
+        (XLA:CPU's vectorized max reductions would drop it), so the maximum
+        of a block holding a NaN or an inf is inf.
+        """
+        magnitude = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
+        return jnp.max(magnitude, axis=axes, keepdims=True) * self.clip_factor
 
 
 class Percentile(Calibration):
