@@ -23,27 +23,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from qbits.calibration import ConstantBound
-from qbits.config import presets
-from qbits.config.rules import QuantConfig, Rule
+from qbits.config.rules import QuantConfig, Rule, as_quant_config
 from qbits.errors import InvalidArgumentError
-from qbits.ops import DotGeneralConfig
 
 __all__ = ["freeze_ranges"]
-
-
-def _as_quant_config(config: Any) -> QuantConfig:
-    if isinstance(config, QuantConfig):
-        return config
-    if isinstance(config, DotGeneralConfig) or config is None:
-        return QuantConfig(default=config)
-    if isinstance(config, str) and config in presets.names():
-        return QuantConfig(default=config)
-    raise InvalidArgumentError(
-        "freeze_ranges",
-        "config",
-        config,
-        "a qbits.QuantConfig, a qbits.DotGeneralConfig or a preset name",
-    )
 
 
 def freeze_ranges(config: Any, ranges: Mapping[str, float]) -> QuantConfig:
@@ -71,7 +54,7 @@ def freeze_ranges(config: Any, ranges: Mapping[str, float]) -> QuantConfig:
       >>> frozen.resolve("fc2").name
       'int8_fwd'
     """
-    qc = _as_quant_config(config)
+    qc = as_quant_config("freeze_ranges", config, allow_none=True)
     if not isinstance(ranges, Mapping):
         raise InvalidArgumentError(
             "freeze_ranges", "ranges", ranges, "a mapping {layer path: absmax}"

@@ -32,6 +32,8 @@ __all__ = [
     "Resolution",
     "Rule",
     "UnusedRuleWarning",
+    "as_dot_general_config",
+    "as_quant_config",
     "check_conv_operands",
     "check_operands",
 ]
@@ -67,6 +69,56 @@ def _check_ref(ref: Any, path: str) -> ConfigRef:
 
 def _resolve_ref(ref: ConfigRef) -> DotGeneralConfig | None:
     return presets.get(ref) if isinstance(ref, str) else ref
+
+
+def as_dot_general_config(owner: str, config: Any) -> DotGeneralConfig:
+    """``config`` as a DotGeneralConfig: itself, or the preset it names.
+
+    Raises:
+      InvalidArgumentError: Naming ``owner``, for anything else.
+    """
+    if isinstance(config, DotGeneralConfig):
+        return config
+    if isinstance(config, str) and config in presets.names():
+        return presets.get(config)
+    raise InvalidArgumentError(
+        owner,
+        "config",
+        config,
+        "a qbits.DotGeneralConfig or a preset name: " + ", ".join(presets.names()),
+    )
+
+
+def as_quant_config(
+    owner: str, config: Any, *, allow_none: bool = False
+) -> QuantConfig:
+    """``config`` as a QuantConfig; one config or preset name becomes the default.
+
+    Args:
+      owner: Who asks, for the error message.
+      config: A :class:`QuantConfig`, a :class:`~qbits.DotGeneralConfig`, a
+        preset name, or (with ``allow_none``) ``None``: every layer float.
+      allow_none: Whether ``None`` is accepted.
+
+    Raises:
+      InvalidArgumentError: Naming ``owner``, for anything else.
+    """
+    if isinstance(config, QuantConfig):
+        return config
+    if (
+        isinstance(config, DotGeneralConfig)
+        or (config is None and allow_none)
+        or (isinstance(config, str) and config in presets.names())
+    ):
+        return QuantConfig(default=config)
+    none = ", None (float)" if allow_none else ""
+    raise InvalidArgumentError(
+        owner,
+        "config",
+        config,
+        f"a qbits.QuantConfig, a qbits.DotGeneralConfig{none} or a preset name: "
+        + ", ".join(presets.names()),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,11 +42,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from qbits.config import presets
-from qbits.config.rules import LayerTable, QuantConfig
+from qbits.config.rules import LayerTable, QuantConfig, as_quant_config
 from qbits.errors import InvalidArgumentError
 from qbits.flax._layers import Session
-from qbits.ops import DotGeneralConfig
 
 __all__ = ["Quantized", "layer_table", "quantize"]
 
@@ -147,22 +145,6 @@ def _method(method: Any) -> Callable[..., Any] | None:
     return run
 
 
-def _as_config(config: Any) -> QuantConfig:
-    if isinstance(config, QuantConfig):
-        return config
-    if config is None or isinstance(config, DotGeneralConfig):
-        return QuantConfig(default=config)
-    if isinstance(config, str) and config in presets.names():
-        return QuantConfig(default=config)
-    raise InvalidArgumentError(
-        "qbits.flax.quantize",
-        "config",
-        config,
-        "a qbits.QuantConfig, a qbits.DotGeneralConfig, None (float) or a "
-        "preset name: " + ", ".join(presets.names()),
-    )
-
-
 def quantize(model: nn.Module, config: Any) -> Quantized:
     """The model with the matmuls of its layers quantized by per-layer rules.
 
@@ -221,7 +203,9 @@ def quantize(model: nn.Module, config: Any) -> Quantized:
             model,
             "a model that is not quantized yet (pass quantized.model)",
         )
-    return Quantized(model, _as_config(config))
+    return Quantized(
+        model, as_quant_config("qbits.flax.quantize", config, allow_none=True)
+    )
 
 
 def layer_table(model: nn.Module, config: Any, *args: Any, **kwargs: Any) -> LayerTable:

@@ -29,10 +29,9 @@ from flax.core import FrozenDict
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from qbits.config import presets
+from qbits.config.rules import as_dot_general_config
 from qbits.errors import InvalidArgumentError
 from qbits.ops import (
-    DotGeneralConfig,
     init_state,
     init_steps,
     learned_tensors,
@@ -43,19 +42,6 @@ from qbits.ops import max_combining as _max_combining
 __all__ = ["STATE", "StatefulDotGeneral", "TrainState", "max_combining"]
 
 STATE = OVERWRITE_WITH_GRADIENT
-
-
-def _config(config: Any) -> DotGeneralConfig:
-    if isinstance(config, DotGeneralConfig):
-        return config
-    if isinstance(config, str) and config in presets.names():
-        return presets.get(config)
-    raise InvalidArgumentError(
-        "StatefulDotGeneral",
-        "config",
-        config,
-        "a qbits.DotGeneralConfig or a preset name: " + ", ".join(presets.names()),
-    )
 
 
 class StatefulDotGeneral(nn.Module):
@@ -104,7 +90,7 @@ class StatefulDotGeneral(nn.Module):
         out_sharding: Any = None,
     ) -> jax.Array:
         """``lax.dot_general`` quantized with this module's delayed scales."""
-        config = _config(self.config)
+        config = as_dot_general_config("StatefulDotGeneral", self.config)
         key = self.key
         if key is None and config.needs_key:
             key = self.make_rng("quant")

@@ -23,8 +23,11 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from qbits.config import presets
-from qbits.config.rules import check_conv_operands, check_operands
+from qbits.config.rules import (
+    as_dot_general_config,
+    check_conv_operands,
+    check_operands,
+)
 from qbits.errors import InvalidArgumentError
 from qbits.nnx.stateful import DelayedState
 from qbits.ops import DotGeneralConfig, Einsum, conv_general_dilated, dot_general
@@ -39,20 +42,6 @@ from qbits.ops.stateful import (
 __all__ = ["QuantizedConv", "QuantizedDotGeneral", "QuantizedEinsum"]
 
 STREAM = "quant"
-
-
-def resolve_config(owner: str, config: Any) -> DotGeneralConfig:
-    """A DotGeneralConfig from a config or a preset name."""
-    if isinstance(config, DotGeneralConfig):
-        return config
-    if isinstance(config, str) and config in presets.names():
-        return presets.get(config)
-    raise InvalidArgumentError(
-        owner,
-        "config",
-        config,
-        "a qbits.DotGeneralConfig or a preset name: " + ", ".join(presets.names()),
-    )
 
 
 def has_stream(rngs: Any) -> bool:
@@ -95,7 +84,7 @@ class _Quantized(nnx.Module):
         where: str = "config",
     ):
         owner = type(self).__name__
-        self.config = resolve_config(owner, config)
+        self.config = as_dot_general_config(owner, config)
         if not isinstance(where, str):
             raise InvalidArgumentError(owner, "where", where, "a string")
         self.where = where

@@ -49,8 +49,8 @@ import flax.nnx as nnx
 import jax.numpy as jnp
 from jax import lax
 
-from qbits.config.rules import LayerRow, LayerTable, QuantConfig
-from qbits.errors import ConfigError, InvalidArgumentError
+from qbits.config.rules import LayerRow, LayerTable, QuantConfig, as_quant_config
+from qbits.errors import InvalidArgumentError
 from qbits.nnx.attention import QuantizedAttention
 from qbits.nnx.layers import (
     STREAM,
@@ -59,7 +59,6 @@ from qbits.nnx.layers import (
     QuantizedEinsum,
     has_stream,
 )
-from qbits.ops import DotGeneralConfig
 
 __all__ = ["layer_table", "quantize"]
 
@@ -115,23 +114,6 @@ def _layers(model: nnx.Module) -> list[_Layer]:
     return [layer for _, layer in sorted(found, key=lambda item: item[0])]
 
 
-def _as_quant_config(config: Any) -> QuantConfig:
-    if isinstance(config, QuantConfig):
-        return config
-    if isinstance(config, DotGeneralConfig | str):
-        try:
-            return QuantConfig(default=config)
-        except ConfigError:
-            pass
-    raise InvalidArgumentError(
-        _OWNER,
-        "config",
-        config,
-        "a qbits.QuantConfig, a qbits.DotGeneralConfig or a preset name "
-        "(the config of every layer)",
-    )
-
-
 def _check_model(model: Any) -> None:
     if not isinstance(model, nnx.Module):
         raise InvalidArgumentError(_OWNER, "model", model, "a flax.nnx.Module")
@@ -183,7 +165,7 @@ def layer_table(model: nnx.Module, config: Any) -> LayerTable:
       layers/1 Linear float
     """
     _check_model(model)
-    return _table(model, _as_quant_config(config))[0]
+    return _table(model, as_quant_config(_OWNER, config))[0]
 
 
 def quantize(
@@ -241,7 +223,7 @@ def quantize(
       True
     """
     _check_model(model)
-    config = _as_quant_config(config)
+    config = as_quant_config(_OWNER, config)
     if rngs is not None and not isinstance(rngs, nnx.Rngs | nnx.RngStream):
         raise InvalidArgumentError(
             _OWNER,

@@ -31,7 +31,6 @@ from qbits.tensor import PACKABLE_DTYPES, QTensor, storage_dtype
 
 __all__ = [
     "LayerInfo",
-    "as_config",
     "check_layers",
     "check_stored",
     "fingerprint",
@@ -120,23 +119,6 @@ def describe_matmul(data: dict[str, Any]) -> str:
 def fingerprint(cfg: MatmulConfig) -> str:
     """The forward matmul config as canonical JSON: equal iff configs are."""
     return json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":"))
-
-
-def as_config(owner: str, config: Any) -> QuantConfig:
-    """A QuantConfig from a QuantConfig, DotGeneralConfig or preset name."""
-    if isinstance(config, QuantConfig):
-        return config
-    if isinstance(config, DotGeneralConfig) or (
-        isinstance(config, str) and config in presets.names()
-    ):
-        return QuantConfig(default=config)
-    raise InvalidArgumentError(
-        owner,
-        "config",
-        config,
-        "a qbits.QuantConfig, a qbits.DotGeneralConfig or a preset name: "
-        + ", ".join(presets.names()),
-    )
 
 
 def _fwd_only(ref: Any) -> DotGeneralConfig | None:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from qbits.config.rules import QuantConfig
+from qbits.config.rules import QuantConfig, as_quant_config
 from qbits.errors import ConfigError, InvalidArgumentError
 from qbits.flax._layers import Session
 from qbits.flax.quantize import Quantized
@@ -40,7 +40,6 @@ from qbits.ops.matmul import matmul
 from qbits.serving._layout import (
     COLLECTION,
     LayerInfo,
-    as_config,
     check_layers,
     check_stored,
     describe_matmul,
@@ -354,4 +353,4 @@ def serve(model: nn.Module, config: Any) -> Served:
         model = model.model
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(owner, "model", model, "a flax.linen.Module")
-    return Served(model, as_config(owner, config))
+    return Served(model, as_quant_config(owner, config))

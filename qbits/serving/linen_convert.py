@@ -18,14 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import meta, unfreeze
 
-from qbits.config.rules import QuantConfig
+from qbits.config.rules import QuantConfig, as_quant_config
 from qbits.errors import InvalidArgumentError
 from qbits.flax.quantize import Quantized
 from qbits.ops.dims import Dims
 from qbits.serving._layout import (
     COLLECTION,
     LayerInfo,
-    as_config,
     check_servable,
     fingerprint,
     forward_only,
@@ -162,7 +161,7 @@ def convert_linen(
     owner = "qbits.serving.convert"
     if isinstance(model, Quantized | Served):
         model = model.model
-    original = as_config(owner, config)
+    original = as_quant_config(owner, config)
     fwd = forward_only(original)
     variables = _variables(owner, variables)
     collector = _Collector(fwd, original)

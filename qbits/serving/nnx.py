@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qbits.config.rules import as_quant_config
 from qbits.errors import InvalidArgumentError
 from qbits.nnx.layers import QuantizedDotGeneral
 from qbits.nnx.quantize import layer_table
@@ -28,7 +29,6 @@ from qbits.ops.dims import Dims
 from qbits.ops.matmul import matmul
 from qbits.serving._layout import (
     LayerInfo,
-    as_config,
     check_servable,
     check_stored,
     fingerprint,
@@ -148,7 +148,7 @@ def _contracting(module: nnx.Module) -> tuple[int, ...]:
 def convert_nnx(model: nnx.Module, config: Any) -> nnx.Module:
     """The serving copy of an nnx model: see :func:`qbits.serving.convert`."""
     owner = "qbits.serving.convert"
-    original = as_config(owner, config)
+    original = as_quant_config(owner, config)
     fwd = forward_only(original)
     table = layer_table(model, fwd)
     for row in table.rows:
