@@ -6,9 +6,16 @@
 - :mod:`~qbits.config.presets`: named recipes, also ``configs/<name>.yaml``.
 - :mod:`~qbits.config.rules`: :class:`QuantConfig`, per-layer rules and the
   per-layer table.
+- :mod:`~qbits.config.checks`: whether a config fits a layer's operands.
 """
 
 from qbits.config import presets
+from qbits.config.checks import (
+    CheckedConv,
+    CheckedDotGeneral,
+    check_conv_operands,
+    check_operands,
+)
 from qbits.config.rules import (
     LayerRow,
     LayerTable,
@@ -16,8 +23,8 @@ from qbits.config.rules import (
     Resolution,
     Rule,
     UnusedRuleWarning,
-    check_conv_operands,
-    check_operands,
+    as_dot_general_config,
+    as_quant_config,
 )
 from qbits.config.schema import from_dict, register, to_dict
 from qbits.config.yamlio import (
@@ -31,12 +38,16 @@ from qbits.config.yamlio import (
 )
 
 __all__ = [
+    "CheckedConv",
+    "CheckedDotGeneral",
     "LayerRow",
     "LayerTable",
     "QuantConfig",
     "Resolution",
     "Rule",
     "UnusedRuleWarning",
+    "as_dot_general_config",
+    "as_quant_config",
     "check_conv_operands",
     "check_operands",
     "dump",

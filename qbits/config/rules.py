@@ -10,20 +10,14 @@ the resolved config of every layer, and the rules that matched nothing.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-from jax import lax
-
 from qbits.config import presets
 from qbits.errors import ConfigError, InvalidArgumentError
 from qbits.ops import DotGeneralConfig
-from qbits.ops.dims import Dims
 
 __all__ = [
     "LayerRow",
@@ -34,8 +28,6 @@ __all__ = [
     "UnusedRuleWarning",
     "as_dot_general_config",
     "as_quant_config",
-    "check_conv_operands",
-    "check_operands",
 ]
 
 ConfigRef = DotGeneralConfig | str | None
@@ -356,118 +348,3 @@ class LayerTable:
         if self.unused_rules:
             lines += ["", "Unused: " + self.unused_message() + "."]
         return "\n".join(lines)
-
-
-def _out_shape(dims: Dims, lhs: Sequence[int], rhs: Sequence[int]) -> tuple[int, ...]:
-    return (
-        tuple(lhs[a] for a in dims.lhs_batch)
-        + tuple(lhs[a] for a in dims.lhs_free)
-        + tuple(rhs[a] for a in dims.rhs_free)
-    )
-
-
-def check_operands(
-    config: DotGeneralConfig,
-    lhs_shape: Sequence[int],
-    rhs_shape: Sequence[int],
-    dimension_numbers: Any,
-    where: str = "",
-) -> None:
-    """Checks that every quantizer of ``config`` fits a dot_general's operands.
-
-    Used by the injection layers when a layer is first traced, so that a tile
-    size that does not divide an axis is reported with its place in the file.
-
-    Args:
-      config: The layer's config.
-      lhs_shape: Shape of the forward lhs.
-      rhs_shape: Shape of the forward rhs.
-      dimension_numbers: As for ``lax.dot_general``.
-      where: Path of ``config`` inside its file, e.g. ``"rules[1].config"``.
-
-    Raises:
-      ConfigError: Naming e.g. ``rules[1].config.fwd.rhs.granularity.tile_size``.
-    """
-    fwd = Dims.create(dimension_numbers, len(lhs_shape), len(rhs_shape))
-    g = _out_shape(fwd, lhs_shape, rhs_shape)
-    dlhs, drhs = fwd.grad_lhs()[0], fwd.grad_rhs()[0]
-    _check_quantizers(
-        config,
-        (
-            ("fwd", "lhs", lhs_shape, fwd.lhs_contract),
-            ("fwd", "rhs", rhs_shape, fwd.rhs_contract),
-            ("dlhs", "lhs", g, dlhs.lhs_contract),
-            ("dlhs", "rhs", rhs_shape, dlhs.rhs_contract),
-            ("drhs", "lhs", g, drhs.lhs_contract),
-            ("drhs", "rhs", lhs_shape, drhs.rhs_contract),
-        ),
-        where,
-    )
-
-
-def check_conv_operands(
-    config: DotGeneralConfig,
-    lhs: Any,
-    rhs: Any,
-    *args: Any,
-    where: str = "",
-    **kwargs: Any,
-) -> None:
-    """:func:`check_operands` for a ``lax.conv_general_dilated`` call.
-
-    The contracting axes are those :func:`qbits.conv_general_dilated` uses:
-    input features and window forward; output features and window (dlhs);
-    batch and positions (drhs).
-
-    Args:
-      config: The layer's config.
-      lhs: The input (an array or anything with ``shape`` and ``dtype``).
-      rhs: The kernel.
-      *args: The remaining arguments of ``lax.conv_general_dilated``.
-      where: Path of ``config`` inside its file.
-      **kwargs: Keyword arguments of ``lax.conv_general_dilated``.
-
-    Raises:
-      ConfigError: Naming e.g. ``default.fwd.rhs.granularity.tile_size``.
-    """
-    lhs = jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.result_type(lhs))
-    rhs = jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.result_type(rhs))
-    out = jax.eval_shape(
-        lambda a, b: lax.conv_general_dilated(a, b, *args, **kwargs), lhs, rhs
-    ).shape
-    bound = inspect.signature(lax.conv_general_dilated).bind(lhs, rhs, *args, **kwargs)
-    dn = lax.conv_dimension_numbers(
-        lhs.shape, rhs.shape, bound.arguments.get("dimension_numbers")
-    )
-    ls, rs, os_ = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-    _check_quantizers(
-        config,
-        (
-            ("fwd", "lhs", lhs.shape, (ls[1], *ls[2:])),
-            ("fwd", "rhs", rhs.shape, (rs[1], *rs[2:])),
-            ("dlhs", "lhs", out, (os_[1], *os_[2:])),
-            ("dlhs", "rhs", rhs.shape, (rs[0], *rs[2:])),
-            ("drhs", "lhs", out, (os_[0], *os_[2:])),
-            ("drhs", "rhs", lhs.shape, (ls[0], *ls[2:])),
-        ),
-        where,
-    )
-
-
-def _check_quantizers(
-    config: DotGeneralConfig,
-    operands: Iterable[tuple[str, str, Sequence[int], Sequence[int]]],
-    where: str,
-) -> None:
-    """Checks each ``(matmul, side, shape, contracting axes)`` operand."""
-    for matmul, side, shape, contracting in operands:
-        quantizer = getattr(getattr(config, matmul), side)
-        try:
-            quantizer.granularity.block_sizes(tuple(shape), tuple(contracting))
-        except InvalidArgumentError as e:
-            raise ConfigError(
-                f"{where}.{matmul}.{side}.granularity.{e.argument}".lstrip("."),
-                e.value,
-                e.allowed,
-                why=e.why or f"operand shape {tuple(shape)}",
-            ) from None

@@ -23,15 +23,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qbits.config.rules import (
-    LayerTable,
-    QuantConfig,
-    check_conv_operands,
-    check_operands,
-)
-from qbits.errors import ConfigError, InvalidArgumentError
+from qbits.config.checks import CheckedConv, CheckedDotGeneral, show_layer
+from qbits.config.rules import LayerTable, QuantConfig
+from qbits.errors import InvalidArgumentError
 from qbits.flax.stateful import StatefulDotGeneral
-from qbits.ops import ConvGeneralDilated, DotGeneral, DotGeneralConfig
+from qbits.ops import DotGeneralConfig
 from qbits.ops import conv_general_dilated as make_conv
 from qbits.ops import dot_general as make_dot_general
 from qbits.ops.einsum import Einsum
@@ -45,71 +41,6 @@ ATTENTION = "MultiHeadDotProductAttention"
 def _raw(method: Callable[..., Any]) -> Callable[..., Any]:
     """The function linen wraps as a module method (what interceptors see)."""
     return getattr(method, "__wrapped__", method)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _LayerDot:
-    """A layer's quantized dot_general; checks the config against the operands."""
-
-    op: DotGeneral
-    where: str
-    layer: str
-
-    def __call__(
-        self,
-        lhs: Any,
-        rhs: Any,
-        dimension_numbers: Any,
-        precision: Any = None,
-        preferred_element_type: Any = None,
-        *,
-        out_sharding: Any = None,
-    ) -> jax.Array:
-        with _in_layer(self.layer):
-            check_operands(
-                self.op.config,
-                jnp.shape(lhs),
-                jnp.shape(rhs),
-                dimension_numbers,
-                self.where,
-            )
-        return self.op(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision,
-            preferred_element_type,
-            out_sharding=out_sharding,
-        )
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _LayerConv:
-    """A layer's quantized conv_general_dilated; checks the config first."""
-
-    op: ConvGeneralDilated
-    where: str
-    layer: str
-
-    def __call__(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> jax.Array:
-        with _in_layer(self.layer):
-            check_conv_operands(
-                self.op.config, lhs, rhs, *args, where=self.where, **kwargs
-            )
-        return self.op(lhs, rhs, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _in_layer(layer: str) -> Iterator[None]:
-    """Adds the layer's path to a ConfigError raised inside."""
-    try:
-        yield
-    except ConfigError as e:
-        where = f"in layer {_show(layer)}"
-        why = f"{e.why}, {where}" if e.why else where
-        raise ConfigError(
-            e.path, e.value, e.allowed, why=why, source=e.source
-        ) from None
 
 
 @contextlib.contextmanager
@@ -132,10 +63,6 @@ def _fields(module: nn.Module, **values: Any) -> Iterator[None]:
 def _path(module: nn.Module, suffix: str = "") -> str:
     path = "/".join(str(p) for p in module.path)
     return f"{path}/{suffix}" if path and suffix else path or suffix
-
-
-def _show(path: str) -> str:
-    return repr(path) if path else "'' (the top-level module)"
 
 
 class Session:
@@ -197,7 +124,7 @@ class Session:
                 "qbits.flax.quantize",
                 res.where,
                 res.name or res.config,
-                f"a stateless config for layer {_show(path)} ({kind}): delayed "
+                f"a stateless config for layer {show_layer(path)} ({kind}): delayed "
                 "scaling is supported in Dense and DenseGeneral layers",
             )
         key = None
@@ -210,8 +137,8 @@ class Session:
                     None,
                     "a PRNG key: pass rngs={'quant': jax.random.key(...)} to "
                     "apply (and to init, with 'params')",
-                    why=f"layer {_show(path)} gets {res.where}{name}, which rounds "
-                    "stochastically",
+                    why=f"layer {show_layer(path)} gets {res.where}{name}, which "
+                    "rounds stochastically",
                 )
             key = module.make_rng("quant")  # differs per layer and per call
         return res.config, res.where, key
@@ -228,7 +155,7 @@ class Session:
             cls = functools.partial(StatefulDotGeneral, config, key)
             with _fields(module, dot_general_cls=cls):
                 return next_fun(*args, **kwargs)
-        fn = _LayerDot(make_dot_general(config, key), where, _path(module))
+        fn = CheckedDotGeneral(make_dot_general(config, key), where, _path(module))
         with _fields(module, dot_general=fn):
             return next_fun(*args, **kwargs)
 
@@ -245,7 +172,7 @@ class Session:
         if found is None:
             return next_fun(*args, **kwargs)
         config, where, key = found
-        fn = _LayerConv(make_conv(config, key), where, _path(module))
+        fn = CheckedConv(make_conv(config, key), where, _path(module))
         with _fields(module, conv_general_dilated=fn):
             return next_fun(*args, **kwargs)
 
@@ -256,7 +183,8 @@ class Session:
         if found is None:
             return next_fun(*args, **kwargs)
         config, where, key = found
-        op = Einsum(_LayerDot(make_dot_general(config, key), where, _path(module)))
+        dot = CheckedDotGeneral(make_dot_general(config, key), where, _path(module))
+        op = Einsum(dot)
         return _run_einsum(module, op, *args, **kwargs)
 
     # MultiHeadDotProductAttention: its query/key/value/out DenseGeneral
@@ -302,7 +230,7 @@ class _EinsumFactory:
         if found is None:  # what flax does without a factory
             return functools.partial(jnp.einsum, precision=module.precision)
         config, where, key = found
-        op = Einsum(_LayerDot(make_dot_general(config, key), where, path))
+        op = Einsum(CheckedDotGeneral(make_dot_general(config, key), where, path))
         return functools.partial(op, precision=module.precision)
 
 

@@ -23,11 +23,8 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from qbits.config.rules import (
-    as_dot_general_config,
-    check_conv_operands,
-    check_operands,
-)
+from qbits.config.checks import CheckedConv, CheckedDotGeneral
+from qbits.config.rules import as_dot_general_config
 from qbits.errors import InvalidArgumentError
 from qbits.nnx.stateful import DelayedState
 from qbits.ops import DotGeneralConfig, Einsum, conv_general_dilated, dot_general
@@ -105,41 +102,6 @@ class _Quantized(nnx.Module):
     def _key(self) -> jax.Array | None:
         """A new key for this call (advancing the stream), or ``None``."""
         return None if self.rngs is None else self.rngs()
-
-
-class _Checked:
-    """A DotGeneral that first checks its config against the operand shapes."""
-
-    def __init__(self, config: DotGeneralConfig, key: Any, where: str):
-        self._config = config
-        self._dot_general = dot_general(config, key)
-        self._where = where
-
-    def __call__(
-        self,
-        lhs: jax.typing.ArrayLike,
-        rhs: jax.typing.ArrayLike,
-        dimension_numbers: Any,
-        precision: Any = None,
-        preferred_element_type: Any = None,
-        *,
-        out_sharding: Any = None,
-    ) -> jax.Array:
-        check_operands(
-            self._config,
-            jnp.shape(lhs),
-            jnp.shape(rhs),
-            dimension_numbers,
-            self._where,
-        )
-        return self._dot_general(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision,
-            preferred_element_type,
-            out_sharding=out_sharding,
-        )
 
 
 class QuantizedDotGeneral(_Quantized):
@@ -231,7 +193,7 @@ class QuantizedDotGeneral(_Quantized):
                 steps=steps,
                 out_sharding=out_sharding,
             )
-        op = _Checked(self.config, self._key(), self.where)
+        op = CheckedDotGeneral(dot_general(self.config, self._key()), self.where)
         return op(
             lhs,
             rhs,
@@ -278,7 +240,9 @@ class QuantizedEinsum(_Quantized):
         out_sharding: Any = None,
     ) -> jax.Array:
         """Computes ``jnp.einsum(subscripts, lhs, rhs)`` with quantized matmuls."""
-        op = Einsum(_Checked(self.config, self._key(), self.where))
+        op = Einsum(
+            CheckedDotGeneral(dot_general(self.config, self._key()), self.where)
+        )
         return op(
             subscripts,
             lhs,
@@ -343,6 +307,5 @@ class QuantizedConv(_Quantized):
             precision,
             preferred_element_type,
         )
-        check_conv_operands(self.config, *args, where=self.where)
-        op = conv_general_dilated(self.config, self._key())
+        op = CheckedConv(conv_general_dilated(self.config, self._key()), self.where)
         return op(*args, out_sharding=out_sharding)
