@@ -17,15 +17,14 @@ Run: python benchmarks/serving.py --json OUT.json [--rounds 40] [--md OUT.md]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import platform
-import statistics
-import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import paired  # benchmarks/paired.py
 
 import qbits
 import qbits.serving
@@ -113,7 +112,6 @@ def main() -> None:
                 f"{a} x {b} -> {o}"
                 for a, b, o in qbits.ops.dot_dtypes(compiled.as_text())
             ],
-            "times": [],
         }
 
     add("float32", model.apply, (params, x), 1.0)
@@ -129,28 +127,18 @@ def main() -> None:
     dots, dot_args = int8_dots_alone()
     add("reference: the two int8 dots alone", dots, dot_args, None)
 
-    # Paired measurement, as in train_step.py: each round runs every variant
-    # a few times back to back (keeping the fastest) and compares it with
-    # float32 from the same round.
-    for _ in range(args.rounds):
-        for v in variants.values():
-            best = float("inf")
-            for _ in range(args.reps):
-                start = time.perf_counter()
-                jax.block_until_ready(v["run"](*v["args"]))
-                best = min(best, time.perf_counter() - start)
-            v["times"].append(best)
-
-    base = variants["float32"]
+    times = paired.measure(
+        {name: functools.partial(v["run"], *v["args"]) for name, v in variants.items()},
+        args.rounds,
+        args.reps,
+    )
     results = []
     for name, v in variants.items():
-        ratios = sorted(t / b for t, b in zip(v["times"], base["times"], strict=True))
-        q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+        stats = paired.ratio_stats(times[name], times["float32"])
         entry = {
             "variant": name,
-            "forward_ms": round(statistics.median(v["times"]) * 1e3, 3),
-            "time_ratio": round(statistics.median(ratios), 3),
-            "time_ratio_iqr": [round(q1, 3), round(q3, 3)],
+            "forward_ms": stats.pop("ms"),
+            **stats,
             "weight_bytes_ratio": None
             if v["weight_ratio"] is None
             else round(v["weight_ratio"], 4),
@@ -164,18 +152,13 @@ def main() -> None:
                 for r in v["report"].as_dicts()[:-2]
             ]
         results.append(entry)
-    meta = {
-        "benchmark": "serving",
-        "model": f"MLP {IN}->{HIDDEN}->{OUT}, batch {BATCH}, forward, jit",
-        "rounds": args.rounds,
-        "reps_per_round": args.reps,
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "devices": str(jax.devices()[0].device_kind),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "load_average": os.getloadavg(),
-    }
+    meta = paired.machine(
+        "serving",
+        f"MLP {IN}->{HIDDEN}->{OUT}, batch {BATCH}, forward, jit",
+        args.rounds,
+        args.reps,
+    )
+    meta["load_average"] = os.getloadavg()
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
 

@@ -13,13 +13,13 @@ Run: python benchmarks/train_step.py --json OUT.json [--rounds 30]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import platform
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+import paired  # benchmarks/paired.py
 
 import qbits
 
@@ -107,48 +107,35 @@ def main() -> None:
                 f"{a} x {b} -> {o}"
                 for a, b, o in qbits.ops.dot_dtypes(compiled.as_text())
             ],
-            "times": [],
         }
-    # Paired measurement: each round runs every variant a few times back to
-    # back (keeping the fastest, which filters out preemption) and compares
-    # it with float32 from the same round; the figure is the median of the
-    # per-round ratios, with its interquartile range.
-    for _ in range(args.rounds):
-        for v in variants.values():
-            best = float("inf")
-            for _ in range(args.reps):
-                start = time.perf_counter()
-                jax.block_until_ready(v["run"](params, x, y))
-                best = min(best, time.perf_counter() - start)
-            v["times"].append(best)
-
+    times = paired.measure(
+        {
+            name: functools.partial(v["run"], params, x, y)
+            for name, v in variants.items()
+        },
+        args.rounds,
+        args.reps,
+    )
     base = variants["float32"]
     results = []
     for name, v in variants.items():
-        ratios = sorted(t / b for t, b in zip(v["times"], base["times"], strict=True))
-        q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+        stats = paired.ratio_stats(times[name], times["float32"])
         results.append(
             {
                 "variant": name,
-                "step_ms": round(statistics.median(v["times"]) * 1e3, 3),
-                "time_ratio": round(statistics.median(ratios), 3),
-                "time_ratio_iqr": [round(q1, 3), round(q3, 3)],
+                "step_ms": stats.pop("ms"),
+                **stats,
                 "compile_s": round(v["compile_s"], 3),
                 "compile_ratio": round(v["compile_s"] / base["compile_s"], 3),
                 "dots": v["dots"],
             }
         )
-    meta = {
-        "benchmark": "train_step",
-        "model": f"MLP {IN}->{HIDDEN}->{OUT}, batch {BATCH}, SGD, jit",
-        "rounds": args.rounds,
-        "reps_per_round": args.reps,
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "devices": str(jax.devices()[0].device_kind),
-        "cpu_count": __import__("os").cpu_count(),
-        "machine": platform.machine(),
-    }
+    meta = paired.machine(
+        "train_step",
+        f"MLP {IN}->{HIDDEN}->{OUT}, batch {BATCH}, SGD, jit",
+        args.rounds,
+        args.reps,
+    )
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
 
