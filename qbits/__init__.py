@@ -19,6 +19,9 @@ in this file):
    collected activation ranges into static bounds.
 6. Flax: :mod:`qbits.flax` (linen) and :mod:`qbits.nnx` quantize unmodified
    models by per-layer rules (``quantize``, ``layer_table``).
+4. :mod:`qbits.scaled`: :class:`~qbits.scaled.ScaledArray` and
+   :func:`~qbits.scaled.scalify`, scale propagation through a whole graph
+   (float16 and fp8 training without overflow).
 7. :mod:`qbits.serving`: convert trained params to stored int8/int4/fp8
    weights, serve them, save/restore, size report.
 """
@@ -67,6 +70,7 @@ from qbits.ops import (
 from qbits.quantizer import Quantizer, mx_quantizer
 from qbits.tensor import QTensor
 
+from qbits import scaled  # isort: skip  (layer 4: scaled arithmetic)
 from qbits import lsq, ranges  # isort: skip  (stateful scaling, layers 2-5)
 from qbits.ranges import freeze_ranges  # isort: skip
 from qbits import flax, nnx  # isort: skip  (layer 6 imports everything above)
@@ -123,6 +127,7 @@ __all__ = [
     "ops",
     "presets",
     "ranges",
+    "scaled",
     "serving",
     "stateful_dot_general",
     "tensor",
