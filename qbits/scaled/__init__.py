@@ -33,7 +33,7 @@ from qbits.scaled.interpreter import (
     scalify,
 )
 
-from qbits.scaled import rules, structure  # isort: skip  (registers the rules)
+from qbits.scaled import control, rules, structure  # isort: skip  (the rules)
 from qbits.scaled.structure import register_marker  # isort: skip
 from qbits.scaled.ops import (  # isort: skip
     cast_ml_dtype,
@@ -53,6 +53,7 @@ __all__ = [
     "asarray",
     "cast_ml_dtype",
     "cast_ml_dtype_grad",
+    "control",
     "dynamic_rescale_l2",
     "dynamic_rescale_l2_grad",
     "dynamic_rescale_max",

@@ -132,7 +132,7 @@ def value(x: Any) -> jax.Array:
     return x
 
 
-def promote(x: Any, like: ScaledArray) -> ScaledArray:
+def promote(x: Any) -> ScaledArray:
     """Any float operand as a ScaledArray (constants: pow2-split, exact)."""
     if isinstance(x, ScaledArray):
         return x
@@ -320,7 +320,7 @@ def _contracting_matmul(
 ) -> ScaledArray:
     """``run(lhs_data, rhs_data, acc_dtype)`` contracting ``k`` elements."""
     like = scaled_operands([a, b])[0]
-    a, b = promote(a, like), promote(b, like)
+    a, b = promote(a), promote(b)
     da, db = jnp.asarray(a.data), jnp.asarray(b.data)
     if da.dtype != db.dtype:
         common = jnp.promote_types(da.dtype, db.dtype) if da.dtype.itemsize > 1 else F32

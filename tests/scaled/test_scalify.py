@@ -191,3 +191,66 @@ def test_scalify_under_vmap_and_jit_of_jit():
         asarray(batched), np.sum(np.tanh(asarray(x)) * asarray(x), -1), rtol=1e-6
     )
     assert is_scaled(jax.jit(jax.jit(f))(x))
+
+
+def _close(got, want):
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(asarray(g), w, rtol=1e-5, atol=1e-6),
+        got,
+        want,
+        is_leaf=is_scaled,
+    )
+
+
+def test_scan_over_layers_forward_and_grad():
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(3, 8, 8)).astype(np.float32)
+    x = rng.normal(size=(4, 8)).astype(np.float32)
+
+    def forward(x, w):
+        def layer(h, wi):
+            h = jnp.tanh(h @ wi)
+            return h, jnp.sum(h, 1)
+
+        return jax.lax.scan(layer, x, w)
+
+    def grad(x, w):
+        return jax.grad(lambda w: jnp.sum(forward(x, w)[0] ** 2))(w)
+
+    sx, sw = as_scaled_array(x, np.float32(4)), as_scaled_array(w, np.float32(0.5))
+    for fn in (forward, grad):
+        got = jax.jit(scalify(fn))(sx, sw)
+        assert all(is_scaled(v) for v in jax.tree.leaves(got, is_leaf=is_scaled))
+        _close(got, fn(x, w))
+
+
+def test_loop_carry_started_plain_becomes_scaled():
+    w = as_scaled_array(jnp.asarray(RNG.normal(size=(3, 4)), jnp.float32), 2.0)
+
+    def total(w):
+        return jax.lax.fori_loop(0, 3, lambda i, c: c + w[i], jnp.zeros(4))
+
+    got = jax.jit(scalify(total))(w)
+    assert is_scaled(got)
+    _close(got, total(asarray(w)))
+
+    def doubling(x):
+        return jax.lax.while_loop(
+            lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0), (0, x)
+        )
+
+    n, out = scalify(doubling)(w)
+    assert int(n) == 3 and is_scaled(out) and float(out.scale) == 16.0
+    _close(out, doubling(asarray(w))[1])
+
+
+def test_cond_branches_agree_on_scaledness():
+    x = as_scaled_array(jnp.asarray(RNG.normal(size=(5,)), jnp.float32), 4.0)
+
+    def f(p, x):
+        return jax.lax.cond(p, lambda v: v * 2.0, lambda v: jnp.zeros_like(v), x)
+
+    for p in (True, False):
+        got = jax.jit(scalify(f))(p, x)
+        assert is_scaled(got)
+        _close(got, f(p, asarray(x)))
