@@ -39,7 +39,7 @@ class Mlp(nn.Module):
         return nn.Dense(OUT, name="fc2")(x)
 
 
-def configs() -> dict[str, qbits.DotGeneralConfig | str]:
+def configs(static: qbits.QuantConfig) -> dict[str, object]:
     def per_channel(bits: int) -> qbits.Quantizer:
         return qbits.Quantizer(
             qbits.IntNumerics(bits=bits), granularity=qbits.PerChannel()
@@ -52,6 +52,9 @@ def configs() -> dict[str, qbits.DotGeneralConfig | str]:
     tiled_fake = tiled.replace(fwd=tiled.fwd.replace(mode="fake"))
     return {
         "w8a8 (int8_fwd)": "int8_fwd",
+        # Post-training calibration: activation ranges collected over 8
+        # batches and frozen (no absmax reduction at serving time).
+        "w8a8, static activation ranges (freeze_ranges)": static,
         "int8 weight-only": weight_only(8),
         "int4 weight-only (int4_weight_only, tiles of 128)": "int4_weight_only",
         # The same int4 weights, dequantized before a float32 dot: the
@@ -115,7 +118,10 @@ def main() -> None:
         }
 
     add("float32", model.apply, (params, x), 1.0)
-    for name, config in configs().items():
+    batches = [jax.random.normal(jax.random.key(10 + i), (BATCH, IN)) for i in range(8)]
+    ranges = qbits.flax.collect_ranges(model, params, batches)
+    static = qbits.ranges.freeze_ranges("int8_fwd", ranges)
+    for name, config in configs(static).items():
         sp = qbits.serving.convert(model, config, params, x)
         served = qbits.serving.serve(model, config)
         qat = jax.jit(qbits.flax.quantize(model, config).apply)(params, x)

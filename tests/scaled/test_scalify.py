@@ -254,3 +254,33 @@ def test_cond_branches_agree_on_scaledness():
         got = jax.jit(scalify(f))(p, x)
         assert is_scaled(got)
         _close(got, f(p, asarray(x)))
+
+
+def test_flax_linen_and_nnx_models_run_on_scaled_params():
+    import flax.linen as nn
+    from flax import nnx
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.LayerNorm()(nn.gelu(nn.Dense(16)(x)))
+            return nn.Dense(4)(x)
+
+    x = jnp.asarray(RNG.normal(size=(3, 8)), jnp.float32)
+    model = Mlp()
+    variables = model.init(jax.random.key(0), x)
+
+    def grads(v, x):
+        return jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(v)
+
+    got = jax.jit(scalify(grads))(as_scaled_array(variables), as_scaled_array(x, 4.0))
+    _close(got, grads(variables, x))
+
+    attention = nnx.MultiHeadAttention(2, 8, rngs=nnx.Rngs(0), decode=False)
+    graphdef, state = nnx.split(attention)
+    xa = jnp.asarray(RNG.normal(size=(2, 5, 8)), jnp.float32)
+    out = jax.jit(scalify(lambda s, v: nnx.merge(graphdef, s)(v)))(
+        as_scaled_array(state), as_scaled_array(xa, 0.5)
+    )
+    assert is_scaled(out)
+    _close(out, attention(xa))
