@@ -322,8 +322,11 @@ def _contracting_matmul(
     like = scaled_operands([a, b])[0]
     a, b = promote(a), promote(b)
     da, db = jnp.asarray(a.data), jnp.asarray(b.data)
-    if da.dtype != db.dtype:
-        common = jnp.promote_types(da.dtype, db.dtype) if da.dtype.itemsize > 1 else F32
+    if da.dtype != db.dtype and not (da.dtype.itemsize == db.dtype.itemsize == 1):
+        # fp8 x fp8 of two formats (E4M3 x E5M2) stays as it is: the pattern
+        # XLA's GPU compiler turns into an FP8 GEMM. Other mixes widen.
+        common = F32 if min(da.dtype.itemsize, db.dtype.itemsize) == 1 else None
+        common = common or jnp.promote_types(da.dtype, db.dtype)
         da, db = da.astype(common), db.astype(common)
     acc = accumulate_dtype(da.dtype)
     product = scale32(a) * scale32(b)

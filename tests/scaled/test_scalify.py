@@ -13,6 +13,7 @@ from qbits.scaled import (
     UnsupportedPrimitiveError,
     as_scaled_array,
     asarray,
+    dynamic_rescale_max,
     is_scaled,
     scalify,
 )
@@ -284,3 +285,24 @@ def test_flax_linen_and_nnx_models_run_on_scaled_params():
     )
     assert is_scaled(out)
     _close(out, attention(xa))
+
+
+def test_fp8_storage_feeds_fp8_dots():
+    """E4M3 x E5M2 data go straight into the dot (accumulating in float32)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(16, 64)).astype(np.float32) * 1e3
+    g = rng.normal(size=(16, 32)).astype(np.float32) * 1e-6
+    sx = dynamic_rescale_max(as_scaled_array(x)).astype(jnp.float8_e4m3fn)
+    sg = dynamic_rescale_max(as_scaled_array(g)).astype(jnp.float8_e5m2)
+    fn = scalify(
+        lambda a, b: jax.lax.dot_general(
+            a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    )
+    out = jax.jit(fn)(sx, sg)
+    assert out.data.dtype == jnp.float32
+    dots = qbits.ops.jaxpr_dot_dtypes(fn, sx, sg)
+    assert dots == [("float8_e4m3fn", "float8_e5m2", "float32")]
+    ref = np.asarray(asarray(sx, jnp.float32)).T @ np.asarray(asarray(sg, jnp.float32))
+    err = np.abs(np.asarray(asarray(out, jnp.float32)) - ref).max() / np.abs(ref).max()
+    assert err < 1e-5  # exact products, float32 accumulation
