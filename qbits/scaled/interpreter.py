@@ -61,6 +61,12 @@ _FOLDABLE = frozenset(
 )  # fmt: skip
 
 
+# Host callbacks get the represented values of ScaledArrays.
+_CALLBACKS = frozenset(
+    ("debug_print", "debug_callback", "pure_callback", "io_callback")
+)
+
+
 class UnsupportedPrimitiveError(NotImplementedError):
     """``scalify`` met a primitive it has no scaled rule for.
 
@@ -156,6 +162,8 @@ def eval_jaxpr(jaxpr: Any, consts: list[Any], *args: Any) -> list[Any]:
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
+        if name in _CALLBACKS:  # jax.debug.print & co. see the values
+            invals = [x.to_array() if isinstance(x, ScaledArray) else x for x in invals]
         if any(isinstance(x, ScaledArray) for x in invals):
             rule = _RULES.get(name)
             if rule is None:

@@ -285,8 +285,8 @@ def _convert_element_type(x: ScaledArray, *, new_dtype: Any, **params: Any) -> A
 # -- reductions ---------------------------------------------------------------------
 
 
-def _sum_like(x: ScaledArray, n: int, summed: jax.Array) -> ScaledArray:
-    """A sum of ``n`` terms of ``x``'s data: scale grows by sqrt(n)."""
+def sum_like(x: ScaledArray, n: int, summed: jax.Array) -> ScaledArray:
+    """A sum of ``n`` terms of ``x``'s data (``summed``): scale grows by sqrt(n)."""
     s_in = scale32(x)
     s = choose_scale(s_in * np.float32(math.sqrt(max(n, 1))), [x])
     data = summed * (s_in / s).astype(summed.dtype)
@@ -296,13 +296,13 @@ def _sum_like(x: ScaledArray, n: int, summed: jax.Array) -> ScaledArray:
 def _reduce_sum(x: ScaledArray, *, axes: tuple[int, ...], **_: Any) -> ScaledArray:
     n = math.prod(x.shape[a] for a in axes)
     acc = accumulate_dtype(x.dtype)
-    return _sum_like(x, n, jnp.sum(jnp.asarray(x.data, acc), axis=tuple(axes)))
+    return sum_like(x, n, jnp.sum(jnp.asarray(x.data, acc), axis=tuple(axes)))
 
 
 def _cumsum(x: ScaledArray, *, axis: int, reverse: bool, **_: Any) -> ScaledArray:
     acc = accumulate_dtype(x.dtype)
     summed = lax.cumsum(jnp.asarray(x.data, acc), axis=axis, reverse=reverse)
-    return _sum_like(x, x.shape[axis], summed)
+    return sum_like(x, x.shape[axis], summed)
 
 
 def _arg_reduce(prim: Any):
@@ -441,6 +441,7 @@ def _register() -> None:
     register_rule("convert_element_type", _convert_element_type)
     register_rule("reduce_sum", _reduce_sum)
     register_rule("cumsum", _cumsum)
+    register_rule("cumlogsumexp", _on_value(lax.cumlogsumexp_p, "unit"))
     register_rule("argmax", _arg_reduce(lax.argmax_p))
     register_rule("argmin", _arg_reduce(lax.argmin_p))
     register_rule("dot_general", _dot_general)

@@ -11,15 +11,24 @@ instead.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from qbits.scaled.array import ScaledArray
-from qbits.scaled.interpreter import eval_closed, register_rule
-from qbits.scaled.rules import align, data_dtype, finish
+from qbits.scaled.interpreter import Const, eval_closed, register_rule
+from qbits.scaled.rules import (
+    accumulate_dtype,
+    align,
+    data_dtype,
+    finish,
+    promote,
+    sum_like,
+)
 
 __all__ = ["register_marker"]
 
@@ -41,6 +50,45 @@ def _on_data(prim: Any):
         return ScaledArray(out, x.scale)
 
     return rule
+
+
+def _permute(prim: Any):
+    """sort, top_k: reorder elements (a positive scale keeps their order).
+
+    Output ``i`` takes the scale of operand ``i`` when that was scaled.
+    """
+
+    def rule(*xs: Any, **params: Any) -> list[Any]:
+        xs_list = [promote(x) if isinstance(x, Const) else x for x in xs]
+        datas = [x.data if isinstance(x, ScaledArray) else x for x in xs_list]
+        outs = prim.bind(*datas, **params)
+        return [
+            ScaledArray(o, x.scale)
+            if isinstance(x, ScaledArray) and jnp.issubdtype(o.dtype, jnp.floating)
+            else o
+            for o, x in zip(outs, xs_list + [None] * len(outs), strict=False)
+        ]
+
+    return rule
+
+
+def _window_sum(x: ScaledArray, **params: Any) -> ScaledArray:
+    acc = accumulate_dtype(x.dtype)
+    summed = lax.reduce_window_sum_p.bind(jnp.asarray(x.data, acc), **params)
+    return sum_like(x, math.prod(params["window_dimensions"]), summed)
+
+
+def _select_and_scatter_add(source: Any, operand: Any, **params: Any) -> Any:
+    """Max-pool gradient: positions chosen by ``operand``, values from ``source``."""
+    chooser = operand.data if isinstance(operand, ScaledArray) else _plain(operand)
+    if not isinstance(source, ScaledArray):
+        return lax.select_and_scatter_add_p.bind(_plain(source), chooser, **params)
+    out = lax.select_and_scatter_add_p.bind(source.data, chooser, **params)
+    return ScaledArray(out, source.scale)
+
+
+def _plain(x: Any) -> Any:
+    return x.materialize() if isinstance(x, Const) else x
 
 
 def _combine(prim: Any, operands: Callable[[int], list[int]]):
@@ -124,9 +172,19 @@ def _register() -> None:
     register_rule(
         "dynamic_update_slice", _combine(lax.dynamic_update_slice_p, lambda n: [0, 1])
     )
-    for prim in (lax.scatter_p, lax.scatter_add_p):
+    for prim in (
+        lax.scatter_p,
+        lax.scatter_add_p,
+        lax.scatter_max_p,
+        lax.scatter_min_p,
+    ):
         register_rule(prim.name, _combine(prim, lambda n: [0, 2]))
     register_rule("optimization_barrier", _flat_rule(lax.optimization_barrier_p))
+    register_rule("sort", _permute(lax.sort_p))
+    register_rule("top_k", _permute(lax.top_k_p))
+    register_rule("reduce_window_sum", _window_sum)
+    register_rule("select_and_scatter_add", _select_and_scatter_add)
+
     for name in ("jit", "pjit", "closed_call", "core_call"):
         register_rule(name, _call("jaxpr" if name in ("jit", "pjit") else "call_jaxpr"))
     for name in ("remat2", "checkpoint", "remat"):

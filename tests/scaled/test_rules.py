@@ -133,6 +133,27 @@ CASES = [
     ("scatter add", lambda a, b: jnp.asarray(a).at[IDX].add(b[:3]), "ss"),
     ("scatter set", lambda a, b: jnp.asarray(a).at[IDX].set(b[:3]), "ss"),
     ("split", lambda a: jnp.split(a, 2, axis=1), "s"),
+    ("sort", lambda a: jnp.sort(a, axis=1), "s"),
+    ("argsort", lambda a: jnp.argsort(a, axis=1), "s"),
+    ("sort two keys", lambda a, b: jax.lax.sort((a, b), num_keys=1), "ss"),
+    ("top_k", lambda a: lax.top_k(a, 3), "s"),
+    ("median", lambda a: jnp.median(a, axis=0), "s"),
+    (
+        "avg pool",
+        lambda a: lax.reduce_window(a, 0.0, lax.add, (2, 2), (2, 2), "VALID") / 4,
+        "s",
+    ),
+    (
+        "max pool grad",
+        jax.grad(
+            lambda a: jnp.sum(
+                lax.reduce_window(a, -jnp.inf, lax.max, (2, 2), (2, 2), "VALID") ** 2
+            )
+        ),
+        "s",
+    ),
+    ("cumlogsumexp", lambda a: lax.cumlogsumexp(a, axis=1), "s"),
+    ("scatter max", lambda a, b: jnp.asarray(a).at[IDX].max(b[:3]), "ss"),
     ("stop_gradient", lax.stop_gradient, "s"),
     ("nested jit", jax.jit(lambda a, b: jnp.tanh(a) * b + 1.0), "ss"),
     ("checkpoint", jax.checkpoint(lambda a: jnp.sin(a) * 2.0), "s"),

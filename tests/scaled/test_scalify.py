@@ -306,3 +306,16 @@ def test_fp8_storage_feeds_fp8_dots():
     ref = np.asarray(asarray(sx, jnp.float32)).T @ np.asarray(asarray(sg, jnp.float32))
     err = np.abs(np.asarray(asarray(out, jnp.float32)) - ref).max() / np.abs(ref).max()
     assert err < 1e-5  # exact products, float32 accumulation
+
+
+def test_debug_print_sees_the_values(capsys):
+    x = as_scaled_array(jnp.array([1.0, 2.0]), np.float32(8))
+
+    def f(v):
+        jax.debug.print("value {}", v)
+        return v * 2
+
+    out = jax.jit(scalify(f))(x)
+    jax.effects_barrier()
+    assert "value [1. 2.]" in capsys.readouterr().out
+    _close(out, np.array([2.0, 4.0]))
