@@ -225,7 +225,9 @@ def scalify(fn: Callable[..., Any], *, rounding: str = "pow2") -> Callable[..., 
     does is covered: forward, ``jax.grad`` and the optimizer update.
     Called with no ScaledArray anywhere in its arguments, the function runs
     exactly as without ``scalify``. Wrap the result in ``jax.jit`` for
-    speed.
+    speed, and differentiate inside it (``scalify(jax.grad(f))``):
+    ``jax.grad(scalify(f))`` differentiates with respect to ``data`` and
+    ``scale`` as two separate leaves.
 
     Args:
       fn: The function. Its arguments are pytrees of arrays and ScaledArrays.
