@@ -10,6 +10,9 @@ in this file):
    :class:`LearnedScale` (:mod:`lsq`); granularity: :class:`PerTensor`,
    :class:`PerChannel`, :class:`Tiled`.
 3. :class:`QTensor` and :class:`Quantizer` (:func:`mx_quantizer`).
+   :mod:`qbits.scaled`: :class:`~qbits.scaled.ScaledArray` and
+   :func:`~qbits.scaled.scalify`, scale propagation through a whole graph
+   (float16 and fp8 training without overflow).
 4. ops: :func:`dot_general`, :func:`einsum` and :func:`conv_general_dilated`,
    configured by :class:`DotGeneralConfig` and :class:`MatmulConfig`;
    :func:`stateful_dot_general` for delayed scaling.
@@ -19,14 +22,11 @@ in this file):
    collected activation ranges into static bounds.
 6. Flax: :mod:`qbits.flax` (linen) and :mod:`qbits.nnx` quantize unmodified
    models by per-layer rules (``quantize``, ``layer_table``).
-4. :mod:`qbits.scaled`: :class:`~qbits.scaled.ScaledArray` and
-   :func:`~qbits.scaled.scalify`, scale propagation through a whole graph
-   (float16 and fp8 training without overflow).
 7. :mod:`qbits.serving`: convert trained params to stored int8/int4/fp8
    weights, serve them, save/restore, size report.
 """
 
-from qbits import calibration, config, granularity, numerics, ops, tensor
+from qbits import calibration, config, granularity, numerics, ops, scaled, tensor
 from qbits.calibration import (
     AbsMax,
     Calibration,
@@ -70,7 +70,6 @@ from qbits.ops import (
 from qbits.quantizer import Quantizer, mx_quantizer
 from qbits.tensor import QTensor
 
-from qbits import scaled  # isort: skip  (layer 4: scaled arithmetic)
 from qbits import lsq, ranges  # isort: skip  (stateful scaling, layers 2-5)
 from qbits.ranges import freeze_ranges  # isort: skip
 from qbits import flax, nnx  # isort: skip  (layer 6 imports everything above)

@@ -15,6 +15,7 @@ from qbits.errors import InvalidArgumentError
 from qbits.ops.config import DotGeneralConfig, MatmulConfig, check_config
 from qbits.ops.dot_general import _keys
 from qbits.ops.matmul import common_dtypes, dot_operand
+from qbits.scaled import is_scaled, scalify
 from qbits.tensor import QTensor
 
 __all__ = ["ConvGeneralDilated", "conv_general_dilated"]
@@ -128,7 +129,27 @@ class ConvGeneralDilated:
         preferred_element_type: Any = None,
         out_sharding: Any = None,
     ) -> jax.Array:
-        """Computes ``lax.conv_general_dilated`` with quantized convolutions."""
+        """Computes ``lax.conv_general_dilated`` with quantized convolutions.
+
+        ScaledArray operands give a ScaledArray result (:mod:`qbits.scaled`).
+        """
+        if is_scaled(lhs) or is_scaled(rhs):
+            return scalify(
+                lambda a, b: self(
+                    a,
+                    b,
+                    window_strides,
+                    padding,
+                    lhs_dilation,
+                    rhs_dilation,
+                    dimension_numbers,
+                    feature_group_count,
+                    batch_group_count,
+                    precision,
+                    preferred_element_type,
+                    out_sharding,
+                )  # fmt: skip
+            )(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         args = (window_strides, padding, lhs_dilation, rhs_dilation)
         if self.config.is_identity:

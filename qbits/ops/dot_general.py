@@ -17,6 +17,7 @@ from qbits.errors import InvalidArgumentError
 from qbits.ops.config import IDENTITY, DotGeneralConfig, MatmulConfig, check_config
 from qbits.ops.dims import Dims
 from qbits.ops.matmul import matmul, quantize
+from qbits.scaled import is_scaled, scalify
 from qbits.tensor import QTensor
 
 __all__ = ["DotGeneral", "dot_general"]
@@ -72,7 +73,22 @@ class DotGeneral:
         *,
         out_sharding: Any = None,
     ) -> jax.Array:
-        """Computes ``lax.dot_general(lhs, rhs, ...)`` with quantized matmuls."""
+        """Computes ``lax.dot_general(lhs, rhs, ...)`` with quantized matmuls.
+
+        A :class:`~qbits.scaled.ScaledArray` operand gives a ScaledArray
+        result (the quantization runs on its data; see :mod:`qbits.scaled`).
+        """
+        if is_scaled(lhs) or is_scaled(rhs):
+            return scalify(
+                lambda a, b: self(
+                    a,
+                    b,
+                    dimension_numbers,
+                    precision,
+                    preferred_element_type,
+                    out_sharding=out_sharding,
+                )
+            )(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         config = self.config
         if config.is_identity:

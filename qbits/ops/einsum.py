@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from qbits.errors import InvalidArgumentError
 from qbits.ops.config import DotGeneralConfig
 from qbits.ops.dot_general import DotGeneral, dot_general
+from qbits.scaled import is_scaled, scalify
 
 __all__ = ["Einsum", "einsum"]
 
@@ -191,7 +192,21 @@ class Einsum:
         preferred_element_type: Any = None,
         out_sharding: Any = None,
     ) -> jax.Array:
-        """Computes ``jnp.einsum(subscripts, lhs, rhs)`` with quantized matmuls."""
+        """Computes ``jnp.einsum(subscripts, lhs, rhs)`` with quantized matmuls.
+
+        ScaledArray operands give a ScaledArray result (:mod:`qbits.scaled`).
+        """
+        if is_scaled(lhs) or is_scaled(rhs):
+            return scalify(
+                lambda a, b: self(
+                    subscripts,
+                    a,
+                    b,
+                    precision=precision,
+                    preferred_element_type=preferred_element_type,
+                    out_sharding=out_sharding,
+                )
+            )(lhs, rhs)
         if not isinstance(subscripts, str):
             raise InvalidArgumentError(
                 "einsum", "subscripts", subscripts, "a string such as 'bd,dh->bh'"

@@ -20,13 +20,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from qbits.scaled.array import ScaledArray
-from qbits.scaled.interpreter import Const, eval_closed, register_rule
+from qbits.scaled.interpreter import (
+    Const,
+    UnsupportedPrimitiveError,
+    eval_closed,
+    register_rule,
+)
 from qbits.scaled.rules import (
     accumulate_dtype,
     align,
+    at_scale,
     data_dtype,
     finish,
     promote,
+    scale32,
     sum_like,
 )
 
@@ -70,6 +77,35 @@ def _permute(prim: Any):
         ]
 
     return rule
+
+
+def _reduce(*xs: Any, jaxpr: Any, **params: Any) -> list[Any]:
+    """A variadic ``lax.reduce`` whose computation is elementwise max / min.
+
+    Max and min commute with a positive scale, so each scaled operand is
+    reduced on its data (its init value moved to data units) and keeps its
+    scale. Other computations have no scaled rule.
+    """
+    eqns = jaxpr.jaxpr.eqns
+    if not all(e.primitive.name in ("max", "min") for e in eqns):
+        raise UnsupportedPrimitiveError(
+            "reduce (with a computation other than max/min)"
+        )
+    n = len(xs) // 2
+    operands, inits = list(xs[:n]), list(xs[n:])
+    datas, init_datas = [], []
+    for x, init in zip(operands, inits, strict=True):
+        if isinstance(x, ScaledArray):
+            datas.append(x.data)
+            init_datas.append(at_scale(init, scale32(x), x.dtype))
+        else:
+            datas.append(_plain(x))
+            init_datas.append(_plain(init))
+    outs = lax.reduce_p.bind(*datas, *init_datas, jaxpr=jaxpr, **params)
+    return [
+        ScaledArray(o, x.scale) if isinstance(x, ScaledArray) else o
+        for o, x in zip(outs, operands, strict=True)
+    ]
 
 
 def _window_sum(x: ScaledArray, **params: Any) -> ScaledArray:
@@ -180,6 +216,7 @@ def _register() -> None:
     ):
         register_rule(prim.name, _combine(prim, lambda n: [0, 2]))
     register_rule("optimization_barrier", _flat_rule(lax.optimization_barrier_p))
+    register_rule("reduce", _reduce)
     register_rule("sort", _permute(lax.sort_p))
     register_rule("top_k", _permute(lax.top_k_p))
     register_rule("reduce_window_sum", _window_sum)

@@ -153,6 +153,16 @@ CASES = [
         "s",
     ),
     ("cumlogsumexp", lambda a: lax.cumlogsumexp(a, axis=1), "s"),
+    (
+        "variadic max reduce",
+        lambda a, b: lax.reduce(
+            (a, b),
+            (-jnp.inf, jnp.inf),
+            lambda p, q: (lax.max(p[0], q[0]), lax.min(p[1], q[1])),
+            (1,),
+        ),
+        "ss",
+    ),
     ("scatter max", lambda a, b: jnp.asarray(a).at[IDX].max(b[:3]), "ss"),
     ("stop_gradient", lax.stop_gradient, "s"),
     ("nested jit", jax.jit(lambda a, b: jnp.tanh(a) * b + 1.0), "ss"),

@@ -167,6 +167,29 @@ def test_scaled_array_feeds_a_quantized_dot_general_and_keeps_its_scale():
     np.testing.assert_array_equal(asarray(out), dg(x, w, DN))
 
 
+def test_qbits_ops_called_with_scaled_arrays_return_scaled_arrays():
+    cfg = qbits.presets.get("int8_fwd")
+    x = RNG.normal(size=(4, 16)).astype(np.float32) * 3e5
+    w = RNG.normal(size=(16, 3)).astype(np.float32)
+    # float16 data and a scale of 2**18: the values overflow float16.
+    sx = as_scaled_array(x, np.float32(2**18)).astype(jnp.float16)
+    out = qbits.dot_general(cfg)(sx, jnp.asarray(w, jnp.float16), DN)
+    assert is_scaled(out) and out.data.dtype == jnp.float16
+    want = qbits.dot_general(cfg)(asarray(sx, jnp.float32), w, DN)
+    np.testing.assert_allclose(asarray(out, jnp.float32), want, rtol=2e-3)
+    ein = qbits.einsum(cfg)("bd,dh->bh", sx, jnp.asarray(w, jnp.float16))
+    np.testing.assert_array_equal(asarray(ein), asarray(out))
+    img = as_scaled_array(jnp.asarray(RNG.normal(size=(1, 6, 6, 2)), jnp.float32), 8.0)
+    kernel = jnp.asarray(RNG.normal(size=(3, 3, 2, 4)), jnp.float32)
+    dn = ("NHWC", "HWIO", "NHWC")
+    conv = qbits.conv_general_dilated(cfg)
+    got = conv(img, kernel, (1, 1), "SAME", dimension_numbers=dn)
+    assert is_scaled(got)
+    np.testing.assert_array_equal(
+        asarray(got), conv(asarray(img), kernel, (1, 1), "SAME", dimension_numbers=dn)
+    )
+
+
 def test_quantized_training_gradients_under_scalify():
     dg = qbits.dot_general(qbits.presets.get("int8"), jax.random.key(0))
 
