@@ -148,7 +148,7 @@ class ConvGeneralDilated:
                     precision,
                     preferred_element_type,
                     out_sharding,
-                )  # fmt: skip
+                )
             )(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         args = (window_strides, padding, lhs_dilation, rhs_dilation)
