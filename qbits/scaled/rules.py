@@ -99,7 +99,8 @@ def at_scale(x: Any, s: jax.Array, dtype: Any) -> jax.Array:
         return jnp.asarray(x.data, dtype) * (scale32(x) / s).astype(dtype)
     if isinstance(x, Const):
         return jnp.broadcast_to((x.value / s).astype(dtype), x.shape)
-    return jnp.asarray(x, dtype) * (1 / s).astype(dtype)
+    wide = accumulate_dtype(dtype)  # divide before narrowing: no overflow
+    return (jnp.asarray(x, wide) * (1 / s).astype(wide)).astype(dtype)
 
 
 def align(xs: list[Any], dtype: Any = None) -> tuple[list[jax.Array], jax.Array]:
