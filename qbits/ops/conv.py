@@ -133,37 +133,23 @@ class ConvGeneralDilated:
 
         ScaledArray operands give a ScaledArray result (:mod:`qbits.scaled`).
         """
+        rest = (
+            window_strides,
+            padding,
+            lhs_dilation,
+            rhs_dilation,
+            dimension_numbers,
+            feature_group_count,
+            batch_group_count,
+            precision,
+            preferred_element_type,
+            out_sharding,
+        )
         if is_scaled(lhs) or is_scaled(rhs):
-            return scalify(
-                lambda a, b: self(
-                    a,
-                    b,
-                    window_strides,
-                    padding,
-                    lhs_dilation,
-                    rhs_dilation,
-                    dimension_numbers,
-                    feature_group_count,
-                    batch_group_count,
-                    precision,
-                    preferred_element_type,
-                    out_sharding,
-                )
-            )(lhs, rhs)
+            return scalify(lambda a, b: self(a, b, *rest))(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        args = (window_strides, padding, lhs_dilation, rhs_dilation)
         if self.config.is_identity:
-            return lax.conv_general_dilated(
-                lhs,
-                rhs,
-                *args,
-                dimension_numbers,
-                feature_group_count,
-                batch_group_count,
-                precision,
-                preferred_element_type,
-                out_sharding,
-            )
+            return lax.conv_general_dilated(lhs, rhs, *rest)
         for name, x in (("lhs", lhs), ("rhs", rhs)):
             if not jnp.issubdtype(x.dtype, jnp.floating):
                 raise InvalidArgumentError(
