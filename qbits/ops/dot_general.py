@@ -271,26 +271,46 @@ def _bwd(
 ) -> tuple[jax.Array, jax.Array, None]:
     lhs, rhs, lhs_grad, rhs_grad, key = residuals
 
-    # The two gradient matmuls, as JAX transposes dot_general:
-    # d_lhs = transpose(g . rhs, perm_l), d_rhs = transpose(g . lhs, perm_r).
     def gradient(of, other, grad_dims, cfg, streams):
-        dims_, perm = grad_dims
-        out, _, _ = matmul(
-            g,
-            other,
-            dims_,
-            cfg,
-            _keys(key, *streams),
-            precision=precision,
-            preferred_element_type=preferred_element_type,
-            out_sharding=_grad_sharding(of, perm),
-            out_perm=perm,
-        )
-        return out.astype(of.dtype)
+        return _gradient_matmul(
+            g, of, other, grad_dims, cfg, _keys(key, *streams), precision,
+            preferred_element_type,
+        )  # fmt: skip
 
     dl = gradient(lhs, rhs, dims.grad_lhs(), config.dlhs, (_DLHS_LHS, _DLHS_RHS))
     dr = gradient(rhs, lhs, dims.grad_rhs(), config.drhs, (_DRHS_LHS, _DRHS_RHS))
     return lhs_grad(dl), rhs_grad(dr), None
+
+
+def _gradient_matmul(
+    g: jax.Array,
+    of: Any,
+    other: Any,
+    grad_dims: tuple[Dims, tuple[int, ...]],
+    cfg: MatmulConfig,
+    keys: Any,
+    precision: Any,
+    preferred_element_type: Any,
+) -> jax.Array:
+    """One gradient matmul, as JAX transposes dot_general.
+
+    ``d_lhs = transpose(g . rhs, perm_l)``, ``d_rhs = transpose(g . lhs,
+    perm_r)``: ``g`` against ``other`` (a forward operand, float or already
+    quantized for this matmul), returned in the dtype of ``of``.
+    """
+    dims_, perm = grad_dims
+    out, _, _ = matmul(
+        g,
+        other,
+        dims_,
+        cfg,
+        keys,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=_grad_sharding(of, perm),
+        out_perm=perm,
+    )
+    return out.astype(of.dtype)
 
 
 def _grad_sharding(x: Any, perm: tuple[int, ...]) -> Any:

@@ -73,13 +73,14 @@ from qbits.ops.dot_general import (
     _FWD_RHS,
     DotGeneral,
     _grad_sharding,
+    _gradient_matmul,
     _hashable,
     _keys,
 )
+from qbits.ops.dot_general import _for_backward as _stateless_for_backward
 from qbits.ops.matmul import (
     QuantizedOperand,
     contract,
-    matmul,
     quantize,
     result_dtype,
 )
@@ -664,16 +665,16 @@ def _for_backward(
     stream: int,
     forward_scale: jax.Array | None,
 ) -> jax.Array | QTensor:
-    """A forward operand as the backward matmul ``cfg`` (its rhs) will use it."""
-    if cfg.use_fwd_quant:
-        return forward
-    if cfg.rhs == IDENTITY:
-        return x
+    """A forward operand as the backward matmul ``cfg`` (its rhs) will use it.
+
+    As in :mod:`qbits.ops.dot_general`, except that a delayed-scaled operand
+    is quantized with the forward's delayed scale.
+    """
+    if cfg.use_fwd_quant or cfg.rhs == IDENTITY or _delayed(cfg.rhs) is None:
+        return _stateless_for_backward(cfg, x, forward, dims, key, stream)
     (k,) = _keys(key, stream)
     store = cfg.mode == "real"
-    if _delayed(cfg.rhs) is not None:
-        return _quantize_scaled(cfg.rhs, x, forward_scale, k, store=store).qtensor
-    return quantize(cfg.rhs, x, dims.rhs_contract, k, store=store).qtensor
+    return _quantize_scaled(cfg.rhs, x, forward_scale, k, store=store).qtensor
 
 
 def _bwd(
@@ -699,36 +700,28 @@ def _bwd(
         g_q = g_q.qtensor
 
     def gradient(of, other, grad_dims, cfg, streams):
-        dims_, perm = grad_dims
-        sharding = _grad_sharding(of, perm)
         if g_q is None:
-            out, _, _ = matmul(
-                g,
-                other,
-                dims_,
-                cfg,
-                _keys(key, *streams),
-                precision=precision,
-                preferred_element_type=preferred_element_type,
-                out_sharding=sharding,
-                out_perm=perm,
+            return _gradient_matmul(
+                g, of, other, grad_dims, cfg, _keys(key, *streams), precision,
+                preferred_element_type,
+            )  # fmt: skip
+        # The gradient is already quantized with its delayed scale.
+        dims_, perm = grad_dims
+        if not isinstance(other, QTensor):
+            other = QTensor(
+                other, jnp.ones((1,) * other.ndim, jnp.float32), dtype=other.dtype
             )
-        else:
-            if not isinstance(other, QTensor):
-                other = QTensor(
-                    other, jnp.ones((1,) * other.ndim, jnp.float32), dtype=other.dtype
-                )
-            out = contract(
-                g_q,
-                other,
-                dims_,
-                cfg,
-                result_dtype(g, other, dims_, preferred_element_type),
-                precision=precision,
-                preferred_element_type=preferred_element_type,
-                out_sharding=sharding,
-                out_perm=perm,
-            )
+        out = contract(
+            g_q,
+            other,
+            dims_,
+            cfg,
+            result_dtype(g, other, dims_, preferred_element_type),
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=_grad_sharding(of, perm),
+            out_perm=perm,
+        )
         return out.astype(of.dtype)
 
     dl = gradient(lhs, rhs, dims.grad_lhs(), config.dlhs, (_DLHS_LHS, _DLHS_RHS))
