@@ -19,14 +19,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from qbits.scaled.array import ScaledArray
-from qbits.scaled.interpreter import Const, eval_closed, register_rule
+from qbits.scaled.interpreter import eval_closed, plain, register_rule
 from qbits.scaled.rules import F32, promote, scale32
 
 __all__: list[str] = []
-
-
-def _plain(x: Any) -> Any:
-    return x.materialize() if isinstance(x, Const) else x
 
 
 def _normalize(values: list[Any], kinds: list[bool]) -> list[Any]:
@@ -34,7 +30,7 @@ def _normalize(values: list[Any], kinds: list[bool]) -> list[Any]:
     out = []
     for v, scaled in zip(values, kinds, strict=True):
         if not scaled:
-            out.append(_plain(v))
+            out.append(plain(v))
             continue
         s = promote(v)
         out.append(ScaledArray(s.data, scale32(s)))
@@ -55,7 +51,7 @@ def _fixed_point(
     kinds = _kinds(init)
     for _ in range(len(init) + 1):
         carry = _normalize(init, kinds)
-        out = jax.eval_shape(lambda c, e: [_plain(v) for v in step(c, e)], carry, extra)
+        out = jax.eval_shape(lambda c, e: [plain(v) for v in step(c, e)], carry, extra)
         new = [k or isinstance(o, ScaledArray) for k, o in zip(kinds, out, strict=True)]
         if new == kinds:
             return kinds, carry
@@ -64,11 +60,11 @@ def _fixed_point(
 
 
 def _cond(index: Any, *ops: Any, branches: Any, **_: Any) -> list[Any]:
-    ops_list = [_plain(o) for o in ops]
+    ops_list = [plain(o) for o in ops]
     kinds = [False] * len(branches[0].out_avals)
     for branch in branches:
         out = jax.eval_shape(
-            lambda *a, b=branch: [_plain(v) for v in eval_closed(b, *a)], *ops_list
+            lambda *a, b=branch: [plain(v) for v in eval_closed(b, *a)], *ops_list
         )
         kinds = [
             k or isinstance(o, ScaledArray) for k, o in zip(kinds, out, strict=True)
@@ -84,7 +80,7 @@ def _split_scanned(xs: list[Any]) -> tuple[list[Any], list[Any]]:
     """Scanned-over operands as arrays, plus the scales to re-attach."""
     datas, scales = [], []
     for x in xs:
-        x = _plain(x)
+        x = plain(x)
         datas.append(x.data if isinstance(x, ScaledArray) else x)
         scales.append(x.scale if isinstance(x, ScaledArray) else None)
     return datas, scales
@@ -94,7 +90,7 @@ def _scan(
     *args: Any, jaxpr: Any, num_consts: int, num_carry: int, length: int,
     reverse: bool, unroll: Any, **_: Any,
 ) -> list[Any]:  # fmt: skip
-    consts = [_plain(c) for c in args[:num_consts]]
+    consts = [plain(c) for c in args[:num_consts]]
     init = list(args[num_consts : num_consts + num_carry])
     xs_data, xs_scales = _split_scanned(list(args[num_consts + num_carry :]))
 
@@ -115,7 +111,7 @@ def _scan(
         out = eval_closed(jaxpr, *consts, *c, *attach(x_slice))
         ys = []
         for y in out[num_carry:]:
-            y = _plain(y)
+            y = plain(y)
             ys.append((y.data, scale32(y)) if isinstance(y, ScaledArray) else y)
         return _normalize(out[:num_carry], kinds), ys
 
@@ -139,8 +135,8 @@ def _while(
     *args: Any, cond_jaxpr: Any, body_jaxpr: Any, cond_nconsts: int,
     body_nconsts: int, **_: Any,
 ) -> list[Any]:  # fmt: skip
-    cond_consts = [_plain(c) for c in args[:cond_nconsts]]
-    body_consts = [_plain(c) for c in args[cond_nconsts : cond_nconsts + body_nconsts]]
+    cond_consts = [plain(c) for c in args[:cond_nconsts]]
+    body_consts = [plain(c) for c in args[cond_nconsts : cond_nconsts + body_nconsts]]
     init = list(args[cond_nconsts + body_nconsts :])
 
     def step(carry: list[Any], _: list[Any]) -> list[Any]:
@@ -148,7 +144,7 @@ def _while(
 
     kinds, carry = _fixed_point(step, init, [])
     return lax.while_loop(
-        lambda c: _plain(eval_closed(cond_jaxpr, *cond_consts, *c)[0]),
+        lambda c: plain(eval_closed(cond_jaxpr, *cond_consts, *c)[0]),
         lambda c: _normalize(step(c, []), kinds),
         carry,
     )

@@ -138,7 +138,8 @@ def _as_const(value: Any, aval: Any) -> Const | None:
     return Const(np.asarray(value, np.float32), (), dtype)
 
 
-def _plain(x: Any) -> Any:
+def plain(x: Any) -> Any:
+    """A :class:`Const` as an array; anything else as it is."""
     return x.materialize() if isinstance(x, Const) else x
 
 
@@ -176,9 +177,9 @@ def eval_jaxpr(jaxpr: Any, consts: list[Any], *args: Any) -> list[Any]:
             if jnp.issubdtype(aval.dtype, jnp.floating):
                 outvals = Const(invals[0].value, aval.shape, aval.dtype)
             else:
-                outvals = _bind(eqn, [_plain(x) for x in invals])
+                outvals = _bind(eqn, [plain(x) for x in invals])
         else:
-            outvals = _bind(eqn, [_plain(x) for x in invals])
+            outvals = _bind(eqn, [plain(x) for x in invals])
         if not eqn.primitive.multiple_results:
             outvals = [outvals]
         for v, val in zip(eqn.outvars, outvals, strict=True):
@@ -275,7 +276,7 @@ def scalify(fn: Callable[..., Any], *, rounding: str = "pow2") -> Callable[..., 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*specs)
         with _rounding(rounding):
             out = eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
-        out = [_plain(x) for x in out]
+        out = [plain(x) for x in out]
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
     return wrapper

@@ -55,6 +55,7 @@ def _marker(
         return marker(primals[0]), tangents[0]
 
     register_marker(name, scaled)
+    marker.scaled_rule = scaled  # for ScaledArrays given outside scalify
     return marker
 
 
@@ -95,7 +96,7 @@ _l2 = _marker("qbits_dynamic_rescale_l2", lambda x: x, _rescale_l2)
 def _tree(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
     def apply(x: Any) -> Any:
         if isinstance(x, ScaledArray):  # outside scalify: call the scaled rule
-            return _MARKER_RULES[fn](x)
+            return fn.scaled_rule(x)
         if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
             return fn(x)
         return x
@@ -189,9 +190,7 @@ def cast_ml_dtype(x: Any, dtype: Any) -> Any:
       [0.3125, 448.0]
     """
     marker = _cast_marker(_dtype_name(dtype))
-    if isinstance(x, ScaledArray):
-        return ScaledArray(_saturating_round(x.data, _dtype_name(dtype)), x.scale)
-    return marker(x)
+    return marker.scaled_rule(x) if isinstance(x, ScaledArray) else marker(x)
 
 
 @functools.cache
@@ -202,9 +201,6 @@ def _cast_grad(dtype_name: str) -> Callable[[jax.Array], jax.Array]:
 def cast_ml_dtype_grad(x: jax.Array, dtype: Any) -> jax.Array:
     """Identity forward; :func:`cast_ml_dtype` on the gradient (e.g. E5M2)."""
     return _cast_grad(_dtype_name(dtype))(x)
-
-
-_MARKER_RULES = {_max: _rescale_max, _l2: _rescale_l2}
 
 
 def wasted_bits(x: Any, dtype: Any = None) -> jax.Array:

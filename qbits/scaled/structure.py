@@ -24,6 +24,7 @@ from qbits.scaled.interpreter import (
     Const,
     UnsupportedPrimitiveError,
     eval_closed,
+    plain,
     register_rule,
 )
 from qbits.scaled.rules import (
@@ -99,8 +100,8 @@ def _reduce(*xs: Any, jaxpr: Any, **params: Any) -> list[Any]:
             datas.append(x.data)
             init_datas.append(at_scale(init, scale32(x), x.dtype))
         else:
-            datas.append(_plain(x))
-            init_datas.append(_plain(init))
+            datas.append(plain(x))
+            init_datas.append(plain(init))
     outs = lax.reduce_p.bind(*datas, *init_datas, jaxpr=jaxpr, **params)
     return [
         ScaledArray(o, x.scale) if isinstance(x, ScaledArray) else o
@@ -116,15 +117,11 @@ def _window_sum(x: ScaledArray, **params: Any) -> ScaledArray:
 
 def _select_and_scatter_add(source: Any, operand: Any, **params: Any) -> Any:
     """Max-pool gradient: positions chosen by ``operand``, values from ``source``."""
-    chooser = operand.data if isinstance(operand, ScaledArray) else _plain(operand)
+    chooser = operand.data if isinstance(operand, ScaledArray) else plain(operand)
     if not isinstance(source, ScaledArray):
-        return lax.select_and_scatter_add_p.bind(_plain(source), chooser, **params)
+        return lax.select_and_scatter_add_p.bind(plain(source), chooser, **params)
     out = lax.select_and_scatter_add_p.bind(source.data, chooser, **params)
     return ScaledArray(out, source.scale)
-
-
-def _plain(x: Any) -> Any:
-    return x.materialize() if isinstance(x, Const) else x
 
 
 def _combine(prim: Any, operands: Callable[[int], list[int]]):

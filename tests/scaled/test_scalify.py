@@ -169,17 +169,18 @@ def test_scaled_array_feeds_a_quantized_dot_general_and_keeps_its_scale():
 
 def test_qbits_ops_called_with_scaled_arrays_return_scaled_arrays():
     cfg = qbits.presets.get("int8_fwd")
-    x = RNG.normal(size=(4, 16)).astype(np.float32) * 3e5
-    w = RNG.normal(size=(16, 3)).astype(np.float32)
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(4, 16)).astype(np.float32) * 3e5
+    w = jnp.asarray(rng.normal(size=(16, 3)), jnp.float16)
     # float16 data and a scale of 2**18: the values overflow float16.
     sx = as_scaled_array(x, np.float32(2**18)).astype(jnp.float16)
-    out = qbits.dot_general(cfg)(sx, jnp.asarray(w, jnp.float16), DN)
+    out = qbits.dot_general(cfg)(sx, w, DN)
     assert is_scaled(out) and out.data.dtype == jnp.float16
-    want = qbits.dot_general(cfg)(asarray(sx, jnp.float32), w, DN)
-    # float16 rounding of the weights and of the output data: about 1e-3.
+    want = qbits.dot_general(cfg)(asarray(sx, jnp.float32), w.astype(jnp.float32), DN)
+    # float16 rounding of the output data (under 4e-4 over 60 seeds).
     err = np.abs(np.asarray(asarray(out, jnp.float32)) - want).max()
     assert err / np.abs(want).max() < 5e-3
-    ein = qbits.einsum(cfg)("bd,dh->bh", sx, jnp.asarray(w, jnp.float16))
+    ein = qbits.einsum(cfg)("bd,dh->bh", sx, w)
     np.testing.assert_array_equal(asarray(ein), asarray(out))
     img = as_scaled_array(jnp.asarray(RNG.normal(size=(1, 6, 6, 2)), jnp.float32), 8.0)
     kernel = jnp.asarray(RNG.normal(size=(3, 3, 2, 4)), jnp.float32)
