@@ -1,32 +1,64 @@
-"""Training-step speed: float32 vs qbits int8 and fp8, in one process.
+"""Training-step speed: a float baseline vs qbits int8 and fp8, in one process.
 
-The MLP 512 -> 2048 -> 512 (ReLU, biases), batch 256, float32 parameters,
-mean-squared-error loss, one SGD step under ``jax.jit``. Variants run
-interleaved, round after round, so that machine noise hits all of them alike;
-each figure is a median. Writes one JSON entry per variant and prints a
-markdown table with the time and compile-time ratios to float32 and the
-dtypes of every dot in the optimized HLO.
+Two setups, each run side by side with its float baseline:
 
-Run: python benchmarks/train_step.py --json OUT.json [--rounds 30]
+* CPU (default): the MLP 512 -> 2048 -> 512 (ReLU, biases), batch 256,
+  float32 parameters, MSE loss, one SGD step under ``jax.jit``; variants are
+  hand-written int8 and fp8 configs.
+* ``--gpu``: an LLM MLP block 4096 -> 16384 -> 4096 (GELU, no biases) on
+  8192 tokens, bfloat16 parameters and activations, against bfloat16; the
+  variants are the presets ``fp8``, ``fp8_delayed``, ``int8`` and
+  ``int8_fwd``. It also lists the GEMM kinds of the optimized HLO (cuBLASLt
+  FP8, s8 GEMMs, ...) and profiles one step of each variant to split the
+  device time into GEMMs, quantization passes and the rest.
+
+Variants run interleaved, round after round, so that machine noise hits all
+of them alike; each figure is a median of per-round ratios. Writes a JSON
+file and a markdown table (``--md``, also printed).
+
+Run: python benchmarks/train_step.py --json OUT.json [--md OUT.md] [--gpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
+
+if "--gpu" in sys.argv:
+    # Before jax starts: the profiling process (no CUDA graphs, whose kernels
+    # the profiler cannot see) reuses the timing process's autotuning results.
+    _cache = os.environ.setdefault(
+        "QBITS_BENCH_AUTOTUNE_CACHE", tempfile.mkdtemp(prefix="qbits-autotune-")
+    )
+    _flags = f" --xla_gpu_per_fusion_autotune_cache_dir={_cache}"
+    if "--profile-only" in sys.argv:
+        _flags += " --xla_gpu_enable_command_buffer="
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + _flags
 
 import jax
 import jax.numpy as jnp
-import paired  # benchmarks/paired.py
+import paired
 
 import qbits
+
+DN = (((1,), (0,)), ((), ()))
+
+
+# --------------------------------------------------------------------- CPU --
 
 BATCH, IN, HIDDEN, OUT = 256, 512, 2048, 512
 
 
-def configs() -> dict[str, qbits.DotGeneralConfig | None]:
+def cpu_configs() -> dict[str, qbits.DotGeneralConfig | None]:
     int8 = qbits.Quantizer(qbits.IntNumerics(bits=8), granularity=qbits.PerChannel())
     int8_mm = qbits.MatmulConfig(lhs=int8, rhs=int8)
     reuse = int8_mm.replace(use_fwd_quant=True)
@@ -53,13 +85,12 @@ def configs() -> dict[str, qbits.DotGeneralConfig | None]:
     }
 
 
-def make_step(config: qbits.DotGeneralConfig | None, lr: float = 1e-3):
+def cpu_step(config: qbits.DotGeneralConfig | None, lr: float = 1e-3):
     dot = jax.lax.dot_general if config is None else qbits.dot_general(config)
-    dn = (((1,), (0,)), ((), ()))
 
     def loss(params, x, y):
-        h = jax.nn.relu(dot(x, params["w1"], dn) + params["b1"])
-        out = dot(h, params["w2"], dn) + params["b2"]
+        h = jax.nn.relu(dot(x, params["w1"], DN) + params["b1"])
+        out = dot(h, params["w2"], DN) + params["b2"]
         return jnp.mean((out - y) ** 2)
 
     @jax.jit
@@ -70,13 +101,7 @@ def make_step(config: qbits.DotGeneralConfig | None, lr: float = 1e-3):
     return step
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", required=True, help="where to write the results")
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--reps", type=int, default=3, help="runs per round")
-    args = parser.parse_args()
-
+def cpu_variants() -> tuple[str, dict[str, tuple[Callable, tuple]]]:
     k = jax.random.split(jax.random.key(0), 4)
     params = {
         "w1": jax.random.normal(k[0], (IN, HIDDEN)) / IN**0.5,
@@ -86,70 +111,324 @@ def main() -> None:
     }
     x = jax.random.normal(k[2], (BATCH, IN))
     y = jax.random.normal(k[3], (BATCH, OUT))
+    model = f"MLP {IN}->{HIDDEN}->{OUT}, batch {BATCH}, SGD, jit"
+    return model, {
+        name: (functools.partial(cpu_step, config), (params, x, y))
+        for name, config in cpu_configs().items()
+    }
+
+
+# --------------------------------------------------------------------- GPU --
+
+TOKENS, D_MODEL, D_FF = 8192, 4096, 16384
+GPU_PRESETS = ("fp8", "fp8_delayed", "int8", "int8_fwd")
+
+
+def gpu_step(preset: str | None, lr: float = 1e-3):
+    """One SGD step of the MLP block with ``preset`` (``None``: bfloat16)."""
+    config = None if preset is None else qbits.presets.get(preset)
+    stateful = config is not None and qbits.ops.needs_state(config)
+
+    def dot(i, state, key):
+        if config is None:
+            return jax.lax.dot_general
+        if stateful:
+            dg = qbits.ops.stateful_dot_general(config)
+            return functools.partial(dg, state=state[f"w{i}"])
+        return qbits.dot_general(config, jax.random.fold_in(key, i))
+
+    def loss(params, state, key, x, y):
+        h = dot(1, state, key)(x, params["w1"], DN)
+        h = jax.nn.gelu(h)
+        out = dot(2, state, key)(h, params["w2"], DN)
+        return jnp.mean(jnp.square(out.astype(jnp.float32) - y))
+
+    @jax.jit
+    def step(params, state, key, x, y):
+        grads, new_state = jax.grad(loss, argnums=(0, 1))(params, state, key, x, y)
+        params = jax.tree_util.tree_map(
+            lambda p, g: (p - lr * g.astype(jnp.float32)).astype(p.dtype),
+            params,
+            grads,
+        )
+        return params, new_state
+
+    return step
+
+
+def gpu_variants(
+    tokens: int, d_model: int, d_ff: int
+) -> tuple[str, dict[str, tuple[Callable, tuple]]]:
+    k = jax.random.split(jax.random.key(0), 5)
+    bf16 = jnp.bfloat16
+    params = {
+        "w1": (jax.random.normal(k[0], (d_model, d_ff)) / d_model**0.5).astype(bf16),
+        "w2": (jax.random.normal(k[1], (d_ff, d_model)) / d_ff**0.5).astype(bf16),
+    }
+    x = jax.random.normal(k[2], (tokens, d_model)).astype(bf16)
+    y = jax.random.normal(k[3], (tokens, d_model))
+    model = (
+        f"MLP block {d_model}->{d_ff}->{d_model} (GELU), {tokens} tokens, "
+        "bf16 params and activations, SGD, jit"
+    )
+    out = {}
+    for preset in (None, *GPU_PRESETS):
+        config = None if preset is None else qbits.presets.get(preset)
+        state = {}
+        if config is not None and qbits.ops.needs_state(config):
+            state = {f"w{i}": qbits.ops.init_state(config) for i in (1, 2)}
+        out[preset or "bf16"] = (
+            functools.partial(gpu_step, preset),
+            (params, state, k[4], x, y),
+        )
+    return model, out
+
+
+# ----------------------------------------------------------------- profile --
+
+_LOW = ("f8e4m3fn", "f8e5m2", "s8[", "f8e4m3fnuz", "f8e5m2fnuz")
+
+
+def _computations(text: str) -> dict[str, str]:
+    comps, name, body = {}, None, []
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and "{" in line and "(" in line:
+            name = line.split(" ", 1)[0].lstrip("%")
+            if name == "ENTRY":
+                name = line.split(" ", 2)[1].lstrip("%")
+            body = []
+        elif line.startswith("}") and name:
+            comps[name] = "\n".join(body)
+            name = None
+        elif name:
+            body.append(line)
+    return comps
+
+
+def _category(op: str, text: str, comps: dict[str, str]) -> str:
+    """``gemm``, ``quantize`` or ``other`` for the top-level instruction ``op``."""
+    line = next(
+        (
+            ln
+            for ln in text.splitlines()
+            if ln.strip().startswith((f"%{op} =", f"ROOT %{op} =", f"{op} ="))
+        ),
+        "",
+    )
+    if "custom_call_target" in line and ("cublas" in line or "cudnn" in line):
+        return "gemm"
+    if "__triton_gemm" in line:
+        return "gemm"
+    body = line
+    if "calls=" in line:
+        called = line.split("calls=", 1)[1].split(",", 1)[0].split(" ", 1)[0]
+        body += "\n" + comps.get(called.lstrip("%"), "")
+    if any(t in body for t in _LOW):
+        return "quantize"
+    if "u32[" in body:  # random bits (stochastic rounding)
+        return "quantize"
+    if "reduce(" in body and "abs(" in body:  # amax
+        return "quantize"
+    return "other"
+
+
+def profile(compiled, args: tuple, steps: int, text: str) -> dict[str, Any]:
+    """Device time per step by kernel category, from a profiler trace."""
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.block_until_ready(compiled(*args))
+        with jax.profiler.trace(tmp):
+            for _ in range(steps):
+                jax.block_until_ready(compiled(*args))
+        path = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0]
+        data = ProfileData.from_file(path)
+    # Kernels: on a GPU the events of the device's stream lines; on CPU (a
+    # smoke test) the host threads' events that name an HLO op.
+    device = [p for p in data.planes if p.name.startswith("/device:")]
+    lines = [
+        ln
+        for p in (device or data.planes)
+        for ln in p.lines
+        if not device or ln.name.startswith("Stream")
+    ]
+    per_op: dict[str, float] = {}
+    for line in lines:
+        for ev in line.events:
+            stats = dict(ev.stats)
+            if not device and "hlo_op" not in stats:
+                continue
+            op = stats.get("hlo_op", ev.name)
+            per_op[op] = per_op.get(op, 0.0) + ev.duration_ns / steps
+    comps = _computations(text)
+    totals = {"gemm": 0.0, "quantize": 0.0, "other": 0.0}
+    kernels = []
+    for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1]):
+        cat = _category(op, text, comps)
+        totals[cat] += ns
+        kernels.append({"op": op, "us": round(ns / 1e3, 2), "category": cat})
+    total = sum(totals.values()) or 1.0
+    return {
+        "device_ms": round(total / 1e6, 3),
+        **{f"{c}_ms": round(v / 1e6, 3) for c, v in totals.items()},
+        "quantize_fraction": round(totals["quantize"] / total, 3),
+        "kernels": kernels[:40],
+    }
+
+
+# -------------------------------------------------------------------- main --
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--md", help="where to write the markdown table")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--reps", type=int, default=3, help="runs per round")
+    parser.add_argument("--gpu", action="store_true", help="the GPU setup")
+    parser.add_argument(
+        "--small", action="store_true", help="--gpu at a small size (smoke test)"
+    )
+    parser.add_argument("--hlo-dir", help="write each variant's optimized HLO here")
+    parser.add_argument(
+        "--profile-only", action="store_true", help=argparse.SUPPRESS
+    )  # internal: the profiling process of --gpu
+    args = parser.parse_args()
+    if args.gpu and jax.default_backend() != "gpu" and not args.small:
+        sys.exit(
+            "train_step.py --gpu needs a GPU (jax's backend is "
+            f"{jax.default_backend()!r}); add --small to smoke-test it here"
+        )
+
+    if args.gpu:
+        dims = (256, 256, 512) if args.small else (TOKENS, D_MODEL, D_FF)
+        model, variants = gpu_variants(*dims)
+        base_name = "bf16"
+    else:
+        model, variants = cpu_variants()
+        base_name = "float32"
 
     # One-off compiler start-up costs must not land on the first variant.
-    jax.jit(lambda a: a * 2).lower(x).compile()
-    variants = {}
-    for name, config in configs().items():
+    first_args = next(iter(variants.values()))[1]
+    jax.jit(lambda a: a * 2).lower(first_args[-1]).compile()
+    built = {}
+    for name, (make, fargs) in variants.items():
         # Compile time: trace + lower + XLA compile of a fresh function, best
-        # of three (a fresh function misses every cache).
+        # of three on CPU, once on a GPU (autotuning makes repeats slow).
         compile_s = float("inf")
-        for _ in range(3):
-            step = make_step(config)
+        for _ in range(1 if args.gpu else 3):
+            step = make()
             start = time.perf_counter()
-            compiled = step.lower(params, x, y).compile()
+            compiled = step.lower(*fargs).compile()
             compile_s = min(compile_s, time.perf_counter() - start)
-        jax.block_until_ready(compiled(params, x, y))
-        variants[name] = {
+        jax.block_until_ready(compiled(*fargs))
+        text = compiled.as_text()
+        if args.hlo_dir and not args.profile_only:
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            fname = name.replace(" ", "_").replace("/", "_") + ".hlo.txt"
+            with open(os.path.join(args.hlo_dir, fname), "w") as f:
+                f.write(text)
+        built[name] = {
             "run": compiled,
+            "args": fargs,
             "compile_s": compile_s,
-            "dots": [
-                f"{a} x {b} -> {o}"
-                for a, b, o in qbits.ops.dot_dtypes(compiled.as_text())
-            ],
+            "gemms": [g._asdict() for g in qbits.ops.gemms(text)],
+            "text": text,
         }
+        print(f"compiled {name} in {compile_s:.1f} s", file=sys.stderr, flush=True)
+    if args.profile_only:
+        profiles = {
+            n: profile(v["run"], v["args"], 5, v["text"]) for n, v in built.items()
+        }
+        with open(args.json, "w") as f:
+            json.dump(profiles, f, indent=2)
+        return
     times = paired.measure(
-        {
-            name: functools.partial(v["run"], params, x, y)
-            for name, v in variants.items()
-        },
+        {n: functools.partial(v["run"], *v["args"]) for n, v in built.items()},
         args.rounds,
         args.reps,
     )
-    base = variants["float32"]
+    profiles = profile_in_subprocess(args.small) if args.gpu else {}
     results = []
-    for name, v in variants.items():
-        stats = paired.ratio_stats(times[name], times["float32"])
-        results.append(
-            {
-                "variant": name,
-                "step_ms": stats.pop("ms"),
-                **stats,
-                "compile_s": round(v["compile_s"], 3),
-                "compile_ratio": round(v["compile_s"] / base["compile_s"], 3),
-                "dots": v["dots"],
-            }
-        )
-    meta = paired.machine(
-        "train_step",
-        f"MLP {IN}->{HIDDEN}->{OUT}, batch {BATCH}, SGD, jit",
-        args.rounds,
-        args.reps,
-    )
+    for name, v in built.items():
+        stats = paired.ratio_stats(times[name], times[base_name])
+        entry = {
+            "variant": name,
+            "step_ms": stats.pop("ms"),
+            **stats,
+            "speedup": round(1.0 / stats["time_ratio"], 3),
+            "compile_s": round(v["compile_s"], 3),
+            "compile_ratio": round(v["compile_s"] / built[base_name]["compile_s"], 3),
+            "gemms": v["gemms"],
+        }
+        if args.gpu:
+            entry["profile"] = profiles.get(name, {})
+        results.append(entry)
+    meta = paired.machine("train_step", model, args.rounds, args.reps)
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
+    table = markdown(meta, results, base_name, args.gpu)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table)
+    print(table)
 
-    print(
-        f"{meta['model']} on {meta['backend']} ({meta['devices']}), jax {meta['jax']}"
-    )
-    print()
-    print("| variant | time / f32 (IQR) | compile / f32 | dots in the optimized HLO |")
-    print("|---|---|---|---|")
+
+def profile_in_subprocess(small: bool) -> dict[str, Any]:
+    """Per-variant device-time profiles, from a process without CUDA graphs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "profile.json")
+        cmd = [sys.executable, __file__, "--gpu", "--profile-only", "--json", out]
+        done = subprocess.run(cmd + (["--small"] if small else []), check=False)
+        if done.returncode != 0 or not os.path.exists(out):
+            return {}
+        with open(out) as f:
+            return json.load(f)
+
+
+def _gemm_summary(gemms: list[dict[str, str]]) -> str:
+    counts: dict[str, int] = {}
+    for g in gemms:
+        key = f"{g['lhs']} x {g['rhs']} -> {g['out']}"
+        key = key if g["kind"] == "dot" else f"{g['kind']}: {key}"
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"{n}x {k}" for k, n in counts.items())
+
+
+def markdown(meta: dict, results: list[dict], base: str, gpu: bool) -> str:
+    lines = [
+        f"{meta['model']} on {meta['backend']} ({meta['devices']}), jax {meta['jax']}",
+        "",
+    ]
+    if gpu:
+        lines += [
+            f"| variant | time / {base} (IQR) | speedup | quantize passes / step "
+            "| compile s | GEMMs in the optimized HLO |",
+            "|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            "| variant | time / f32 (IQR) | compile / f32 "
+            "| dots in the optimized HLO |",
+            "|---|---|---|---|",
+        ]
     for r in results:
-        dots = "; ".join(sorted(set(r["dots"]), key=r["dots"].index))
         q1, q3 = r["time_ratio_iqr"]
-        ratios = f"{r['time_ratio']:.2f} ({q1:.2f}-{q3:.2f}) | {r['compile_ratio']:.2f}"
-        print(f"| {r['variant']} | {ratios} | {dots} |")
+        ratio = f"{r['time_ratio']:.2f} ({q1:.2f}-{q3:.2f})"
+        gemms = _gemm_summary(r["gemms"])
+        if gpu:
+            prof = r.get("profile", {})
+            frac = prof.get("quantize_fraction")
+            frac = "—" if frac is None else f"{100 * frac:.0f}%"
+            lines.append(
+                f"| {r['variant']} | {ratio} | {r['speedup']:.2f}x | {frac} "
+                f"| {r['compile_s']:.1f} | {gemms} |"
+            )
+        else:
+            lines.append(
+                f"| {r['variant']} | {ratio} | {r['compile_ratio']:.2f} | {gemms} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -221,19 +221,26 @@ def _identity(g: jax.Array) -> jax.Array:
 
 
 def _scale_and_inverse(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``scale`` and ``1 / scale`` (flat vectors), computed together, once.
+    """``scale`` and ``1 / scale`` (flat vectors), computed once.
 
-    Left to itself, XLA copies the small per-block arithmetic that makes a
-    scale into every element of each large consumer (the quantization, the
-    rescaled matmul output), and compiles one more kernel for the reciprocal
-    it uses to divide by the scale. Stacked and divided by a 1 that XLA
-    cannot see (exact), both come from one small kernel that runs once per
-    block.
+    On CPU, left to itself, XLA copies the small per-block arithmetic that
+    makes a scale into every element of each large consumer (the
+    quantization, the rescaled matmul output), and compiles one more kernel
+    for the reciprocal it uses to divide by the scale. Stacked and divided by
+    a 1 that XLA cannot see (exact), both come from one small kernel that runs
+    once per block. Elsewhere the plain form is kept: the barrier would split
+    the fusions that GPU and TPU compilers make of it (same numbers).
     """
-    n = scale.shape[0]
-    both = lax.concatenate([scale, 1.0 / scale], 0)
-    both = both / lax.optimization_barrier(jnp.ones_like(both))
-    return both[:n], both[n:]
+
+    def cpu(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+        n = scale.shape[0]
+        both = lax.concatenate([scale, 1.0 / scale], 0)
+        both = both / lax.optimization_barrier(jnp.ones_like(both))
+        return both[:n], both[n:]
+
+    return lax.platform_dependent(
+        scale, cpu=cpu, default=lambda scale: (scale, 1.0 / scale)
+    )
 
 
 def _numerics_grad(

@@ -104,10 +104,14 @@ def fp8() -> DotGeneralConfig:
     (arXiv 2209.05433), and Transformer Engine: forward operands E4M3, the
     incoming gradient E5M2 (the other backward operand E4M3, never both
     E5M2), one scale per tensor from its own absmax. On Hopper-class GPUs each
-    matmul becomes a cuBLASLt FP8 GEMM.
+    matmul becomes a cuBLASLt FP8 GEMM; the gradient matmuls accumulate in
+    full float32 (Transformer Engine's split accumulation), the forward in
+    the tensor cores' fast mode.
     """
     fwd = MatmulConfig(lhs=_fp8("float8_e4m3fn"), rhs=_fp8("float8_e4m3fn"))
-    bwd = MatmulConfig(lhs=_fp8("float8_e5m2"), rhs=_fp8("float8_e4m3fn"))
+    bwd = MatmulConfig(
+        lhs=_fp8("float8_e5m2"), rhs=_fp8("float8_e4m3fn"), accumulator="float32"
+    )
     return DotGeneralConfig(fwd=fwd, dlhs=bwd, drhs=bwd)
 
 
@@ -126,7 +130,7 @@ def fp8_delayed() -> DotGeneralConfig:
     e4m3 = Quantizer(Fp8Numerics("float8_e4m3fn"), DelayedScaling(), PerTensor())
     e5m2 = Quantizer(Fp8Numerics("float8_e5m2"), DelayedScaling(), PerTensor())
     fwd = MatmulConfig(lhs=e4m3, rhs=e4m3)
-    bwd = MatmulConfig(lhs=e5m2, rhs=e4m3, use_fwd_quant=True)
+    bwd = MatmulConfig(lhs=e5m2, rhs=e4m3, accumulator="float32", use_fwd_quant=True)
     return DotGeneralConfig(fwd=fwd, dlhs=bwd, drhs=bwd)
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax import lax
 
 from qbits.errors import InvalidArgumentError
 
@@ -158,7 +159,7 @@ def _finish(q: jax.Array, x: jax.Array, fmt: FloatFormat) -> jax.Array:
 
 
 def emulated_round_to_format(x: jax.Array, fmt: FloatFormat) -> jax.Array:
-    """Rounds float32 ``x`` to nearest even on ``fmt``'s grid, in float32.
+    """Rounds ``x`` (float32 or float64) to nearest even on ``fmt``'s grid.
 
     Exact: dividing by the (power-of-two) spacing is exact, so there is a
     single rounding, as in a native cast.
@@ -175,11 +176,22 @@ def round_to_format(x: jax.Array, fmt: FloatFormat) -> jax.Array:
     NaN stays NaN even for formats that have no NaN (the float result can hold
     it).
     """
-    if fmt.native:
-        y = x.astype(fmt.dtype).astype(x.dtype)
-    else:
-        y = emulated_round_to_format(x, fmt)
-    return jnp.where(jnp.isnan(x), x, y)
+    if not fmt.native:
+        return jnp.where(jnp.isnan(x), x, emulated_round_to_format(x, fmt))
+    has_nan = bool(np.isnan(np.float32(np.nan).astype(fmt.dtype).astype(np.float32)))
+
+    def cpu(x: jax.Array) -> jax.Array:
+        return jnp.where(jnp.isnan(x), x, x.astype(fmt.dtype).astype(x.dtype))
+
+    def other(x: jax.Array) -> jax.Array:
+        # XLA's GPU compiler removes a narrowing-widening cast pair as "excess
+        # precision" (--xla_allow_excess_precision, on by default), which
+        # would leave x unrounded; the barrier keeps the narrow value. The
+        # cast keeps NaN where the format has one.
+        y = lax.optimization_barrier(x.astype(fmt.dtype)).astype(x.dtype)
+        return y if has_nan else jnp.where(jnp.isnan(x), x, y)
+
+    return lax.platform_dependent(x, cpu=cpu, default=other)
 
 
 def stochastic_round_to_format(

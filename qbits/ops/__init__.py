@@ -4,7 +4,7 @@ from qbits.ops.config import DotGeneralConfig, MatmulConfig
 from qbits.ops.conv import ConvGeneralDilated, conv_general_dilated
 from qbits.ops.dot_general import DotGeneral, dot_general
 from qbits.ops.einsum import Einsum, einsum
-from qbits.ops.hlo import dot_dtypes, jaxpr_dot_dtypes
+from qbits.ops.hlo import Gemm, dot_dtypes, gemms, jaxpr_dot_dtypes
 from qbits.ops.stateful import (
     StatefulDotGeneral,
     combine_state,
@@ -22,6 +22,7 @@ __all__ = [
     "DotGeneral",
     "DotGeneralConfig",
     "Einsum",
+    "Gemm",
     "MatmulConfig",
     "StatefulDotGeneral",
     "combine_state",
@@ -30,6 +31,7 @@ __all__ = [
     "dot_dtypes",
     "dot_general",
     "einsum",
+    "gemms",
     "init_state",
     "init_steps",
     "jaxpr_dot_dtypes",

@@ -36,7 +36,9 @@ class MatmulConfig(struct.PyTreeNode):
       rhs: Quantizer of the right operand.
       mode: ``"real"`` or ``"fake"``.
       accumulator: ``None`` (int32 for integer x integer, float32 otherwise),
-        ``int32`` or ``float32``.
+        ``int32`` or ``float32``. For fp8 GEMMs on a GPU, ``None`` lets the
+        tensor cores accumulate in their fast, less precise way;
+        ``float32`` asks for full float32 accumulation.
       use_fwd_quant: Backward matmuls only: use the forward pass's quantized
         operand (its stored values and scales) as this matmul's rhs instead of
         quantizing the float operand again with ``rhs``.

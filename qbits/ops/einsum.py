@@ -213,6 +213,17 @@ class Einsum:
             )
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         plan = _plan(subscripts, lhs.shape, rhs.shape)
+        dg = self.dot_general
+        config = getattr(getattr(dg, "op", dg), "config", None)
+        if config is not None and config.is_identity:  # jnp.einsum's numbers
+            return jnp.einsum(
+                subscripts,
+                lhs,
+                rhs,
+                precision=precision,
+                preferred_element_type=preferred_element_type,
+                out_sharding=out_sharding,
+            )
         if plan.lhs_broadcast is not None:
             lhs = jnp.broadcast_to(lhs, plan.lhs_broadcast)
         if plan.rhs_broadcast is not None:

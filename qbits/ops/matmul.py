@@ -183,8 +183,28 @@ def contract(
     if jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
         out = _integer_dot(lqt, rqt, dims, cfg, precision, out_perm, out_sharding)
         return out.astype(out_dtype)
+    if _is_byte_float(a) and _is_byte_float(b):  # fp8
+
+        def cpu(lqt: QTensor, rqt: QTensor) -> jax.Array:
+            a, b = dot_operand(lqt), dot_operand(rqt)
+            out = _real_dot(
+                a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding
+            )
+            return _permute(out, out_perm)
+
+        def gpu(lqt: QTensor, rqt: QTensor) -> jax.Array:
+            return _gemm_layout_dot(
+                lqt, rqt, dims, cfg, precision, out_perm, out_sharding
+            )
+
+        out = lax.platform_dependent(lqt, rqt, cpu=cpu, default=gpu)
+        return out.astype(out_dtype)
     out = _real_dot(a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding)
     return _permute(out.astype(out_dtype), out_perm)
+
+
+def _is_byte_float(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 1
 
 
 def _stored_rhs(rhs: QTensor, dims: Dims) -> QuantizedOperand:
@@ -217,16 +237,57 @@ def _integer_dot(
     out_perm: Axes | None,
     out_sharding: Any,
 ) -> jax.Array:
-    """An integer dot with both operands laid out for XLA (module docstring)."""
+    """An integer dot laid out for the backend: see the module docstring."""
+
+    def cpu(lhs: QTensor, rhs: QTensor) -> jax.Array:
+        swap = out_perm is not None and tuple(out_perm) == dims.swap_perm()
+        a, b, d = (rhs, lhs, dims.swapped()) if swap else (lhs, rhs, dims)
+        a_order = d.lhs_batch + d.lhs_free + d.lhs_contract
+        b_order = _rhs_order(d)
+        a_vals, a_scale = _laid_out(a, a_order, barriers=True)
+        b_vals, b_scale = _laid_out(b, b_order, barriers=True)
+        moved = d.moved(a_order, b_order)
+        # Moving operand axes keeps the output layout; exchanging the operands
+        # writes the permuted output directly.
+        sharding = _permuted_sharding(out_sharding, out_perm) if swap else out_sharding
+        out = _real_dot(
+            a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding
+        )
+        return out if swap else _permute(out, out_perm)
+
+    def gpu(lhs: QTensor, rhs: QTensor) -> jax.Array:
+        return _gemm_layout_dot(lhs, rhs, dims, cfg, precision, out_perm, out_sharding)
+
+    return lax.platform_dependent(lhs, rhs, cpu=cpu, default=gpu)
+
+
+def _gemm_layout_dot(
+    lhs: QTensor,
+    rhs: QTensor,
+    dims: Dims,
+    cfg: MatmulConfig,
+    precision: Any,
+    out_perm: Axes | None,
+    out_sharding: Any,
+) -> jax.Array:
+    """A byte-operand dot with both operands ``[batch, free, contracting]``.
+
+    cuBLASLt runs int8 and fp8 GEMMs only with both operands contiguous along
+    the contracting axes ("TN"). Left to itself, XLA's GPU compiler makes the
+    transposes that need after fusion, as separate kernels, slow on one-byte
+    elements; written here, they fuse into the quantization that produces
+    the operand, and XLA sees the layout its GEMM takes.
+    """
+    if precision is None and cfg.accumulator == np.dtype(np.float32):
+        # fp8: no fast accumulation (cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM).
+        precision = lax.Precision.HIGHEST
     swap = out_perm is not None and tuple(out_perm) == dims.swap_perm()
     a, b, d = (rhs, lhs, dims.swapped()) if swap else (lhs, rhs, dims)
     a_order = d.lhs_batch + d.lhs_free + d.lhs_contract
-    b_order = _rhs_order(d)
-    a_vals, a_scale = _laid_out(a, a_order)
-    b_vals, b_scale = _laid_out(b, b_order)
+    b_order = d.rhs_batch + d.rhs_free + d.rhs_contract
+    a_vals, a_scale = _laid_out(a, a_order, barriers=False)
+    b_vals, b_scale = _laid_out(b, b_order, barriers=False)
     moved = d.moved(a_order, b_order)
-    # Moving operand axes keeps the output layout; exchanging the operands
-    # writes the permuted output directly.
     sharding = _permuted_sharding(out_sharding, out_perm) if swap else out_sharding
     out = _real_dot(a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding)
     return out if swap else _permute(out, out_perm)
@@ -256,19 +317,24 @@ def _rhs_order(d: Dims) -> Axes:
     return d.rhs_batch + d.rhs_contract + d.rhs_free
 
 
-def _laid_out(qt: QTensor, order: Axes) -> tuple[jax.Array, jax.Array]:
+def _laid_out(
+    qt: QTensor, order: Axes, *, barriers: bool
+) -> tuple[jax.Array, jax.Array]:
     """The dot operand and scale of ``qt``, transposed to ``order``.
 
-    XLA:CPU turns a bare transpose of an s8 array into a copy and then runs
-    the dot in s32; inside an elementwise computation the transposed array
-    stays s8. Zeroing the values of blocks whose scale is NaN is such a
-    computation, and a harmless one (those outputs are NaN through the
-    scale). The barriers keep XLA from folding the transpose into the dot.
+    With ``barriers`` (XLA:CPU): XLA:CPU turns a bare transpose of an s8
+    array into a copy and then runs the dot in s32; inside an elementwise
+    computation the transposed array stays s8. Zeroing the values of blocks
+    whose scale is NaN is such a computation, and a harmless one (those
+    outputs are NaN through the scale). The barriers keep XLA from folding
+    the transpose into the dot.
     """
     values = dot_operand(qt)
     if order == tuple(range(values.ndim)):
         return values, qt.scale
     scale = jnp.transpose(qt.scale, order)
+    if not barriers:
+        return jnp.transpose(values, order), scale
     values = jnp.transpose(lax.optimization_barrier(values), order)
     poisoned = jnp.isnan(expand_scale(scale, values.shape))
     values = jnp.where(poisoned, jnp.zeros_like(values), values)
@@ -480,7 +546,13 @@ def _real_dot(
         preferred_element_type=acc,
         out_sharding=out_sharding,
     ).astype(jnp.float32)
-    out = out * _scale_to_output(sl, dims, "lhs") * _scale_to_output(sr, dims, "rhs")
+    if sl.size == 1 and sr.size == 1:
+        # One scalar factor: the form XLA's GPU compiler folds into an FP8
+        # GEMM (cuBLASLt's operand scales) instead of a pass over the output.
+        out = out * (sl.reshape(()) * sr.reshape(())).astype(jnp.float32)
+    else:
+        out = out * _scale_to_output(sl, dims, "lhs")
+        out = out * _scale_to_output(sr, dims, "rhs")
     if tiled is not None:
         out = jnp.sum(out, axis=len(dims.lhs_batch) - 1)
     return out

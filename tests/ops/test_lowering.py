@@ -1,0 +1,117 @@
+"""The program qbits hands XLA, per backend, pinned without a GPU.
+
+qbits emits some forms only for XLA:CPU (optimization barriers around int8
+transposes, a variadic NaN-flagging absmax, a barrier-divided scale). On GPU
+the program must be the plain pattern XLA's GPU compiler rewrites into
+cuBLASLt FP8 and int8 GEMMs. Lowering for the "cuda" platform works on a
+CPU-only machine, so these checks run in CI; ``tests/test_gpu.py`` checks the
+compiled result on a GPU.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import qbits
+
+DN = (((1,), (0,)), ((), ()))
+_DOT = re.compile(
+    r"stablehlo\.dot_general .*contracting_dims = \[(\d+)\] x \[(\d+)\].*"
+    r": \(tensor<([^>]+)>, tensor<([^>]+)>\) -> tensor<([^>]+)>"
+)
+
+
+def _training_step_text(preset: str, platform: str) -> str:
+    config = qbits.presets.get(preset)
+    dg = qbits.dot_general(config, jax.random.key(0))
+
+    def loss(x, w1, w2):
+        h = jax.nn.gelu(dg(x, w1, DN))
+        return jnp.sum(dg(h, w2, DN).astype(jnp.float32) ** 2)
+
+    x = jnp.ones((64, 128), jnp.bfloat16)
+    w1 = jnp.ones((128, 256), jnp.bfloat16)
+    w2 = jnp.ones((256, 128), jnp.bfloat16)
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return step.trace(x, w1, w2).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _dots(text: str) -> list[tuple[int, int, str, str, str]]:
+    found = []
+    for line in text.splitlines():
+        m = _DOT.search(line)
+        if m:
+            lc, rc, a, b, out = m.groups()
+            found.append((int(lc), int(rc), a, b, out))
+    return found
+
+
+def _element(t: str) -> str:
+    return t.rsplit("x", 1)[-1]
+
+
+@pytest.mark.parametrize("preset", ["fp8", "int8"])
+def test_gpu_program_has_gemm_layout_dots_and_no_cpu_forms(preset):
+    text = _training_step_text(preset, "cuda")
+    dots = _dots(text)
+    assert len(dots) == 6  # two layers x (forward + two gradient matmuls)
+    for lc, rc, a, b, out in dots:
+        # Both operands contracted along their last (contiguous) axis: the
+        # "TN" layout cuBLASLt runs int8 and fp8 GEMMs in.
+        assert lc == 1 and rc == 1, (lc, rc, a, b)
+        if preset == "int8":
+            assert (_element(a), _element(b), _element(out)) == ("i8", "i8", "i32")
+        else:
+            assert _element(a).startswith("f8E") and _element(b).startswith("f8E")
+            assert "f8E5M2" not in (_element(a) + _element(b)).replace(
+                "f8E5M2", "", 1
+            ), "never E5M2 x E5M2"
+            assert _element(out) == "f32"
+    # No CPU workaround: no variadic reduction, and barriers only hold fp8
+    # values (they keep XLA from dropping the fp8 rounding as excess precision).
+    assert not re.search(r"stablehlo\.reduce\(%\S+ init: %\S+\), \(", text)
+    for line in text.splitlines():
+        if "stablehlo.optimization_barrier" in line:
+            assert preset == "fp8" and re.search(r": tensor<[^>]*xf8E", line), line
+
+
+def test_fp8_program_has_e4m3_forward_and_e5m2_gradients():
+    dots = _dots(_training_step_text("fp8", "cuda"))
+    pairs = sorted((_element(a), _element(b)) for _, _, a, b, _ in dots)
+    assert pairs.count(("f8E4M3FN", "f8E4M3FN")) == 2
+    assert all("f8E5M2" in p for p in pairs if p != ("f8E4M3FN", "f8E4M3FN"))
+
+
+def test_fp8_output_is_scaled_by_one_scalar_on_gpu():
+    # cuBLASLt takes the two per-tensor scales as one scalar operand; a
+    # second multiply would stay behind as a pass over the output.
+    lines = _training_step_text("fp8", "cuda").splitlines()
+    starts = [i for i, ln in enumerate(lines) if "stablehlo.dot_general" in ln]
+    assert starts
+    for i in starts:
+        name = lines[i].split("=", 1)[0].strip()
+        uses = []
+        for ln in lines[i + 1 :]:
+            if "func.func" in ln or ln.strip().startswith(f"{name} ="):
+                break  # SSA names are per function
+            if re.search(rf"{re.escape(name)}\b", ln):
+                uses.append(ln)
+        assert len(uses) == 1 and "stablehlo.multiply" in uses[0], uses
+
+
+def test_cpu_program_keeps_its_forms():
+    text = _training_step_text("int8", "cpu")
+    assert "stablehlo.optimization_barrier" in text
+    assert re.search(r"stablehlo\.reduce\(%\S+ init: %\S+\), \(", text)
+
+
+def test_one_program_for_cpu_and_gpu_exports():
+    # A multi-platform lowering keeps both forms and picks one per platform.
+    config = qbits.presets.get("int8_fwd")
+    dg = qbits.dot_general(config)
+    f = jax.jit(lambda x, w: dg(x, w, DN))
+    x = jnp.ones((8, 16))
+    text = f.trace(x, x.T).lower(lowering_platforms=("cpu", "cuda")).as_text()
+    assert "stablehlo.case" in text
