@@ -362,7 +362,10 @@ def round_scale(scale: jax.Array, rounding: ScaleRounding) -> jax.Array:
         )
     if rounding == "none":
         return scale
-    mantissa, exponent = jnp.frexp(scale)  # scale = m * 2**e, m in [0.5, 1)
+    # Subnormal scales round to the smallest normal power of two anyway; frexp
+    # is not exact on them everywhere (jax 0.12 flushes them to zero).
+    tiny = jnp.finfo(scale.dtype).tiny
+    mantissa, exponent = jnp.frexp(jnp.maximum(scale, tiny))  # m in [0.5, 1)
     up = mantissa >= np.sqrt(0.5) if rounding == "pow2" else mantissa != 0.5
     # The result is 0.5 * 2**e' = 2**(e' - 1); keep it a normal float32.
     exponent = jnp.clip(exponent + up.astype(exponent.dtype) - 1, -126, 127) + 1

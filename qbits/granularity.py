@@ -159,12 +159,19 @@ class Tiled(Granularity):
       tile_size: Elements per tile; must divide the axis.
       shared_axes: Further axes the scale is shared over; ``None`` for a
         matmul operand's other contracting axes (none outside a matmul).
+      free_tile_size: Tiles of this size along every other axis as well (1:
+        one scale per index). ``Tiled(tile_size=128, free_tile_size=128)``
+        gives a weight DeepSeek-V3's 128 x 128 blocks. Must divide those
+        axes.
 
     Example:
       >>> qbits.Tiled(axis=1, tile_size=32).block_sizes((4, 128))
       (1, 32)
       >>> qbits.Tiled(tile_size=32).block_sizes((128, 4), contracting_axes=(0,))
       (32, 1)
+      >>> qbits.Tiled(axis=0, tile_size=128, free_tile_size=128).block_sizes(
+      ...     (256, 512))
+      (128, 128)
       >>> qbits.Tiled(axis=-1, tile_size=3).block_sizes((4, 128))
       Traceback (most recent call last):
       ...
@@ -175,11 +182,13 @@ class Tiled(Granularity):
     axis: int | None = struct.field(pytree_node=False, default=None)
     tile_size: int = struct.field(pytree_node=False, default=32)
     shared_axes: Axes | None = struct.field(pytree_node=False, default=None)
+    free_tile_size: int = struct.field(pytree_node=False, default=1)
 
     def __post_init__(self) -> None:
         if self.axis is not None:
             check_int("Tiled", "axis", self.axis)
         check_int("Tiled", "tile_size", self.tile_size, 1)
+        check_int("Tiled", "free_tile_size", self.free_tile_size, 1)
         axes = _axes_tuple("Tiled", "shared_axes", self.shared_axes)
         object.__setattr__(self, "shared_axes", axes)
 
@@ -213,20 +222,12 @@ class Tiled(Granularity):
                 self.shared_axes,
                 f"axes other than the tiled axis {axis}",
             )
-        n = shape[axis]
-        if n % self.tile_size:
-            divisors = [d for d in range(1, n + 1) if n % d == 0]
-            raise InvalidArgumentError(
-                "Tiled",
-                "tile_size",
-                self.tile_size,
-                f"a divisor of {n}: "
-                + ", ".join(map(str, divisors[:16]))
-                + (", ..." if len(divisors) > 16 else ""),
-                why=f"axis {axis} has size {n}",
-            )
+        _check_divides("tile_size", self.tile_size, shape, axis)
+        free = [a for a in range(ndim) if a != axis and a not in shared]
+        for a in free:
+            _check_divides("free_tile_size", self.free_tile_size, shape, a)
         return tuple(
-            self.tile_size if a == axis else (m if a in shared else 1)
+            self.tile_size if a == axis else (m if a in shared else self.free_tile_size)
             for a, m in enumerate(shape)
         )
 
@@ -267,3 +268,18 @@ class BlockLayout:
                 reduce.append(len(blocked) - 1)
                 scale.append(n // b)
         return cls(tuple(blocked), tuple(reduce), tuple(scale))
+
+
+def _check_divides(name: str, size: int, shape: tuple[int, ...], axis: int) -> None:
+    n = shape[axis]
+    if n % size:
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        raise InvalidArgumentError(
+            "Tiled",
+            name,
+            size,
+            f"a divisor of {n}: "
+            + ", ".join(map(str, divisors[:16]))
+            + (", ..." if len(divisors) > 16 else ""),
+            why=f"axis {axis} has size {n}",
+        )

@@ -105,7 +105,10 @@ def test_qtensor_is_a_pytree():
     t = qbits.Quantizer(qbits.IntNumerics()).quant(jnp.ones((2, 3)), store=True)
     leaves, tree = jax.tree_util.tree_flatten(t)
     assert len(leaves) == 2
-    assert jax.tree_util.tree_unflatten(tree, leaves) == t or True
+    back = jax.tree_util.tree_unflatten(tree, leaves)
+    assert back.qdtype == t.qdtype and back.dtype == t.dtype
+    np.testing.assert_array_equal(back.qvalue, t.qvalue)
+    np.testing.assert_array_equal(back.scale, t.scale)
     out = jax.jit(lambda t: t)(t)
     assert out.qdtype == t.qdtype and out.dtype == t.dtype
 

@@ -134,6 +134,30 @@ def fp8_delayed() -> DotGeneralConfig:
     return DotGeneralConfig(fwd=fwd, dlhs=bwd, drhs=bwd)
 
 
+def fp8_blockwise() -> DotGeneralConfig:
+    """FP8 training with fine-grained scales, as DeepSeek-V3 was trained.
+
+    Every operand E4M3 (fine-grained scales make E5M2 unnecessary for the
+    gradients); activations and gradients scaled per 1 x 128 tile (one scale
+    per row for each 128 elements of the contracting axis), weights per
+    128 x 128 block; each scale from its block's own absmax. Real mode
+    contracts each 128-wide slice of the contracting axis separately and
+    sums the scaled partial products in float32: the accumulation promotion
+    of DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv 2412.19437, section
+    3.3). Every dimension of a layer it applies to must be a multiple of 128.
+    """
+    tiles = Quantizer(Fp8Numerics("float8_e4m3fn"), AbsMax(), Tiled(tile_size=128))
+    blocks = Quantizer(
+        Fp8Numerics("float8_e4m3fn"),
+        AbsMax(),
+        Tiled(tile_size=128, free_tile_size=128),
+    )
+    fwd = MatmulConfig(lhs=tiles, rhs=blocks)
+    dlhs = MatmulConfig(lhs=tiles, rhs=blocks)  # g . w^T: w's blocks again
+    drhs = MatmulConfig(lhs=tiles, rhs=tiles)  # x^T . g: 128 x 1 tiles along tokens
+    return DotGeneralConfig(fwd=fwd, dlhs=dlhs, drhs=drhs)
+
+
 def mxfp8() -> DotGeneralConfig:
     """MXFP8 in all three matmuls: tiles of 32 with E8M0 scales.
 
@@ -170,6 +194,7 @@ _PRESETS: dict[str, Callable[[], DotGeneralConfig]] = {
         int4_weight_only,
         fp8,
         fp8_delayed,
+        fp8_blockwise,
         mxfp8,
         mxfp4,
     )

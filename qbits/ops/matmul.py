@@ -179,6 +179,8 @@ def contract(
             out_sharding=out_sharding,
         )
         return _permute(out.astype(out_dtype), out_perm)
+    lqt = _per_index_free(lqt, dims.lhs_batch + dims.lhs_free)
+    rqt = _per_index_free(rqt, dims.rhs_batch + dims.rhs_free)
     a, b = dot_operand(lqt), dot_operand(rqt)
     if jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
         out = _integer_dot(lqt, rqt, dims, cfg, precision, out_perm, out_sharding)
@@ -201,6 +203,21 @@ def contract(
         return out.astype(out_dtype)
     out = _real_dot(a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding)
     return _permute(out.astype(out_dtype), out_perm)
+
+
+def _per_index_free(qt: QTensor, axes: Axes) -> QTensor:
+    """``qt`` with block scales along ``axes`` (not contracted) made per index.
+
+    A scale shared by a block of rows or columns (DeepSeek-V3's 128 x 128
+    weight blocks) factors out of each output element like a per-channel
+    one; repeating it (a small array) lets the dot treat it as one.
+    """
+    scale = qt.scale
+    for a in axes:
+        n, k = qt.shape[a], scale.shape[a]
+        if k not in (1, n):
+            scale = jnp.repeat(scale, n // k, axis=a)
+    return qt if scale is qt.scale else qt.replace(scale=scale)
 
 
 def _is_byte_float(x: jax.Array) -> bool:

@@ -87,9 +87,9 @@ def _split_scanned(xs: list[Any]) -> tuple[list[Any], list[Any]]:
 
 
 def _scan(
-    *args: Any, jaxpr: Any, num_consts: int, num_carry: int, length: int,
-    reverse: bool, unroll: Any, **_: Any,
-) -> list[Any]:  # fmt: skip
+    *args: Any, jaxpr: Any, length: int, reverse: bool, unroll: Any, **params: Any
+) -> list[Any]:
+    num_consts, num_carry = _scan_counts(params)
     consts = [plain(c) for c in args[:num_consts]]
     init = list(args[num_consts : num_consts + num_carry])
     xs_data, xs_scales = _split_scanned(list(args[num_consts + num_carry :]))
@@ -118,6 +118,18 @@ def _scan(
     carry, ys = lax.scan(body, carry, xs_data, length=length, reverse=reverse,
                          unroll=unroll)  # fmt: skip
     return list(carry) + [_stack(y) for y in ys]
+
+
+def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """How many of a scan's inputs are constants and carries.
+
+    jax before 0.12 gives the counts; from 0.12 on, ``ft_in`` holds the
+    (constants, carry, scanned) parts, one entry per flat input.
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"]
+    return len(consts), len(carry)
 
 
 def _stack(y: Any) -> Any:

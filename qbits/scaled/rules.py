@@ -252,7 +252,9 @@ def _power_rule(prim: Any, scale_fn: Any):
 
 
 def _on_value(prim: Any, out_scale: str):
-    """Evaluates on the value in float32; output scale by ``out_scale``.
+    """Evaluates ``prim`` (or a function) on the value in float32.
+
+    The output scale is chosen by ``out_scale``:
 
     ``"unit"``: 1 (bounded or slowly growing outputs, e.g. exp of a logit);
     ``"small"``: ``min(scale, 1)`` (``f(x) ~ x`` near 0, e.g. tanh);
@@ -262,7 +264,8 @@ def _on_value(prim: Any, out_scale: str):
     def rule(*xs: Any, **params: Any) -> ScaledArray:
         xs_list = list(xs)
         dtype = data_dtype(xs_list)
-        out = prim.bind(*[jnp.asarray(value(x), F32) for x in xs_list], **params)
+        fn = prim.bind if hasattr(prim, "bind") else prim
+        out = fn(*[jnp.asarray(value(x), F32) for x in xs_list], **params)
         s_in = scale32(scaled_operands(xs_list)[0])
         if out_scale == "unit":
             return finish(out.astype(dtype), jnp.ones((), F32), xs_list)
@@ -443,6 +446,8 @@ def _register() -> None:
     register_rule("reduce_sum", _reduce_sum)
     register_rule("cumsum", _cumsum)
     register_rule("cumlogsumexp", _on_value(lax.cumlogsumexp_p, "unit"))
+    # tanh's derivative, a primitive of its own from jax 0.12 on.
+    register_rule("one_minus_square", _on_value(lambda t: 1.0 - t * t, "unit"))
     register_rule("argmax", _arg_reduce(lax.argmax_p))
     register_rule("argmin", _arg_reduce(lax.argmin_p))
     register_rule("dot_general", _dot_general)
