@@ -9,25 +9,28 @@
 
 CONFIG is a preset name (``qbits presets``) or a YAML config file (a single
 config, or per-layer rules; see the README's config reference). Every user
-error (bad argument, bad file, unknown preset, unwritable folder) prints one
-line, ``qbits: error: ...``, and exits with status 2; an interrupted command
-exits with 130.
+error (bad argument, bad file, unknown preset, unwritable folder or full
+disk, a config that does not fit a layer) prints one line,
+``qbits: error: ...``, and exits with status 2; an interrupted command
+(Ctrl-C) exits with 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import os
 import pathlib
 import shutil
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["main"]
 
 _PROG = "qbits"
+_MAX_SEED = 2**32 - 1  # JAX keys of larger seeds repeat those of smaller ones
 
 
 class UsageError(Exception):
@@ -35,15 +38,23 @@ class UsageError(Exception):
 
 
 def _config(arg: str):
-    """A preset name or a YAML file -> (name, QuantConfig or None)."""
+    """A preset name or a YAML file -> (name, QuantConfig or None, origin).
+
+    ``origin`` holds the :class:`~qbits.experiments.Entry` fields that place
+    the config's errors found during training: the file, or the preset.
+    """
     import qbits
 
     path = pathlib.Path(arg)
     if arg in qbits.presets.names() and not path.is_file():
-        name = arg
-        return name, (None if arg == "none" else qbits.QuantConfig(default=arg))
+        config = None if arg == "none" else qbits.QuantConfig(default=arg)
+        return arg, config, {"where": arg, "single": True}
     if path.suffix in (".yaml", ".yml") or path.exists():
-        return path.stem, qbits.load_config(path)
+        config = qbits.config.load(path)
+        origin = {"source": os.fspath(path)}
+        if isinstance(config, qbits.QuantConfig):
+            return path.stem, config, origin
+        return path.stem, qbits.QuantConfig(default=config), origin | {"single": True}
     raise UsageError(
         f"unknown config {arg!r}: expected a YAML file or a preset name: "
         + ", ".join(qbits.presets.names())
@@ -65,15 +76,23 @@ def _out_dir(path: str) -> pathlib.Path:
     return out
 
 
-def _progress_factory(quiet: bool, steps: int):
-    """``progress(run_id, index, total)`` -> a per-step callback (tqdm)."""
-    if quiet or not sys.stderr.isatty():
-        return None
-    from tqdm.auto import tqdm
+class _Progress:
+    """The progress bars (tqdm) of a command's runs.
 
-    def factory(run_id: str, index: int, total: int):
+    ``self(run_id, index, total)`` gives a run's per-step callback;
+    :meth:`close` closes any bar still open (an error or Ctrl-C mid-run), so
+    the last line printed is the message.
+    """
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.bars: list = []
+
+    def __call__(self, run_id: str, index: int, total: int):
+        from tqdm.auto import tqdm
+
         bar = tqdm(
-            total=steps,
+            total=self.steps,
             desc=f"[{index + 1}/{total}] {run_id}",
             unit="step",
             leave=False,
@@ -81,17 +100,34 @@ def _progress_factory(quiet: bool, steps: int):
             ncols=shutil.get_terminal_size().columns or 100,
             file=sys.stderr,
         )
+        self.bars.append(bar)
 
         def update(step: int, loss: float) -> None:
             bar.update(1)
-            if step % 10 == 0 or step == steps:
+            if step % 10 == 0 or step == self.steps:
                 bar.set_postfix(loss=f"{loss:.3f}")
-            if step == steps:
+            if step == self.steps:
                 bar.close()
 
         return update
 
-    return factory
+    def close(self) -> None:
+        for bar in self.bars:
+            bar.close()
+        self.bars.clear()
+
+
+@contextlib.contextmanager
+def _progress(quiet: bool, steps: int) -> Iterator[_Progress | None]:
+    """The progress bars of a command (``None`` when quiet or not a terminal)."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    progress = _Progress(steps)
+    try:
+        yield progress
+    finally:
+        progress.close()
 
 
 def _log(quiet: bool):
@@ -106,13 +142,13 @@ def _train(args: argparse.Namespace) -> int:
     from qbits.experiments import spec
     from qbits.experiments.sweep import Entry, Sweep, config_bits, run_sweep
 
-    name, config = _config(args.config)
+    name, config, origin = _config(args.config)
     model_spec = spec(args.model, args.size)
     steps = model_spec.steps if args.steps is None else args.steps
     out = _out_dir(args.out or f"runs/train/{args.model}-{name}-seed{args.seed}")
     entries = [Entry("float32", None, 32.0)]
     if config is not None:
-        entries.append(Entry(name, config, config_bits(config)))
+        entries.append(Entry(name, config, config_bits(config), **origin))
     sweep = Sweep(
         f"qbits train {args.model} {name}",
         model_spec,
@@ -127,13 +163,10 @@ def _train(args: argparse.Namespace) -> int:
             f"training {args.model} ({args.size}) for {steps} steps, seed "
             f"{args.seed}: float32 and {name}; results in {out}"
         )
-    runs = run_sweep(
-        sweep,
-        out,
-        resume=False,
-        progress=_progress_factory(args.quiet, steps),
-        log=_log(args.quiet),
-    )
+    with _progress(args.quiet, steps) as progress:
+        runs = run_sweep(
+            sweep, out, resume=False, progress=progress, log=_log(args.quiet)
+        )
     from qbits.experiments.report import summarize
 
     rows = summarize(runs, "float32")
@@ -163,14 +196,14 @@ def _sweep(args: argparse.Namespace) -> int:
             f"{len(sweep.seeds)} seeds = {total} runs of {sweep.spec.model} "
             f"({sweep.size}, {sweep.steps} steps); results in {out}"
         )
-    rows_runs = run_sweep(
-        sweep,
-        out,
-        resume=not args.rerun,
-        progress=_progress_factory(args.quiet, sweep.steps),
-        log=_log(args.quiet),
-    )
-    del rows_runs
+    with _progress(args.quiet, sweep.steps) as progress:
+        run_sweep(
+            sweep,
+            out,
+            resume=not args.rerun,
+            progress=progress,
+            log=_log(args.quiet),
+        )
     if not args.quiet:
         print((out / "results.md").read_text(encoding="utf-8"))
     print(
@@ -186,7 +219,7 @@ def _inspect(args: argparse.Namespace) -> int:
     import qbits
     from qbits.experiments import build_model, spec
 
-    name, config = _config(args.config)
+    name, config, _ = _config(args.config)
     model_spec = spec(args.model)
     # Only the graph is needed: shapes, no parameters computed.
     model = nnx.eval_shape(lambda: build_model(model_spec, 0)[0])
@@ -245,7 +278,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--model", choices=("lm", "mlp"), default="lm", help=model_help)
     train.add_argument("--steps", type=_positive, help="training steps")
-    train.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    train.add_argument(
+        "--seed", type=_seed, default=0, help="seed, 0..2**32-1 (default: 0)"
+    )
     train.add_argument(
         "--out", help="output folder (default: runs/train/MODEL-CONFIG-seedS)"
     )
@@ -308,6 +343,34 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= _MAX_SEED:
+        raise argparse.ArgumentTypeError(
+            f"expected an int in 0..{_MAX_SEED}, got {text!r}"
+        )
+    return value
+
+
+def _exit_now(status: int) -> None:
+    """Flushes stdout and stderr and ends the process, skipping its teardown.
+
+    After Ctrl-C, XLA may still be compiling on its own threads (the
+    interrupt only stops Python waiting for it). Tearing the interpreter
+    down then destroys the XLA client under that thread, which crashes
+    ("Fatal Python error: Segmentation fault", status -11) in most
+    interrupted runs. Nothing is left to save: run files are written
+    atomically as each run finishes.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``qbits`` command; returns its exit status.
 
@@ -316,7 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
       0 on success, 2 for a user error (one line on stderr), 130 when
-      interrupted.
+      interrupted. Run as the command (``argv`` is ``None``), an interrupt
+      ends the process at once with status 130 (``os._exit``, after
+      flushing the output): interpreter teardown while XLA still compiles
+      on its threads crashes.
 
     Example:
       >>> from qbits.cli import main
@@ -329,6 +395,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(
+            f"{_PROG}: interrupted; finished runs are kept, rerun to continue",
+            file=sys.stderr,
+        )
+        if argv is None:
+            _exit_now(130)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Runs a command; a user error is one line on stderr and status 2."""
     import qbits
     from qbits.experiments.sweep import SweepError
 
@@ -341,15 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{_PROG}: error: {message}", file=sys.stderr)
         return 2
     except OSError as e:
-        where = f" {e.filename!r}" if e.filename else ""
+        where = f" {os.fsdecode(e.filename)}:" if e.filename else ""
         print(f"{_PROG}: error:{where} {e.strerror or e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(
-            f"{_PROG}: interrupted; finished runs are kept, rerun to continue",
-            file=sys.stderr,
-        )
-        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

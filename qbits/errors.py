@@ -130,7 +130,10 @@ class ConfigError(ValueError):
         (empty for the whole document).
       value: The rejected value.
       allowed: A human-readable description of the allowed values.
-      source: The file the config came from, or ``None``.
+      source: Where the config came from: its file, or a file and the place
+        in it (``"sweep.yaml: grid (fwd4_bwd8)"``); ``None`` if unknown.
+      layer: The path of the model layer the config was checked against
+        (errors found when a layer is traced), or ``None``.
 
     Example:
       >>> data = {"fwd": {"lhs": {"numerics": {"type": "int", "bits": 32}}}}
@@ -149,14 +152,20 @@ class ConfigError(ValueError):
         *,
         why: str = "",
         source: str | None = None,
+        layer: str | None = None,
     ):
         self.path = path
         self.value = value
         self.allowed = allowed
         self.why = why
         self.source = source
+        self.layer = layer
         where = ": ".join(p for p in (source, path) if p)
-        because = f" ({why})" if why else ""
+        reasons = [why] if why else []
+        if layer is not None:
+            shown = repr(layer) if layer else "'' (the top-level module)"
+            reasons.append(f"in layer {shown}")
+        because = f" ({', '.join(reasons)})" if reasons else ""
         super().__init__(
             f"{where + ': ' if where else ''}expected {allowed}, "
             f"got {_show(value)}{because}."
@@ -166,5 +175,10 @@ class ConfigError(ValueError):
         """The same error with ``prefix`` put before its path."""
         path = ".".join(p for p in (prefix, self.path) if p).replace(".[", "[")
         return ConfigError(
-            path, self.value, self.allowed, why=self.why, source=source or self.source
+            path,
+            self.value,
+            self.allowed,
+            why=self.why,
+            source=source or self.source,
+            layer=self.layer,
         )

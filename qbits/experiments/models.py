@@ -86,9 +86,10 @@ def spec(model: str, size: str = "default") -> ModelSpec:
       >>> spec("mlp").batch
       256
     """
-    if model not in MODELS:
+    # isinstance first: a list (``size: [tiny]`` in a sweep) is not hashable.
+    if not isinstance(model, str) or model not in MODELS:
         raise ValueError(f"unknown model {model!r}; expected one of: lm, mlp")
-    if (model, size) not in SIZES:
+    if not isinstance(size, str) or (model, size) not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of: default, tiny")
     return SIZES[model, size]
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import math
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["summarize", "write_report"]
+__all__ = ["replace_file", "summarize", "write_report"]
 
 _COLUMNS = (
     "config",
@@ -141,8 +142,7 @@ def _plots(
     ax.set_title(f"{name}: loss curves")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "loss_curves.png")
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     has_ratio = any(not math.isnan(r["ratio"]) for r in rows)
@@ -170,14 +170,53 @@ def _plots(
     ax.set_title(f"{name}: quality vs bits")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "quality_vs_bits.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "quality_vs_bits.png")
 
 
-def _replace(path: pathlib.Path, text: str) -> None:
+def _save(fig: Any, path: pathlib.Path) -> None:
+    """Saves a figure as PNG, atomically (see :func:`replace_file`); closes it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        buffer = io.BytesIO()
+        fig.savefig(buffer, dpi=110, format="png")
+    finally:
+        plt.close(fig)
+    replace_file(path, buffer.getvalue())
+
+
+def replace_file(path: pathlib.Path, data: str | bytes) -> None:
+    """Writes ``data`` to ``path`` atomically: a temporary file, then ``os.replace``.
+
+    Readers see the old file or the new one, never a part. If writing fails
+    (a full disk), the temporary file is removed and the error names ``path``.
+
+    Args:
+      path: The file.
+      data: Text (written as UTF-8) or bytes.
+
+    Raises:
+      OSError: With ``filename`` set to ``path`` and the cause's ``errno``.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> from qbits.experiments.report import replace_file
+      >>> f = pathlib.Path(tempfile.mkdtemp()) / "a.txt"
+      >>> replace_file(f, "hello")
+      >>> f.read_text(), [p.name for p in f.parent.iterdir()]
+      ('hello', ['a.txt'])
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OSError(
+            e.errno, f"cannot write the file ({e.strerror or e})", os.fspath(path)
+        ) from None
 
 
 def write_report(
@@ -201,18 +240,18 @@ def write_report(
 
     out = pathlib.Path(out)
     rows = summarize(runs, baseline)
-    _replace(out / "results.md", _markdown(name, rows, baseline))
+    replace_file(out / "results.md", _markdown(name, rows, baseline))
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=_COLUMNS, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    _replace(out / "results.csv", buffer.getvalue())
+    replace_file(out / "results.csv", buffer.getvalue())
     summary = {
         "name": name,
         "baseline": baseline,
         "rows": [{k: (None if v != v else v) for k, v in r.items()} for r in rows],
         "runs": [{k: v for k, v in r.items() if k != "config"} for r in runs],
     }
-    _replace(out / "results.json", json.dumps(summary, indent=1))
+    replace_file(out / "results.json", json.dumps(summary, indent=1))
     _plots(name, runs, rows, out)
     return rows

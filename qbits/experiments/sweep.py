@@ -1,4 +1,4 @@
-"""Ablation sweeps: a grid of configs and seeds, read from a YAML file.
+r"""Ablation sweeps: a grid of configs and seeds, read from a YAML file.
 
 A sweep file::
 
@@ -23,20 +23,36 @@ A sweep file::
       calibration: [absmax]           # optional, any calibration of the schema
       grad_rounding: [nearest]        # optional, nearest | stochastic
 
+The file is read like a config file (:func:`qbits.config.yamlio.read_yaml`):
+plain YAML only, each key once per mapping, and bounded in size, nesting and
+alias expansion. ``name`` must be a plain file name (it names the default
+output folder ``runs/<name>``: no ``/``, ``\``, ``.`` or ``..``); seeds are
+distinct ints in ``0..2**32 - 1`` (JAX keys of larger seeds repeat smaller
+ones); a sweep has at most :data:`MAX_RUNS` runs (configs times seeds).
+
 Every run (one config, one seed) writes ``runs/<config>__seed<S>.json`` in
 the output folder, atomically (a temporary file, then ``os.replace``), with
 a fingerprint of everything that determines it. A rerun skips every run whose
 file exists with the same fingerprint, so an interrupted sweep loses no
 finished run and a changed setting reruns what it changes. The table and the
 plots are rebuilt from the run files (:func:`qbits.experiments.write_report`).
+A file that cannot be written (a full disk) leaves no partial file behind,
+and the error names the file.
+
+A config that fits no layer of the model (a tile size that does not divide
+an axis) is found when the layer is first traced; the error names the file
+and place of the config (``sweep.yaml: grid (fwd4_bwd8).fwd.rhs...``) and the
+layer.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import pathlib
 import re
@@ -48,13 +64,19 @@ import numpy as np
 import yaml
 
 import qbits
+from qbits.config.yamlio import read_yaml
 from qbits.experiments.models import ModelSpec, spec
+from qbits.experiments.report import replace_file
 from qbits.experiments.train import RunResult, train
 
-__all__ = ["Entry", "Sweep", "SweepError", "load_sweep", "run_sweep"]
+__all__ = ["MAX_RUNS", "Entry", "Sweep", "SweepError", "load_sweep", "run_sweep"]
 
 _KEYS = ("name", "model", "size", "steps", "seeds", "baseline", "configs", "grid")
 _GRID_KEYS = ("fwd_bits", "bwd_bits", "granularity", "calibration", "grad_rounding")
+#: Most runs (configs times seeds) in one sweep.
+MAX_RUNS = 10_000
+_MAX_SEED = 2**32 - 1
+_MAX_STEPS = 2**31 - 1  # the step counter is an int32
 
 
 class SweepError(ValueError):
@@ -76,11 +98,55 @@ class Entry:
       config: The :class:`~qbits.QuantConfig` (``None`` for float32).
       bits: The forward weight bits, the x value of the quality-vs-bits plot
         (32 for float).
+      source: Where the config is written, for errors found while training:
+        its file (a config file, or the sweep file), or ``None``.
+      where: The config's place in ``source``, e.g. ``"configs[2].config"``
+        or ``"grid (fwd4_bwd8)"``; ``""`` for the whole file.
+      single: The config is one :class:`~qbits.DotGeneralConfig` (a file or
+        mapping with ``fwd``/``dlhs``/``drhs``, or a preset name), made the
+        ``default`` of ``config``: its paths start at ``fwd``, not ``default``.
+
+    Example:
+      >>> from qbits.experiments import Entry
+      >>> entry = Entry("w", qbits.QuantConfig(default="int8"), 8.0,
+      ...               source="s.yaml", where="configs[1]", single=True)
+      >>> e = qbits.ConfigError("default.fwd.rhs.granularity.tile_size", 48,
+      ...                       "a divisor of 64", layer="head")
+      >>> print(entry.locate(e))  # doctest: +NORMALIZE_WHITESPACE
+      s.yaml: configs[1].fwd.rhs.granularity.tile_size: expected a divisor of
+      64, got 48 (in layer 'head').
     """
 
     name: str
     config: qbits.QuantConfig | None
     bits: float
+    source: str | None = None
+    where: str = ""
+    single: bool = False
+
+    def locate(self, error: qbits.ConfigError) -> qbits.ConfigError:
+        """``error``, raised by this entry's config, with its place in the file.
+
+        Args:
+          error: A :class:`~qbits.ConfigError` whose path starts where the
+            config's :class:`~qbits.Resolution` says (``default`` or
+            ``rules[i].config``).
+
+        Returns:
+          The error with :attr:`source` and the path inside it.
+        """
+        path = error.path
+        if self.single and (path == "default" or path.startswith("default.")):
+            path = path[len("default") :].lstrip(".")
+        path = ".".join(p for p in (self.where, path) if p).replace(".[", "[")
+        return qbits.ConfigError(
+            path,
+            error.value,
+            error.allowed,
+            why=error.why,
+            source=self.source or error.source,
+            layer=error.layer,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,38 +218,49 @@ def _fail(source: str, path: str, expected: str, got: Any) -> SweepError:
     return SweepError(f"{source}: {path}: expected {expected}, got {got!r}")
 
 
-def _as_config(value: Any, source: str, path: str, base: pathlib.Path):
-    """A preset name, a config file or an inline config -> QuantConfig or None."""
+def _as_config(
+    value: Any, source: str, path: str, base: pathlib.Path
+) -> tuple[qbits.QuantConfig | None, dict[str, Any]]:
+    """A preset name, a config file or an inline config -> (config, origin).
+
+    ``origin`` holds the :class:`Entry` fields ``source``, ``where`` and
+    ``single``.
+    """
     if value is None or value == "none":
-        return None
+        return None, {}
     try:
         if isinstance(value, str):
             if value in qbits.presets.names():
-                return qbits.QuantConfig(default=value)
+                origin = {"source": source, "where": f"{path} ({value})"}
+                return qbits.QuantConfig(default=value), origin | {"single": True}
             if value.endswith((".yaml", ".yml")):
                 if not (base / value).is_file():
                     raise SweepError(
                         f"{source}: {path}: no config file {value!r} "
                         f"(paths are relative to the sweep file's folder)"
                     )
-                return qbits.load_config(base / value)
-            raise _fail(
-                source,
-                path,
-                "a preset name (" + ", ".join(qbits.presets.names()) + "), a "
-                ".yaml file or an inline config",
-                value,
-            )
-        if isinstance(value, dict):
+                config = qbits.config.load(base / value)
+                origin = {"source": os.fspath(base / value)}
+            else:
+                raise _fail(
+                    source,
+                    path,
+                    "a preset name (" + ", ".join(qbits.presets.names()) + "), a "
+                    ".yaml file or an inline config",
+                    value,
+                )
+        elif isinstance(value, dict):
             config = qbits.config.loads(yaml.safe_dump(value))
-            if isinstance(config, qbits.QuantConfig):
-                return config
-            return qbits.QuantConfig(default=config)
+            origin = {"source": source, "where": path}
+        else:
+            raise _fail(source, path, "a preset name, a .yaml file or a mapping", value)
     except qbits.ConfigError as e:
         if isinstance(value, str):
             raise SweepError(f"{source}: {path}: {e}") from None
         raise SweepError(f"{source}: {path}.{e}".replace(".: ", ": ")) from None
-    raise _fail(source, path, "a preset name, a .yaml file or a mapping", value)
+    if isinstance(config, qbits.QuantConfig):
+        return config, origin
+    return qbits.QuantConfig(default=config), origin | {"single": True}
 
 
 def _grid_entries(grid: Any, source: str) -> list[Entry]:
@@ -196,6 +273,9 @@ def _grid_entries(grid: Any, source: str) -> list[Entry]:
             raise _fail(source, f"grid.{key}", "a non-empty list", values)
     defaults = (8, None, None, None, None)
     axes = {k: grid.get(k, [d]) for k, d in zip(_GRID_KEYS, defaults, strict=True)}
+    count = math.prod(len(values) for values in axes.values())
+    if count > MAX_RUNS:
+        raise _fail(source, "grid", f"at most {MAX_RUNS} combinations", f"{count:,}")
     entries = []
     for combo in itertools.product(*axes.values()):
         fwd, bwd, gran, cal, rounding = combo
@@ -227,9 +307,56 @@ def _grid_entries(grid: Any, source: str) -> list[Entry]:
                 )
             g = quantizer(bwd, noise=rounding == "stochastic")
             doc["dlhs"] = doc["drhs"] = {"lhs": g, "rhs": quantizer(bwd)}
-        config = _as_config(doc, source, f"grid ({name})", pathlib.Path("."))
-        entries.append(Entry(name, config, float(fwd) if fwd is not None else 32.0))
+        config, origin = _as_config(doc, source, f"grid ({name})", pathlib.Path("."))
+        bits = float(fwd) if fwd is not None else 32.0
+        entries.append(Entry(name, config, bits, **origin))
     return entries
+
+
+def _check_name(name: Any, source: str) -> str:
+    """The sweep's name: a plain file name, so ``runs/<name>`` stays in ``runs``."""
+    plain = (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not re.search(r"[/\\\x00]", name)
+        and pathlib.PurePath(name).name == name
+    )
+    if not plain:
+        raise _fail(
+            source,
+            "name",
+            "a plain file name (no '/', '\\', '.' or '..': it names the "
+            "output folder runs/<name>)",
+            name,
+        )
+    return name
+
+
+def _check_seeds(seeds: Any, source: str) -> tuple[int, ...]:
+    """Distinct ints in 0..2**32 - 1."""
+    ok = isinstance(seeds, list) and seeds
+    ok = ok and all(
+        isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_SEED
+        for s in seeds
+    )
+    if not ok:
+        raise _fail(
+            source,
+            "seeds",
+            f"a non-empty list of ints in 0..{_MAX_SEED} (larger seeds give "
+            "the keys of smaller ones)",
+            seeds,
+        )
+    repeated = sorted(s for s, n in collections.Counter(seeds).items() if n > 1)
+    if repeated:
+        raise _fail(
+            source,
+            "seeds",
+            "distinct seeds (a repeated seed repeats the same run: its spread "
+            "would be 0)",
+            repeated[0],
+        )
+    return tuple(seeds)
 
 
 def load_sweep(path: str | os.PathLike) -> Sweep:
@@ -257,17 +384,12 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     path = pathlib.Path(path)
     source = os.fspath(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        why = getattr(e, "strerror", None) or str(e)
-        raise SweepError(f"{source}: cannot read the sweep file ({why})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f"line {mark.line + 1}: " if mark is not None else ""
-        problem = getattr(e, "problem", None) or "invalid YAML"
-        raise SweepError(f"{source}: {line}{problem}") from None
+        data = read_yaml(path)
+    except qbits.ConfigError as e:
+        if e.allowed == "a readable file":
+            why = f"cannot read the sweep file ({e.why})"
+            raise SweepError(f"{source}: {why}") from None
+        raise SweepError(str(e)) from None
     if not isinstance(data, dict):
         raise _fail(source, "the document", "a mapping with configs", data)
     for key in data:
@@ -280,15 +402,14 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     except ValueError as e:
         raise SweepError(f"{source}: {e}") from None
     steps = data.get("steps", model_spec.steps)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise _fail(source, "steps", "a positive int", steps)
-    seeds = data.get("seeds", [0])
-    if not (
-        isinstance(seeds, list)
-        and seeds
-        and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+    if (
+        not isinstance(steps, int)
+        or isinstance(steps, bool)
+        or not 1 <= steps <= _MAX_STEPS
     ):
-        raise _fail(source, "seeds", "a non-empty list of ints", seeds)
+        raise _fail(source, "steps", f"a positive int (at most {_MAX_STEPS})", steps)
+    seeds = _check_seeds(data.get("seeds", [0]), source)
+    name = _check_name(data.get("name", path.stem), source)
     entries: list[Entry] = []
     configs = data.get("configs", [])
     if not isinstance(configs, list):
@@ -296,46 +417,55 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     for i, item in enumerate(configs):
         where = f"configs[{i}]"
         if isinstance(item, str | None):
-            config = _as_config(item, source, where, path.parent)
-            entries.append(Entry(item or "none", config, config_bits(config)))
+            config, origin = _as_config(item, source, where, path.parent)
+            entries.append(Entry(item or "none", config, config_bits(config), **origin))
             continue
         if not isinstance(item, dict) or "config" not in item:
             raise _fail(source, where, "a preset name or {name, config[, bits]}", item)
         extra = set(item) - {"name", "config", "bits"}
         if extra:
             raise _fail(source, where, "the keys name, config, bits", sorted(extra))
-        config = _as_config(item["config"], source, f"{where}.config", path.parent)
-        name = item.get(
+        config, origin = _as_config(
+            item["config"], source, f"{where}.config", path.parent
+        )
+        entry_name = item.get(
             "name", item["config"] if isinstance(item["config"], str) else f"config{i}"
         )
-        if not isinstance(name, str) or not name:
-            raise _fail(source, f"{where}.name", "a non-empty string", name)
+        if not isinstance(entry_name, str) or not entry_name:
+            raise _fail(source, f"{where}.name", "a non-empty string", entry_name)
         bits = item.get("bits", config_bits(config))
-        if not isinstance(bits, int | float) or isinstance(bits, bool):
-            raise _fail(source, f"{where}.bits", "a number", bits)
-        entries.append(Entry(name, config, float(bits)))
+        if (
+            not isinstance(bits, int | float)
+            or isinstance(bits, bool)
+            or not 0 < bits < math.inf
+        ):
+            raise _fail(source, f"{where}.bits", "a positive finite number", bits)
+        entries.append(Entry(entry_name, config, float(bits), **origin))
     if "grid" in data:
         entries += _grid_entries(data["grid"], source)
     if not entries:
         raise _fail(source, "configs", "at least one config (configs or grid)", [])
     names = [_safe(e.name) for e in entries]
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    dupes = sorted(n for n, count in collections.Counter(names).items() if count > 1)
     if dupes:
         raise _fail(source, "configs", "distinct names", dupes[0])
+    runs = len(entries) * len(seeds)
+    if runs > MAX_RUNS:
+        allowed = f"at most {MAX_RUNS} runs (configs x seeds)"
+        raise _fail(source, "configs", allowed, runs)
     baseline = data.get("baseline", "none" if "none" in names else None)
     if baseline is not None and baseline not in [e.name for e in entries]:
         raise _fail(source, "baseline", "the name of one of the configs", baseline)
-    name = data.get("name", path.stem)
-    if not isinstance(name, str) or not name:
-        raise _fail(source, "name", "a non-empty string", name)
-    return Sweep(name, model_spec, steps, tuple(seeds), tuple(entries), baseline, size)
+    return Sweep(name, model_spec, steps, seeds, tuple(entries), baseline, size)
 
 
 def write_json_atomic(path: pathlib.Path, data: Any) -> None:
-    """Writes JSON to ``path`` via a temporary file and ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    """Writes JSON to ``path`` via a temporary file and ``os.replace``.
+
+    Raises:
+      OSError: Naming ``path`` (e.g. a full disk); no temporary file is left.
+    """
+    replace_file(path, json.dumps(data, indent=1))
 
 
 def read_run(path: pathlib.Path) -> dict[str, Any] | None:
@@ -369,6 +499,13 @@ def run_sweep(
     Returns:
       The data of every run file, in sweep order.
 
+    Raises:
+      ConfigError: For a config that does not fit a layer of the model (found
+        when the layer is first traced), naming the config's file and place
+        (:meth:`Entry.locate`) and the layer.
+      OSError: For a file that cannot be written, naming it (no partial file
+        is left).
+
     Example:
       >>> import pathlib, tempfile
       >>> from qbits.experiments import load_sweep, run_sweep
@@ -397,9 +534,16 @@ def run_sweep(
             runs.append(done)
             continue
         callback = progress(run_id, index, len(todo)) if progress else None
-        result: RunResult = train(
-            sweep.spec, entry.config, seed=seed, steps=sweep.steps, progress=callback
-        )
+        try:
+            result: RunResult = train(
+                sweep.spec,
+                entry.config,
+                seed=seed,
+                steps=sweep.steps,
+                progress=callback,
+            )
+        except qbits.ConfigError as e:  # found when a layer was traced
+            raise entry.locate(e) from None
         data = {
             "name": entry.name,
             "seed": seed,

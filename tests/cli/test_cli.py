@@ -1,8 +1,12 @@
 """The qbits command: help, errors as one line, inspect, the default train."""
 
 import json
+import os
+import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -147,3 +151,136 @@ def test_default_train_end_to_end(tmp_path, capsys):
     assert all(len(r["result"]["curve"]) == 2 for r in summary["runs"])
     table = (out / "results.md").read_text()
     assert "| int8 | 8 | 1 |" in table
+
+
+# ---------------------------------------------------------------------------
+# Nothing silent: no traceback, no crash, whatever the file or the moment.
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _bomb(levels):
+    """A YAML "billion laughs": 8 * 9**(levels - 1) numbers in a few hundred bytes."""
+    lines = ["        - &l0 [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]"]
+    for i in range(1, levels):
+        lines.append(f"        - &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]")
+    head = "fwd:\n  rhs:\n    numerics: int\n    calibration:\n      type: mse\n"
+    return head + "      clip_factors:\n" + "\n".join(lines) + "\n"
+
+
+BAD_BYTES = [
+    # (name, file content, text the one-line error must contain)
+    ("utf-16", "fwd: {}\n".encode("utf-16"), "expected UTF-8 text"),
+    ("latin-1", "rules: []  # café\n".encode("latin-1"), "expected UTF-8 text"),
+    ("binary", bytes(range(256)) * 8, "expected UTF-8 text"),
+    ("nul bytes", b"fwd: {}\x00\x00\n", "printable characters"),
+    ("deep nesting", b"[" * 20_000, "nested at most 32 deep"),
+    ("alias bomb", _bomb(9).encode(), "aliases (*name) expanded"),
+    ("huge list", b"[" + b"1, " * 600_000 + b"1]", "at most 1048576 bytes"),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"), [b[1:] for b in BAD_BYTES], ids=[b[0] for b in BAD_BYTES]
+)
+@pytest.mark.parametrize("command", ["inspect", "train"])
+def test_hostile_config_files_are_one_line(tmp_path, capsys, command, data, needle):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(data)
+    argv = [command, str(bad), "--model", "mlp"]
+    if command == "train":
+        argv += ["--size", "tiny", "--steps", "1", "--out", str(tmp_path / "o")]
+    start = time.perf_counter()
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"qbits: error: {bad}: "), line
+    assert needle in line
+    assert time.perf_counter() - start < 20  # refused, never expanded
+
+
+@pytest.mark.parametrize("seed", ["18446744073709551616", "-1", "4294967296"])
+def test_seed_out_of_range_is_one_line(seed, capsys):
+    assert _run(["train", "--model", "mlp", "--seed", seed]) == 2
+    assert "expected an int in 0..4294967295" in _one_error_line(capsys)
+
+
+RULES_HEAD_TILE_5 = """\
+rules:
+  - pattern: head
+    config: {fwd: {rhs: {numerics: int, granularity: {type: tiled, tile_size: 5}}}}
+default: int8_fwd
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected", "layer"),
+    [
+        (
+            "rules.yaml",
+            RULES_HEAD_TILE_5,
+            "rules.yaml: rules[0].config.fwd.rhs.granularity.tile_size: expected a "
+            "divisor of 16",
+            "head",  # the only layer rules[0] matches: kernel 16 x 10
+        ),
+        (
+            "single.yaml",
+            "fwd: {rhs: {numerics: int, granularity: {type: tiled, tile_size: 5}}}\n",
+            "single.yaml: fwd.rhs.granularity.tile_size: expected a divisor of 64",
+            "layers/0",  # kernel 64 x 16 (the head's 16 x 10 fails too, later)
+        ),
+        (
+            "int4_weight_only",
+            None,
+            "error: int4_weight_only.fwd.rhs.granularity.tile_size: expected a "
+            "divisor of 64",
+            "layers/0",
+        ),
+    ],
+)
+def test_errors_found_when_tracing_name_the_file_and_the_layer(
+    tmp_path, capsys, name, text, expected, layer
+):
+    """A tile size that does not divide a layer's axis: file, place, layer."""
+    config = name
+    if text is not None:
+        config = str(tmp_path / name)
+        pathlib.Path(config).write_text(text)
+    argv = ["train", config, "--model", "mlp", "--size", "tiny", "--steps", "1"]
+    assert main([*argv, "-q", "--out", str(tmp_path / "o")]) == 2
+    line = _one_error_line(capsys)
+    assert expected in line
+    assert "default" not in line  # none of these has a `default` key
+    assert line.endswith(f", in layer {layer!r})."), line
+
+
+def test_ctrl_c_exits_130_every_time(tmp_path):
+    """SIGINT while the example model compiles or trains: status 130, no crash.
+
+    Interpreter teardown while XLA still compiled on its threads crashed with
+    a segmentation fault in most interrupted runs.
+    """
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for attempt, delay in enumerate((0.4, 0.9, 1.6)):
+        command = ["train", "--model", "mlp", "--size", "tiny", "--steps", "1000000"]
+        out = ["--out", str(tmp_path / f"run{attempt}")]
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-m", "qbits.cli", *command, *out],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            # Printed just before the first model is built and compiled.
+            assert proc.stdout.readline().startswith("training mlp (tiny)")
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert "Fatal Python error" not in err, err
+        assert "Traceback" not in err, err
+        assert proc.returncode == 130, (proc.returncode, err)
+        assert err.strip().splitlines()[-1].startswith("qbits: interrupted")

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import time
 
 import pytest
 import yaml
@@ -410,3 +411,117 @@ def test_register_rejects_bad_arguments():
         qc.register("numerics", "x", qbits.AbsMax)
     with pytest.raises(qbits.InvalidArgumentError, match="not taken"):
         qc.register("numerics", "int", qbits.FpNumerics)
+
+
+# ---------------------------------------------------------------------------
+# Bounded reading: a small or hostile file never costs much time or memory.
+
+
+def _alias_bomb(levels):
+    """A "billion laughs" in clip_factors: 9**levels values, a few hundred bytes."""
+    lists = ["&l0 [" + ", ".join(["1.0"] * 9) + "]"]
+    lists += [
+        f"&l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)
+    ]
+    factors = "".join(f"\n        - {item}" for item in lists)
+    return (
+        "fwd:\n  rhs:\n    numerics: int\n    calibration:\n      type: mse\n"
+        "      clip_factors:" + factors + "\n"
+    )
+
+
+HOSTILE = [
+    # (name, file bytes, text of the message)
+    ("alias bomb", _alias_bomb(9).encode(), "at most 100000 values in the document"),
+    ("alias bomb, small", _alias_bomb(6).encode(), "aliases (*name) expanded"),
+    (
+        "merge-key chain",
+        (
+            "m0: &m0 {k: 1}\n"
+            + "".join(f"m{i}: &m{i} {{<<: *m{i - 1}, k{i}: 1}}\n" for i in range(1, 40))
+        ).encode(),
+        "nested at most 32 deep, aliases (*name) expanded",
+    ),
+    ("deep nesting", b"[" * 20_000, "nested at most 32 deep"),
+    ("deep mappings", b"{a: " * 5_000, "nested at most 32 deep"),
+    ("too big", b"# padding\n" * 110_000 + b"fwd: {}\n", "at most 1048576 bytes"),
+    (
+        "long list",
+        b"fwd: {rhs: {numerics: int, calibration: {type: mse, clip_factors: ["
+        + b"1.0, " * 10_000
+        + b"1.0]}}}\n",
+        "at most 10000 entries in one list or mapping",
+    ),
+    ("utf-16", "fwd: {}\n".encode("utf-16"), "UTF-16"),
+    ("utf-16 without a mark", "fwd: {}\n".encode("utf-16-le"), "printable"),
+    ("latin-1", "rules: []\n# café\n".encode("latin-1"), "line 2, column 6"),
+    ("binary", bytes(range(128, 256)), "not UTF-8"),
+    ("nul bytes", b"fwd: {}\x00", "printable characters only"),
+    ("unhashable key", b"? [a, b]\n: 1\n", "a string, number, bool or null as a key"),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE]
+)
+def test_hostile_files_are_refused_quickly_naming_the_file(tmp_path, data, needle):
+    file = tmp_path / "bad.yaml"
+    file.write_bytes(data)
+    start = time.perf_counter()
+    with pytest.raises(qbits.ConfigError) as info:
+        qbits.load_config(file)
+    assert time.perf_counter() - start < 10  # refused, never expanded
+    err = info.value
+    assert err.source == os.fspath(file)
+    assert str(err).startswith(f"{file}: expected ")
+    assert needle in str(err)
+    assert "\n" not in str(err)
+
+
+def test_loads_is_bounded_too():
+    with pytest.raises(qbits.ConfigError, match="at most 1048576 bytes"):
+        qc.loads("# x\n" * 300_000)
+    with pytest.raises(qbits.ConfigError, match="nested at most 32 deep"):
+        qc.loads("[" * 20_000)
+    with pytest.raises(qbits.ConfigError, match="expected UTF-8 text"):
+        qc.loads("fwd: {}".encode("utf-16"))
+
+
+def test_limits_leave_room_for_real_files(tmp_path):
+    """A UTF-8 byte-order mark, anchors reused a few times, a long rule list."""
+    text = "rules:\n" + "".join(
+        f"  - {{pattern: 'layer{i}', config: *q}}\n" for i in range(1, 2000)
+    )
+    text = (
+        "\ufeffrules:\n  - pattern: layer0\n    config: &q\n      fwd:\n"
+        "        lhs: &i8 {numerics: {type: int, bits: 8}}\n        rhs: *i8\n"
+        + text.removeprefix("rules:\n")
+    )
+    file = tmp_path / "ok.yaml"
+    file.write_bytes(text.encode("utf-8"))
+    config = qbits.load_config(file)
+    assert len(config.rules) == 2000
+    assert config.rules[1999].config.fwd.rhs.numerics.bits == 8
+    assert config.rules[0].config == config.rules[1999].config
+
+
+def test_read_yaml_is_plain_data_with_the_same_rules(tmp_path):
+    file = tmp_path / "s.yaml"
+    file.write_text("seeds: [0, 1]\nseeds: [2]\n")
+    with pytest.raises(qbits.ConfigError, match="duplicate key at line 2"):
+        qc.yamlio.read_yaml(file)
+    file.write_text("a: &x [1, 2]\nb: *x\n")
+    assert qc.yamlio.read_yaml(file) == {"a": [1, 2], "b": [1, 2]}
+
+
+def test_layer_is_a_field_of_config_errors():
+    e = qbits.ConfigError("fwd.rhs.x", 3, "an int", why="operand shape (2, 3)")
+    located = qc.checks.with_layer(e, "blocks/0/mlp").within("rules[1].config", "f")
+    assert located.layer == "blocks/0/mlp"
+    assert str(located) == (
+        "f: rules[1].config.fwd.rhs.x: expected an int, got 3 "
+        "(operand shape (2, 3), in layer 'blocks/0/mlp')."
+    )
+    assert str(qc.checks.with_layer(e, "")).endswith(
+        "in layer '' (the top-level module))."
+    )

@@ -1,10 +1,13 @@
 """Sweeps: the file format, one real sweep end to end, reruns and interruptions."""
 
+import builtins
 import contextlib
+import errno
 import io
 import json
 import os
 import shutil
+import time
 
 import pytest
 
@@ -211,7 +214,7 @@ grid:
             "configs: [{name: x, config: gone.yaml}]",
             "s.yaml: configs[0].config: no config file 'gone.yaml'",
         ),
-        ("configs: [none\n", "s.yaml: line"),
+        ("configs: [none\n", "s.yaml: expected valid YAML"),
         ("- none", "s.yaml: the document: expected a mapping"),
     ],
 )
@@ -230,3 +233,198 @@ def test_run_sweep_resume_false_retrains(tmp_path, monkeypatch):
     run_sweep(sweep, tmp_path / "o")
     run_sweep(sweep, tmp_path / "o", resume=False)
     assert len(calls) == 4
+
+
+# ---------------------------------------------------------------------------
+# Nothing silent: sweep files are never misread, results never half-written.
+
+MISREAD = [
+    # (name, sweep file, text of the one-line SweepError)
+    ("duplicate key", "configs: [none]\nseeds: [0]\nseeds: [1]", "duplicate key"),
+    ("duplicate seed", "configs: [none]\nseeds: [0, 1, 0]", "distinct seeds"),
+    ("seed 2**64", "configs: [none]\nseeds: [18446744073709551616]", "0..4294967295"),
+    ("negative seed", "configs: [none]\nseeds: [-1]", "0..4294967295"),
+    ("seed 2**32", "configs: [none]\nseeds: [4294967296]", "0..4294967295"),
+    ("name escapes", "name: ../../x\nconfigs: [none]", "name: expected a plain"),
+    ("name with a folder", "name: a/b\nconfigs: [none]", "name: expected a plain"),
+    ("name ..", "name: '..'\nconfigs: [none]", "name: expected a plain"),
+    ("name .", "name: .\nconfigs: [none]", "name: expected a plain"),
+    ("backslash name", "name: 'a\\\\b'\nconfigs: [none]", "expected a plain"),
+    ("size a list", "size: [tiny]\nconfigs: [none]", "unknown size ['tiny']"),
+    ("model a list", "model: [mlp]\nconfigs: [none]", "unknown model ['mlp']"),
+    ("steps 2**64", "configs: [none]\nsteps: 18446744073709551616", "steps: expected"),
+    ("bits inf", "configs: [{name: a, config: int8, bits: .inf}]", "finite number"),
+    (
+        "grid too big",
+        "grid: {fwd_bits: ["
+        + ", ".join(["8"] * 100)
+        + "], bwd_bits: ["
+        + ", ".join(["8"] * 100)
+        + "], calibration: ["
+        + ", ".join(["absmax"] * 100)
+        + "]}",
+        "grid: expected at most 10000 combinations",
+    ),
+    ("unhashable key", "? [a]\n: 1\nconfigs: [none]", "as a key"),
+    ("deep nesting", "configs: " + "[" * 20_000, "nested at most 32 deep"),
+    (
+        "alias bomb",
+        "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n"
+        + "".join(
+            f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n"
+            for a, b in zip("abcdefgh", "bcdefghi", strict=True)
+        ),
+        "aliases (*name) expanded",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [m[1:] for m in MISREAD], ids=[m[0] for m in MISREAD]
+)
+def test_sweep_files_are_never_misread(tmp_path, text, message):
+    (tmp_path / "s.yaml").write_text(text)
+    start = time.perf_counter()
+    with pytest.raises(SweepError) as info:
+        load_sweep(tmp_path / "s.yaml")
+    assert time.perf_counter() - start < 10  # refused, never expanded
+    assert str(info.value).startswith(str(tmp_path / "s.yaml"))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "data",
+    ["configs: [none]\n".encode("utf-16"), b"configs: [none]  # caf\xe9\n"],
+    ids=["utf-16", "latin-1"],
+)
+def test_non_utf8_sweep_file_is_a_sweep_error(tmp_path, data):
+    (tmp_path / "s.yaml").write_bytes(data)
+    with pytest.raises(SweepError, match="expected UTF-8 text"):
+        load_sweep(tmp_path / "s.yaml")
+
+
+def test_seeds_and_a_plain_name_are_accepted(tmp_path):
+    text = "name: my-sweep_1.b\nconfigs: [none]\nseeds: [0, 4294967295, 7]"
+    (tmp_path / "s.yaml").write_text(text)
+    sweep = load_sweep(tmp_path / "s.yaml")
+    assert sweep.name == "my-sweep_1.b" and sweep.seeds == (0, 4294967295, 7)
+
+
+def test_sweep_name_cannot_leave_the_runs_folder(tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "s.yaml").write_text("name: ../../escaped\nmodel: mlp\nconfigs: [none]")
+    monkeypatch.chdir(work)
+    _forbid_training(monkeypatch)
+    assert main(["sweep", "s.yaml", "-q"]) == 2
+    assert "name: expected a plain file name" in capsys.readouterr().err
+    assert not (tmp_path / "escaped").exists()
+    assert list(work.iterdir()) == [work / "s.yaml"]
+
+
+def test_full_disk_names_the_file_and_leaves_no_partial_file(
+    tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "s.yaml").write_text(SWEEP)
+    _forbid_training(monkeypatch)
+    real_open = builtins.open
+
+    class FullDisk:
+        """A file being written on a full disk: created, then every write fails."""
+
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    def full_disk_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return FullDisk(f) if "w" in mode and "runs" in os.fspath(file) else f
+
+    monkeypatch.setattr(builtins, "open", full_disk_open)
+    out = tmp_path / "o"
+    assert main(["sweep", str(tmp_path / "s.yaml"), "--out", str(out), "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"qbits: error: {out / 'runs' / 'none__seed0.json'}: cannot write the file "
+        f"({os.strerror(errno.ENOSPC)})"
+    ]
+    assert list((out / "runs").iterdir()) == []  # no 0-byte temporary file
+
+
+def test_full_disk_while_writing_the_report(tmp_path, monkeypatch):
+    (tmp_path / "s.yaml").write_text(SWEEP)
+    _forbid_training(monkeypatch)
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if os.fspath(dst).endswith("results.csv"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    out = tmp_path / "o"
+    with pytest.raises(OSError) as info:
+        run_sweep(load_sweep(tmp_path / "s.yaml"), out)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == os.fspath(out / "results.csv")
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+GRID_TILE_5 = """\
+model: mlp
+size: tiny
+steps: 1
+configs: [none]
+grid:
+  fwd_bits: [8]
+  granularity: [{type: tiled, tile_size: 5}]
+"""
+
+
+def test_error_found_when_tracing_names_the_grid_entry_and_the_layer(tmp_path):
+    (tmp_path / "s.yaml").write_text(GRID_TILE_5)
+    sweep = load_sweep(tmp_path / "s.yaml")
+    with pytest.raises(qbits.ConfigError) as info:
+        run_sweep(sweep, tmp_path / "o")
+    e = info.value
+    assert e.source == os.fspath(tmp_path / "s.yaml")
+    # The forward lhs is the MLP's input, 64 features: 5 divides no axis.
+    assert e.path == "grid (fwd8_bwdfloat_tiled).fwd.lhs.granularity.tile_size"
+    assert e.layer == "layers/0"
+    assert str(e).startswith(
+        f"{tmp_path / 's.yaml'}: grid (fwd8_bwdfloat_tiled).fwd.lhs.granularity."
+    )
+    assert str(e).endswith(", in layer 'layers/0').")
+
+
+@pytest.mark.parametrize(
+    ("item", "source", "where", "path"),
+    [
+        ("int8", "s.yaml", "configs[0] (int8)", "configs[0] (int8).fwd.rhs.x"),
+        ("{name: a, config: {fwd: {}}}", "s.yaml", "configs[0].config", None),
+        ("{name: a, config: r.yaml}", "r.yaml", "", "rules[0].config.fwd.rhs.x"),
+    ],
+)
+def test_entries_know_where_their_config_is_written(
+    tmp_path, item, source, where, path
+):
+    (tmp_path / "r.yaml").write_text("rules: [{pattern: x, config: int8}]\n")
+    (tmp_path / "s.yaml").write_text(f"configs: [{item}]\n")
+    entry = load_sweep(tmp_path / "s.yaml").entries[0]
+    assert entry.source == os.fspath(tmp_path / source)
+    assert entry.where == where
+    raised = qbits.ConfigError(
+        entry.config.resolve("x").where + ".fwd.rhs.x", 1, "2", layer="fc"
+    )
+    located = entry.locate(raised)
+    assert located.path == (path or "configs[0].config.fwd.rhs.x")
+    assert located.layer == "fc" and located.source == entry.source
