@@ -175,8 +175,9 @@ def expand_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
       InvalidArgumentError: If ``scale`` has another rank than ``shape`` or
         an axis of ``shape`` is not a multiple of the scale's size along it.
     """
+    # An axis of size 0 takes a scale of size 0 (per index) or 1 (shared).
     if scale.ndim != len(shape) or any(
-        k == 0 or n % k for n, k in zip(shape, scale.shape, strict=True)
+        (n % k if k else n) for n, k in zip(shape, scale.shape, strict=True)
     ):
         raise InvalidArgumentError(
             "QTensor",

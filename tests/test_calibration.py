@@ -102,18 +102,44 @@ def test_nan_in_a_large_tensor_is_not_lost(cal, granularity):
     assert bool(jnp.isnan(dq[:, 1000]).all())
 
 
-def test_all_zero_blocks_give_scale_one_and_exact_zeros():
-    x = jnp.zeros((2, 3)).at[1].set(jnp.array([0.5, -1.0, 0.0]))
-    for numerics in (qbits.IntNumerics(bits=4), qbits.Fp8Numerics()):
-        for rounding in ("none", "pow2", "e8m0"):
-            q = qbits.Quantizer(
-                numerics, granularity=qbits.PerChannel((1,)), scale_rounding=rounding
-            )
-            qt = q.quant(x, store=True)
-            assert float(qt.scale[0, 0]) == 1.0 and np.isfinite(qt.scale).all()
-            dq = qt.dequant()
-            np.testing.assert_array_equal(dq[0], 0.0)
-            assert not np.signbit(np.asarray(dq[0])).any()
+ZERO_BLOCK_CASES = [
+    (qbits.IntNumerics(bits=4), "none"),
+    (qbits.Fp8Numerics(), "e8m0"),
+    # Grids without a zero: the all-zero block gets code 0, off the grid.
+    (qbits.IntNumerics(bits=1, preserve_zero=False), "none"),
+    (qbits.IntNumerics(bits=4, preserve_zero=False, preserve_max_val=True), "pow2"),
+]
+
+
+@pytest.mark.parametrize("numerics, rounding", ZERO_BLOCK_CASES)
+def test_all_zero_blocks_give_scale_one_and_exact_zeros(numerics, rounding):
+    x = jnp.zeros((3, 3)).at[1].set(jnp.array([0.5, -1.0, 0.0]))
+    x = x.at[2].set(jnp.array([1e-45, -1e-44, 0.0]))  # subnormals: 0 on XLA:CPU
+    q = qbits.Quantizer(
+        numerics, granularity=qbits.PerChannel((1,)), scale_rounding=rounding
+    )
+    qt = quant(q, x, store=numerics.get_dtype() is not None)
+    assert float(qt.scale[0, 0]) == 1.0 and np.isfinite(qt.scale).all()
+    dq = np.asarray(qt.dequant())
+    np.testing.assert_array_equal(dq[0], 0.0)
+    assert not np.signbit(dq[0]).any()
+    assert np.all(np.abs(dq[2]) <= 2.0**-126)  # 0, or on the grid at 2**-126
+    np.testing.assert_array_equal(np.sign(dq[1, :2]), [1.0, -1.0])
+    # The fake quantization keeps its straight-through gradient there.
+    w = jnp.arange(1.0, 10.0).reshape(3, 3)
+    g = jax.grad(lambda x: jnp.sum(q.quant(x).dequant() * w))(x)
+    np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def test_a_zero_bound_zeroes_the_block_whatever_the_calibration():
+    # The median magnitude of a mostly-zero block is 0: the block clips to it.
+    x = jnp.array([[0.0, 0.0, 0.0, 5.0, -300.0], [1.0, -2.0, 3.0, 0.0, 0.0]])
+    for numerics in (qbits.IntNumerics(bits=8), qbits.IntNumerics(3, False)):
+        q = qbits.Quantizer(numerics, Percentile(50.0), qbits.PerChannel((1,)))
+        qt = q.quant(x)
+        assert float(qt.scale[0, 0]) == 1.0
+        np.testing.assert_array_equal(qt.dequant()[0], 0.0)
+        assert np.all(qt.dequant()[1, :3] != 0)
 
 
 def test_tiny_values_get_a_normal_scale():
@@ -121,6 +147,66 @@ def test_tiny_values_get_a_normal_scale():
     qt = qbits.Quantizer(qbits.IntNumerics(bits=8)).quant(x)
     assert float(qt.scale[0]) >= float(jnp.finfo(jnp.float32).tiny)
     assert np.isfinite(qt.dequant()).all()
+
+
+TINY = float(jnp.finfo(jnp.float32).tiny)
+F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+@pytest.mark.parametrize("rounding", ["none", "pow2", "e8m0"])
+def test_a_tiny_positive_bound_gets_the_smallest_normal_scale_not_one(rounding):
+    # bound / mapped is subnormal or underflows to 0: compare the bound.
+    bound = jnp.array([1e-37, 2e-38, 1.2e-38, 0.0])
+    for mapped in (127.5, 448.0, 57344.0):
+        s = np.asarray(make_scale(bound, mapped, rounding))
+        np.testing.assert_array_equal(s, [TINY, TINY, TINY, 1.0])
+
+
+TINY_NUMERICS = [qbits.IntNumerics(bits=b) for b in (6, 8, 11, 16)] + [
+    qbits.FpNumerics(f) for f in sorted(qbits.numerics.FLOAT_FORMATS)
+]
+
+
+@pytest.mark.parametrize("numerics", TINY_NUMERICS, ids=lambda n: str(n.get_dtype()))
+def test_tiny_tensors_quantize_as_finely_as_float32_allows(numerics):
+    x = jnp.array([1e-37, -3e-37, 2e-37])
+    qt = qbits.Quantizer(numerics).quant(x)
+    mapped = numerics.abs_val_mapped_to()
+    np.testing.assert_allclose(qt.scale, max(3e-37 / mapped, TINY), rtol=1e-6)
+    dq = np.asarray(qt.dequant())
+    assert np.all(np.sign(dq) == np.sign(x)), dq  # not rounded to zeros
+    # Half a step of the coarsest grid here (fp4: 1 mantissa bit) is 25%.
+    np.testing.assert_allclose(dq, x, rtol=0.25)
+
+
+def test_scales_keep_the_grid_finite_near_float32_max():
+    big = jnp.array([F32_MAX])
+    for mapped, rounding, expected in [
+        (127.5, "none", F32_MAX / 127.5),
+        (127.5, "e8m0", 2.0**121),  # 2**122 * 127 overflows: rounded down
+        (448.0, "e8m0", 2.0**119),
+        (448.0, "pow2", 2.0**119),
+        (1.0, "e8m0", 2.0**127),
+        (0.5, "none", F32_MAX),  # binary, bound on the bucket centre
+    ]:
+        s = np.asarray(make_scale(big, mapped, rounding))
+        np.testing.assert_allclose(s, expected, rtol=1e-6)
+        assert np.isfinite(np.float32(mapped) * s.astype(np.float32)).all()
+    # The scaled grid also fits the dtype the values are returned in.
+    s = make_scale(jnp.array([65504.0]), 127.5, "e8m0", jnp.float16)
+    assert float(s[0]) == 512.0 and 127 * 512 <= 65504
+
+
+def test_absmax_clip_factor_above_one_saturates_instead_of_overflowing():
+    x = jnp.array([[3e38, -1.0], [jnp.inf, 1.0], [1.0, 2.0]])
+    bound = np.asarray(AbsMax(clip_factor=2.0)(x, (1,)))
+    np.testing.assert_array_equal(bound[:, 0], [F32_MAX, np.nan, 4.0])
+    dq = (
+        qbits.Quantizer(qbits.IntNumerics(bits=8), AbsMax(2.0), qbits.PerChannel((1,)))
+        .quant(x[::2])
+        .dequant()
+    )
+    assert np.isfinite(dq).all() and float(dq[0, 0]) > 1e38
 
 
 # --- Scales. -----------------------------------------------------------------

@@ -19,7 +19,15 @@ from qbits import (
     Tiled,
 )
 from qbits.numerics import FLOAT_FORMATS
-from tests.helpers import FLOAT_DTYPES, bits_equal, fake_quant, float_arrays, quant
+from qbits.tensor import storage_dtype
+from tests.helpers import (
+    FLOAT_DTYPES,
+    bits_equal,
+    fake_quant,
+    float_arrays,
+    half_ulp,
+    quant,
+)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -282,3 +290,276 @@ def test_fake_quant_gradient_is_straight_through_for_absmax(x, bits):
 def test_bad_input(build, pattern):
     with pytest.raises(InvalidArgumentError, match=pattern):
         build()
+
+
+# --- Regressions: zero blocks, huge values, x64, zero-size input. ------------
+
+
+def test_a_binary_layer_with_an_all_zero_weight_outputs_zero():
+    # Binary has no zero: a zero block used to come back as +0.5 * scale.
+    w = jnp.stack([jnp.zeros(4), jnp.array([0.3, -1.0, 0.2, -0.1])], axis=1)
+    q = Quantizer(
+        IntNumerics(bits=1, preserve_zero=False), granularity=PerChannel((0,))
+    )
+    dq = q.quant(w).dequant()
+    np.testing.assert_array_equal(dq[:, 0], 0.0)
+    np.testing.assert_array_equal(dq[:, 1], [0.5, -0.5, 0.5, -0.5])
+    x = jnp.ones((2, 4))
+    np.testing.assert_array_equal((x @ dq)[:, 0], 0.0)
+    qt, grad = q.quant_vjp(w)
+    np.testing.assert_array_equal(qt.dequant(), dq)
+    np.testing.assert_array_equal(grad(jnp.ones_like(w)), jnp.ones_like(w))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+@pytest.mark.parametrize("rounding", ["none", "pow2", "e8m0"])
+def test_low_bit_grids_keep_huge_values_signs_and_gradients(bits, rounding):
+    # int1..int3 used to return zeros with zero gradient: 1 / scale was
+    # subnormal and flushed to zero.
+    x = jnp.array([3.4e38, -3.4e38, 1e38, -2e37])
+    q = Quantizer(
+        IntNumerics(bits=bits, preserve_zero=bits > 1), scale_rounding=rounding
+    )
+    dq, _, g, g_vjp = _fake_quant_and_grads(q, x, jnp.ones_like(x))
+    assert np.isfinite(dq).all()
+    np.testing.assert_array_equal(np.sign(dq[:2]), [1.0, -1.0])
+    # Binary on a power-of-two scale holds at most 0.5 * 2**127 (see the
+    # property test below for the exact bounds).
+    assert float(dq[0]) >= 3.4e38 / 4
+    np.testing.assert_allclose(g, 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(g_vjp, 1.0)
+
+
+@pytest.mark.parametrize("numerics", [IntNumerics(bits=8), FpNumerics("float8_e4m3fn")])
+def test_e8m0_near_float32_max_is_finite(numerics):
+    # The scale rounded up, times the largest code, used to overflow to inf.
+    x = jnp.array([3.4e38, -3.4e38, 1e38, F32_MAX])
+    qt = Quantizer(numerics, scale_rounding="e8m0").quant(x, store=True)
+    dq = np.asarray(qt.dequant())
+    assert np.isfinite(dq).all()
+    np.testing.assert_array_equal(np.sign(dq), np.sign(x))
+    np.testing.assert_allclose(dq, x, rtol=0.15)  # e4m3 clips at 448 * 2**119
+
+
+X64_NUMERICS = [
+    IntNumerics(bits=8),
+    IntNumerics(bits=4, noise_fn=qbits.UniformNoise()),
+    IntNumerics(bits=1, preserve_zero=False),
+    FpNumerics("float8_e4m3fn"),
+    FpNumerics("float6_e2m3fn"),
+    FpNumerics("float4_e2m1fn", noise_fn=qbits.UniformNoise()),
+]
+
+
+def test_x64_keeps_the_input_dtype_and_the_numbers():
+    # Python floats become float64 arrays under jax_enable_x64; lax.clamp
+    # used to reject float32 input mixed with them.
+    context = qbits.Context(jax.random.key(0))
+    x = jnp.array([[1.5, -2.25, 300.0, 0.0], [1e-3, 7.0, -7.0, 2.0]])
+    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+    cases = [
+        (Quantizer(n, granularity=PerChannel((1,)), scale_rounding="e8m0"), t, s)
+        for n in X64_NUMERICS
+        for t in dtypes
+        for s in ((False, True) if n.get_dtype() and t == jnp.float32 else (False,))
+    ]
+
+    def run(x, x64):
+        qts = [q.quant(x.astype(t), context, store=s) for q, t, s in cases]
+        grads = [
+            jax.grad(lambda x, q=q: jnp.sum(q.quant(x, context).dequant()))(x)
+            for q, t, s in cases
+            if t == jnp.float32 and not s
+        ]
+        q = cases[0][0]
+        f64 = q.quant(x.astype(jnp.float64), context).dequant() if x64 else None
+        return [(qt, qt.dequant()) for qt in qts], grads, f64
+
+    expected, _, _ = jax.jit(run, static_argnums=1)(x, False)
+    with jax.enable_x64(True):
+        got, grads, f64 = jax.jit(run, static_argnums=1)(x, True)
+    assert f64.dtype == jnp.float64
+    for g in grads:
+        np.testing.assert_array_equal(g, jnp.ones_like(x))
+    for (q, t, s), (qt, dq), (_, want) in zip(cases, got, expected, strict=True):
+        assert qt.scale.dtype == jnp.float32
+        stored = storage_dtype(q.numerics.get_dtype()) if s else jnp.float32
+        assert qt.qvalue.dtype == stored and dq.dtype == t
+        np.testing.assert_array_equal(dq, want)
+
+
+ZERO_SIZE_GRANULARITIES = [
+    (qbits.PerTensor(), (1, 1)),
+    (PerChannel((0,)), (1, 8)),
+    (PerChannel((1,)), (0, 1)),
+    (PerChannel(()), (0, 8)),
+    (Tiled(axis=1, tile_size=4), (0, 2)),
+    (Tiled(axis=0, tile_size=4, free_tile_size=2), (0, 4)),
+]
+
+
+@pytest.mark.parametrize("granularity, scale_shape", ZERO_SIZE_GRANULARITIES)
+def test_zero_size_input_gives_an_empty_qtensor(granularity, scale_shape):
+    # Used to raise ZeroDivisionError in the block layout.
+    x = jnp.ones((0, 8))
+    for numerics in (
+        IntNumerics(bits=8),
+        IntNumerics(1, False),
+        FpNumerics("float4_e2m1fn"),
+    ):
+        q = Quantizer(numerics, granularity=granularity)
+        store = numerics.get_dtype() is not None
+        qt = q.quant(x, store=store)
+        assert qt.qvalue.shape == (0, 8) and qt.scale.shape == scale_shape
+        np.testing.assert_array_equal(qt.scale, 1.0)
+        assert qt.dequant().shape == (0, 8) and qt.dequant().dtype == jnp.float32
+        qt, grad = q.quant_vjp(x, store=store)
+        assert grad(x).shape == (0, 8)
+    g = jax.grad(lambda x: jnp.sum(q.quant(x).dequant()))(x)
+    assert g.shape == (0, 8)
+    # As a matmul operand: the granularity's axes from the contraction.
+    q = Quantizer(IntNumerics(bits=8), granularity=PerChannel())
+    qt, _ = q.quant_vjp(x, store=True, contracting_axes=(1,))
+    assert qt.scale.shape == (0, 1)
+
+
+# --- Edge blocks: zero, tiny, huge, mixed sign (see qbits.calibration). --------
+
+F32_MAX = float(np.finfo(np.float32).max)
+TINY = float(np.finfo(np.float32).tiny)
+BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
+ROUNDINGS = ("none", "pow2", "e8m0")
+
+
+def grid_top_and_half_step(numerics):
+    """The grid's largest magnitude, and half its spacing at ``|y|`` (units)."""
+    if isinstance(numerics, IntNumerics):
+        top = 2.0 ** (numerics.bits - 1) - (1.0 if numerics.preserve_zero else 0.5)
+        return top, lambda y: np.full_like(y, 0.5)
+    f = numerics.format
+
+    def half_step(y):
+        e = np.floor(np.log2(np.maximum(y, 2.0**f.min_exp)))
+        return np.exp2(e - f.nmant - 1)
+
+    return f.max, half_step
+
+
+def edge_blocks(seed, dtype):
+    """Rows, one scale block each: zero, tiny, huge, mixed magnitudes and signs."""
+    rng = np.random.default_rng(seed)
+    n = 12
+
+    def signed(log10_lo, log10_hi):
+        mag = 10.0 ** rng.uniform(log10_lo, log10_hi, n)
+        return rng.choice([-1.0, 1.0], n) * mag
+
+    rows = [
+        np.where(rng.random(n) < 0.5, -0.0, 0.0),  # zeros, some negative
+        signed(-45, -30),  # tiny, subnormals included
+        signed(-38, -36),  # tiny but normal: the scale is the smallest normal
+        signed(-44, -39),  # only subnormals (zero on XLA:CPU, which flushes them)
+        signed(30, 38.5),  # huge
+        np.append(signed(37, 38.5)[: n - 1], rng.choice([-1, 1]) * F32_MAX),
+        signed(-1, 1) * 10.0 ** rng.integers(-6, 6),  # ordinary mixed sign
+        np.concatenate([signed(30, 38)[: n // 2], signed(-40, -20)[n // 2 :]]),
+    ]
+    top = BF16_MAX if dtype == jnp.bfloat16 else F32_MAX
+    x = np.stack(rows)
+    x = np.sign(x) * np.minimum(np.abs(x), top)
+    return jnp.asarray(x.astype(np.float32)).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fake_quant_and_grads(q, x, w):
+    def f(x):
+        qt = q.quant(x)
+        return jnp.sum(qt.dequant().astype(jnp.float32) * w), (qt.dequant(), qt.scale)
+
+    g, (dq, scale) = jax.grad(f, has_aux=True)(x)
+    _, grad = q.quant_vjp(x)
+    return dq, scale, g, grad(w.astype(x.dtype))
+
+
+def check_edge_blocks(q, x):
+    """Finite, zeros stay zeros, signs kept, error and scale bounds, gradients."""
+    rows = x.shape[0]
+    w = jnp.linspace(0.5, 1.0, x.size, dtype=jnp.float32).reshape(x.shape)
+    dq, scale, g, g_vjp = _fake_quant_and_grads(q, x, w)
+    x64 = np.asarray(x, np.float64)
+    dq64 = np.asarray(dq, np.float64)
+    s = np.asarray(scale, np.float64).reshape(rows, 1)
+    mapped = q.numerics.abs_val_mapped_to()
+    top, half_step = grid_top_and_half_step(q.numerics)
+    assert dq.dtype == x.dtype
+    assert np.isfinite(dq64).all(), "finite input must give finite output"
+    assert np.isfinite(s).all() and (s > 0).all()
+    top_of_dtype = min(F32_MAX, float(jnp.finfo(x.dtype).max))
+    grid_top = np.float32(mapped) * s.astype(np.float32)  # as dequant computes it
+    assert (grid_top <= top_of_dtype).all(), "the scaled grid must fit x.dtype"
+    # Zeros stay zeros, with scale 1.
+    absmax = np.abs(x64).max(axis=1, keepdims=True)
+    zero = (absmax == 0)[:, 0]
+    assert (dq64[zero] == 0).all() and (s[zero] == 1).all()
+    # The scale: bound / mapped, at least the smallest normal, rounded as
+    # asked, and lowered only where the grid would overflow float32.
+    for i in np.flatnonzero(absmax[:, 0] >= TINY):
+        lo = min(max(absmax[i, 0] / mapped, TINY), top_of_dtype / mapped, F32_MAX)
+        si = s[i, 0]
+        capped = 2 * si * mapped > top_of_dtype or 2 * si > F32_MAX
+        if q.scale_rounding == "none":
+            assert abs(si - lo) <= 1e-6 * lo, (i, si, lo)
+            continue
+        assert si == 2.0 ** np.round(np.log2(si)), "a power of two"
+        if q.scale_rounding == "pow2":
+            assert lo / 2**0.5 <= si * (1 + 1e-7) or capped, (i, si, lo)
+            assert si <= lo * 2**0.5 * (1 + 1e-7), (i, si, lo)
+        else:
+            assert lo <= si * (1 + 1e-7) or capped, (i, si, lo)
+            assert si < 2 * lo, (i, si, lo)
+    for i in np.flatnonzero((absmax[:, 0] > 0) & (absmax[:, 0] < TINY)):
+        assert s[i, 0] in (1.0, TINY)  # 1 where the backend flushes subnormals
+    # Error: half a step of the grid at the value (at the scale found above),
+    # plus what clips beyond the grid's top; float32's own resolution (its
+    # smallest normal, as XLA:CPU flushes subnormals) and input rounding.
+    y = np.abs(x64) / s
+    inside = np.minimum(y, top)
+    tol = half_step(inside) * s * (1 + 1e-5) + (y - inside) * s
+    tol += 1e-6 * np.abs(x64) + TINY + half_ulp(dq64, x.dtype)
+    err = np.abs(dq64 - x64)
+    assert (err <= tol).all(), (np.argwhere(err > tol), err[err > tol])
+    # Signs: a value the grid resolves (no float32 underflow in x / s) keeps
+    # its sign or becomes 0.
+    resolved = (np.abs(x64) >= TINY) & (y >= 2.0**-100)
+    flipped = resolved & (dq64 != 0) & (np.sign(dq64) != np.sign(x64))
+    assert not flipped.any(), np.argwhere(flipped)
+    # Straight-through gradients, finite everywhere, zero blocks included:
+    # exact from quant_vjp; through dequant's autodiff, (w * scale) / scale,
+    # which float32 flushes to 0 where w * scale is below its smallest normal.
+    w64 = np.asarray(w, np.float64)
+    np.testing.assert_array_equal(g_vjp, w.astype(x.dtype))
+    g64 = np.asarray(g, np.float64)
+    assert np.isfinite(g64).all()
+    rtol = 1e-5 if x.dtype == jnp.float32 else 1e-2
+    flushed = (w64 * s < TINY) & (g64 == 0)
+    np.testing.assert_allclose(np.where(flushed, w64, g64), w64, rtol=rtol)
+
+
+@st.composite
+def int_numerics(draw):
+    bits = draw(st.integers(1, 16))
+    pz = draw(st.booleans()) if bits > 1 else False
+    return IntNumerics(
+        bits=bits, preserve_zero=pz, preserve_max_val=draw(st.booleans())
+    )
+
+
+@given(
+    numerics=int_numerics() | st.sampled_from(sorted(FLOAT_FORMATS)).map(FpNumerics),
+    rounding=st.sampled_from(ROUNDINGS),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_edge_blocks_on_every_grid(numerics, rounding, dtype, seed):
+    q = Quantizer(numerics, granularity=PerChannel((1,)), scale_rounding=rounding)
+    check_edge_blocks(q, edge_blocks(seed, dtype))

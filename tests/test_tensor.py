@@ -101,6 +101,19 @@ def test_dequant_dtype_and_shape():
     assert t.shape == (2,) and t.ndim == 1 and t.is_stored
 
 
+def test_dequant_of_an_empty_qtensor():
+    # An empty axis takes a scale of size 0 (per index) or 1 (shared).
+    for q, scale in [
+        (jnp.ones((0, 6), jnp.int8), jnp.ones((0, 1))),
+        (jnp.ones((0, 6), jnp.int8), jnp.ones((1, 3))),
+        (jnp.ones((6, 0)), jnp.ones((2, 0))),
+    ]:
+        t = QTensor(q, scale, qdtype=q.dtype)
+        assert t.dequant().shape == q.shape and t.dequant().dtype == jnp.float32
+    with pytest.raises(InvalidArgumentError, match=r"scale.shape=\(0, 1\)"):
+        QTensor(jnp.ones((2, 6)), jnp.ones((0, 1))).dequant()
+
+
 def test_qtensor_is_a_pytree():
     t = qbits.Quantizer(qbits.IntNumerics()).quant(jnp.ones((2, 3)), store=True)
     leaves, tree = jax.tree_util.tree_flatten(t)

@@ -106,7 +106,8 @@ class FpNumerics(QNumerics):
         fmt = self.format
         y = x.astype(compute_dtype(x.dtype))
         if self.clip:
-            y = lax.clamp(-fmt.max, y, fmt.max)
+            top = np.asarray(fmt.max, y.dtype)  # not float64 under x64
+            y = lax.clamp(-top, y, top)
         if self.noise_fn is not None:
             noise = self.noise_fn(y.shape, require_key(owner, context))
             y = stochastic_round_to_format(y, fmt, noise)

@@ -196,7 +196,9 @@ class IntNumerics(QNumerics):
             key = require_key("IntNumerics", context)
             y = y + self.noise_fn(y.shape, key).astype(y.dtype)
         if self.clip:
-            bound = self._clip_bound()
+            # numpy scalars of y's dtype: python floats become float64 arrays
+            # in lax.clamp when jax_enable_x64 is on.
+            bound = np.asarray(self._clip_bound(), y.dtype)
             y = lax.clamp(-bound, y, bound)
         if self.round:
             if self.preserve_zero:

@@ -217,6 +217,19 @@ def test_gradients(fmt):
     np.testing.assert_array_equal(masked, w * jnp.array([0.0, 1, 1, 1, 1, 1, 0]))
 
 
+def test_x64_keeps_the_input_dtype():
+    # The clip bound was a python float: a float64 array in lax.clamp under x64.
+    n = FpNumerics("float6_e3m2fn", noise_fn=qbits.UniformNoise())  # emulated
+    context = qbits.Context(jax.random.key(0))
+    for dtype in FLOAT_DTYPES:
+        x = jnp.array([6e4, -0.3, 1.06, -0.0], dtype)
+        expected = apply(n, x, context)
+        with jax.enable_x64(True):
+            y = jax.jit(n)(x, context)
+        assert y.dtype == dtype
+        np.testing.assert_array_equal(y, expected)
+
+
 def test_jit_vmap_grad_compose():
     n = Fp8Numerics("float8_e5m2", clip_gradient=True)
     x = jnp.linspace(-70000.0, 70000.0, 12).reshape(3, 4)

@@ -299,6 +299,19 @@ def test_low_precision_inputs_keep_their_dtype(dtype):
     assert bits_equal(y, [1.0, -100.0, 127.0])
 
 
+@pytest.mark.parametrize("pz", [True, False])
+def test_x64_keeps_the_input_dtype(pz):
+    # The clip bounds were python floats: float64 arrays in lax.clamp under x64.
+    n = IntNumerics(bits=4, preserve_zero=pz)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        x = jnp.array([1.25, -100.5, 3.0, -0.0], dtype)
+        expected = n(x)
+        with jax.enable_x64(True):
+            y = n(x)
+        assert y.dtype == dtype
+        np.testing.assert_array_equal(y, expected)
+
+
 def test_grid_not_representable_in_input_dtype_is_an_error():
     with pytest.raises(InvalidArgumentError, match=r"x.dtype=bfloat16.*significand"):
         IntNumerics(bits=12)(jnp.ones(3, jnp.bfloat16))
