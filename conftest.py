@@ -17,7 +17,11 @@ import qbits
 
 # Scripts that are run, not imported: one needs aqtp, the other sets XLA_FLAGS
 # for a subprocess with 8 devices.
-collect_ignore = ["tests/data/make_aqt_golden.py", "tests/ops/sharded_check.py"]
+collect_ignore = [
+    "tests/data/make_aqt_golden.py",
+    "tests/ops/sharded_check.py",
+    "tests/ops/shard_map_check.py",
+]
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=300, deadline=None)

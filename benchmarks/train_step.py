@@ -132,10 +132,10 @@ def gpu_step(preset: str | None, lr: float = 1e-3):
     def dot(i, state, key):
         if config is None:
             return jax.lax.dot_general
-        if stateful:
-            dg = qbits.ops.stateful_dot_general(config)
-            return functools.partial(dg, state=state[f"w{i}"])
-        return qbits.dot_general(config, jax.random.fold_in(key, i))
+        dg = qbits.dot_general(
+            config, jax.random.fold_in(key, i) if config.needs_key else None
+        )
+        return functools.partial(dg, state=state[f"w{i}"]) if stateful else dg
 
     def loss(params, state, key, x, y):
         h = dot(1, state, key)(x, params["w1"], DN)
@@ -176,7 +176,13 @@ def gpu_variants(
         config = None if preset is None else qbits.presets.get(preset)
         state = {}
         if config is not None and qbits.ops.needs_state(config):
-            state = {f"w{i}": qbits.ops.init_state(config) for i in (1, 2)}
+            dg = qbits.dot_general(config)
+            state = {
+                "w1": dg.init_state(x, params["w1"], DN),
+                "w2": dg.init_state(
+                    jax.ShapeDtypeStruct((tokens, d_ff), bf16), params["w2"], DN
+                ),
+            }
         out[preset or "bf16"] = (
             functools.partial(gpu_step, preset),
             (params, state, k[4], x, y),

@@ -6,16 +6,17 @@ in this file):
 1. numerics: :class:`IntNumerics`, :class:`FpNumerics`, :class:`Fp8Numerics`,
    :class:`NoNumerics`, :class:`UniformNoise`.
 2. calibration: :class:`AbsMax`, :class:`Percentile`, :class:`MseSearch`,
-   :class:`ConstantBound`, stateful :class:`DelayedScaling` and
-   :class:`LearnedScale` (:mod:`lsq`); granularity: :class:`PerTensor`,
-   :class:`PerChannel`, :class:`Tiled`.
+   :class:`ConstantBound`; scale providers (scales from state,
+   :mod:`providers`): :class:`DelayedScaling`, :class:`LearnedScale`
+   (:mod:`lsq`); granularity: :class:`PerTensor`, :class:`PerChannel`,
+   :class:`Tiled`.
 3. :class:`QTensor` and :class:`Quantizer` (:func:`mx_quantizer`).
    :mod:`qbits.scaled`: :class:`~qbits.scaled.ScaledArray` and
    :func:`~qbits.scaled.scalify`, scale propagation through a whole graph
    (float16 and fp8 training without overflow).
 4. ops: :func:`dot_general`, :func:`einsum` and :func:`conv_general_dilated`,
-   configured by :class:`DotGeneralConfig` and :class:`MatmulConfig`;
-   :func:`stateful_dot_general` for delayed scaling.
+   configured by :class:`DotGeneralConfig` and :class:`MatmulConfig`, one
+   quantized-matmul core (scale state through ``state=``).
 5. config: YAML files (:func:`load_config`), :mod:`presets`, per-layer rules
    (:class:`QuantConfig`, :class:`Rule`); bad configs raise
    :class:`ConfigError`; :func:`freeze_ranges` (:mod:`ranges`) turns
@@ -26,13 +27,20 @@ in this file):
    weights, serve them, save/restore, size report.
 """
 
-from qbits import calibration, config, granularity, numerics, ops, scaled, tensor
+from qbits import (
+    calibration,
+    config,
+    granularity,
+    numerics,
+    ops,
+    providers,
+    scaled,
+    tensor,
+)
 from qbits.calibration import (
     AbsMax,
     Calibration,
     ConstantBound,
-    DelayedScaling,
-    LearnedScale,
     MseSearch,
     Percentile,
 )
@@ -61,16 +69,15 @@ from qbits.ops import (
     DotGeneralConfig,
     Einsum,
     MatmulConfig,
-    StatefulDotGeneral,
     conv_general_dilated,
     dot_general,
     einsum,
-    stateful_dot_general,
 )
+from qbits.providers import DelayedScaling, LearnedScale, ScaleProvider
 from qbits.quantizer import Quantizer, mx_quantizer
 from qbits.tensor import QTensor
 
-from qbits import lsq, ranges  # isort: skip  (stateful scaling, layers 2-5)
+from qbits import lsq, ranges  # isort: skip  (static ranges, layers 2-5)
 from qbits.ranges import freeze_ranges  # isort: skip
 from qbits import flax, nnx  # isort: skip  (layer 6 imports everything above)
 from qbits import serving  # isort: skip  (layer 7)
@@ -106,7 +113,7 @@ __all__ = [
     "QuantConfig",
     "Quantizer",
     "Rule",
-    "StatefulDotGeneral",
+    "ScaleProvider",
     "Tiled",
     "UniformNoise",
     "UnusedRuleWarning",
@@ -125,9 +132,9 @@ __all__ = [
     "numerics",
     "ops",
     "presets",
+    "providers",
     "ranges",
     "scaled",
     "serving",
-    "stateful_dot_general",
     "tensor",
 ]

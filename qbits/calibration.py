@@ -15,11 +15,30 @@ Non-finite input:
   the block's sum is finite, so a block of finite values whose sum overflows
   float32 (magnitudes near 3e38) is treated as non-finite too: loudly, as
   NaN. (:class:`AbsMax` finds non-finite values in its own single pass
-  and has no such limit.)
+  and has no such limit: with it, every finite input up to float32's
+  largest value quantizes to finite values of the right sign.)
 
 All-zero blocks:
-  A bound of 0 gives a scale of 1, so an all-zero block quantizes to exact
-  zeros with a finite scale.
+  A bound of 0 (with :class:`AbsMax`, :class:`MseSearch`: a block of zeros)
+  gives a scale of 1, and the block dequantizes to exact zeros on every
+  grid: a grid without a zero (``IntNumerics(preserve_zero=False)``) gets
+  the code 0 there, off its grid. The scale stays 1, not 0, so that the fake
+  quantization ``quant(x).dequant()`` keeps its straight-through gradient in
+  such a block (a zero-initialised weight still trains) and nothing divides
+  by zero. A bound of 0 is the only all-zero case: any positive bound, however
+  small, gets a positive scale (see below).
+
+Tiny and huge blocks:
+  Scales are float32 numbers within float32's normal range: a positive bound
+  whose ``bound / abs_val_mapped_to`` is below the smallest normal float32
+  (``2**-126``; the quotient may even underflow to 0) gets that smallest
+  normal, so tiny blocks quantize as finely as float32 allows (the
+  dequantized values then resolve steps of ``2**-126``). Scales are capped
+  so that the grid's largest magnitude times the scale is finite in the
+  input's dtype (and in float32), after rounding to a power of two too, so a
+  block near the dtype's largest value dequantizes to finite values of the
+  right sign; ``"e8m0"`` then rounds down instead of up where rounding up
+  would overflow, and the values beyond the grid clip.
 """
 
 from __future__ import annotations
@@ -27,31 +46,28 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable, Sequence
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import struct
 from jax import lax
+from jax.typing import DTypeLike
 
-from qbits.errors import InvalidArgumentError, check_float, check_int
+from qbits.errors import InvalidArgumentError, check_float
 
 __all__ = [
-    "AMAX_COMPUTES",
     "SCALE_ROUNDINGS",
     "AbsMax",
     "Calibration",
     "ConstantBound",
-    "DelayedScaling",
-    "LearnedScale",
     "MseSearch",
     "Percentile",
     "ScaleRounding",
     "make_scale",
     "round_scale",
-    "scale_from_history",
-    "update_history",
 ]
 
 ScaleRounding = Literal["none", "pow2", "e8m0"]
@@ -167,7 +183,8 @@ class AbsMax(Calibration):
 
     Attributes:
       clip_factor: Multiplies the absmax; below 1 clips the largest values
-        in exchange for finer steps.
+        in exchange for finer steps. Above 1 the bound saturates at the
+        dtype's largest finite value instead of overflowing.
 
     Example:
       >>> import jax.numpy as jnp
@@ -210,7 +227,13 @@ class AbsMax(Calibration):
             )
         else:  # across rows XLA:CPU runs a variadic reduction slowly
             bound = mapped(x)
-        return bound * self.clip_factor
+        if self.clip_factor <= 1.0:
+            return bound * self.clip_factor
+        # A factor above 1 must not turn a finite absmax into inf (which
+        # would read as non-finite input): saturate at the largest finite.
+        largest = np.asarray(jnp.finfo(bound.dtype).max, bound.dtype)
+        scaled = jnp.minimum(bound * self.clip_factor, largest)
+        return lax.select(jnp.isinf(bound), bound, scaled)
 
 
 class Percentile(Calibration):
@@ -364,249 +387,126 @@ def round_scale(scale: jax.Array, rounding: ScaleRounding) -> jax.Array:
         return scale
     # Subnormal scales round to the smallest normal power of two anyway; frexp
     # is not exact on them everywhere (jax 0.12 flushes them to zero).
-    tiny = jnp.finfo(scale.dtype).tiny
-    mantissa, exponent = jnp.frexp(jnp.maximum(scale, tiny))  # m in [0.5, 1)
-    up = mantissa >= np.sqrt(0.5) if rounding == "pow2" else mantissa != 0.5
+    mantissa, exponent = jnp.frexp(jnp.maximum(scale, _F32_TINY))  # m in [0.5, 1)
+    half = np.asarray(0.5, scale.dtype)
+    up = mantissa >= np.sqrt(half) if rounding == "pow2" else mantissa != half
     # The result is 0.5 * 2**e' = 2**(e' - 1); keep it a normal float32.
     exponent = jnp.clip(exponent + up.astype(exponent.dtype) - 1, -126, 127) + 1
     rounded = jnp.ldexp(jnp.full_like(scale, 0.5), exponent)
     return lax.select(jnp.isnan(scale), scale, rounded)
 
 
+# Scales are float32 (QTensor stores them so), whatever the compute dtype.
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def scale_limits(
+    abs_val_mapped_to: float,
+    rounding: ScaleRounding = "none",
+    dtype: DTypeLike = np.float32,
+) -> tuple[float, float]:
+    """The smallest and largest scale :func:`make_scale` gives (float32).
+
+    The smallest is float32's smallest normal, ``2**-126``. The largest is the
+    largest float32 ``s`` (a power of two unless ``rounding`` is ``"none"``)
+    whose product with ``abs_val_mapped_to`` is at most the largest finite
+    value of ``dtype`` (and of float32), so that no grid value times its
+    scale overflows there.
+
+    Args:
+      abs_val_mapped_to: The grid magnitude the bound maps onto.
+      rounding: See :func:`round_scale`.
+      dtype: The dtype the dequantized values take.
+
+    Returns:
+      ``(smallest, largest)``, Python floats.
+
+    Example:
+      >>> qbits.calibration.scale_limits(448.0, "e8m0")
+      (1.1754943508222875e-38, 6.646139978924579e+35)
+      >>> qbits.calibration.scale_limits(127.5, "e8m0", jnp.float16)
+      (1.1754943508222875e-38, 512.0)
+    """
+    return _scale_limits(float(abs_val_mapped_to), rounding, np.dtype(dtype))
+
+
+@functools.cache
+def _scale_limits(mapped: float, rounding: str, dtype: np.dtype) -> tuple[float, float]:
+    top = min(float(_F32_MAX), float(ml_dtypes.finfo(dtype).max))
+    m = np.float32(mapped)
+    hi = np.float32(min(float(_F32_MAX), top / float(m)))
+    with np.errstate(over="ignore"):
+        while not float(m * hi) <= top:
+            hi = np.nextafter(hi, np.float32(0))
+    if rounding != "none":  # the largest power of two <= hi, exactly
+        _, exponent = np.frexp(hi)  # hi = f * 2**exponent, f in [0.5, 1)
+        hi = np.ldexp(np.float32(1.0), min(int(exponent) - 1, 127))
+    return _F32_TINY, float(hi)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def fit_scale_to_dtype(scale: jax.Array, cap: float) -> jax.Array:
+    """``min(scale, cap)``: the scaled grid fits the input's narrow dtype.
+
+    A marker for :func:`qbits.scaled.scalify`, where a narrow data dtype
+    (float16 data with a float32 scale) does not bound the values, so the
+    cap does not apply there (:mod:`qbits.scaled` registers the identity
+    for it by this function's name).
+    """
+    return jnp.minimum(scale, np.asarray(cap, scale.dtype))
+
+
+@fit_scale_to_dtype.defjvp
+def _fit_scale_to_dtype_jvp(cap: float, primals: Any, tangents: Any) -> Any:
+    (scale,), (t,) = primals, tangents
+    return fit_scale_to_dtype(scale, cap), t
+
+
 def make_scale(
-    bound: jax.Array, abs_val_mapped_to: float, rounding: ScaleRounding = "none"
+    bound: jax.Array,
+    abs_val_mapped_to: float,
+    rounding: ScaleRounding = "none",
+    dtype: DTypeLike = np.float32,
 ) -> jax.Array:
     """Turns bounds into scales: ``bound / abs_val_mapped_to``, rounded.
 
-    A zero bound gives scale 1 (the block is all zeros and stays exact); a
-    scale too small for a normal float is raised to the smallest normal; NaN
-    stays NaN.
+    A zero bound gives scale 1 (the block is all zeros; see the module
+    docstring). Any positive bound gives a positive float32 scale: one too
+    small for a normal float32 (also one whose quotient underflows to 0) is
+    raised to the smallest normal, ``2**-126``, and one so large that the
+    grid's largest value times it would overflow ``dtype`` (or float32) is
+    lowered to the largest that does not (:func:`scale_limits`; with
+    ``"e8m0"`` that rounds down where rounding up would overflow, and the
+    values beyond the grid clip). NaN stays NaN.
+
+    Args:
+      bound: Bounds, float32 or float64, non-negative (or NaN).
+      abs_val_mapped_to: The grid magnitude the bound maps onto.
+      rounding: See :func:`round_scale`.
+      dtype: The dtype the dequantized values take (the quantizer's input
+        dtype): the scaled grid must fit it.
+
+    Returns:
+      The scales, ``bound``'s shape and dtype.
 
     Example:
       >>> import jax.numpy as jnp
       >>> qbits.calibration.make_scale(jnp.array([255.0, 0.0]), 127.5)
       Array([2., 1.], dtype=float32)
+      >>> qbits.calibration.make_scale(jnp.array([1e-37, 3e38]), 448.0, "e8m0")
+      Array([1.1754944e-38, 6.6461400e+35], dtype=float32)
     """
+    lo, hi = scale_limits(abs_val_mapped_to, "none", np.float32)
     scale = bound / abs_val_mapped_to
-    tiny = jnp.finfo(scale.dtype).tiny
-    scale = lax.select(scale == 0, jnp.ones_like(scale), jnp.maximum(scale, tiny))
-    return round_scale(scale, rounding)
-
-
-AMAX_COMPUTES: tuple[str, ...] = ("max", "most_recent")
-LSQ_INITS: tuple[str, ...] = ("lsq", "absmax")
-
-
-class DelayedScaling(Calibration):
-    r"""Delayed scaling: the scale comes from an amax history of earlier steps.
-
-    This is production FP8 training's per-tensor scaling (Transformer
-    Engine, Flax's ``fp8_ops``). The quantizer's state holds a ``scale`` and
-    an ``amax_history`` ring buffer; at every step
-
-    .. math::
-
-       s_t = \frac{a \cdot 2^{\mathrm{margin}}}{\mathrm{fmt\_max}},
-       \quad a = \max(\mathrm{history}_{t-1})
-       \ (\text{or its most recent entry}),
-
-    the tensor is quantized with :math:`s_t`, and its own absmax is pushed
-    into the history for the next step (:func:`update_history`). When
-    :math:`a` is zero or not finite the old scale is kept. The math is in
-    :func:`scale_from_history` and :func:`update_history`; the state lives in
-    layer 6 (a linen variable collection, nnx Variables) and is updated
-    through the backward pass (see :mod:`qbits.ops.stateful`).
-
-    A delayed-scaling quantizer has no bound of its own: used by a stateless
-    ``qbits.dot_general`` it raises, naming the stateful alternatives.
-
-    Attributes:
-      history_length: Length of the amax ring buffer, an int >= 1 (1024 as
-        in Flax and Transformer Engine's defaults).
-      amax_compute: ``"max"`` (the largest amax in the history) or
-        ``"most_recent"`` (the last step's amax).
-      margin: The scale is multiplied by ``2**margin`` (headroom against
-        growth between steps); a finite number >= 0.
-
-    Example:
-      >>> cal = qbits.calibration.DelayedScaling(history_length=4)
-      >>> history = jnp.zeros((4,))
-      >>> history = qbits.calibration.update_history(history, jnp.float32(896.0))
-      >>> history
-      Array([896.,   0.,   0.,   0.], dtype=float32)
-      >>> cal.scale(history, jnp.ones((1,)), fmt_max=448.0)
-      Array([2.], dtype=float32)
-    """
-
-    history_length: int = struct.field(pytree_node=False, default=1024)
-    amax_compute: str = struct.field(pytree_node=False, default="max")
-    margin: float = struct.field(pytree_node=False, default=0.0)
-
-    def __post_init__(self) -> None:
-        check_int("DelayedScaling", "history_length", self.history_length, lo=1)
-        if self.amax_compute not in AMAX_COMPUTES:
-            raise InvalidArgumentError(
-                "DelayedScaling",
-                "amax_compute",
-                self.amax_compute,
-                "one of " + ", ".join(AMAX_COMPUTES),
-            )
-        check_float("DelayedScaling", "margin", self.margin, lo=0.0)
-
-    def bound(
-        self, x: jax.Array, axes: Axes, quantize: QuantizeFn | None = None
-    ) -> jax.Array:
-        """Raises: a delayed scale is state, which a plain quantizer lacks."""
-        raise InvalidArgumentError(
-            "DelayedScaling",
-            "state",
-            None,
-            "a stateful matmul: qbits.flax.quantize / qbits.flax.StatefulDotGeneral "
-            "(linen), qbits.nnx.quantize / qbits.nnx.QuantizedDotGeneral (nnx) or "
-            "qbits.ops.stateful_dot_general",
-            why="a delayed scale comes from an amax history of earlier steps, "
-            "which only a stateful layer keeps",
-        )
-
-    def scale(
-        self, history: jax.Array, old_scale: jax.Array, fmt_max: float
-    ) -> jax.Array:
-        """This step's scale; :func:`scale_from_history` with these settings."""
-        return scale_from_history(
-            history, old_scale, fmt_max, self.margin, self.amax_compute
-        )
-
-
-def scale_from_history(
-    history: jax.Array,
-    old_scale: jax.Array,
-    fmt_max: float,
-    margin: float = 0.0,
-    amax_compute: str = "max",
-) -> jax.Array:
-    r"""The delayed scale: ``amax * 2**margin / fmt_max`` from an amax history.
-
-    Computed exactly as Flax's ``fp8_ops.compute_scale`` (and Transformer
-    Engine) do, as the reciprocal of :math:`(\mathrm{fmt\_max} / a) /
-    2^{\mathrm{margin}}`, so the two give the same bits.
-
-    Args:
-      history: The amax history, ``[history_length]`` (float32); entry 0 is
-        the most recent (see :func:`update_history`).
-      old_scale: The current scale, kept where the amax is 0 or not finite.
-      fmt_max: The largest magnitude of the format (448 for E4M3, 57344 for
-        E5M2): ``numerics.abs_val_mapped_to()``.
-      margin: Headroom: the scale is multiplied by ``2**margin``.
-      amax_compute: ``"max"`` over the history or ``"most_recent"``.
-
-    Returns:
-      The new scale, ``old_scale``'s shape and dtype.
-
-    Raises:
-      InvalidArgumentError: For an unknown ``amax_compute`` or an empty
-        history.
-
-    Example:
-      >>> h = jnp.array([2.0, 8.0, 0.0])
-      >>> qbits.calibration.scale_from_history(h, jnp.ones((1,)), 4.0)
-      Array([2.], dtype=float32)
-      >>> qbits.calibration.scale_from_history(
-      ...     h, jnp.ones((1,)), 4.0, amax_compute="most_recent")
-      Array([0.5], dtype=float32)
-      >>> qbits.calibration.scale_from_history(jnp.zeros(3), jnp.full((1,), 3.0), 4.0)
-      Array([3.], dtype=float32)
-    """
-    if amax_compute not in AMAX_COMPUTES:
-        raise InvalidArgumentError(
-            "scale_from_history",
-            "amax_compute",
-            amax_compute,
-            "one of " + ", ".join(AMAX_COMPUTES),
-        )
-    if history.ndim != 1 or history.shape[0] < 1:
-        raise InvalidArgumentError(
-            "scale_from_history",
-            "history.shape",
-            history.shape,
-            "(history_length,) with history_length >= 1",
-        )
-    amax = jnp.max(history, axis=0) if amax_compute == "max" else history[0]
-    amax = amax.astype(old_scale.dtype)
-    inverse = 1.0 / old_scale
-    factor = (fmt_max / amax) / (2.0**margin)
-    factor = jnp.where(amax > 0.0, factor, inverse)
-    factor = jnp.where(jnp.isfinite(amax), factor, inverse)
-    return 1.0 / factor
-
-
-def update_history(history: jax.Array, amax: jax.Array) -> jax.Array:
-    """Pushes this step's amax into the ring buffer (as Flax's ``fp8_ops``).
-
-    The history is rolled one place towards the front and ``amax`` written
-    at index 0 (Flax's ``compute_amax_history``): index 0 holds the most
-    recent amax, indices 1.. the earlier ones, oldest first; after ``L``
-    steps it holds the last ``L`` amaxes.
-
-    Args:
-      history: ``[history_length]``.
-      amax: A scalar, the tensor's ``max(|x|)`` this step.
-
-    Returns:
-      The new history, same shape and dtype.
-
-    Example:
-      >>> h = jnp.array([1.0, 2.0, 3.0])
-      >>> qbits.calibration.update_history(h, jnp.float32(9.0))
-      Array([9., 3., 1.], dtype=float32)
-    """
-    amax = jnp.asarray(amax).astype(history.dtype)
-    return jnp.roll(history, shift=-1, axis=0).at[0].set(amax)
-
-
-class LearnedScale(Calibration):
-    r"""A learned step size (LSQ, Esser et al., arXiv 1902.08153).
-
-    The scale (the step between grid points) is a trainable parameter, one
-    per tensor, trained with the LSQ gradient (:func:`qbits.lsq.lsq_quantize`):
-
-    .. math::
-
-       \frac{\partial \hat{x}}{\partial s} = \begin{cases}
-       Q(v) - v & -Q_n < v < Q_p \\ Q(v) & \text{otherwise}\end{cases},
-       \quad v = x / s,
-
-    scaled by :math:`g = 1 / \sqrt{N Q_p}` (N elements per scale); ``x``
-    gets the straight-through gradient inside the range and zero outside.
-    The parameter lives with the model's parameters (linen ``params``
-    collection, ``<layer>/StatefulDotGeneral_0/lhs_step``).
-
-    Attributes:
-      init: How the step is initialised from the first batch: ``"lsq"``
-        (:math:`2\,\mathrm{mean}|x| / \sqrt{Q_p}`, the paper's) or
-        ``"absmax"`` (:math:`\max|x|` mapped onto the grid's edge).
-
-    Example:
-      >>> qbits.calibration.LearnedScale().init
-      'lsq'
-    """
-
-    init: str = struct.field(pytree_node=False, default="lsq")
-
-    def __post_init__(self) -> None:
-        if self.init not in LSQ_INITS:
-            raise InvalidArgumentError(
-                "LearnedScale", "init", self.init, "one of " + ", ".join(LSQ_INITS)
-            )
-
-    def bound(
-        self, x: jax.Array, axes: Axes, quantize: QuantizeFn | None = None
-    ) -> jax.Array:
-        """Raises: a learned step is a parameter, which a plain quantizer lacks."""
-        raise InvalidArgumentError(
-            "LearnedScale",
-            "step",
-            None,
-            "a layer that holds the step as a parameter: qbits.flax.quantize / "
-            "qbits.flax.StatefulDotGeneral or qbits.ops.stateful_dot_general "
-            "with steps=",
-        )
+    # NaN-preserving clamp (maximum and minimum propagate NaN).
+    scale = jnp.minimum(jnp.maximum(scale, lo), hi)
+    if rounding != "none":
+        _, hi = scale_limits(abs_val_mapped_to, rounding, np.float32)
+        scale = jnp.minimum(round_scale(scale, rounding), hi)
+    _, fit = scale_limits(abs_val_mapped_to, rounding, dtype)
+    if fit < hi:  # a dtype narrower than float32 (bfloat16, float16)
+        scale = fit_scale_to_dtype(scale, fit)
+    # Compare the bound, not the scale: bound / mapped underflows for tiny
+    # positive bounds.
+    return lax.select(bound == 0, jnp.ones_like(scale), scale)

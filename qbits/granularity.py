@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,7 +156,10 @@ class Tiled(Granularity):
 
     Attributes:
       axis: The tiled axis (negative allowed); ``None`` for a matmul
-        operand's contracting axis (it must have exactly one).
+        operand's contracting axis, the last one the matmul lists when it
+        has several (the scale is then shared along the others, by
+        default): a dot's weight gradient contracting ``[batch, seq]`` is
+        tiled along ``seq``, a convolution along its feature axis.
       tile_size: Elements per tile; must divide the axis.
       shared_axes: Further axes the scale is shared over; ``None`` for a
         matmul operand's other contracting axes (none outside a matmul).
@@ -199,16 +203,17 @@ class Tiled(Granularity):
         ndim = len(shape)
         if self.axis is None:
             contracting = _contracting("Tiled", "axis", contracting_axes)
-            if len(contracting) != 1:
+            if not contracting:
                 raise InvalidArgumentError(
                     "Tiled",
                     "axis",
                     None,
                     "an explicit axis",
-                    why=f"the operand has {len(contracting)} contracting axes "
-                    f"{tuple(contracting)}, so which one to tile is ambiguous",
+                    why="the operand has no contracting axis to tile",
                 )
-            axis = contracting[0]
+            # The last contracting axis; the scale is shared along the others
+            # (a weight gradient over [batch, seq]: tiles along seq).
+            axis = contracting[-1] % ndim
         else:
             axis = normalize_axis("Tiled", "axis", self.axis, ndim)
         if self.shared_axes is not None:
@@ -253,7 +258,29 @@ class BlockLayout:
 
     @classmethod
     def create(cls, shape: tuple[int, ...], blocks: tuple[int, ...]) -> BlockLayout:
-        """The layout of ``shape`` cut into blocks of size ``blocks``."""
+        """The layout of ``shape`` cut into blocks of size ``blocks``.
+
+        An axis of size 0 is fine: shared (block 0), it gets one scale entry;
+        per index or tiled, none.
+
+        Raises:
+          InvalidArgumentError: If ``blocks`` has another length than
+            ``shape`` or a block size that does not divide its axis.
+
+        Example:
+          >>> qbits.granularity.BlockLayout.create((0, 8), (0, 8)).scale_shape
+          (1, 1)
+          >>> qbits.granularity.BlockLayout.create((0, 8), (1, 8)).scale_shape
+          (0, 1)
+        """
+        shape, blocks = tuple(shape), tuple(blocks)
+        if len(blocks) != len(shape) or not all(map(_fits, shape, blocks)):
+            raise InvalidArgumentError(
+                "Granularity",
+                "block_sizes",
+                blocks,
+                f"one block size per axis of {shape}, each dividing its axis",
+            )
         blocked: list[int] = []
         reduce: list[int] = []
         scale: list[int] = []
@@ -262,12 +289,21 @@ class BlockLayout:
                 if b == n:
                     reduce.append(len(blocked))
                 blocked.append(n)
-                scale.append(n // b)
+                scale.append(1 if b == n else n)
             else:
                 blocked.extend((n // b, b))
                 reduce.append(len(blocked) - 1)
                 scale.append(n // b)
         return cls(tuple(blocked), tuple(reduce), tuple(scale))
+
+
+def _fits(n: int, block: Any) -> bool:
+    """Whether ``block`` is a block size for an axis of size ``n``."""
+    try:
+        b = operator.index(block)
+    except TypeError:
+        return False
+    return b >= 0 if n == 0 else 1 <= b <= n and n % b == 0
 
 
 def _check_divides(name: str, size: int, shape: tuple[int, ...], axis: int) -> None:

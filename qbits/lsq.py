@@ -1,8 +1,8 @@
 """Learned step sizes (LSQ): fake quantization whose scale is trained.
 
-Layer 3 (beside the quantizer): uses numerics and the
-:class:`~qbits.calibration.LearnedScale` calibration. Esser et al., "Learned
-Step Size Quantization" (arXiv 1902.08153).
+Layer 2 (beside calibration; it uses numerics only): the math of
+:class:`~qbits.providers.LearnedScale`. Esser et al., "Learned Step Size
+Quantization" (arXiv 1902.08153).
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qbits.calibration import LearnedScale
 from qbits.errors import InvalidArgumentError
 from qbits.numerics import QNumerics
 from qbits.numerics.base import compute_dtype
 
-__all__ = ["grid_max", "init_step", "lsq_quantize"]
+__all__ = ["LSQ_INITS", "grid_max", "init_step", "lsq_quantize"]
+
+#: How a learned step starts: LSQ's ``2 mean|x| / sqrt(Q_p)`` or the absmax.
+LSQ_INITS: tuple[str, ...] = ("lsq", "absmax")
 
 
 def grid_max(numerics: QNumerics) -> float:
@@ -59,7 +61,10 @@ def init_step(x: jax.Array, numerics: QNumerics, init: str = "lsq") -> jax.Array
       >>> qbits.lsq.init_step(jnp.array([1.0, -3.0]), qbits.IntNumerics(bits=4))
       Array(1.5118579, dtype=float32)
     """
-    LearnedScale(init)  # validates
+    if init not in LSQ_INITS:
+        raise InvalidArgumentError(
+            "init_step", "init", init, "one of " + ", ".join(LSQ_INITS)
+        )
     x = jnp.abs(jnp.asarray(x).astype(jnp.float32))
     if init == "lsq":
         step = 2.0 * jnp.mean(x) / math.sqrt(grid_max(numerics))

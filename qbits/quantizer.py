@@ -16,14 +16,18 @@ from qbits.calibration import (
     SCALE_ROUNDINGS,
     AbsMax,
     Calibration,
+    ConstantBound,
+    MseSearch,
     ScaleRounding,
     make_scale,
+    scale_limits,
 )
 from qbits.context import Context
 from qbits.errors import InvalidArgumentError
 from qbits.granularity import BlockLayout, Granularity, PerTensor, Tiled
 from qbits.numerics import FpNumerics, IntNumerics, NoNumerics, QNumerics
 from qbits.numerics.base import check_float_input, compute_dtype
+from qbits.providers import ScaleProvider
 from qbits.tensor import QTensor, storage_dtype
 
 __all__ = ["Quantizer", "mx_quantizer"]
@@ -43,8 +47,30 @@ class Quantizer(struct.PyTreeNode):
     (straight-through, or masked with ``clip_gradient``). Inputs of every
     float dtype are quantized in float32 (float64 stays); ``dequant`` returns
     the input's dtype. With :class:`~qbits.NoNumerics` the input comes back
-    bit for bit. Non-finite inputs and all-zero blocks behave as the
-    :mod:`qbits.calibration` docstring says.
+    bit for bit.
+
+    Edge cases (the rules are in the :mod:`qbits.calibration` docstring):
+
+    - A block holding a NaN or an inf dequantizes to NaN.
+    - A block whose bound is 0 (all zeros) has scale 1 and dequantizes to
+      exact zeros, on grids without a zero too (its codes are 0, off the
+      grid), with the straight-through gradient.
+    - Tiny blocks get scales down to float32's smallest normal, so they keep
+      their values as far as float32 resolves them; huge finite blocks (up
+      to the dtype's largest value) dequantize to finite values of the right
+      sign: scales are capped so the scaled grid fits the input's dtype, and
+      grids whose top is below 4 (int1..int3) divide by a huge scale in two
+      exact steps (its reciprocal would be subnormal, flushed to 0 on CPU).
+    - Under ``jax_enable_x64`` the computation keeps the input's compute
+      dtype (float32, or float64 for float64 input).
+    - A zero-size input gives an empty QTensor; a shared axis of size 0 has
+      one scale entry (1), a per-index or tiled one none.
+    - The gradient of ``quant(x).dequant()`` is ``(g * s) * (1 / s)``:
+      in float32 it flushes to 0 where ``|g| * s`` is below ``2**-126`` and
+      overflows where it exceeds float32's largest value (blocks at
+      float32's extremes). :meth:`quant_vjp`'s gradient, which qbits'
+      matmuls use, applies the numerics' gradient to ``g`` directly and has
+      no such limit.
 
     Attributes:
       numerics: The grid (:class:`~qbits.IntNumerics`,
@@ -73,14 +99,18 @@ class Quantizer(struct.PyTreeNode):
     scale_rounding: ScaleRounding = struct.field(pytree_node=False, default="none")
 
     def __post_init__(self) -> None:
-        for name, kind in (
-            ("numerics", QNumerics),
-            ("calibration", Calibration),
-            ("granularity", Granularity),
+        for name, kind, label in (
+            ("numerics", QNumerics, "QNumerics"),
+            (
+                "calibration",
+                Calibration | ScaleProvider,
+                "Calibration or ScaleProvider",
+            ),
+            ("granularity", Granularity, "Granularity"),
         ):
             if not isinstance(getattr(self, name), kind):
                 raise InvalidArgumentError(
-                    "Quantizer", name, getattr(self, name), f"a qbits {kind.__name__}"
+                    "Quantizer", name, getattr(self, name), f"a qbits {label}"
                 )
         if self.scale_rounding not in SCALE_ROUNDINGS:
             raise InvalidArgumentError(
@@ -132,6 +162,7 @@ class Quantizer(struct.PyTreeNode):
         *,
         store: bool = False,
         contracting_axes: tuple[int, ...] | None = None,
+        scale: jax.Array | None = None,
     ) -> tuple[QTensor, jax.tree_util.Partial]:
         """Quantizes ``x`` for use inside a custom VJP.
 
@@ -140,6 +171,10 @@ class Quantizer(struct.PyTreeNode):
         ``grad(g) -> dx`` (the numerics' :meth:`~qbits.QNumerics.vjp_bwd`)
         that can be kept as a residual. Numerics are elementwise, so
         ``dx = vjp_bwd(residuals, g)`` needs no scaling.
+
+        ``scale`` gives the scale (one entry per block, the scale's shape)
+        instead of calibrating: required when the calibration is a scale
+        provider (:mod:`qbits.providers`), which takes it from state.
 
         Returns:
           ``(qtensor, grad)``.
@@ -152,7 +187,9 @@ class Quantizer(struct.PyTreeNode):
           >>> grad(jnp.array([1.0, 1.0]))
           Array([1., 0.], dtype=float32)
         """
-        return self._quantize(x, context, store, contracting_axes, vjp=True)
+        return self._quantize(
+            x, context, store, contracting_axes, vjp=True, given=scale
+        )
 
     def _quantize(
         self,
@@ -162,8 +199,19 @@ class Quantizer(struct.PyTreeNode):
         contracting_axes: tuple[int, ...] | None,
         *,
         vjp: bool,
+        given: jax.Array | None = None,
     ) -> tuple[QTensor, jax.tree_util.Partial | None]:
         x = check_float_input("Quantizer.quant", x)
+        if given is None and isinstance(self.calibration, ScaleProvider):
+            raise InvalidArgumentError(
+                "Quantizer.quant",
+                "scale",
+                None,
+                "a given scale: this quantizer's scale comes from state "
+                f"({type(self.calibration).__name__}); quantize with "
+                "qbits.dot_general(config)(..., state=...) or through "
+                "qbits.flax.quantize / qbits.nnx.quantize, which keep it",
+            )
         qdtype = self.numerics.get_dtype()
         if store and qdtype is None and not isinstance(self.numerics, NoNumerics):
             raise InvalidArgumentError(
@@ -183,7 +231,7 @@ class Quantizer(struct.PyTreeNode):
         mapped = self.numerics.abs_val_mapped_to()
 
         def scale_of(bound: jax.Array) -> jax.Array:
-            return make_scale(bound, mapped, self.scale_rounding)
+            return make_scale(bound, mapped, self.scale_rounding, x.dtype)
 
         def quantize(v: jax.Array, bound: jax.Array) -> jax.Array:
             s = scale_of(bound)
@@ -192,22 +240,54 @@ class Quantizer(struct.PyTreeNode):
         # quant_vjp is never differentiated (it runs inside custom VJPs), so
         # only quant needs the gradient stops (and the storage-cast guard).
         no_grad = (lambda v: v) if vjp else lax.stop_gradient
-        bound = self.calibration(no_grad(xb), layout.reduce_axes, quantize)
+        if given is not None:
+            bound = None
+        elif x.size:
+            bound = self.calibration(no_grad(xb), layout.reduce_axes, quantize)
+        else:  # nothing to calibrate: every (empty) block gets scale 1
+            reduced = [
+                1 if a in layout.reduce_axes else n
+                for a, n in enumerate(layout.blocked_shape)
+            ]
+            bound = jnp.zeros(reduced, xb.dtype)
         # Per-block arithmetic on a flat vector: XLA compiles one kernel for
         # every distinct computation, and flat vectors of the same length are
         # the same computation whichever axes the blocks span.
-        blocks = bound.shape
-        scale, inverse = _scale_and_inverse(no_grad(scale_of(bound.reshape(-1))))
+        if bound is None:  # a given scale
+            blocks = tuple(
+                1 if a in layout.reduce_axes else n
+                for a, n in enumerate(layout.blocked_shape)
+            )
+            scale = _given_scale(given, layout.scale_shape).reshape(-1)
+        else:
+            blocks = bound.shape
+            scale = no_grad(scale_of(bound.reshape(-1)))
+        # A scale above 2**126 has a subnormal inverse, which XLA:CPU flushes
+        # to zero (grids whose top is below 4: int1..int3). Such blocks are
+        # divided in two exact steps, a power of two first.
+        split = scale_limits(mapped, self.scale_rounding, x.dtype)[1] > 2.0**126
+        pre = _pre_factor(scale) if split else None
+        scale, inverse = _scale_and_inverse(scale, pre)
         scale, inverse = scale.reshape(blocks), inverse.reshape(blocks)
+        y = xb * inverse if pre is None else (xb * pre.reshape(blocks)) * inverse
         grad = None
         if vjp:
-            q, residuals = self.numerics.vjp_fwd(xb * inverse, context)
+            q, residuals = self.numerics.vjp_fwd(y, context)
             grad = jax.tree_util.Partial(
                 functools.partial(_numerics_grad, self.numerics, layout.blocked_shape),
                 residuals,
             )
         else:
-            q = self.numerics(xb * inverse, context)
+            q = self.numerics(y, context)
+        if bound is not None and not (
+            _keeps_zero(self.numerics)
+            and isinstance(self.calibration, _ZERO_BOUND_MEANS_ZEROS)
+        ):
+            # A block whose bound is 0 dequantizes to exact zeros, also on a
+            # grid without a zero (binary's 0 -> +0.5). The subtracted copy
+            # carries no gradient: the codes keep the numerics' gradient.
+            zero = (bound == 0).astype(q.dtype)
+            q = q - lax.stop_gradient(q) * zero
         q = q.reshape(x.shape)
         if store:
             clipped = isinstance(self.numerics, IntNumerics) and self.numerics.clip
@@ -216,12 +296,49 @@ class Quantizer(struct.PyTreeNode):
         return QTensor(q, scale, qdtype=qdtype, dtype=x.dtype), grad
 
 
+# Calibrations whose bound is 0 only for a block of zeros (or of values so
+# small that every grid with a zero rounds them to it at scale 1).
+_ZERO_BOUND_MEANS_ZEROS = (AbsMax, MseSearch, ConstantBound)
+
+
+def _given_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A given scale as a float32 array of the scale ``shape``."""
+    scale = jnp.asarray(scale)
+    if scale.size != int(np.prod(shape)):
+        raise InvalidArgumentError(
+            "Quantizer.quant",
+            "scale.shape",
+            scale.shape,
+            f"a scale of shape {shape} (one entry per block)",
+        )
+    return scale.reshape(shape).astype(jnp.float32)
+
+
+def _keeps_zero(numerics: QNumerics) -> bool:
+    """Whether ``numerics`` maps 0 to exactly 0, whatever its noise."""
+    if isinstance(numerics, FpNumerics):
+        return True
+    if isinstance(numerics, IntNumerics):
+        if numerics.round:
+            return numerics.preserve_zero
+        return numerics.noise_fn is None
+    return False
+
+
+def _pre_factor(scale: jax.Array) -> jax.Array:
+    """``2**-64`` for scales above ``2**64``, else 1 (exact, per block)."""
+    big = scale > np.asarray(2.0**64, scale.dtype)
+    return lax.select(big, jnp.full_like(scale, 2.0**-64), jnp.ones_like(scale))
+
+
 def _identity(g: jax.Array) -> jax.Array:
     return g
 
 
-def _scale_and_inverse(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``scale`` and ``1 / scale`` (flat vectors), computed once.
+def _scale_and_inverse(
+    scale: jax.Array, pre: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """``scale`` and ``1 / (scale * pre)`` (flat vectors), computed once.
 
     On CPU, left to itself, XLA copies the small per-block arithmetic that
     makes a scale into every element of each large consumer (the
@@ -232,14 +349,17 @@ def _scale_and_inverse(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     the fusions that GPU and TPU compilers make of it (same numbers).
     """
 
+    def inverse_of(scale: jax.Array) -> jax.Array:
+        return 1.0 / (scale if pre is None else scale * pre)
+
     def cpu(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
         n = scale.shape[0]
-        both = lax.concatenate([scale, 1.0 / scale], 0)
+        both = lax.concatenate([scale, inverse_of(scale)], 0)
         both = both / lax.optimization_barrier(jnp.ones_like(both))
         return both[:n], both[n:]
 
     return lax.platform_dependent(
-        scale, cpu=cpu, default=lambda scale: (scale, 1.0 / scale)
+        scale, cpu=cpu, default=lambda scale: (scale, inverse_of(scale))
     )
 
 
@@ -262,7 +382,8 @@ def _to_storage(
     target = storage_dtype(qdtype)
     if saturate and jnp.issubdtype(target, jnp.integer):
         info = ml_dtypes.iinfo(target)
-        q = lax.clamp(float(info.min), q, float(info.max))
+        lo, hi = (np.asarray(v, q.dtype) for v in (info.min, info.max))
+        q = lax.clamp(lo, q, hi)
     return _cast_no_grad(q, target) if guard else q.astype(target)
 
 

@@ -28,9 +28,20 @@ def test_block_sizes():
     )
 
 
-def test_tiled_contracting_axis_must_be_unambiguous():
-    with pytest.raises(InvalidArgumentError, match=r"2 contracting axes \(1, 2\)"):
-        Tiled(tile_size=2).block_sizes((3, 4, 6), contracting_axes=(1, 2))
+def test_tiled_takes_the_last_contracting_axis_and_shares_the_others():
+    # A weight gradient contracting [batch, seq]: tiles along seq.
+    assert Tiled(tile_size=2).block_sizes((3, 4, 6), contracting_axes=(0, 1)) == (
+        3,
+        2,
+        1,
+    )
+    assert Tiled(tile_size=2).block_sizes((3, 4, 6), contracting_axes=(2, 1)) == (
+        1,
+        2,
+        6,
+    )
+    with pytest.raises(InvalidArgumentError, match="no contracting axis"):
+        Tiled(tile_size=2).block_sizes((3, 4), contracting_axes=())
 
 
 def test_block_layout():
@@ -40,6 +51,30 @@ def test_block_layout():
     assert layout.scale_shape == (1, 2, 5)
     # Size-1 axes, per-tensor.
     assert BlockLayout.create((1, 7), (1, 7)) == BlockLayout((1, 7), (0, 1), (1, 1))
+
+
+def test_block_layout_of_zero_size_axes():
+    # Used to divide by zero. A shared empty axis has one scale entry.
+    assert BlockLayout.create((0, 8), (0, 8)) == BlockLayout((0, 8), (0, 1), (1, 1))
+    assert BlockLayout.create((0, 8), (1, 8)).scale_shape == (0, 1)
+    assert BlockLayout.create((8, 0), (8, 1)).scale_shape == (1, 0)
+    assert BlockLayout.create((0, 8), (4, 4)) == BlockLayout(
+        (0, 4, 2, 4), (1, 3), (0, 2)
+    )
+    assert PerTensor().block_sizes((0, 8)) == (0, 8)
+    assert Tiled(axis=0, tile_size=32).block_sizes((0, 8)) == (32, 1)
+
+
+@pytest.mark.parametrize("blocks", [(0, 8), (3, 8), (4,), (4, 9), (4.0, 8), (-4, 8)])
+def test_block_sizes_that_do_not_fit_are_an_error(blocks):
+    class Bad(qbits.Granularity):
+        def block_sizes(self, shape, contracting_axes=None):
+            return blocks
+
+    with pytest.raises(InvalidArgumentError, match=r"Granularity: block_sizes="):
+        qbits.Quantizer(qbits.IntNumerics(), granularity=Bad()).quant(
+            qbits.numerics.base.jnp.ones((4, 8))
+        )
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ __all__ = [
     "check_conv_operands",
     "check_operands",
     "show_layer",
+    "with_layer",
 ]
 
 
@@ -43,13 +44,34 @@ def _in_layer(layer: str | None) -> Iterator[None]:
     try:
         yield
     except ConfigError as e:
-        if layer is None:
+        if layer is None or e.layer is not None:
             raise
-        where = f"in layer {show_layer(layer)}"
-        why = f"{e.why}, {where}" if e.why else where
-        raise ConfigError(
-            e.path, e.value, e.allowed, why=why, source=e.source
-        ) from None
+        raise with_layer(e, layer) from None
+
+
+def with_layer(error: ConfigError, layer: str) -> ConfigError:
+    """``error`` naming the layer it was found in (its ``layer`` attribute).
+
+    Args:
+      error: An error found when a config was checked against a layer.
+      layer: The layer's path (``""`` for the top-level module).
+
+    Returns:
+      The same error with ``layer`` set; its message ends ``in layer '...'``.
+
+    Example:
+      >>> e = qbits.ConfigError("fwd.rhs.numerics.bits", 48, "an int in 1..16")
+      >>> print(qbits.config.checks.with_layer(e, "mlp/fc1"))
+      fwd.rhs.numerics.bits: expected an int in 1..16, got 48 (in layer 'mlp/fc1').
+    """
+    return ConfigError(
+        error.path,
+        error.value,
+        error.allowed,
+        why=error.why,
+        source=error.source,
+        layer=layer,
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -75,6 +97,7 @@ class CheckedDotGeneral:
         preferred_element_type: Any = None,
         *,
         out_sharding: Any = None,
+        state: Any = None,
     ) -> jax.Array:
         """Checks, then computes ``lax.dot_general(lhs, rhs, ...)`` quantized."""
         with _in_layer(self.layer):
@@ -92,6 +115,7 @@ class CheckedDotGeneral:
             precision,
             preferred_element_type,
             out_sharding=out_sharding,
+            **({} if state is None else {"state": state}),
         )
 
 
@@ -110,7 +134,12 @@ class CheckedConv:
         """Checks, then computes ``lax.conv_general_dilated(...)`` quantized."""
         with _in_layer(self.layer):
             check_conv_operands(
-                self.op.config, lhs, rhs, *args, where=self.where, **kwargs
+                self.op.config,
+                lhs,
+                rhs,
+                *args,
+                where=self.where,
+                **{k: v for k, v in kwargs.items() if k != "state"},
             )
         return self.op(lhs, rhs, *args, **kwargs)
 
@@ -173,7 +202,7 @@ def check_conv_operands(
     """:func:`check_operands` for a ``lax.conv_general_dilated`` call.
 
     The contracting axes are those :func:`qbits.conv_general_dilated` uses:
-    input features and window forward; output features and window (dlhs);
+    window and input features forward; window and output features (dlhs);
     batch and positions (drhs).
 
     Args:
@@ -200,10 +229,10 @@ def check_conv_operands(
     _check_quantizers(
         config,
         (
-            ("fwd", "lhs", lhs.shape, (ls[1], *ls[2:])),
-            ("fwd", "rhs", rhs.shape, (rs[1], *rs[2:])),
-            ("dlhs", "lhs", out, (os_[1], *os_[2:])),
-            ("dlhs", "rhs", rhs.shape, (rs[0], *rs[2:])),
+            ("fwd", "lhs", lhs.shape, (*ls[2:], ls[1])),
+            ("fwd", "rhs", rhs.shape, (*rs[2:], rs[1])),
+            ("dlhs", "lhs", out, (*os_[2:], os_[1])),
+            ("dlhs", "rhs", rhs.shape, (*rs[2:], rs[0])),
             ("drhs", "lhs", out, (os_[0], *os_[2:])),
             ("drhs", "rhs", lhs.shape, (ls[0], *ls[2:])),
         ),

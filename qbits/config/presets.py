@@ -10,11 +10,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from qbits.calibration import AbsMax, DelayedScaling
+from qbits.calibration import AbsMax
 from qbits.errors import ConfigError
 from qbits.granularity import PerChannel, PerTensor, Tiled
 from qbits.numerics import Fp8Numerics, IntNumerics, UniformNoise
 from qbits.ops import DotGeneralConfig, MatmulConfig
+from qbits.providers import DelayedScaling
 from qbits.quantizer import Quantizer, mx_quantizer
 
 __all__ = ["describe", "get", "names"]
@@ -122,9 +123,9 @@ def fp8_delayed() -> DotGeneralConfig:
     largest amax, no margin), as production FP8 training does (Transformer
     Engine; Flax's ``Fp8DirectDotGeneralOp``, whose scales and histories
     this reproduces). The backward matmuls reuse the forward's E4M3
-    operands. Stateful: use it through ``qbits.flax.quantize``,
-    ``qbits.nnx.quantize`` or ``qbits.ops.stateful_dot_general``, and write
-    the new state back each step. Follows "FP8 Formats for Deep Learning"
+    operands. Stateful: use it through ``qbits.flax.quantize`` or
+    ``qbits.nnx.quantize`` (or pass ``state=`` to ``qbits.dot_general``),
+    and write the new state back each step. Follows "FP8 Formats for Deep Learning"
     (arXiv 2209.05433).
     """
     e4m3 = Quantizer(Fp8Numerics("float8_e4m3fn"), DelayedScaling(), PerTensor())

@@ -32,8 +32,6 @@ from qbits.calibration import (
     AbsMax,
     Calibration,
     ConstantBound,
-    DelayedScaling,
-    LearnedScale,
     MseSearch,
     Percentile,
 )
@@ -50,6 +48,7 @@ from qbits.numerics import (
     UniformNoise,
 )
 from qbits.ops import DotGeneralConfig, MatmulConfig
+from qbits.providers import DelayedScaling, LearnedScale, ScaleProvider, StaticScale
 from qbits.quantizer import Quantizer
 
 __all__ = ["from_dict", "register", "to_dict"]
@@ -61,7 +60,7 @@ _KINDS: dict[str, tuple[type, dict[str, type]]] = {
         {"int": IntNumerics, "fp": FpNumerics, "fp8": Fp8Numerics, "none": NoNumerics},
     ),
     "calibration": (
-        Calibration,
+        (Calibration, ScaleProvider),
         {
             "absmax": AbsMax,
             "percentile": Percentile,
@@ -69,6 +68,7 @@ _KINDS: dict[str, tuple[type, dict[str, type]]] = {
             "constant": ConstantBound,
             "delayed": DelayedScaling,
             "learned": LearnedScale,
+            "static": StaticScale,
         },
     ),
     "granularity": (
@@ -138,7 +138,13 @@ def register(field: str, name: str, cls: type) -> None:
         and dataclasses.is_dataclass(cls)
     ):
         raise InvalidArgumentError(
-            "register", "cls", cls, f"a dataclass subclass of {base.__name__}"
+            "register",
+            "cls",
+            cls,
+            "a dataclass subclass of "
+            + " or ".join(
+                b.__name__ for b in (base if isinstance(base, tuple) else (base,))
+            ),
         )
     taken = registry.get(name, cls) if isinstance(name, str) else None
     redefined = taken is not None and (taken.__module__, taken.__qualname__) == (

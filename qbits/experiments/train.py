@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 import qbits
+from qbits.errors import check_int
 from qbits.experiments import data as data_lib
 from qbits.experiments.models import Classifier, ModelSpec, TransformerLM
 
@@ -114,6 +115,12 @@ def train(
     Returns:
       A :class:`RunResult`.
 
+    Raises:
+      InvalidArgumentError: For a seed outside ``0..2**32 - 1`` (JAX keys of
+        larger seeds repeat those of smaller ones) or a negative ``steps``.
+      ConfigError: For a config that does not fit a layer (e.g. a tile size
+        that does not divide its axis), naming the layer.
+
     Example:
       >>> from qbits.experiments import spec, train
       >>> result = train(spec("mlp", "tiny"), "int8_fwd", steps=2)
@@ -121,7 +128,9 @@ def train(
       (2, True)
     """
     start = time.perf_counter()
+    check_int("train", "seed", seed, 0, 2**32 - 1)
     steps = spec.steps if steps is None else steps
+    check_int("train", "steps", steps, 0)
     model, data = build_model(spec, seed)
     unused = ""
     if config is not None:

@@ -12,13 +12,22 @@ for :func:`qbits.ranges.freeze_ranges` (static post-training ranges).
 
 from qbits.flax.quantize import Quantized, layer_table, quantize
 from qbits.flax.ranges import RANGES, collect_ranges
-from qbits.flax.stateful import STATE, StatefulDotGeneral, TrainState, max_combining
+from qbits.flax.stateful import (
+    STATE,
+    StatefulConv,
+    StatefulDotGeneral,
+    StatefulEinsum,
+    TrainState,
+    max_combining,
+)
 
 __all__ = [
     "RANGES",
     "STATE",
     "Quantized",
+    "StatefulConv",
     "StatefulDotGeneral",
+    "StatefulEinsum",
     "TrainState",
     "collect_ranges",
     "layer_table",

@@ -26,12 +26,10 @@ import jax.numpy as jnp
 from qbits.config.checks import CheckedConv, CheckedDotGeneral, show_layer
 from qbits.config.rules import LayerTable, QuantConfig
 from qbits.errors import InvalidArgumentError
-from qbits.flax.stateful import StatefulDotGeneral
-from qbits.ops import DotGeneralConfig
+from qbits.flax.stateful import StatefulConv, StatefulDotGeneral, StatefulEinsum
+from qbits.ops import DotGeneralConfig, Einsum, needs_state
 from qbits.ops import conv_general_dilated as make_conv
 from qbits.ops import dot_general as make_dot_general
-from qbits.ops.einsum import Einsum
-from qbits.ops.stateful import needs_state
 
 __all__ = ["ATTENTION", "Session"]
 
@@ -119,14 +117,6 @@ class Session:
         res = self.config.resolve(path)
         if res.config is None or res.config.is_identity:
             return None
-        if needs_state(res.config) and kind not in ("Dense", "DenseGeneral"):
-            raise InvalidArgumentError(
-                "qbits.flax.quantize",
-                res.where,
-                res.name or res.config,
-                f"a stateless config for layer {show_layer(path)} ({kind}): delayed "
-                "scaling is supported in Dense and DenseGeneral layers",
-            )
         key = None
         if res.config.needs_key:
             if not module.has_rng("quant"):
@@ -152,7 +142,9 @@ class Session:
             return next_fun(*args, **kwargs)
         config, where, key = found
         if needs_state(config):  # a child module holds the delayed scales
-            cls = functools.partial(StatefulDotGeneral, config, key)
+            cls = functools.partial(
+                StatefulDotGeneral, config, key, where, _path(module)
+            )
             with _fields(module, dot_general_cls=cls):
                 return next_fun(*args, **kwargs)
         fn = CheckedDotGeneral(make_dot_general(config, key), where, _path(module))
@@ -172,6 +164,10 @@ class Session:
         if found is None:
             return next_fun(*args, **kwargs)
         config, where, key = found
+        if needs_state(config):  # a child module holds the scale state
+            cls = functools.partial(StatefulConv, config, key, where, _path(module))
+            with _fields(module, conv_general_dilated_cls=cls):
+                return next_fun(*args, **kwargs)
         fn = CheckedConv(make_conv(config, key), where, _path(module))
         with _fields(module, conv_general_dilated=fn):
             return next_fun(*args, **kwargs)
@@ -183,9 +179,11 @@ class Session:
         if found is None:
             return next_fun(*args, **kwargs)
         config, where, key = found
+        if needs_state(config):  # a child module holds the scale state
+            op = StatefulEinsum(config, key, where, _path(module))
+            return _run_einsum(module, op, *args, **kwargs)
         dot = CheckedDotGeneral(make_dot_general(config, key), where, _path(module))
-        op = Einsum(dot)
-        return _run_einsum(module, op, *args, **kwargs)
+        return _run_einsum(module, Einsum(dot), *args, **kwargs)
 
     # MultiHeadDotProductAttention: its query/key/value/out DenseGeneral
     # children are layers of their own; its two einsums go in through the
@@ -230,7 +228,10 @@ class _EinsumFactory:
         if found is None:  # what flax does without a factory
             return functools.partial(jnp.einsum, precision=module.precision)
         config, where, key = found
-        op = Einsum(CheckedDotGeneral(make_dot_general(config, key), where, path))
+        if needs_state(config):  # a child of the attention layer, named qk/pv
+            op: Any = StatefulEinsum(config, key, where, path, name=self.part)
+        else:
+            op = Einsum(CheckedDotGeneral(make_dot_general(config, key), where, path))
         return functools.partial(op, precision=module.precision)
 
 

@@ -1,15 +1,18 @@
-"""Delayed-scaling state in linen: a variable collection updated by the backward.
+"""Scale state in linen: a variable collection updated by the backward pass.
 
-:class:`StatefulDotGeneral` is a linen module for ``dot_general_cls=``
-(``nn.Dense``, ``nn.DenseGeneral``); :func:`qbits.flax.quantize` puts one into
-every ``Dense``/``DenseGeneral`` whose config uses
-:class:`~qbits.calibration.DelayedScaling` (e.g. the ``fp8_delayed``
-preset). Its scales and amax histories live in the collection
-:data:`STATE` (``"_overwrite_with_gradient"``, Flax's own name for it), at
-``<layer path>/StatefulDotGeneral_0/{lhs,rhs,grad}_{scale,amax_history}``.
+:class:`StatefulDotGeneral` (for ``dot_general_cls=`` of ``nn.Dense``,
+``nn.DenseGeneral``), :class:`StatefulConv` (``conv_general_dilated_cls=``
+of ``nn.Conv``) and :class:`StatefulEinsum` (``nn.Einsum`` and attention
+einsums) are linen modules that keep the scale state of a config whose
+quantizers have scale providers; :func:`qbits.flax.quantize` puts them where
+such a config applies (e.g. the ``fp8_delayed`` preset). Delayed scales and
+amax histories live in the collection :data:`STATE`
+(``"_overwrite_with_gradient"``, Flax's own name for it), at ``<layer
+path>/StatefulDotGeneral_0/{lhs,rhs,grad}_{scale,amax_history}``; learned
+steps in ``params``.
 
 The gradient of the loss with respect to that collection is the *new* state
-(see :mod:`qbits.ops.stateful`): a training step differentiates with respect
+(see :mod:`qbits.ops.state`): a training step differentiates with respect
 to all variables and writes that collection back instead of giving it to the
 optimizer. :class:`TrainState` does this (Flax's own
 ``flax.training.train_state.TrainState`` does too, as the collection has
@@ -29,37 +32,93 @@ from flax.core import FrozenDict
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
+from qbits.config.checks import CheckedConv, CheckedDotGeneral
 from qbits.config.rules import as_dot_general_config
 from qbits.errors import InvalidArgumentError
 from qbits.ops import (
-    init_state,
-    init_steps,
-    learned_tensors,
-    stateful_dot_general,
+    ConvGeneralDilated,
+    Einsum,
+    conv_general_dilated,
+    dot_general,
+    einsum,
+    state_kinds,
 )
 from qbits.ops import max_combining as _max_combining
 
-__all__ = ["STATE", "StatefulDotGeneral", "TrainState", "max_combining"]
+__all__ = [
+    "STATE",
+    "StatefulConv",
+    "StatefulDotGeneral",
+    "StatefulEinsum",
+    "TrainState",
+    "max_combining",
+]
 
 STATE = OVERWRITE_WITH_GRADIENT
 
 
-class StatefulDotGeneral(nn.Module):
-    """A quantized ``dot_general`` keeping delayed scales in a collection.
+class _Stateful(nn.Module):
+    """Keeps the scale state of one quantized op as linen variables."""
 
-    Learned step sizes (:class:`~qbits.calibration.LearnedScale`) are
-    trainable parameters ``lhs_step`` / ``rhs_step`` (``params``
-    collection), initialised from the first batch given to ``init``.
+    config: Any
+    key: jax.Array | None = None
+    where: str = "config"
+    layer: str | None = None
+
+    def _make_op(self, make: Any) -> tuple[Any, Any]:
+        config = as_dot_general_config(type(self).__name__, self.config)
+        key = self.key
+        if key is None and config.needs_key:
+            key = self.make_rng("quant")
+        return config, make(config, key)
+
+    def _checked(self, op: Any) -> Any:
+        """``op`` checking its config against the operands first."""
+        if isinstance(op, ConvGeneralDilated):
+            return CheckedConv(op, self.where, self.layer)
+        return CheckedDotGeneral(op, self.where, self.layer)
+
+    def _scale_state(self, config: Any, init: Any) -> dict[str, jax.Array] | None:
+        """The state variables (created from ``init()`` on first use)."""
+        kinds = state_kinds(config)
+        if not kinds:
+            return None
+        initial: dict[str, jax.Array] = {}
+
+        def first(name: str) -> jax.Array:
+            if not initial:
+                initial.update(init())
+            return initial[name]
+
+        state = {}
+        for name in sorted(kinds):
+            if kinds[name] == "trained":
+                state[name] = self.param(name, lambda _, n=name: first(n))
+            else:
+                state[name] = self.variable(STATE, name, lambda n=name: first(n)).value
+        return state
+
+
+class StatefulDotGeneral(_Stateful):
+    """A quantized ``dot_general`` keeping its scale state as linen variables.
+
+    Delayed scales and amax histories (:class:`~qbits.DelayedScaling`) live
+    in the collection :data:`STATE`; learned step sizes
+    (:class:`~qbits.LearnedScale`) are trainable parameters ``lhs_step`` /
+    ``rhs_step`` (``params`` collection), initialised from the first batch
+    given to ``init``.
 
     Give it to a layer as ``dot_general_cls=functools.partial(
     qbits.flax.StatefulDotGeneral, "fp8_delayed")``; it becomes a child module
-    of the layer. Its variables (collection :data:`STATE`) are created by
-    ``init``: scales 1, histories zero.
+    of the layer. Its variables are created by ``init``: scales 1, histories
+    zero.
 
     Attributes:
       config: A :class:`~qbits.DotGeneralConfig` or a preset name.
       key: A PRNG key for stochastic rounding; ``None`` draws one from the
         ``'quant'`` rng stream when the config needs it.
+      where: The config's place in its file, named in errors.
+      layer: The layer's path, named in errors, or ``None``.
 
     Example:
       >>> import functools
@@ -75,9 +134,6 @@ class StatefulDotGeneral(nn.Module):
       Array([1., 0.], dtype=float32)
     """
 
-    config: Any
-    key: jax.Array | None = None
-
     @nn.compact
     def __call__(
         self,
@@ -89,35 +145,98 @@ class StatefulDotGeneral(nn.Module):
         *,
         out_sharding: Any = None,
     ) -> jax.Array:
-        """``lax.dot_general`` quantized with this module's delayed scales."""
-        config = as_dot_general_config("StatefulDotGeneral", self.config)
-        key = self.key
-        if key is None and config.needs_key:
-            key = self.make_rng("quant")
-        state = {
-            name: self.variable(STATE, name, lambda v=value: v).value
-            for name, value in init_state(config).items()
-        }
-        steps = None
-        if learned_tensors(config):
-            names = sorted(f"{t}_step" for t in learned_tensors(config))
-            steps = {
-                name: self.param(
-                    name, lambda _, n=name: init_steps(config, lhs, rhs)[n]
-                )
-                for name in names
-            }
-        op = stateful_dot_general(config, key)
-        return op(
+        """``lax.dot_general`` quantized with this module's scale state."""
+        config, op = self._make_op(dot_general)
+        state = self._scale_state(
+            config,
+            lambda: op.init_state(
+                lhs, rhs, dimension_numbers, precision, preferred_element_type
+            ),
+        )
+        return self._checked(op)(
             lhs,
             rhs,
             dimension_numbers,
             precision,
             preferred_element_type,
-            state=state,
-            steps=steps,
             out_sharding=out_sharding,
+            state=state,
         )
+
+
+class StatefulEinsum(_Stateful):
+    """A quantized two-operand einsum keeping its scale state.
+
+    As :class:`StatefulDotGeneral`; :func:`qbits.flax.quantize` uses it for
+    ``nn.Einsum`` layers and attention einsums whose config keeps state.
+
+    Attributes:
+      config: A :class:`~qbits.DotGeneralConfig` or a preset name.
+      key: As for :class:`StatefulDotGeneral`.
+
+    Example:
+      >>> import flax.linen as nn
+      >>> op = qbits.flax.StatefulEinsum("fp8_delayed")
+      >>> x, w = jnp.ones((2, 3, 8)), jnp.ones((8, 4))
+      >>> variables = op.init(jax.random.key(0), "btd,dh->bth", x, w)
+      >>> sorted(variables[qbits.flax.STATE])[:2]
+      ['grad_amax_history', 'grad_scale']
+    """
+
+    @nn.compact
+    def __call__(
+        self,
+        subscripts: str,
+        lhs: jax.typing.ArrayLike,
+        rhs: jax.typing.ArrayLike,
+        *,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        out_sharding: Any = None,
+    ) -> jax.Array:
+        """``jnp.einsum(subscripts, lhs, rhs)`` quantized with this module's state."""
+        config, op = self._make_op(einsum)
+        state = self._scale_state(config, lambda: op.init_state(subscripts, lhs, rhs))
+        op = Einsum(self._checked(op.dot_general))
+        return op(
+            subscripts,
+            lhs,
+            rhs,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
+            state=state,
+        )
+
+
+class StatefulConv(_Stateful):
+    """A quantized ``conv_general_dilated`` keeping its scale state.
+
+    As :class:`StatefulDotGeneral`, for ``conv_general_dilated_cls=`` of
+    ``nn.Conv``.
+
+    Attributes:
+      config: A :class:`~qbits.DotGeneralConfig` or a preset name.
+      key: As for :class:`StatefulDotGeneral`.
+
+    Example:
+      >>> import functools
+      >>> import flax.linen as nn
+      >>> cls = functools.partial(qbits.flax.StatefulConv, "fp8_delayed")
+      >>> conv = nn.Conv(4, (3, 3), conv_general_dilated_cls=cls)
+      >>> variables = conv.init(jax.random.key(0), jnp.ones((1, 8, 8, 3)))
+      >>> variables[qbits.flax.STATE]["StatefulConv_0"]["rhs_scale"]
+      Array([1.], dtype=float32)
+    """
+
+    @nn.compact
+    def __call__(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> jax.Array:
+        """``lax.conv_general_dilated`` quantized with this module's state."""
+        config, op = self._make_op(conv_general_dilated)
+        state = self._scale_state(
+            config, lambda: op.init_state(lhs, rhs, *args, **kwargs)
+        )
+        return self._checked(op)(lhs, rhs, *args, **kwargs, state=state)
 
 
 def max_combining(variables: Any) -> Any:

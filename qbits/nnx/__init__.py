@@ -20,7 +20,7 @@ from qbits.nnx.attention import QuantizedAttention
 from qbits.nnx.layers import QuantizedConv, QuantizedDotGeneral, QuantizedEinsum
 from qbits.nnx.quantize import layer_table, quantize
 from qbits.nnx.ranges import collect_ranges
-from qbits.nnx.stateful import DelayedState, init_steps, max_combining, update_state
+from qbits.nnx.stateful import DelayedState, init_state, max_combining, update_state
 
 __all__ = [
     "DelayedState",
@@ -29,7 +29,7 @@ __all__ = [
     "QuantizedDotGeneral",
     "QuantizedEinsum",
     "collect_ranges",
-    "init_steps",
+    "init_state",
     "layer_table",
     "max_combining",
     "quantize",

@@ -17,6 +17,7 @@ misfit inside the rules file: ``rules[1].config.fwd.rhs.granularity.tile_size``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.nnx as nnx
@@ -26,15 +27,17 @@ import jax.numpy as jnp
 from qbits.config.checks import CheckedConv, CheckedDotGeneral
 from qbits.config.rules import as_dot_general_config
 from qbits.errors import InvalidArgumentError
+from qbits.granularity import PerTensor
 from qbits.nnx.stateful import DelayedState
-from qbits.ops import DotGeneralConfig, Einsum, conv_general_dilated, dot_general
-from qbits.ops.stateful import (
-    init_state,
-    init_steps,
-    learned_tensors,
-    needs_state,
-    stateful_dot_general,
+from qbits.ops import (
+    DotGeneralConfig,
+    Einsum,
+    conv_general_dilated,
+    dot_general,
+    state_kinds,
 )
+from qbits.ops.core import SLOTS, provider
+from qbits.ops.state import check_providers
 
 __all__ = ["QuantizedConv", "QuantizedDotGeneral", "QuantizedEinsum"]
 
@@ -71,7 +74,15 @@ def fork_stream(owner: str, rngs: Any, why: str) -> nnx.RngStream:
 
 
 class _Quantized(nnx.Module):
-    """Shared state of the quantized functions: the config and its key stream."""
+    """Shared state of the quantized functions: config, key stream, scale state.
+
+    Scale state (:mod:`qbits.ops.state`) is held as Variables named like its
+    entries: :class:`~qbits.nnx.DelayedState` for replaced state (delayed
+    scales, amax histories), ``nnx.Param`` for trained state (learned steps).
+    Per-tensor state has its final shape from the start; other
+    granularities' state, and learned steps (NaN until then), are set from
+    a first batch by :func:`qbits.nnx.init_state`.
+    """
 
     def __init__(
         self,
@@ -79,29 +90,72 @@ class _Quantized(nnx.Module):
         *,
         rngs: nnx.Rngs | nnx.RngStream | None = None,
         where: str = "config",
+        layer: str | None = None,
     ):
         owner = type(self).__name__
         self.config = as_dot_general_config(owner, config)
         if not isinstance(where, str):
             raise InvalidArgumentError(owner, "where", where, "a string")
+        if layer is not None and not isinstance(layer, str):
+            raise InvalidArgumentError(owner, "layer", layer, "None or a string")
         self.where = where
+        self.layer = layer
         self.rngs = (
             fork_stream(owner, rngs, "the config rounds stochastically")
             if self.config.needs_key
             else None
         )
-        if needs_state(self.config) and not isinstance(self, QuantizedDotGeneral):
-            raise InvalidArgumentError(
-                owner,
-                "config",
-                config,
-                "a stateless config: delayed scaling is supported by "
-                "QuantizedDotGeneral (nnx.Linear, nnx.LinearGeneral)",
-            )
+        check_providers(self.config, owner)
+        kinds = state_kinds(self.config)
+        self._state_names = tuple(sorted(kinds))
+        initial = _shape_free_state(self.config)
+        for name in self._state_names:
+            value = initial.get(name, jnp.zeros((0,), jnp.float32))
+            var = nnx.Param if kinds[name] == "trained" else DelayedState
+            setattr(self, name, var(value))
+        self._init_state_next_call = False
 
     def _key(self) -> jax.Array | None:
         """A new key for this call (advancing the stream), or ``None``."""
         return None if self.rngs is None else self.rngs()
+
+    def _state(self, init: Callable[[], dict[str, jax.Array]]) -> Any:
+        """The scale state for this call (set from ``init()`` when asked to)."""
+        if not self._state_names:
+            return None
+        if self._init_state_next_call:
+            for name, value in init().items():
+                getattr(self, name)[...] = value
+            self._init_state_next_call = False
+        state = {name: getattr(self, name)[...] for name in self._state_names}
+        if any(v.shape == (0,) for v in state.values()):
+            raise InvalidArgumentError(
+                type(self).__name__,
+                "state",
+                "not initialised",
+                "state set from a first batch: call qbits.nnx.init_state(model, "
+                "batch) once before training",
+                why="the scale state's shape depends on the operand shapes "
+                "(its granularity is not per tensor)",
+            )
+        return state
+
+
+def _shape_free_state(config: DotGeneralConfig) -> dict[str, jax.Array]:
+    """The state entries whose shape does not depend on the operands.
+
+    Those of per-tensor scale providers (compact shape ``()``); a learned
+    step is NaN until :func:`qbits.nnx.init_state` sets it from data.
+    """
+    out: dict[str, jax.Array] = {}
+    for matmul, side, tensor, _ in SLOTS:
+        q = getattr(getattr(config, matmul), side)
+        p = provider(q)
+        if p is None or not isinstance(q.granularity, PerTensor):
+            continue
+        for name, value in p.init_state((), None, q.numerics).items():
+            out.setdefault(f"{tensor}_{name}", value)
+    return out
 
 
 class QuantizedDotGeneral(_Quantized):
@@ -114,9 +168,9 @@ class QuantizedDotGeneral(_Quantized):
     A config with delayed scaling (``"fp8_delayed"``) gives the module
     :class:`~qbits.nnx.DelayedState` Variables, updated through the
     backward pass (see :func:`qbits.nnx.update_state`). A config with
-    learned steps (:class:`~qbits.calibration.LearnedScale`) gives it
-    ``nnx.Param`` s ``lhs_step`` / ``rhs_step``, NaN until
-    :func:`qbits.nnx.init_steps` initialises them from a batch.
+    learned steps (:class:`~qbits.LearnedScale`) gives it ``nnx.Param`` s
+    ``lhs_step`` / ``rhs_step``, NaN until :func:`qbits.nnx.init_state`
+    initialises them from a batch.
 
     Args:
       config: A :class:`~qbits.DotGeneralConfig` or a preset name.
@@ -127,6 +181,7 @@ class QuantizedDotGeneral(_Quantized):
         preset); otherwise ignored.
       where: The config's place in its file, used in error messages
         (``"rules[0].config"``).
+      layer: The layer's path, named in error messages, or ``None``.
 
     Raises:
       InvalidArgumentError: For a config that is neither, or one that rounds
@@ -143,25 +198,6 @@ class QuantizedDotGeneral(_Quantized):
       1
     """
 
-    def __init__(
-        self,
-        config: DotGeneralConfig | str,
-        *,
-        rngs: nnx.Rngs | nnx.RngStream | None = None,
-        where: str = "config",
-    ):
-        super().__init__(config, rngs=rngs, where=where)
-        self._state_names = tuple(init_state(self.config))
-        for name, value in init_state(self.config).items():
-            setattr(self, name, DelayedState(value))
-        # Learned steps: NaN until qbits.nnx.init_steps sets them from data.
-        self._step_names = tuple(
-            sorted(f"{t}_step" for t in learned_tensors(self.config))
-        )
-        for name in self._step_names:
-            setattr(self, name, nnx.Param(jnp.full((), jnp.nan, jnp.float32)))
-        self._init_steps_next_call = False
-
     def __call__(
         self,
         lhs: jax.typing.ArrayLike,
@@ -173,34 +209,21 @@ class QuantizedDotGeneral(_Quantized):
         out_sharding: Any = None,
     ) -> jax.Array:
         """Computes ``lax.dot_general(lhs, rhs, ...)`` with quantized matmuls."""
-        if self._state_names or self._step_names:
-            state = {name: getattr(self, name)[...] for name in self._state_names}
-            steps = None
-            if self._step_names:
-                if self._init_steps_next_call:
-                    first = init_steps(self.config, jnp.asarray(lhs), jnp.asarray(rhs))
-                    for name, value in first.items():
-                        getattr(self, name)[...] = value
-                    self._init_steps_next_call = False
-                steps = {name: getattr(self, name)[...] for name in self._step_names}
-            return stateful_dot_general(self.config, self._key())(
-                lhs,
-                rhs,
-                dimension_numbers,
-                precision,
-                preferred_element_type,
-                state=state,
-                steps=steps,
-                out_sharding=out_sharding,
+        op = dot_general(self.config, self._key())
+        state = self._state(
+            lambda: op.init_state(
+                lhs, rhs, dimension_numbers, precision, preferred_element_type
             )
-        op = CheckedDotGeneral(dot_general(self.config, self._key()), self.where)
-        return op(
+        )
+        checked = CheckedDotGeneral(op, self.where, self.layer)
+        return checked(
             lhs,
             rhs,
             dimension_numbers,
             precision,
             preferred_element_type,
             out_sharding=out_sharding,
+            state=state,
         )
 
 
@@ -241,8 +264,11 @@ class QuantizedEinsum(_Quantized):
     ) -> jax.Array:
         """Computes ``jnp.einsum(subscripts, lhs, rhs)`` with quantized matmuls."""
         op = Einsum(
-            CheckedDotGeneral(dot_general(self.config, self._key()), self.where)
+            CheckedDotGeneral(
+                dot_general(self.config, self._key()), self.where, self.layer
+            )
         )
+        state = self._state(lambda: op.init_state(subscripts, lhs, rhs))
         return op(
             subscripts,
             lhs,
@@ -250,6 +276,7 @@ class QuantizedEinsum(_Quantized):
             precision=precision,
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
+            state=state,
         )
 
 
@@ -307,5 +334,7 @@ class QuantizedConv(_Quantized):
             precision,
             preferred_element_type,
         )
-        op = CheckedConv(conv_general_dilated(self.config, self._key()), self.where)
-        return op(*args, out_sharding=out_sharding)
+        conv = conv_general_dilated(self.config, self._key())
+        state = self._state(lambda: conv.init_state(*args, out_sharding=out_sharding))
+        op = CheckedConv(conv, self.where, self.layer)
+        return op(*args, out_sharding=out_sharding, state=state)

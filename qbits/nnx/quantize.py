@@ -268,7 +268,7 @@ def _inject(active: list[tuple[_Layer, LayerRow]], rngs: Any) -> None:
     modules: dict[int, nnx.Module] = {}
     for layer, row in active:
         res = row.resolution
-        kwargs = {"rngs": rngs, "where": res.where}
+        kwargs = {"rngs": rngs, "where": res.where, "layer": row.path}
         module = layer.module
         if layer.kind in ("Linear", "LinearGeneral"):
             module.dot_general = nnx.data(QuantizedDotGeneral(res.config, **kwargs))

@@ -1,15 +1,15 @@
-"""Delayed-scaling state in nnx models: :class:`DelayedState` Variables.
+"""Scale state in nnx models: :class:`DelayedState` Variables.
 
-A :class:`~qbits.nnx.QuantizedDotGeneral` whose config uses
-:class:`~qbits.calibration.DelayedScaling` (e.g. the ``fp8_delayed`` preset;
-:func:`qbits.nnx.quantize` makes one for every matching ``nnx.Linear`` and
-``nnx.LinearGeneral``) holds its scales and amax histories as
+A quantized nnx layer (:class:`~qbits.nnx.QuantizedDotGeneral`,
+:class:`~qbits.nnx.QuantizedEinsum`, :class:`~qbits.nnx.QuantizedConv`)
+whose config uses :class:`~qbits.DelayedScaling` (e.g. the ``fp8_delayed``
+preset) holds its scales and amax histories as
 :class:`DelayedState` Variables: ``lhs_scale``, ``lhs_amax_history``,
 ``rhs_...``, ``grad_...``. They are not ``nnx.Param`` s, so
 ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` leaves them alone.
 
 The gradient of the loss with respect to them is the *new* state (see
-:mod:`qbits.ops.stateful`): differentiate with respect to
+:mod:`qbits.ops.state`): differentiate with respect to
 ``(nnx.Param, DelayedState)`` and call :func:`update_state`, which writes the
 new state into the model and returns the parameter gradients for the
 optimizer. When a layer is used more than once in one loss (micro-batches,
@@ -28,7 +28,7 @@ import flax.nnx as nnx
 from qbits.errors import InvalidArgumentError
 from qbits.ops import max_combining as _max_combining
 
-__all__ = ["DelayedState", "init_steps", "max_combining", "update_state"]
+__all__ = ["DelayedState", "init_state", "max_combining", "update_state"]
 
 
 class DelayedState(nnx.Variable):
@@ -108,52 +108,55 @@ def max_combining(model: nnx.Module) -> Iterator[nnx.Module]:
             v.set_value(value)
 
 
-def init_steps(
+def init_state(
     model: nnx.Module, batch: Any, call: Callable[[nnx.Module, Any], Any] | None = None
 ) -> None:
-    """Initialises every learned step size (LSQ) of ``model`` from one batch.
+    """Sets the scale state of every quantized layer of ``model`` from one batch.
 
-    Runs the model once, eagerly; each layer with
-    :class:`~qbits.calibration.LearnedScale` sets its ``lhs_step`` /
-    ``rhs_step`` Params from the operands it sees
-    (:func:`qbits.lsq.init_step`). Call it once, before training.
+    Runs the model once, eagerly; each layer whose config has scale
+    providers sets its state from the operands it sees: learned steps
+    (:class:`~qbits.LearnedScale`, :func:`qbits.lsq.init_step`) and state
+    whose shape follows the operands (per-channel delayed scales). Per-tensor
+    delayed state needs no batch (it starts as scale 1, empty history); this
+    resets it. Call it once, before training.
 
     Args:
-      model: A model quantized with a learned-scale config.
+      model: A quantized model.
       batch: An input batch.
       call: ``call(model, batch)`` runs the model; default ``model(batch)``.
 
     Raises:
-      InvalidArgumentError: When a learned layer was not called by the run.
+      InvalidArgumentError: When a layer with scale state was not called by
+        the run.
 
     Example:
       >>> import flax.nnx as nnx
       >>> lsq = qbits.Quantizer(qbits.IntNumerics(bits=4),
-      ...                       qbits.calibration.LearnedScale("absmax"))
+      ...                       qbits.LearnedScale("absmax"))
       >>> cfg = qbits.DotGeneralConfig(qbits.MatmulConfig(lhs=lsq))
       >>> model = qbits.nnx.quantize(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), cfg)
-      >>> qbits.nnx.init_steps(model, jnp.full((2, 8), 15.0))
+      >>> qbits.nnx.init_state(model, jnp.full((2, 8), 15.0))
       >>> model.dot_general.lhs_step[...]
       Array(2., dtype=float32)
     """
     found = [
-        node for _, node in nnx.iter_graph(model) if getattr(node, "_step_names", ())
+        node for _, node in nnx.iter_graph(model) if getattr(node, "_state_names", ())
     ]
     for node in found:
-        node._init_steps_next_call = True
+        node._init_state_next_call = True
     try:
         if call is None:
             model(batch)
         else:
             call(model, batch)
     finally:
-        missed = [node for node in found if node._init_steps_next_call]
+        missed = [node for node in found if node._init_state_next_call]
         for node in found:
-            node._init_steps_next_call = False
+            node._init_state_next_call = False
     if missed:
         raise InvalidArgumentError(
-            "init_steps",
+            "init_state",
             "batch",
-            "a batch that leaves a learned layer uncalled",
-            "a call of the model that runs every layer with learned steps",
+            "a batch that leaves a layer with scale state uncalled",
+            "a call of the model that runs every layer with scale state",
         )

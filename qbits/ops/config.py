@@ -8,7 +8,7 @@ import numpy as np
 from flax import struct
 
 from qbits.errors import InvalidArgumentError, check_bool
-from qbits.numerics import NoNumerics
+from qbits.numerics import IntNumerics, NoNumerics
 from qbits.quantizer import Quantizer
 
 __all__ = ["IDENTITY", "DotGeneralConfig", "MatmulConfig"]
@@ -80,6 +80,23 @@ class MatmulConfig(struct.PyTreeNode):
                 )
             object.__setattr__(self, "accumulator", acc)
         check_bool("MatmulConfig", "use_fwd_quant", self.use_fwd_quant)
+        if self.mode == "real":
+            for name in ("lhs", "rhs"):
+                n = getattr(self, name).numerics
+                if (
+                    isinstance(n, IntNumerics)
+                    and not n.clip
+                    and n.get_dtype() is not None
+                ):
+                    raise InvalidArgumentError(
+                        "MatmulConfig",
+                        f"{name}.numerics.clip",
+                        False,
+                        "True in real mode, or mode='fake'",
+                        why="real mode stores the codes as integers, which "
+                        "cannot hold values beyond the grid that an unclipped "
+                        "fake quantization keeps: the two modes would differ",
+                    )
 
     @property
     def is_identity(self) -> bool:

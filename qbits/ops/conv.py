@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
+import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from qbits.context import Context
 from qbits.errors import InvalidArgumentError
+from qbits.ops import core
+from qbits.ops import state as state_lib
 from qbits.ops.config import DotGeneralConfig, MatmulConfig, check_config
-from qbits.ops.dot_general import _keys
+from qbits.ops.dims import Axes
 from qbits.ops.matmul import common_dtypes, dot_operand
 from qbits.scaled import is_scaled, scalify
 from qbits.tensor import QTensor
 
-__all__ = ["ConvGeneralDilated", "conv_general_dilated"]
+__all__ = ["ConvContraction", "ConvGeneralDilated", "conv_general_dilated"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,26 +56,27 @@ class _Conv:
             out_sharding=self.out_sharding,
         )
 
-    # The axes each operand contracts over, in each of the three convolutions.
+    # The axes each operand contracts over, in each of the three convolutions
+    # (the feature axis last: what Tiled(axis=None) tiles).
     @property
-    def lhs_contracting(self) -> tuple[int, ...]:  # features and window
+    def lhs_contracting(self) -> tuple[int, ...]:  # window and features
         spec = self.dimension_numbers.lhs_spec
-        return (spec[1], *spec[2:])
+        return (*spec[2:], spec[1])
 
     @property
-    def rhs_contracting(self) -> tuple[int, ...]:  # input features and window
+    def rhs_contracting(self) -> tuple[int, ...]:  # window and input features
         spec = self.dimension_numbers.rhs_spec
-        return (spec[1], *spec[2:])
+        return (*spec[2:], spec[1])
 
     @property
-    def out_contracting_dlhs(self) -> tuple[int, ...]:  # output features, window
+    def out_contracting_dlhs(self) -> tuple[int, ...]:  # window, output features
         spec = self.dimension_numbers.out_spec
-        return (spec[1], *spec[2:])
+        return (*spec[2:], spec[1])
 
     @property
-    def rhs_contracting_dlhs(self) -> tuple[int, ...]:  # output features, window
+    def rhs_contracting_dlhs(self) -> tuple[int, ...]:  # window, output features
         spec = self.dimension_numbers.rhs_spec
-        return (spec[0], *spec[2:])
+        return (*spec[2:], spec[0])
 
     @property
     def out_contracting_drhs(self) -> tuple[int, ...]:  # batch and positions
@@ -128,10 +131,14 @@ class ConvGeneralDilated:
         precision: Any = None,
         preferred_element_type: Any = None,
         out_sharding: Any = None,
+        *,
+        state: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
         """Computes ``lax.conv_general_dilated`` with quantized convolutions.
 
         ScaledArray operands give a ScaledArray result (:mod:`qbits.scaled`).
+        ``state`` holds the scale state of the config's providers
+        (:meth:`init_state`).
         """
         rest = (
             window_strides,
@@ -146,31 +153,78 @@ class ConvGeneralDilated:
             out_sharding,
         )
         if is_scaled(lhs) or is_scaled(rhs):
-            return scalify(lambda a, b: self(a, b, *rest))(lhs, rhs)
+            return scalify(lambda a, b: self(a, b, *rest, state=state))(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        if self.config.is_identity:
+        if self.config.is_identity and not state:
             return lax.conv_general_dilated(lhs, rhs, *rest)
-        for name, x in (("lhs", lhs), ("rhs", rhs)):
-            if not jnp.issubdtype(x.dtype, jnp.floating):
-                raise InvalidArgumentError(
-                    "conv_general_dilated",
-                    f"{name}.dtype",
-                    x.dtype,
-                    "a floating-point dtype",
-                )
-        conv = _Conv(
-            tuple(window_strides),
-            _hashable(padding),
-            None if lhs_dilation is None else tuple(lhs_dilation),
-            None if rhs_dilation is None else tuple(rhs_dilation),
-            lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers),
-            feature_group_count,
-            batch_group_count,
-            _hashable(precision),
-            preferred_element_type,
-            out_sharding,
+        c = _contraction(lhs, rhs, *rest)
+        return state_lib.run(
+            self.config, c, lhs, rhs, self.key, state, "conv_general_dilated"
         )
-        return _quantized_conv(self.config, conv, lhs, rhs, self.key)
+
+    def init_state(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> Any:
+        """The initial scale state for these operands (see :mod:`qbits.ops.state`).
+
+        Takes the arguments of the call (arrays or ``jax.ShapeDtypeStruct`` s).
+
+        Example:
+          >>> conv = qbits.conv_general_dilated(qbits.presets.get("fp8_delayed"))
+          >>> x, w = jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3))
+          >>> sorted(conv.init_state(x, w, (1, 1), "SAME"))[:2]
+          ['grad_amax_history', 'grad_scale']
+        """
+        if not isinstance(lhs, jax.ShapeDtypeStruct):
+            lhs = jnp.asarray(lhs)
+        if not isinstance(rhs, jax.ShapeDtypeStruct):
+            rhs = jnp.asarray(rhs)
+        bound = inspect.signature(lax.conv_general_dilated).bind(
+            lhs, rhs, *args, **kwargs
+        )
+        bound.apply_defaults()
+        rest = tuple(bound.arguments.values())[2:]
+        c = _contraction(lhs, rhs, *rest)
+        return state_lib.init_state(self.config, c, lhs, rhs, "conv_general_dilated")
+
+
+def _contraction(
+    lhs: Any,
+    rhs: Any,
+    window_strides: Any,
+    padding: Any,
+    lhs_dilation: Any,
+    rhs_dilation: Any,
+    dimension_numbers: Any,
+    feature_group_count: int,
+    batch_group_count: int,
+    precision: Any,
+    preferred_element_type: Any,
+    out_sharding: Any,
+) -> ConvContraction:
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise InvalidArgumentError(
+                "conv_general_dilated",
+                f"{name}.dtype",
+                x.dtype,
+                "a floating-point dtype",
+            )
+    conv = _Conv(
+        tuple(window_strides),
+        _hashable(padding),
+        None if lhs_dilation is None else tuple(lhs_dilation),
+        None if rhs_dilation is None else tuple(rhs_dilation),
+        lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers),
+        feature_group_count,
+        batch_group_count,
+        _hashable(precision),
+        preferred_element_type,
+        out_sharding,
+    )
+    operands = (
+        (tuple(lhs.shape), np.dtype(lhs.dtype)),
+        (tuple(rhs.shape), np.dtype(rhs.dtype)),
+    )
+    return ConvContraction(conv, operands)
 
 
 def conv_general_dilated(
@@ -213,22 +267,8 @@ def conv_general_dilated(
       (2, 4, 8, 8)
     """
     check_config("conv_general_dilated", config, key)
+    state_lib.check_providers(config, "conv_general_dilated")
     return ConvGeneralDilated(config, key)
-
-
-def _quantize(
-    cfg: MatmulConfig,
-    side: str,
-    x: jax.Array,
-    contracting: tuple[int, ...],
-    key: jax.Array | None,
-    store: bool,
-) -> tuple[QTensor, jax.tree_util.Partial]:
-    quantizer = getattr(cfg, side)
-    store = store and quantizer.numerics.get_dtype() is not None
-    return quantizer.quant_vjp(
-        x, Context(key), store=store, contracting_axes=contracting
-    )
 
 
 def _factorable(scale: jax.Array, keep: int, what: str) -> None:
@@ -243,66 +283,89 @@ def _factorable(scale: jax.Array, keep: int, what: str) -> None:
         )
 
 
-def _forward(
-    cfg: MatmulConfig, conv: _Conv, lhs: jax.Array, rhs: jax.Array, keys: Any
-) -> tuple[jax.Array, Any, Any]:
-    out_dtype = jax.eval_shape(conv, lhs, rhs).dtype
-    real = cfg.mode == "real"
-    lq, lgrad = _quantize(cfg, "lhs", lhs, conv.lhs_contracting, keys[0], real)
-    rq, rgrad = _quantize(cfg, "rhs", rhs, conv.rhs_contracting, keys[1], real)
-    if not real:
-        return conv(lq.dequant(), rq.dequant()).astype(out_dtype), lgrad, rgrad
-    dn = conv.dimension_numbers
-    lhs_keep = dn.lhs_spec[0] if conv.batch_group_count == 1 else -1
-    _factorable(lq.scale, lhs_keep, "input")
-    _factorable(rq.scale, dn.rhs_spec[0], "kernel")
-    a, b, acc = common_dtypes(dot_operand(lq), dot_operand(rq), cfg.accumulator)
-    out = conv(a, b, acc).astype(jnp.float32)
-    # Per-example and per-output-feature scales onto the output's axes.
-    shape = [1] * out.ndim
-    sl = lq.scale.reshape(-1)
-    if sl.size > 1:
-        shape[dn.out_spec[0]] = sl.size
-    out = out * sl.reshape(shape)
-    shape = [1] * out.ndim
-    sr = rq.scale.reshape(-1)
-    if sr.size > 1:
-        shape[dn.out_spec[1]] = sr.size
-    out = out * sr.reshape(shape)
-    return out.astype(out_dtype), lgrad, rgrad
+@dataclasses.dataclass(frozen=True)
+class ConvContraction(core.Contraction):
+    """A ``lax.conv_general_dilated`` as a contraction of the core.
+
+    Real mode runs the convolution on the stored integers (int8 x int8 ->
+    int32) when both operands are integers, with per-example and
+    per-output-feature scales applied to the output.
+    """
+
+    conv: _Conv
+    operands: tuple[tuple[tuple[int, ...], Any], tuple[tuple[int, ...], Any]]
+
+    @property
+    def contracting(self) -> tuple[Axes, Axes]:
+        """Input features and window, of the input and of the kernel."""
+        return self.conv.lhs_contracting, self.conv.rhs_contracting
+
+    def __call__(self, lhs: QTensor, rhs: QTensor, cfg: MatmulConfig) -> jax.Array:
+        """The convolution of two quantized operands."""
+        conv = self.conv
+        shape = lambda qt: jax.ShapeDtypeStruct(qt.shape, jnp.dtype(qt.dtype))  # noqa: E731
+        out_dtype = jax.eval_shape(conv, shape(lhs), shape(rhs)).dtype
+        if cfg.mode != "real":
+            return conv(lhs.dequant(), rhs.dequant()).astype(out_dtype)
+        dn = conv.dimension_numbers
+        lhs_keep = dn.lhs_spec[0] if conv.batch_group_count == 1 else -1
+        _factorable(lhs.scale, lhs_keep, "input")
+        _factorable(rhs.scale, dn.rhs_spec[0], "kernel")
+        a, b, acc = common_dtypes(dot_operand(lhs), dot_operand(rhs), cfg.accumulator)
+        out = conv(a, b, acc).astype(jnp.float32)
+        # Per-example and per-output-feature scales onto the output's axes.
+        for scale, axis in ((lhs.scale, dn.out_spec[0]), (rhs.scale, dn.out_spec[1])):
+            s = scale.reshape(-1)
+            shape_ = [1] * out.ndim
+            if s.size > 1:
+                shape_[axis] = s.size
+            out = out * s.reshape(shape_)
+        return out.astype(out_dtype)
+
+    def plain(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        """``lax.conv_general_dilated`` itself."""
+        return self.conv(lhs, rhs)
+
+    def gradient(self, side: str) -> _ConvTranspose:
+        """The transposed convolution that gives the cotangent of ``side``."""
+        conv = dataclasses.replace(self.conv, out_sharding=None)
+        return _ConvTranspose(conv, side, self.operands[0 if side == "lhs" else 1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _quantized_conv(
-    config: DotGeneralConfig, conv: _Conv, lhs: jax.Array, rhs: jax.Array, key: Any
-) -> jax.Array:
-    out, _ = _fwd(config, conv, lhs, rhs, key)
-    return out
+@dataclasses.dataclass(frozen=True)
+class _ConvTranspose(core.Contraction):
+    """A gradient convolution: the transpose of the forward's linear map.
 
+    It runs in float on the quantized values (the dequantized operands), as
+    JAX transposes a convolution; the numbers are those of real mode.
+    Operand shapes are taken from the call.
+    """
 
-def _fwd(
-    config: DotGeneralConfig, conv: _Conv, lhs: jax.Array, rhs: jax.Array, key: Any
-) -> tuple[jax.Array, tuple[Any, ...]]:
-    out, lgrad, rgrad = _forward(config.fwd, conv, lhs, rhs, _keys(key, 0, 1))
-    return out, (lhs, rhs, lgrad, rgrad, key)
+    conv: _Conv
+    side: str
+    primal: tuple[tuple[int, ...], Any]  # shape and dtype of the operand
 
+    @property
+    def contracting(self) -> tuple[Axes, Axes]:
+        """Output features and window (dlhs), or batch and positions (drhs)."""
+        if self.side == "lhs":
+            return self.conv.out_contracting_dlhs, self.conv.rhs_contracting_dlhs
+        return self.conv.out_contracting_drhs, self.conv.lhs_contracting_drhs
 
-def _bwd(
-    config: DotGeneralConfig, conv: _Conv, residuals: tuple[Any, ...], g: jax.Array
-) -> tuple[jax.Array, jax.Array, None]:
-    lhs, rhs, lgrad, rgrad, key = residuals
-    # The gradient convolutions are the transposes of the forward's linear
-    # maps, applied to the operands as each backward config quantizes them.
-    conv = dataclasses.replace(conv, out_sharding=None)
-    gk, rk = _keys(key, 2, 3)
-    g_l, _ = _quantize(config.dlhs, "lhs", g, conv.out_contracting_dlhs, gk, False)
-    r_l, _ = _quantize(config.dlhs, "rhs", rhs, conv.rhs_contracting_dlhs, rk, False)
-    (dl,) = jax.linear_transpose(lambda a: conv(a, r_l.dequant()), lhs)(g_l.dequant())
-    gk, lk = _keys(key, 4, 5)
-    g_r, _ = _quantize(config.drhs, "lhs", g, conv.out_contracting_drhs, gk, False)
-    l_r, _ = _quantize(config.drhs, "rhs", lhs, conv.lhs_contracting_drhs, lk, False)
-    (dr,) = jax.linear_transpose(lambda b: conv(l_r.dequant(), b), rhs)(g_r.dequant())
-    return lgrad(dl.astype(lhs.dtype)), rgrad(dr.astype(rhs.dtype)), None
+    def __call__(self, g: QTensor, other: QTensor, cfg: MatmulConfig) -> jax.Array:
+        """The gradient from the quantized output gradient and other operand."""
+        return self.plain(g.dequant(), other.dequant())
 
+    def plain(self, g: jax.Array, other: jax.Array) -> jax.Array:
+        """JAX's transpose of the convolution, applied to ``g``."""
+        conv = self.conv
+        aval = jax.ShapeDtypeStruct(self.primal[0], other.dtype)
+        if self.side == "lhs":
+            (out,) = jax.linear_transpose(lambda a: conv(a, other), aval)(g)
+        else:
+            (out,) = jax.linear_transpose(lambda b: conv(other, b), aval)(g)
+        return out
 
-_quantized_conv.defvjp(_fwd, _bwd)
+    def gradient(self, side: str) -> core.Contraction:
+        """Not needed: the core never differentiates a gradient."""
+        raise NotImplementedError

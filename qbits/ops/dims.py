@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,7 +54,10 @@ class Dims:
         """
         try:
             (lc, rc), (lb, rb) = dimension_numbers
-            lc, rc, lb, rb = (tuple(int(a) for a in axes) for axes in (lc, rc, lb, rb))
+            # operator.index: 1.7 or "1" is an error, as in lax, never truncated.
+            lc, rc, lb, rb = (
+                tuple(operator.index(a) for a in axes) for axes in (lc, rc, lb, rb)
+            )
         except (TypeError, ValueError):
             raise InvalidArgumentError(
                 "dot_general",

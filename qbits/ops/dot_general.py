@@ -12,24 +12,138 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from qbits.calibration import DelayedScaling, LearnedScale
 from qbits.errors import InvalidArgumentError
-from qbits.ops.config import IDENTITY, DotGeneralConfig, MatmulConfig, check_config
-from qbits.ops.dims import Dims
-from qbits.ops.matmul import matmul, quantize
+from qbits.ops import core
+from qbits.ops import state as state_lib
+from qbits.ops.config import DotGeneralConfig, MatmulConfig, check_config
+from qbits.ops.dims import Axes, Dims
+from qbits.ops.matmul import contract, fold_scale_into_lhs, result_dtype, stored_rhs
 from qbits.scaled import is_scaled, scalify
 from qbits.tensor import QTensor
 
-__all__ = ["DotGeneral", "dot_general"]
-
-# Key streams of the six quantized operands.
-_FWD_LHS, _FWD_RHS, _DLHS_LHS, _DLHS_RHS, _DRHS_LHS, _DRHS_RHS = range(6)
+__all__ = ["DotContraction", "DotGeneral", "dot_general"]
 
 
-def _keys(key: jax.Array | None, *streams: int) -> tuple[jax.Array | None, ...]:
-    if key is None:
-        return (None,) * len(streams)
-    return tuple(jax.random.fold_in(key, s) for s in streams)
+@dataclasses.dataclass(frozen=True)
+class DotContraction(core.Contraction):
+    """A ``lax.dot_general`` as a contraction of the core.
+
+    Attributes:
+      dims: The dimension numbers.
+      precision: As for ``lax.dot_general`` (hashable).
+      preferred_element_type: As for ``lax.dot_general``.
+      out_sharding: As for ``lax.dot_general``.
+      out_perm: The output is ``transpose(dot, out_perm)`` (the gradient
+        matmuls, laid out like their operand), or ``None``.
+      shardings: The operands' shardings under a mesh with explicit axes
+        (their gradients get them), else ``None`` each.
+    """
+
+    dims: Dims
+    precision: Any = None
+    preferred_element_type: Any = None
+    out_sharding: Any = None
+    out_perm: Axes | None = None
+    shardings: tuple[Any, Any] = (None, None)
+
+    @classmethod
+    def create(
+        cls,
+        dims: Dims,
+        precision: Any,
+        preferred_element_type: Any,
+        out_sharding: Any,
+        lhs: Any,
+        rhs: Any,
+    ) -> DotContraction:
+        """The contraction of one call, with the operands' explicit shardings."""
+        if isinstance(precision, list):
+            precision = tuple(precision)
+        return cls(
+            dims,
+            precision,
+            preferred_element_type,
+            out_sharding,
+            None,
+            (_explicit_sharding(lhs), _explicit_sharding(rhs)),
+        )
+
+    @property
+    def contracting(self) -> tuple[Axes, Axes]:
+        """The contracting axes of the lhs and the rhs."""
+        return self.dims.lhs_contract, self.dims.rhs_contract
+
+    def __call__(self, lhs: QTensor, rhs: QTensor, cfg: MatmulConfig) -> jax.Array:
+        """The dot of two quantized operands (:func:`qbits.ops.matmul.contract`)."""
+        return contract(
+            lhs,
+            rhs,
+            self.dims,
+            cfg,
+            result_dtype(lhs, rhs, self.dims, self.preferred_element_type),
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            out_sharding=self.out_sharding,
+            out_perm=self.out_perm,
+        )
+
+    def plain(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        """``lax.dot_general`` itself (then the output permutation)."""
+        out = lax.dot_general(
+            lhs,
+            rhs,
+            self.dims.lax(),
+            self.precision,
+            self.preferred_element_type,
+            out_sharding=self.out_sharding,
+        )
+        if self.out_perm is None or self.out_perm == tuple(range(out.ndim)):
+            return out
+        return jnp.transpose(out, self.out_perm)
+
+    def gradient(self, side: str) -> DotContraction:
+        """The gradient matmul of ``side``, exactly as JAX transposes it."""
+        dims, perm = self.dims.grad_lhs() if side == "lhs" else self.dims.grad_rhs()
+        of = self.shardings[0 if side == "lhs" else 1]
+        return DotContraction(
+            dims,
+            self.precision,
+            self.preferred_element_type,
+            _grad_sharding(of, perm),
+            perm,
+        )
+
+    def reuse(self, rhs: QTensor) -> QTensor | None:
+        """The forward operand when its scale factors out of this dot."""
+        return rhs if stored_rhs(rhs, self.dims) else None
+
+    def fold(self, lhs: jax.Array, rhs: QTensor) -> jax.Array:
+        """``lhs`` times ``rhs``'s scale along the paired axes."""
+        return fold_scale_into_lhs(lhs, rhs, self.dims)
+
+
+def _explicit_sharding(x: Any) -> Any:
+    """``x``'s NamedSharding under a mesh with explicit axes, else ``None``."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return None
+    return sharding
+
+
+def _grad_sharding(sharding: Any, perm: tuple[int, ...]) -> Any:
+    """The sharding of a gradient matmul's output, as JAX's transpose rule has it.
+
+    Under a mesh with explicit axes, the gradient of ``x`` gets ``x``'s
+    sharding; the matmul computes it before the transpose ``perm``, so its
+    output sharding is ``x``'s spec in that earlier axis order. Elsewhere
+    sharding is left to propagation (``None``).
+    """
+    if sharding is None:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+    before = [int(i) for i in np.argsort(perm)]  # output axis -> x axis
+    return NamedSharding(sharding.mesh, PartitionSpec(*(spec[a] for a in before)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -37,6 +151,10 @@ class DotGeneral:
     """A drop-in ``jax.lax.dot_general`` that quantizes as its config says.
 
     Made by :func:`dot_general`; call it exactly like ``lax.dot_general``.
+    A config whose quantizers take their scales from state (a
+    :class:`~qbits.providers.ScaleProvider` such as
+    :class:`~qbits.DelayedScaling`) also needs ``state=``, from
+    :meth:`init_state`.
 
     Attributes:
       config: The three matmuls.
@@ -72,11 +190,15 @@ class DotGeneral:
         preferred_element_type: Any = None,
         *,
         out_sharding: Any = None,
+        state: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
         """Computes ``lax.dot_general(lhs, rhs, ...)`` with quantized matmuls.
 
         A :class:`~qbits.scaled.ScaledArray` operand gives a ScaledArray
         result (the quantization runs on its data; see :mod:`qbits.scaled`).
+        ``state`` holds the scale state of the config's providers
+        (:meth:`init_state`); its gradient is the next state (see
+        :mod:`qbits.ops.state`).
         """
         if is_scaled(lhs) or is_scaled(rhs):
             return scalify(
@@ -87,11 +209,11 @@ class DotGeneral:
                     precision,
                     preferred_element_type,
                     out_sharding=out_sharding,
+                    state=state,
                 )
             )(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        config = self.config
-        if config.is_identity:
+        if self.config.is_identity and not state:
             return lax.dot_general(
                 lhs,
                 rhs,
@@ -100,7 +222,50 @@ class DotGeneral:
                 preferred_element_type,
                 out_sharding=out_sharding,
             )
-        dims = Dims.create(dimension_numbers, lhs.ndim, rhs.ndim)
+        c = self._contraction(
+            lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding
+        )
+        return state_lib.run(self.config, c, lhs, rhs, self.key, state, "dot_general")
+
+    def init_state(
+        self,
+        lhs: Any,
+        rhs: Any,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+    ) -> dict[str, jax.Array]:
+        """The initial scale state for operands like these (see :mod:`qbits.ops.state`).
+
+        Arrays or ``jax.ShapeDtypeStruct`` s; a learned scale
+        (:class:`~qbits.LearnedScale`) starts from the operands' values.
+
+        Example:
+          >>> dg = qbits.dot_general(qbits.presets.get("fp8_delayed"))
+          >>> state = dg.init_state(jnp.ones((2, 4)), jnp.ones((4, 3)),
+          ...                       (((1,), (0,)), ((), ())))
+          >>> state["lhs_scale"], state["lhs_amax_history"].shape
+          (Array([1.], dtype=float32), (1024,))
+        """
+        if not isinstance(lhs, jax.ShapeDtypeStruct):
+            lhs = jnp.asarray(lhs)
+        if not isinstance(rhs, jax.ShapeDtypeStruct):
+            rhs = jnp.asarray(rhs)
+        c = self._contraction(
+            lhs, rhs, dimension_numbers, precision, preferred_element_type, None
+        )
+        return state_lib.init_state(self.config, c, lhs, rhs, "dot_general")
+
+    def _contraction(
+        self,
+        lhs: Any,
+        rhs: Any,
+        dimension_numbers: Any,
+        precision: Any,
+        preferred_element_type: Any,
+        out_sharding: Any,
+    ) -> DotContraction:
+        dims = Dims.create(dimension_numbers, len(lhs.shape), len(rhs.shape))
         # Let lax check shapes and dtypes, with its own messages.
         jax.eval_shape(
             functools.partial(lax.dot_general, dimension_numbers=dims.lax()),
@@ -112,22 +277,9 @@ class DotGeneral:
                 raise InvalidArgumentError(
                     "dot_general", f"{name}.dtype", x.dtype, "a floating-point dtype"
                 )
-        return _quantized_dot(
-            config,
-            dims,
-            _hashable(precision),
-            preferred_element_type,
-            out_sharding,
-            lhs,
-            rhs,
-            self.key,
+        return DotContraction.create(
+            dims, precision, preferred_element_type, out_sharding, lhs, rhs
         )
-
-
-def _hashable(precision: Any) -> Any:
-    if isinstance(precision, list):
-        return tuple(precision)
-    return precision
 
 
 def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGeneral:
@@ -140,7 +292,9 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
     ``config.drhs``, each quantized as configured, through a custom VJP; a
     numerics' gradient (straight-through, or masked with ``clip_gradient``)
     applies on top. A config that quantizes nothing is ``lax.dot_general``
-    itself.
+    itself. Quantizers whose scales come from state (delayed scaling,
+    learned steps) take it as the keyword ``state=`` (see
+    :meth:`DotGeneral.init_state` and :mod:`qbits.ops.state`).
 
     Args:
       config: The forward matmul and the two gradient matmuls.
@@ -170,166 +324,5 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
       ...                   argnums=(0, 1))(x, w)
     """
     check_config("dot_general", config, key)
-    for m_name in ("fwd", "dlhs", "drhs"):
-        for side in ("lhs", "rhs"):
-            cal = getattr(getattr(config, m_name), side).calibration
-            if isinstance(cal, DelayedScaling | LearnedScale):
-                raise InvalidArgumentError(
-                    "dot_general",
-                    f"config.{m_name}.{side}.calibration",
-                    cal,
-                    "a stateless calibration; for DelayedScaling and "
-                    "LearnedScale use "
-                    "qbits.ops.stateful_dot_general, qbits.flax.quantize or "
-                    "qbits.nnx.quantize, which keep its state",
-                )
+    state_lib.check_providers(config, "dot_general")
     return DotGeneral(config, key)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _quantized_dot(
-    config: DotGeneralConfig,
-    dims: Dims,
-    precision: Any,
-    preferred_element_type: Any,
-    out_sharding: Any,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    key: jax.Array | None,
-) -> jax.Array:
-    out, _ = _fwd(
-        config, dims, precision, preferred_element_type, out_sharding, lhs, rhs, key
-    )
-    return out
-
-
-def _fwd(
-    config: DotGeneralConfig,
-    dims: Dims,
-    precision: Any,
-    preferred_element_type: Any,
-    out_sharding: Any,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    key: jax.Array | None,
-) -> tuple[jax.Array, tuple[Any, ...]]:
-    out, lhs_q, rhs_q = matmul(
-        lhs,
-        rhs,
-        dims,
-        config.fwd,
-        _keys(key, _FWD_LHS, _FWD_RHS),
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-    )
-    # Keep what the backward matmuls read of the forward operands: quantized
-    # already, as each will use it (stored values are a quarter of float32's
-    # memory, and quantizing next to the forward pass reads the operand while
-    # it is still in cache), or the forward's own quantized operand when a
-    # backward matmul reuses it.
-    residuals = (
-        _for_backward(
-            config.drhs, lhs, lhs_q.qtensor, dims.grad_rhs()[0], key, _DRHS_RHS
-        ),
-        _for_backward(
-            config.dlhs, rhs, rhs_q.qtensor, dims.grad_lhs()[0], key, _DLHS_RHS
-        ),
-        lhs_q.grad,
-        rhs_q.grad,
-        key,
-    )
-    return out, residuals
-
-
-def _for_backward(
-    cfg: MatmulConfig,
-    x: jax.Array,
-    forward: QTensor,
-    dims: Dims,
-    key: jax.Array | None,
-    stream: int,
-) -> jax.Array | QTensor:
-    """A forward operand as the backward matmul ``cfg`` (its rhs) will use it."""
-    if cfg.use_fwd_quant:
-        return forward
-    if cfg.rhs == IDENTITY:
-        return x
-    (k,) = _keys(key, stream)
-    store = cfg.mode == "real"
-    return quantize(cfg.rhs, x, dims.rhs_contract, k, store=store).qtensor
-
-
-def _bwd(
-    config: DotGeneralConfig,
-    dims: Dims,
-    precision: Any,
-    preferred_element_type: Any,
-    out_sharding: Any,
-    residuals: tuple[Any, ...],
-    g: jax.Array,
-) -> tuple[jax.Array, jax.Array, None]:
-    lhs, rhs, lhs_grad, rhs_grad, key = residuals
-
-    def gradient(of, other, grad_dims, cfg, streams):
-        return _gradient_matmul(
-            g, of, other, grad_dims, cfg, _keys(key, *streams), precision,
-            preferred_element_type,
-        )  # fmt: skip
-
-    dl = gradient(lhs, rhs, dims.grad_lhs(), config.dlhs, (_DLHS_LHS, _DLHS_RHS))
-    dr = gradient(rhs, lhs, dims.grad_rhs(), config.drhs, (_DRHS_LHS, _DRHS_RHS))
-    return lhs_grad(dl), rhs_grad(dr), None
-
-
-def _gradient_matmul(
-    g: jax.Array,
-    of: Any,
-    other: Any,
-    grad_dims: tuple[Dims, tuple[int, ...]],
-    cfg: MatmulConfig,
-    keys: Any,
-    precision: Any,
-    preferred_element_type: Any,
-) -> jax.Array:
-    """One gradient matmul, as JAX transposes dot_general.
-
-    ``d_lhs = transpose(g . rhs, perm_l)``, ``d_rhs = transpose(g . lhs,
-    perm_r)``: ``g`` against ``other`` (a forward operand, float or already
-    quantized for this matmul), returned in the dtype of ``of``.
-    """
-    dims_, perm = grad_dims
-    out, _, _ = matmul(
-        g,
-        other,
-        dims_,
-        cfg,
-        keys,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=_grad_sharding(of, perm),
-        out_perm=perm,
-    )
-    return out.astype(of.dtype)
-
-
-def _grad_sharding(x: Any, perm: tuple[int, ...]) -> Any:
-    """The sharding of a gradient matmul's output, as JAX's transpose rule has it.
-
-    Under a mesh with explicit axes, the gradient of ``x`` gets ``x``'s
-    sharding; the matmul computes it before the transpose ``perm``, so its
-    output sharding is ``x``'s spec in that earlier axis order. Elsewhere
-    sharding is left to propagation (``None``).
-    """
-    if isinstance(x, QTensor):  # a reused forward operand
-        x = x.qvalue
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
-        return None
-    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
-    before = [int(i) for i in np.argsort(perm)]  # output axis -> x axis
-    return NamedSharding(mesh, PartitionSpec(*(spec[a] for a in before)))
-
-
-_quantized_dot.defvjp(_fwd, _bwd)

@@ -191,10 +191,13 @@ class Einsum:
         precision: Any = None,
         preferred_element_type: Any = None,
         out_sharding: Any = None,
+        state: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
         """Computes ``jnp.einsum(subscripts, lhs, rhs)`` with quantized matmuls.
 
         ScaledArray operands give a ScaledArray result (:mod:`qbits.scaled`).
+        ``state`` holds the scale state of the config's providers
+        (:meth:`init_state`).
         """
         if is_scaled(lhs) or is_scaled(rhs):
             return scalify(
@@ -205,6 +208,7 @@ class Einsum:
                     precision=precision,
                     preferred_element_type=preferred_element_type,
                     out_sharding=out_sharding,
+                    state=state,
                 )
             )(lhs, rhs)
         if not isinstance(subscripts, str):
@@ -215,7 +219,8 @@ class Einsum:
         plan = _plan(subscripts, lhs.shape, rhs.shape)
         dg = self.dot_general
         config = getattr(getattr(dg, "op", dg), "config", None)
-        if config is not None and config.is_identity:  # jnp.einsum's numbers
+        if config is not None and config.is_identity and not state:
+            # jnp.einsum's own numbers
             return jnp.einsum(
                 subscripts,
                 lhs,
@@ -224,15 +229,9 @@ class Einsum:
                 preferred_element_type=preferred_element_type,
                 out_sharding=out_sharding,
             )
-        if plan.lhs_broadcast is not None:
-            lhs = jnp.broadcast_to(lhs, plan.lhs_broadcast)
-        if plan.rhs_broadcast is not None:
-            rhs = jnp.broadcast_to(rhs, plan.rhs_broadcast)
-        if plan.lhs_sum:
-            lhs = jnp.sum(lhs, axis=plan.lhs_sum)
-        if plan.rhs_sum:
-            rhs = jnp.sum(rhs, axis=plan.rhs_sum)
+        lhs, rhs = _prepared(plan, lhs, rhs)
         identity = plan.perm == tuple(range(len(plan.perm)))
+        extra = {} if state is None else {"state": state}
         out = self.dot_general(
             lhs,
             rhs,
@@ -242,8 +241,38 @@ class Einsum:
             out_sharding=out_sharding
             if identity
             else _permute_sharding(out_sharding, plan.perm),
+            **extra,
         )
         return out if identity else jnp.transpose(out, plan.perm)
+
+    def init_state(self, subscripts: str, lhs: Any, rhs: Any) -> dict[str, jax.Array]:
+        """The initial scale state for these operands (see :mod:`qbits.ops.state`).
+
+        Example:
+          >>> op = qbits.einsum(qbits.presets.get("fp8_delayed"))
+          >>> state = op.init_state("btd,dh->bth", jnp.ones((2, 3, 4)),
+          ...                       jnp.ones((4, 5)))
+          >>> state["lhs_scale"]
+          Array([1.], dtype=float32)
+        """
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        plan = _plan(subscripts, lhs.shape, rhs.shape)
+        lhs, rhs = _prepared(plan, lhs, rhs)
+        dg = getattr(self.dot_general, "op", self.dot_general)
+        return dg.init_state(lhs, rhs, plan.dimension_numbers)
+
+
+def _prepared(plan: _Plan, lhs: jax.Array, rhs: jax.Array) -> tuple[Any, Any]:
+    """The operands of the plan's one dot_general: broadcast and summed."""
+    if plan.lhs_broadcast is not None:
+        lhs = jnp.broadcast_to(lhs, plan.lhs_broadcast)
+    if plan.rhs_broadcast is not None:
+        rhs = jnp.broadcast_to(rhs, plan.rhs_broadcast)
+    if plan.lhs_sum:
+        lhs = jnp.sum(lhs, axis=plan.lhs_sum)
+    if plan.rhs_sum:
+        rhs = jnp.sum(rhs, axis=plan.rhs_sum)
+    return lhs, rhs
 
 
 def einsum(config: DotGeneralConfig, key: jax.Array | None = None) -> Einsum:

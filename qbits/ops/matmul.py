@@ -1,8 +1,10 @@
-"""One quantized matmul: quantize both operands, dot, rescale.
+"""One quantized dot: quantized operands in, the rescaled output out.
 
-This is the building block of :func:`qbits.dot_general`'s forward pass and of
-both backward matmuls. It is not differentiable itself; the custom VJP in
-:mod:`qbits.ops.dot_general` ties three of them together.
+:func:`contract` is what :func:`qbits.dot_general` computes in each of its
+three matmuls (the forward and both gradients) once the operands are
+quantized, in real mode (low-precision dot, scales on the output) or fake
+mode (a float dot of the dequantized operands). It is not differentiable
+itself; the custom VJP in :mod:`qbits.ops.core` ties three of them together.
 
 Integer operands and XLA:CPU
   XLA:CPU runs an s8 x s8 -> s32 dot on its fast kernel only when the lhs has
@@ -29,35 +31,25 @@ from jax import lax
 
 from qbits.context import Context
 from qbits.errors import InvalidArgumentError
+from qbits.numerics import IntNumerics
 from qbits.ops.config import MatmulConfig
 from qbits.ops.dims import Axes, Dims
 from qbits.quantizer import Quantizer
 from qbits.tensor import QTensor, expand_scale
 
 __all__ = [
-    "QuantizedOperand",
+    "code_bound",
     "common_dtypes",
     "contract",
     "dot_operand",
+    "fold_scale_into_lhs",
     "matmul",
     "quantize",
     "result_dtype",
+    "stored_rhs",
 ]
 
 Grad = jax.tree_util.Partial
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantizedOperand:
-    """An operand as a matmul quantized it: its QTensor and its gradient."""
-
-    qtensor: QTensor
-    grad: Grad
-
-
-jax.tree_util.register_dataclass(
-    QuantizedOperand, data_fields=["qtensor", "grad"], meta_fields=[]
-)
 
 
 def result_dtype(
@@ -77,74 +69,63 @@ def result_dtype(
     return np.dtype(out.dtype)
 
 
+def quantize(
+    quantizer: Quantizer,
+    x: jax.Array,
+    contracting: Axes,
+    key: jax.Array | None,
+    *,
+    store: bool,
+    scale: jax.Array | None = None,
+) -> tuple[QTensor, Grad]:
+    """``quantizer.quant_vjp`` of a matmul operand, stored where it can be.
+
+    ``scale`` is the given scale of a quantizer with a scale provider.
+    """
+    store = store and quantizer.numerics.get_dtype() is not None
+    return quantizer.quant_vjp(
+        x, Context(key), store=store, contracting_axes=contracting, scale=scale
+    )
+
+
 def matmul(
     lhs: jax.Array,
-    rhs: jax.Array | QTensor,
+    rhs: QTensor,
     dims: Dims,
     cfg: MatmulConfig,
-    keys: tuple[jax.Array | None, jax.Array | None] = (None, None),
+    key: jax.Array | None = None,
     *,
     precision: Any = None,
     preferred_element_type: Any = None,
     out_sharding: Any = None,
-    out_perm: Axes | None = None,
-) -> tuple[jax.Array, QuantizedOperand, QuantizedOperand]:
-    """Quantizes ``lhs`` and ``rhs`` as ``cfg`` says and contracts them.
+) -> jax.Array:
+    """The forward matmul against a stored rhs (a served weight).
 
-    Args:
-      lhs: Left operand, floating point.
-      rhs: Right operand, floating point; or a stored QTensor, which
-        ``cfg.rhs`` does not quantize again: used as it is when it was
-        quantized for this matmul (its scale factors out of the dot), else a
-        forward operand reused by a backward matmul (``use_fwd_quant``),
-        whose scale is folded into the lhs before the lhs is quantized.
-      dims: The contraction.
-      cfg: How to quantize, and real or fake mode.
-      keys: PRNG keys for the lhs and rhs quantizers (stochastic rounding).
-      precision: Passed to ``lax.dot_general``.
-      preferred_element_type: The output dtype, as in ``lax.dot_general``.
-      out_sharding: Passed to ``lax.dot_general``.
-      out_perm: Return ``transpose(out, out_perm)`` (computed in the cheapest
-        way) instead of ``out``.
+    ``lhs`` is quantized as ``cfg.lhs`` says; ``rhs`` was quantized for this
+    matmul (its scale is shared along the contracting axes, or tiled), as
+    :func:`quantize` stores it.
 
-    Returns:
-      ``(out, lhs_operand, rhs_operand)``: the output in the dtype
-      ``lax.dot_general`` would give, and both operands as quantized (in
-      their original layouts).
+    Raises:
+      InvalidArgumentError: For an ``rhs`` whose scale does not factor out.
     """
-    out_dtype = result_dtype(lhs, rhs, dims, preferred_element_type)
-    reuse = isinstance(rhs, QTensor)
-    if cfg.is_identity and not reuse:
-        out = lax.dot_general(
-            lhs,
-            rhs,
-            dims.lax(),
-            precision=precision,
-            preferred_element_type=preferred_element_type,
-            out_sharding=out_sharding,
+    if not stored_rhs(rhs, dims):
+        raise InvalidArgumentError(
+            "matmul",
+            "rhs.scale",
+            rhs.scale.shape,
+            "a scale shared along the contracting axes, or tiled along one",
         )
-        return _permute(out, out_perm), _unquantized(lhs), _unquantized(rhs)
-
-    real = cfg.mode == "real"
-    if reuse:
-        rhs_q = _stored_rhs(rhs, dims)
-        if rhs_q.qtensor is not rhs:  # the reused operand's scale moved to the lhs
-            lhs = _fold_scale_into_lhs(lhs, rhs, dims)
-    else:
-        rhs_q = quantize(cfg.rhs, rhs, dims.rhs_contract, keys[1], store=real)
-    lhs_q = quantize(cfg.lhs, lhs, dims.lhs_contract, keys[0], store=real)
-    out = contract(
-        lhs_q.qtensor,
-        rhs_q.qtensor,
+    lq, _ = quantize(cfg.lhs, lhs, dims.lhs_contract, key, store=cfg.mode == "real")
+    return contract(
+        lq,
+        rhs,
         dims,
         cfg,
-        out_dtype,
+        result_dtype(lhs, rhs, dims, preferred_element_type),
         precision=precision,
         preferred_element_type=preferred_element_type,
         out_sharding=out_sharding,
-        out_perm=out_perm,
     )
-    return out, lhs_q, rhs_q
 
 
 def contract(
@@ -161,15 +142,15 @@ def contract(
 ) -> jax.Array:
     """Contracts two operands quantized already, as ``cfg.mode`` says.
 
-    The second half of :func:`matmul`, for callers that quantize the
-    operands themselves (with scales kept as state, see
-    :mod:`qbits.ops.stateful`). Scales must factor out of the dot in real
-    mode (shared along the contracting axes, or tiled).
+    Scales must factor out of the dot in real mode (shared along the
+    contracting axes, or tiled). Integer x integer dots accumulate in int32
+    where it holds every sum (see :func:`code_bound`), else in float32.
 
     Returns:
       The output in ``out_dtype``, transposed by ``out_perm``.
     """
-    if cfg.mode != "real":
+    empty = 0 in lqt.shape or 0 in rqt.shape  # nothing to multiply: lax's zeros
+    if cfg.mode != "real" or empty:
         out = lax.dot_general(
             lqt.dequant(),
             rqt.dequant(),
@@ -183,8 +164,11 @@ def contract(
     rqt = _per_index_free(rqt, dims.rhs_batch + dims.rhs_free)
     a, b = dot_operand(lqt), dot_operand(rqt)
     if jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
-        out = _integer_dot(lqt, rqt, dims, cfg, precision, out_perm, out_sharding)
-        return out.astype(out_dtype)
+        if _int32_holds(lqt, rqt, dims, cfg):
+            out = _integer_dot(lqt, rqt, dims, cfg, precision, out_perm, out_sharding)
+            return out.astype(out_dtype)
+        # The int32 sum could overflow: accumulate the (exact) codes in float32.
+        cfg = dataclasses.replace(cfg, accumulator=np.dtype(np.float32))
     if _is_byte_float(a) and _is_byte_float(b):  # fp8
 
         def cpu(lqt: QTensor, rqt: QTensor) -> jax.Array:
@@ -203,6 +187,59 @@ def contract(
         return out.astype(out_dtype)
     out = _real_dot(a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding)
     return _permute(out.astype(out_dtype), out_perm)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def code_bound(qt: QTensor, quantizer: Quantizer | None = None) -> int:
+    """The largest magnitude of a stored integer operand's codes.
+
+    ``2**(bits-1) - 1`` for a clipping :class:`~qbits.IntNumerics` that
+    stored ``qt``; otherwise the storage dtype's largest value.
+    """
+    top = int(ml_dtypes.iinfo(np.dtype(qt.qdtype)).max)
+    numerics = getattr(quantizer, "numerics", None)
+    if (
+        isinstance(numerics, IntNumerics)
+        and numerics.clip
+        and numerics.get_dtype() == np.dtype(qt.qdtype)
+    ):
+        return min(top, 2 ** (numerics.bits - 1) - 1)
+    return top
+
+
+def _int32_holds(lqt: QTensor, rqt: QTensor, dims: Dims, cfg: MatmulConfig) -> bool:
+    """Whether an int32 accumulator holds every sum of this integer dot.
+
+    The rule: ``K * max|a| * max|b| <= 2**31 - 1``, with K the number of
+    products summed into one output (the tile size for tiled scales) and
+    the code bounds of :func:`code_bound`. int8 x int8 sums up to K = 133,144
+    exactly; 16-bit codes only K = 2 (wider sums accumulate in float32).
+
+    Raises:
+      InvalidArgumentError: For ``accumulator=int32`` where it could
+        overflow.
+    """
+    k = 1
+    for la in dims.lhs_contract:
+        k *= lqt.shape[la]
+    tiled = _tiled_pair(lqt, lqt.scale, rqt.scale, dims)
+    if tiled is not None:
+        k = k // lqt.shape[dims.lhs_contract[tiled[0]]] * tiled[1]
+    worst = k * code_bound(lqt, cfg.lhs) * code_bound(rqt, cfg.rhs)
+    if worst <= INT32_MAX:
+        return True
+    if cfg.accumulator == np.dtype(np.int32):
+        raise InvalidArgumentError(
+            "MatmulConfig",
+            "accumulator",
+            "int32",
+            "None or float32 for these operands",
+            why=f"{k} products of {np.dtype(lqt.qdtype)} x {np.dtype(rqt.qdtype)} "
+            f"codes can sum to {worst}, beyond int32",
+        )
+    return False
 
 
 def _per_index_free(qt: QTensor, axes: Axes) -> QTensor:
@@ -224,20 +261,19 @@ def _is_byte_float(x: jax.Array) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 1
 
 
-def _stored_rhs(rhs: QTensor, dims: Dims) -> QuantizedOperand:
-    """A stored rhs: used as it is when its scale factors out of this dot.
+def stored_rhs(rhs: QTensor, dims: Dims) -> bool:
+    """Whether a stored rhs's scale factors out of this dot as it is.
 
     That is the case when it was quantized for this matmul (its scale is
     shared along the contracted axes, or tiled); a forward operand reused by
     a backward matmul (``use_fwd_quant``) has its scale along axes this
-    matmul contracts, and the scale is folded into the lhs instead.
+    matmul contracts, and it is folded into the lhs instead
+    (:func:`fold_scale_into_lhs`).
     """
-    identity = jax.tree_util.Partial(_identity)
     shape = rhs.scale.shape
-    if all(shape[a] == 1 for a in dims.rhs_contract) or _single_tiled(shape, rhs, dims):
-        return QuantizedOperand(rhs, identity)
-    folded = jnp.ones((1,) * rhs.ndim, jnp.float32)
-    return QuantizedOperand(rhs.replace(scale=folded), identity)
+    return all(shape[a] == 1 for a in dims.rhs_contract) or _single_tiled(
+        shape, rhs, dims
+    )
 
 
 def _single_tiled(shape: tuple[int, ...], rhs: QTensor, dims: Dims) -> bool:
@@ -306,7 +342,10 @@ def _gemm_layout_dot(
     b_vals, b_scale = _laid_out(b, b_order, barriers=False)
     moved = d.moved(a_order, b_order)
     sharding = _permuted_sharding(out_sharding, out_perm) if swap else out_sharding
-    out = _real_dot(a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding)
+    out = _real_dot(
+        a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding,
+        one_scalar=True,
+    )  # fmt: skip
     return out if swap else _permute(out, out_perm)
 
 
@@ -364,32 +403,7 @@ def _permute(x: jax.Array, perm: Axes | None) -> jax.Array:
     return jnp.transpose(x, perm)
 
 
-def _identity(g: jax.Array) -> jax.Array:
-    return g
-
-
-def _unquantized(x: jax.Array) -> QuantizedOperand:
-    qt = QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
-    return QuantizedOperand(qt, jax.tree_util.Partial(_identity))
-
-
-def quantize(
-    quantizer: Quantizer,
-    x: jax.Array,
-    contracting: Axes,
-    key: jax.Array | None,
-    *,
-    store: bool,
-) -> QuantizedOperand:
-    """``quantizer.quant_vjp`` of a matmul operand, stored where it can be."""
-    store = store and quantizer.numerics.get_dtype() is not None
-    qt, grad = quantizer.quant_vjp(
-        x, Context(key), store=store, contracting_axes=contracting
-    )
-    return QuantizedOperand(qt, grad)
-
-
-def _fold_scale_into_lhs(lhs: jax.Array, rhs_fwd: QTensor, dims: Dims) -> jax.Array:
+def fold_scale_into_lhs(lhs: jax.Array, rhs_fwd: QTensor, dims: Dims) -> jax.Array:
     """``lhs * s`` where ``s`` is the rhs scale laid out along the lhs axes.
 
     Reusing the forward pass's rhs in a backward matmul: its scale varies
@@ -528,12 +542,23 @@ def _real_dot(
     cfg: MatmulConfig,
     precision: Any,
     out_sharding: Any,
+    *,
+    one_scalar: bool = False,
 ) -> jax.Array:
     """The low-precision dot and the rescaling, in float32.
 
     A tiled contracting axis is split into (tiles, tile); the tile index
     becomes a batch axis of the dot, and the per-tile products are scaled and
     summed.
+
+    The output is multiplied by the two scales in the order that keeps
+    every result float32 can hold (:func:`_unless_lost`): a huge or tiny
+    pair of scales never turns a representable result into inf or 0.
+    ``one_scalar`` (GPU, per-tensor scales): one multiply by the
+    product, the form XLA's GPU compiler folds into an FP8 GEMM (cuBLASLt's
+    scale) instead of a pass over the output; there the product of the two
+    scales must be a normal float32 (it is unless the two operands' amaxes
+    multiply to less than about 2e-33 for E4M3, or overflow).
     """
     tiled = _tiled_pair(a, sl, sr, dims)
     a, b, acc = common_dtypes(a, b, cfg.accumulator)
@@ -564,15 +589,30 @@ def _real_dot(
         out_sharding=out_sharding,
     ).astype(jnp.float32)
     if sl.size == 1 and sr.size == 1:
-        # One scalar factor: the form XLA's GPU compiler folds into an FP8
-        # GEMM (cuBLASLt's operand scales) instead of a pass over the output.
-        out = out * (sl.reshape(()) * sr.reshape(())).astype(jnp.float32)
+        both = (sl.reshape(()) * sr.reshape(())).astype(jnp.float32)
+        scaled = out * both
+        if not one_scalar:
+            scaled = _unless_lost(
+                scaled, out, lambda o: (o * sl.reshape(())) * sr.reshape(())
+            )
+        out = scaled
     else:
-        out = out * _scale_to_output(sl, dims, "lhs")
-        out = out * _scale_to_output(sr, dims, "rhs")
+        left = _scale_to_output(sl, dims, "lhs")
+        right = _scale_to_output(sr, dims, "rhs")
+        out = _unless_lost((out * left) * right, out, lambda o: o * (left * right))
     if tiled is not None:
         out = jnp.sum(out, axis=len(dims.lhs_batch) - 1)
     return out
+
+
+def _unless_lost(scaled: jax.Array, out: jax.Array, other: Any) -> jax.Array:
+    """``scaled``, or ``other(out)`` where ``scaled`` overflowed or flushed to 0.
+
+    Two orders of the same two multiplies: where the first loses a result
+    (an intermediate beyond float32's range), the other keeps it.
+    """
+    lost = ~jnp.isfinite(scaled) | ((scaled == 0) & (out != 0))
+    return jnp.where(lost & jnp.isfinite(out), other(out), scaled)
 
 
 def _scale_to_output(scale: jax.Array, dims: Dims, side: str) -> jax.Array:

@@ -224,6 +224,9 @@ def _register() -> None:
     for name in ("remat2", "checkpoint", "remat"):
         register_rule(name, _call("jaxpr"))
     register_rule("custom_jvp_call", _custom_jvp_call)
+    # A narrow data dtype does not bound a ScaledArray's values: the cap that
+    # keeps a quantized grid inside an input's dtype does not apply.
+    register_marker("fit_scale_to_dtype", lambda scale: scale)
     for name in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
         register_rule(name, _custom_vjp_call)
 

@@ -158,7 +158,7 @@ def check_servable(owner: str, path: str, cfg: MatmulConfig, where: str) -> None
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _store(kernel: jax.Array, cfg: MatmulConfig, contracting: tuple[int, ...]):
     # Exactly what the forward matmul does to its float rhs in real mode.
-    qt = quantize(cfg.rhs, kernel, contracting, None, store=True).qtensor
+    qt, _ = quantize(cfg.rhs, kernel, contracting, None, store=True)
     if np.dtype(qt.qvalue.dtype) in PACKABLE_DTYPES:
         qt = qt.pack(axis=-1)
     return qt

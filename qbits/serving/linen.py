@@ -231,7 +231,7 @@ class _ServingSession:
         precision = module.precision
         if isinstance(precision, list):
             precision = tuple(precision)
-        out, _, _ = matmul(inputs, qt, dims, res.config.fwd, precision=precision)
+        out = matmul(inputs, qt, dims, res.config.fwd, precision=precision)
         if bias is not None:
             out += jnp.reshape(bias, bias_broadcast)
         return out

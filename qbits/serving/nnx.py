@@ -125,7 +125,7 @@ class ServedDotGeneral(nnx.Module):
         dims = Dims.create(dimension_numbers, lhs.ndim, len(info.shape))
         if isinstance(precision, list):
             precision = tuple(precision)
-        out, _, _ = matmul(
+        out = matmul(
             lhs,
             qt,
             dims,

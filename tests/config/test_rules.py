@@ -100,7 +100,10 @@ def test_check_conv_operands_uses_the_axes_each_convolution_contracts():
     with pytest.raises(qbits.ConfigError) as info:
         check_conv_operands(cfg, x[..., :16], k[:, :, :16], *conv, where="default")
     assert info.value.path == "default.fwd.lhs.granularity.tile_size"
-    # MX tiles "the contracting axis", but a 3x3 convolution contracts three.
-    with pytest.raises(qbits.ConfigError, match="ambiguous") as info:
-        check_conv_operands(qbits.presets.get("mxfp8"), x, k, *conv, where="default")
-    assert info.value.path == "default.fwd.lhs.granularity.axis"
+    # MX tiles a convolution's feature axis (its last contracting axis).
+    mx, k32 = qbits.presets.get("mxfp8"), jnp.ones((3, 3, 32, 32))
+    x32 = jnp.ones((8, 4, 32, 32))  # the weight gradient tiles the last position
+    check_conv_operands(mx, x32, k32, *conv, where="default")
+    with pytest.raises(qbits.ConfigError) as info:
+        check_conv_operands(mx, x32[..., :16], k32[:, :, :16], *conv, where="d")
+    assert info.value.path == "d.fwd.lhs.granularity.tile_size"

@@ -348,9 +348,11 @@ def test_tile_size_that_does_not_divide_names_the_config_path():
             jax.random.key(0),
             jnp.ones((2, 32)),
         )
+    # A convolution's kernel is tiled along its input features.
     conv = qbits.flax.quantize(nn.Conv(4, (3, 3)), "int4_weight_only")
+    jax.eval_shape(conv.init, jax.random.key(0), jnp.ones((1, 4, 4, 128)))
     with pytest.raises(ConfigError, match=r"default\.fwd\.rhs\.granularity"):
-        jax.eval_shape(conv.init, jax.random.key(0), jnp.ones((1, 4, 4, 128)))
+        jax.eval_shape(conv.init, jax.random.key(0), jnp.ones((1, 4, 4, 100)))
     x = jnp.ones((2, 128))  # a multiple of 128 fits
     qmodel = qbits.flax.quantize(Net(), config)
     params = jax.eval_shape(qmodel.init, jax.random.key(0), x)

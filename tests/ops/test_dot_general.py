@@ -67,14 +67,16 @@ def assert_bits_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_signature_is_exactly_lax_dot_general():
+def test_signature_is_exactly_lax_dot_general_plus_keyword_state():
     def params(f):
         return [
             (p.name, p.kind, p.default)
             for p in inspect.signature(f).parameters.values()
         ]
 
-    assert params(qbits.dot_general(DotGeneralConfig())) == params(lax.dot_general)
+    ours = params(qbits.dot_general(DotGeneralConfig()))
+    assert ours[:-1] == params(lax.dot_general)
+    assert ours[-1] == ("state", inspect.Parameter.KEYWORD_ONLY, None)
 
 
 IDENTITY_CASES = [(*d, jnp.float32, None) for d in DIMS] + [
@@ -465,3 +467,84 @@ def test_fp8_lowers_to_the_gpu_fp8_gemm_pattern():
     assert all(
         "xf8E5M2>, tensor<" in t and "xf8E4M3FN>)" in t for t in operand_types[1:]
     )
+
+
+# ------------------------------------------------- nothing silent at the edges
+
+MM = (((1,), (0,)), ((), ()))
+
+
+@pytest.mark.parametrize(
+    ("bits", "k", "int32"),
+    [(16, 2, True), (16, 3, False), (14, 33, False), (12, 513, False), (8, 4096, True)],
+)
+def test_integer_accumulator_never_overflows(bits, k, int32):
+    q = Quantizer(IntNumerics(bits=bits))
+    dg = qbits.dot_general(DotGeneralConfig(MatmulConfig(lhs=q, rhs=q)))
+    x, w = jnp.ones((1, k)), jnp.ones((k, 1))
+    top = 2 ** (bits - 1) - 1
+    expected = k * (top / (top + 0.5)) ** 2  # 1.0 is stored as top, scale 1/(top+.5)
+    np.testing.assert_allclose(dg(x, w, MM), [[expected]], rtol=1e-6)
+    dtypes = qbits.ops.jaxpr_dot_dtypes(lambda a, b: dg(a, b, MM), x, w)
+    assert (dtypes[0][2] == "int32") == int32, dtypes
+
+
+def test_explicit_int32_accumulator_that_could_overflow_raises():
+    q = Quantizer(IntNumerics(bits=16))
+    cfg = DotGeneralConfig(MatmulConfig(lhs=q, rhs=q, accumulator="int32"))
+    with pytest.raises(qbits.InvalidArgumentError, match="accumulator"):
+        qbits.dot_general(cfg)(jnp.ones((1, 3)), jnp.ones((3, 1)), MM)
+
+
+def test_real_mode_refuses_unclipped_integer_grids():
+    unclipped = Quantizer(IntNumerics(bits=8, clip=False), qbits.ConstantBound(1.0))
+    with pytest.raises(qbits.InvalidArgumentError, match=r"lhs\.numerics\.clip"):
+        MatmulConfig(lhs=unclipped)
+    fake = MatmulConfig(lhs=unclipped, mode="fake")  # unclipped, as documented
+    out = qbits.dot_general(DotGeneralConfig(fake))(
+        jnp.full((1, 1), 3.0), jnp.ones((1, 1)), MM
+    )
+    np.testing.assert_allclose(out, [[3.0]], rtol=0.01)
+
+
+@pytest.mark.parametrize("axis", [1.7, "1", None])
+def test_non_integer_dimension_numbers_are_refused(axis):
+    dg = qbits.dot_general(qbits.presets.get("int8_fwd"))
+    with pytest.raises(qbits.InvalidArgumentError, match="dimension_numbers"):
+        dg(jnp.ones((2, 3)), jnp.ones((3, 4)), (((axis,), (0,)), ((), ())))
+
+
+def test_forward_mode_autodiff_gives_a_clear_error():
+    dg = qbits.dot_general(qbits.presets.get("int8_fwd"))
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    with pytest.raises(qbits.InvalidArgumentError, match=r"jax\.grad"):
+        jax.jvp(lambda x: dg(x, w, MM), (x,), (x,))
+
+
+@pytest.mark.parametrize("preset", ["int8", "fp8", "mxfp8", "int4_weight_only"])
+@pytest.mark.parametrize(
+    ("lhs_shape", "rhs_shape"), [((0, 128), (128, 128)), ((128, 0), (0, 128))]
+)
+def test_zero_size_operands_give_what_lax_gives(preset, lhs_shape, rhs_shape):
+    config = qbits.presets.get(preset)
+    dg = qbits.dot_general(config, jax.random.key(0) if config.needs_key else None)
+    x, w = jnp.ones(lhs_shape), jnp.ones(rhs_shape)
+    out = dg(x, w, MM)
+    np.testing.assert_array_equal(out, lax.dot_general(x, w, MM))
+    gx, gw = jax.grad(lambda x, w: dg(x, w, MM).sum(), (0, 1))(x, w)
+    assert gx.shape == x.shape and gw.shape == w.shape
+    assert not bool(jnp.any(gw)) and not bool(jnp.any(gx))
+
+
+@pytest.mark.parametrize("preset", ["int8_fwd", "int8", "fp8", "mxfp8", "w4a8"])
+@pytest.mark.parametrize("magnitude", [1e-37, 1e30])
+def test_tiny_and_huge_operands_keep_their_results(preset, magnitude):
+    config = qbits.presets.get(preset)
+    dg = qbits.dot_general(config, jax.random.key(0) if config.needs_key else None)
+    k = jax.random.split(jax.random.key(1), 2)
+    x = jnp.abs(jax.random.normal(k[0], (4, 64))) * magnitude
+    w = jnp.abs(jax.random.normal(k[1], (64, 32))) * (1e-3 if magnitude > 1 else 1.0)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    got = np.asarray(dg(x, w, MM), np.float64)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=0.15)

@@ -1,4 +1,4 @@
-"""Delayed scaling: the math, the stateful dot_general, Flax fp8_ops parity."""
+"""Delayed scaling: the math, dot_general with state, Flax fp8_ops parity."""
 
 import flax.linen as nn
 import jax
@@ -8,8 +8,7 @@ import pytest
 from flax.linen import fp8_ops
 
 import qbits
-from qbits.calibration import DelayedScaling, scale_from_history, update_history
-from qbits.ops import stateful_dot_general
+from qbits.providers import DelayedScaling, scale_from_history, update_history
 
 DN = (((1,), (0,)), ((), ()))
 E4M3 = qbits.Fp8Numerics("float8_e4m3fn")
@@ -34,6 +33,7 @@ def delayed_config(history=16, mode="real", amax_compute="max", margin=0.0):
         ({"history_length": 0}, "history_length"),
         ({"history_length": -3}, "history_length"),
         ({"history_length": 2.0}, "history_length"),
+        ({"history_length": 4_000_000_000}, "history_length"),
         ({"amax_compute": "mean"}, "amax_compute"),
         ({"margin": -1.0}, "margin"),
         ({"margin": float("nan")}, "margin"),
@@ -82,32 +82,65 @@ def test_bad_history_and_unknown_amax_compute_raise():
 # ----------------------------------------------------- the stateful op
 
 
-def test_stateless_dot_general_refuses_delayed_config():
-    with pytest.raises(qbits.InvalidArgumentError, match="stateful_dot_general"):
-        qbits.dot_general(qbits.presets.get("fp8_delayed"))
+def _dot(config, x, w):
+    dg = qbits.dot_general(config)
+    return dg, dg.init_state(x, w, DN)
+
+
+def test_delayed_config_needs_state_and_a_quantizer_alone_refuses_it():
+    dg = qbits.dot_general(qbits.presets.get("fp8_delayed"))
+    with pytest.raises(qbits.InvalidArgumentError, match="state=None"):
+        dg(jnp.ones((2, 4)), jnp.ones((4, 3)), DN)
     q = qbits.Quantizer(E4M3, DelayedScaling(4))
-    with pytest.raises(qbits.InvalidArgumentError, match="DelayedScaling: state"):
+    with pytest.raises(qbits.InvalidArgumentError, match="scale"):
         q.quant(jnp.ones(3))
 
 
 def test_bad_state_and_configs_raise():
-    dg = stateful_dot_general(delayed_config(history=8))
     x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
-    state = dg.init_state()
+    dg, state = _dot(delayed_config(history=8), x, w)
     with pytest.raises(qbits.InvalidArgumentError, match="state="):
         dg(x, w, DN, state={"lhs_scale": state["lhs_scale"]})
     bad = dict(state, lhs_amax_history=jnp.zeros((5,)))
     with pytest.raises(qbits.InvalidArgumentError, match="lhs_amax_history"):
         dg(x, w, DN, state=bad)
-    per_channel = qbits.Quantizer(E4M3, DelayedScaling(4), qbits.PerChannel())
-    with pytest.raises(qbits.InvalidArgumentError, match="granularity"):
-        stateful_dot_general(
-            qbits.DotGeneralConfig(qbits.MatmulConfig(lhs=per_channel))
-        )
+    with pytest.raises(qbits.InvalidArgumentError, match="state="):
+        qbits.dot_general(qbits.presets.get("fp8"))(x, w, DN, state=state)
+    # Two quantizers of one tensor (the output gradient) with different
+    # providers cannot share its one state.
     cfg = delayed_config()
-    other = qbits.MatmulConfig(lhs=qbits.Quantizer(E5M2), rhs=cfg.drhs.rhs)
+    other = qbits.MatmulConfig(
+        lhs=qbits.Quantizer(E5M2, DelayedScaling(3)), rhs=cfg.drhs.rhs
+    )
     with pytest.raises(qbits.InvalidArgumentError, match=r"drhs\.lhs"):
-        stateful_dot_general(qbits.DotGeneralConfig(cfg.fwd, cfg.dlhs, other))
+        qbits.dot_general(qbits.DotGeneralConfig(cfg.fwd, cfg.dlhs, other))(
+            x, w, DN, state=state
+        )
+    rounded = qbits.Quantizer(E4M3, DelayedScaling(4), scale_rounding="pow2")
+    with pytest.raises(qbits.InvalidArgumentError, match="scale_rounding"):
+        qbits.dot_general(qbits.DotGeneralConfig(qbits.MatmulConfig(lhs=rounded)))
+
+
+def test_per_channel_delayed_scales_keep_one_history_per_channel():
+    per_channel = qbits.Quantizer(E4M3, DelayedScaling(3), qbits.PerChannel())
+    cfg = qbits.DotGeneralConfig(qbits.MatmulConfig(rhs=per_channel))
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 3)) * jnp.array([1.0, 10.0, 100.0])
+    dg, state = _dot(cfg, x, w)
+    assert state["rhs_scale"].shape == (3,)
+    assert state["rhs_amax_history"].shape == (3, 3)
+    step = jax.jit(jax.grad(lambda s: dg(x, w, DN, state=s).sum()))
+    new = step(state)
+    np.testing.assert_allclose(
+        new["rhs_amax_history"][0], jnp.max(jnp.abs(w), axis=0), rtol=1e-6
+    )
+    new = step(new)  # scales from step one's amaxes, one per output channel
+    np.testing.assert_allclose(
+        new["rhs_scale"], jnp.max(jnp.abs(w), axis=0) / 448.0, rtol=1e-6
+    )
+    y = dg(x, w, DN, state=new)
+    wq = (w / new["rhs_scale"]).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    np.testing.assert_allclose(y, x @ (wq * new["rhs_scale"]), rtol=1e-5, atol=1e-5)
 
 
 def _flax_state(s):
@@ -138,8 +171,7 @@ def test_scales_and_histories_equal_flax_fp8_ops_over_steps(mode, flax_op):
     variables = dense.init(keys[1], x0)
     kernel = variables["params"]["kernel"]
     flax_state = variables[fp8_ops.OVERWRITE_WITH_GRADIENT]
-    dg = stateful_dot_general(delayed_config(history=length, mode=mode))
-    state = dg.init_state()
+    dg, state = _dot(delayed_config(history=length, mode=mode), x0, kernel)
 
     def flax_loss(params, owg, x):
         y = dense.apply({"params": params, fp8_ops.OVERWRITE_WITH_GRADIENT: owg}, x)
@@ -166,11 +198,10 @@ def test_scales_and_histories_equal_flax_fp8_ops_over_steps(mode, flax_op):
 
 
 def test_forward_uses_the_delayed_scale_and_evaluation_leaves_state():
-    dg = stateful_dot_general(delayed_config(history=3))
-    state = dg.init_state()
-    state["lhs_amax_history"] = jnp.array([0.0, 0.0, 4480.0])  # scale 10
     x = jnp.array([[1.0, 7.0]])  # 0.1 and 0.7 round on the E4M3 grid
     w = jnp.eye(2)
+    dg, state = _dot(delayed_config(history=3), x, w)
+    state["lhs_amax_history"] = jnp.array([0.0, 0.0, 4480.0])  # scale 10
     y = dg(x, w, DN, state=state)
     expected = (x / 10.0).astype(jnp.float8_e4m3fn).astype(jnp.float32) * 10.0
     np.testing.assert_allclose(y, expected, rtol=1e-6)
@@ -180,11 +211,11 @@ def test_forward_uses_the_delayed_scale_and_evaluation_leaves_state():
 
 
 def test_grad_amax_is_recorded_in_backward_with_e5m2():
-    dg = stateful_dot_general(delayed_config(history=2))
     x, w = jnp.ones((3, 4)), jnp.ones((4, 5))
+    dg, state = _dot(delayed_config(history=2), x, w)
     _, new = jax.jit(
         jax.grad(lambda x, s: jnp.sum(dg(x, w, DN, state=s) * 3.5), argnums=(0, 1))
-    )(x, dg.init_state())
+    )(x, state)
     np.testing.assert_array_equal(new["grad_amax_history"], [3.5, 0.0])
     np.testing.assert_array_equal(new["rhs_amax_history"], [1.0, 0.0])
 
@@ -192,11 +223,11 @@ def test_grad_amax_is_recorded_in_backward_with_e5m2():
 def test_identity_forward_operands_are_exact_when_only_grad_is_delayed():
     e5m2 = qbits.Quantizer(E5M2, DelayedScaling(4))
     bwd = qbits.MatmulConfig(lhs=e5m2)
-    dg = stateful_dot_general(qbits.DotGeneralConfig(dlhs=bwd, drhs=bwd))
-    assert sorted(dg.init_state()) == ["grad_amax_history", "grad_scale"]
     x = jax.random.normal(jax.random.key(0), (4, 8))
     w = jax.random.normal(jax.random.key(1), (8, 3))
-    np.testing.assert_allclose(dg(x, w, DN, state=dg.init_state()), x @ w, rtol=1e-6)
+    dg, state = _dot(qbits.DotGeneralConfig(dlhs=bwd, drhs=bwd), x, w)
+    assert sorted(state) == ["grad_amax_history", "grad_scale"]
+    np.testing.assert_allclose(dg(x, w, DN, state=state), x @ w, rtol=1e-6)
 
 
 # ------------------------------------------------------ combining with max
@@ -213,9 +244,8 @@ def _batches():
 
 
 def test_scan_sharing_one_state_combines_with_max_not_sum():
-    dg = stateful_dot_general(delayed_config(history=4))
     w, xs = _batches()
-    start = dg.init_state()
+    dg, start = _dot(delayed_config(history=4), xs[0], w)
     start["lhs_amax_history"] = jnp.array([0.0, 0.0, 0.0, 2.0])
     start["grad_amax_history"] = jnp.array([0.0, 0.0, 0.0, 9.0])
 
@@ -240,9 +270,8 @@ def test_scan_sharing_one_state_combines_with_max_not_sum():
 
 
 def test_grad_accumulation_over_micro_batches_takes_the_max():
-    dg = stateful_dot_general(delayed_config(history=4))
     w, xs = _batches()
-    start = dg.init_state()
+    dg, start = _dot(delayed_config(history=4), xs[0], w)
 
     def loss(w, state, x):
         return jnp.sum(dg(x, w, DN, state=state) ** 2)
@@ -284,7 +313,7 @@ import qbits
 assert jax.device_count() == 8
 from jax.sharding import AxisType
 mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-dg = qbits.ops.stateful_dot_general(qbits.presets.get("fp8_delayed"))
+dg = qbits.dot_general(qbits.presets.get("fp8_delayed"))
 dn = (((1,), (0,)), ((), ()))
 k = jax.random.split(jax.random.key(0), 2)
 x = jax.random.normal(k[0], (32, 64)) * jnp.arange(32.0)[:, None]
@@ -293,7 +322,7 @@ w = jax.random.normal(k[1], (64, 16))
 def step(x, w, s):
     return jax.grad(lambda w, s: jnp.sum(dg(x, w, dn, state=s) ** 3), (0, 1))(w, s)
 
-state = dg.init_state()
+state = dg.init_state(x, w, dn)
 ref_w, ref = jax.jit(step)(x, w, state)
 ref_w, ref = jax.jit(step)(x, w, ref)  # second step: scales from step one
 xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))

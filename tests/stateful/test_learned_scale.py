@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import qbits
-from qbits.calibration import LearnedScale
 from qbits.lsq import grid_max, init_step, lsq_quantize
+from qbits.providers import LearnedScale
 
 DN = (((1,), (0,)), ((), ()))
 INT4 = qbits.IntNumerics(bits=4)
@@ -57,34 +57,34 @@ def test_initialisation_and_bad_settings():
         grid_max(noisy)
     q = qbits.Quantizer(INT4, LearnedScale())
     with pytest.raises(qbits.InvalidArgumentError, match=r"dlhs\.lhs"):
-        qbits.ops.stateful_dot_general(
-            qbits.DotGeneralConfig(dlhs=qbits.MatmulConfig(lhs=q))
-        )
-    with pytest.raises(qbits.InvalidArgumentError, match="stateless calibration"):
-        qbits.dot_general(_lsq_config())
-    dg = qbits.ops.stateful_dot_general(_lsq_config())
-    with pytest.raises(qbits.InvalidArgumentError, match="steps="):
+        qbits.dot_general(qbits.DotGeneralConfig(dlhs=qbits.MatmulConfig(lhs=q)))
+    dg = qbits.dot_general(_lsq_config())
+    with pytest.raises(qbits.InvalidArgumentError, match="state=None"):
         dg(jnp.ones((2, 3)), jnp.ones((3, 4)), DN)
     cfg = _lsq_config("absmax")
     assert qbits.config.loads(qbits.config.dumps(cfg)) == cfg
 
 
-def test_stateful_dot_with_learned_steps_trains_them():
+def test_learned_steps_run_real_int_dots_and_train():
     k = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k[0], (32, 16))
     w_true = jax.random.normal(k[1], (16, 4))
     y = x @ w_true
-    dg = qbits.ops.stateful_dot_general(_lsq_config())
+    dg = qbits.dot_general(_lsq_config())
     w = jax.random.normal(k[2], (16, 4)) * 0.1
-    steps = dg.init_steps(x, w)
-    out = dg(x, w, DN, steps=steps)
+    steps = dg.init_state(x, w, DN)
+    assert sorted(steps) == ["lhs_step", "rhs_step"]
+    out = dg(x, w, DN, state=steps)
     expected = lsq_quantize(INT4, x, steps["lhs_step"]) @ lsq_quantize(
         INT4, w, steps["rhs_step"]
     )
-    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    # Real mode: the forward dot runs on the stored integers.
+    dtypes = qbits.ops.jaxpr_dot_dtypes(lambda x, w: dg(x, w, DN, state=steps), x, w)
+    assert dtypes[0] == ("int8", "int8", "int32")
 
     def loss(params):
-        return jnp.mean((dg(x, params["w"], DN, steps=params["steps"]) - y) ** 2)
+        return jnp.mean((dg(x, params["w"], DN, state=params["steps"]) - y) ** 2)
 
     params = {"w": w, "steps": steps}
     first = loss(params)
@@ -121,11 +121,11 @@ def test_nnx_steps_are_params_initialised_from_a_batch_and_trained():
 
     model = qbits.nnx.quantize(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), _lsq_config())
     dot = model.dot_general
-    assert bool(jnp.isnan(dot.lhs_step[...]))  # until init_steps
+    assert bool(jnp.isnan(dot.lhs_step[...]))  # until init_state
     x = jax.random.normal(jax.random.key(0), (8, 16))
-    qbits.nnx.init_steps(model, x)
+    qbits.nnx.init_state(model, x)
     np.testing.assert_allclose(dot.lhs_step[...], init_step(x, INT4), rtol=1e-6)
     grads = nnx.jit(nnx.grad(lambda m: (m(x) ** 2).sum()))(model)
     assert grads["dot_general"]["rhs_step"][...] != 0
-    with pytest.raises(qbits.InvalidArgumentError, match="init_steps"):
-        qbits.nnx.init_steps(model, x, call=lambda m, b: None)
+    with pytest.raises(qbits.InvalidArgumentError, match="init_state"):
+        qbits.nnx.init_state(model, x, call=lambda m, b: None)

@@ -104,15 +104,46 @@ def test_explicit_dot_general_cls_and_bad_config():
         bad.init(jax.random.key(0), x)
 
 
-def test_delayed_rule_on_an_einsum_layer_raises_naming_it():
-    class WithEinsum(nn.Module):
+def test_delayed_scaling_on_einsum_conv_and_attention_einsums():
+    class Net(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return nn.Einsum((8, 4), "bi,io->bo", name="mix")(x)
+            h = nn.Einsum((8, 8), "btd,de->bte", name="mix")(x)
+            h = nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(h)
+            return nn.Conv(4, (3,), name="conv")(h)
 
-    model = qbits.flax.quantize(WithEinsum(), "fp8_delayed")
-    with pytest.raises(qbits.InvalidArgumentError, match="'mix'"):
-        model.init(jax.random.key(0), jnp.ones((2, 8)))
+    model = qbits.flax.quantize(Net(), "fp8_delayed")
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    v = model.init(jax.random.key(1), x)
+    owners = {
+        "/".join(str(getattr(k, "key", k)) for k in path[:-1])
+        for path, _ in jax.tree_util.tree_flatten_with_path(v[STATE])[0]
+    }
+    assert owners == {
+        "mix/StatefulEinsum_0",
+        "attn/query/StatefulDotGeneral_0",
+        "attn/key/StatefulDotGeneral_0",
+        "attn/value/StatefulDotGeneral_0",
+        "attn/qk",
+        "attn/pv",
+        "attn/out/StatefulDotGeneral_0",
+        "conv/StatefulConv_0",
+    }
+    # Every matmul of the forward pass runs on E4M3 operands.
+    fn = functools.partial(model.apply, x=x)
+    dtypes = qbits.ops.jaxpr_dot_dtypes(fn, v) + qbits.ops.jaxpr_dot_dtypes(
+        fn, v, primitive="conv_general_dilated"
+    )
+    assert len(dtypes) == 8  # mix, query, key, value, qk, pv, out; conv
+    assert all(d[:2] == ("float8_e4m3fn", "float8_e4m3fn") for d in dtypes), dtypes
+    grads = jax.jit(jax.grad(lambda v: (model.apply(v, x) ** 2).sum()))(v)
+    for path, hist in jax.tree_util.tree_flatten_with_path(grads[STATE])[0]:
+        if "amax_history" in str(path[-1]):
+            assert hist[0] > 0 and bool(jnp.isfinite(hist[0])), path
+    np.testing.assert_allclose(
+        grads[STATE]["mix"]["StatefulEinsum_0"]["lhs_amax_history"][0],
+        jnp.max(jnp.abs(x)),
+    )
 
 
 class Block(nn.Module):

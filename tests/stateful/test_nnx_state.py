@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 import qbits
 from qbits.nnx import DelayedState
@@ -56,13 +55,12 @@ def test_same_numbers_as_linen_and_the_functional_op():
     model = qbits.nnx.quantize(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), "fp8_delayed")
     x = jax.random.normal(jax.random.key(0), (8, 16))
     grads = nnx.jit(nnx.grad(lambda m: (m(x) ** 2).sum(), argnums=WRT))(model)
-    op = qbits.ops.stateful_dot_general(qbits.presets.get("fp8_delayed"))
+    op = qbits.dot_general(qbits.presets.get("fp8_delayed"))
     kernel = model.kernel[...]
-    ref = jax.jit(
-        jax.grad(
-            lambda s: (op(x, kernel, (((1,), (0,)), ((), ())), state=s) ** 2).sum()
-        )
-    )(op.init_state())
+    dn = (((1,), (0,)), ((), ()))
+    ref = jax.jit(jax.grad(lambda s: (op(x, kernel, dn, state=s) ** 2).sum()))(
+        op.init_state(x, kernel, dn)
+    )
     for k, v in ref.items():
         np.testing.assert_array_equal(grads["dot_general"][k][...], v, err_msg=k)
 
@@ -88,8 +86,36 @@ def test_micro_batches_in_one_loss_combine_with_max():
     assert model.dot_general.lhs_scale[...].dtype == jnp.float32
 
 
-def test_delayed_config_on_einsum_or_conv_raises():
-    with pytest.raises(qbits.InvalidArgumentError, match="QuantizedEinsum: config="):
-        qbits.nnx.QuantizedEinsum("fp8_delayed")
-    with pytest.raises(qbits.InvalidArgumentError, match="QuantizedConv: config="):
-        qbits.nnx.QuantizedConv("fp8_delayed")
+def test_delayed_scaling_on_einsum_conv_and_attention_einsums():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.mix = nnx.Einsum("btd,de->bte", (8, 8), rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(2, 8, decode=False, rngs=rngs)
+            self.conv = nnx.Conv(8, 4, (3,), rngs=rngs)
+
+        def __call__(self, x):
+            return self.conv(self.attn(self.mix(x)))
+
+    model = qbits.nnx.quantize(Net(nnx.Rngs(0)), "fp8_delayed")
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    graphdef, state = nnx.split(model)
+
+    def fn(s):
+        return nnx.merge(graphdef, s)(x)
+
+    dtypes = qbits.ops.jaxpr_dot_dtypes(fn, state) + qbits.ops.jaxpr_dot_dtypes(
+        fn, state, primitive="conv_general_dilated"
+    )
+    assert len(dtypes) == 8  # mix, query, key, value, qk, pv, out; conv
+    assert all(d[:2] == ("float8_e4m3fn", "float8_e4m3fn") for d in dtypes), dtypes
+    grads = nnx.jit(nnx.grad(lambda m: (m(x) ** 2).sum(), argnums=WRT))(model)
+    histories = [
+        v[...]
+        for path, v in nnx.to_flat_state(nnx.state(grads, DelayedState))
+        if path[-1] == "lhs_amax_history"
+    ]
+    assert len(histories) == 8
+    assert all(h[0] > 0 and bool(jnp.isfinite(h[0])) for h in histories)
+    np.testing.assert_allclose(
+        grads["mix"]["einsum_op"]["lhs_amax_history"][...][0], jnp.max(jnp.abs(x))
+    )

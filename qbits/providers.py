@@ -1,0 +1,416 @@
+"""Layer 2: scale providers, scales that come from explicit state.
+
+A :class:`~qbits.calibration.Calibration` is a pure function of the tensor
+being quantized. Some scales depend on more: on the amax of earlier steps
+(:class:`DelayedScaling`) or on a trained parameter (:class:`LearnedScale`).
+Such a scale comes from a *scale provider*: an object that owns state the
+way an optax transform does, with
+
+- :meth:`ScaleProvider.init_state`, the state of one tensor (float32 arrays);
+- :meth:`ScaleProvider.scale`, this step's scale from the state;
+- :meth:`ScaleProvider.update`, the next state from this step's
+  observation (the tensor's amax, per scale block).
+
+A quantizer takes a provider in place of a calibration
+(``Quantizer(numerics, DelayedScaling())``). The quantized matmul core
+(:mod:`qbits.ops`) is given the scale as an input instead of computing it,
+and reports the observation of the tensor through its backward pass: the
+cotangent of a given scale is the tensor's amax. The state of a layer lives
+in layer 6 (a linen variable collection, nnx Variables); the functional
+form is ``qbits.dot_general(config)(..., state=state)`` with the state from
+``init_state``.
+
+The state of one tensor has a compact shape: the scale's shape with its
+size-1 axes dropped, ``()`` for a per-tensor scale.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from qbits.calibration import make_scale
+from qbits.errors import InvalidArgumentError, check_float, check_int
+from qbits.lsq import LSQ_INITS, grid_max, init_step, lsq_quantize
+from qbits.numerics import QNumerics
+
+__all__ = [
+    "AMAX_COMPUTES",
+    "MAX_HISTORY_LENGTH",
+    "DelayedScaling",
+    "LearnedScale",
+    "ScaleProvider",
+    "StaticScale",
+    "scale_from_history",
+    "update_history",
+]
+
+AMAX_COMPUTES: tuple[str, ...] = ("max", "most_recent")
+#: The longest amax history a :class:`DelayedScaling` may keep (per tensor).
+MAX_HISTORY_LENGTH = 65536
+
+State = dict[str, jax.Array]
+
+
+class ScaleProvider(struct.PyTreeNode, metaclass=abc.ABCMeta):
+    """Gives a quantizer its scale from explicit state; see the module docstring.
+
+    Subclasses implement :meth:`init_state` and :meth:`scale`, and :meth:`update`
+    when they observe the tensor (``observes = True``).
+
+    Example:
+      A fixed, per-block scale kept as state (never updated):
+
+      >>> class FixedScale(qbits.providers.ScaleProvider):
+      ...     def init_state(self, shape, x, numerics, amax=None):
+      ...         return {"scale": jnp.full(shape, 0.5, jnp.float32)}
+      ...     def scale(self, state, numerics):
+      ...         return state["scale"]
+      >>> p = FixedScale()
+      >>> p.scale(p.init_state((), None, None), None)
+      Array(0.5, dtype=float32)
+    """
+
+    #: Whether the core reports the tensor's amax for :meth:`update`.
+    observes: ClassVar[bool] = False
+    #: Whether the state holds trainable parameters (an optimizer updates
+    #: them from their gradients) rather than state that :meth:`update`
+    #: replaces.
+    trainable: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def init_state(
+        self,
+        shape: tuple[int, ...],
+        x: jax.Array | None,
+        numerics: QNumerics,
+        amax: jax.Array | None = None,
+    ) -> State:
+        """The initial state of one tensor.
+
+        Args:
+          shape: The compact shape of the tensor's scale.
+          x: The tensor (a first batch), or ``None`` when it is not known;
+            only providers that start from data read it.
+          numerics: The quantizer's numerics.
+          amax: ``max(|x|)`` per scale block (``shape``), or ``None`` with
+            ``x``.
+        """
+
+    @abc.abstractmethod
+    def scale(self, state: State, numerics: QNumerics) -> jax.Array:
+        """This step's scale (the compact shape, float32)."""
+
+    def update(self, state: State, amax: jax.Array, numerics: QNumerics) -> State:
+        """The next state, given this step's amax per block (compact shape)."""
+        return state
+
+    def prepare(self, x: jax.Array, state: State, numerics: QNumerics) -> jax.Array:
+        """The tensor as the quantizer sees it (``x`` itself by default)."""
+        return x
+
+
+class DelayedScaling(ScaleProvider):
+    r"""Delayed scaling: the scale comes from an amax history of earlier steps.
+
+    This is production FP8 training's scaling (Transformer Engine, Flax's
+    ``fp8_ops``). The state of a tensor holds a ``scale`` and an
+    ``amax_history`` ring buffer; at every step
+
+    .. math::
+
+       s_t = \frac{a \cdot 2^{\mathrm{margin}}}{\mathrm{fmt\_max}},
+       \quad a = \max(\mathrm{history}_{t-1})
+       \ (\text{or its most recent entry}),
+
+    the tensor is quantized with :math:`s_t`, and its own amax is pushed into
+    the history for the next step (:func:`update_history`). Where :math:`a`
+    is zero or not finite the old scale is kept. Per-tensor scales are the
+    usual recipe; other granularities keep one history per scale block.
+
+    Attributes:
+      history_length: Length of the amax ring buffer, an int in
+        1..:data:`MAX_HISTORY_LENGTH` (1024 as in Flax and Transformer
+        Engine's defaults).
+      amax_compute: ``"max"`` (the largest amax in the history) or
+        ``"most_recent"`` (the last step's amax).
+      margin: The scale is multiplied by ``2**margin`` (headroom against
+        growth between steps); a finite number >= 0.
+
+    Example:
+      >>> cal = qbits.DelayedScaling(history_length=4)
+      >>> state = cal.init_state((), None, qbits.Fp8Numerics())
+      >>> state = cal.update(state, jnp.float32(896.0), qbits.Fp8Numerics())
+      >>> state["amax_history"]
+      Array([896.,   0.,   0.,   0.], dtype=float32)
+      >>> cal.scale(state, qbits.Fp8Numerics())
+      Array([2.], dtype=float32)
+    """
+
+    history_length: int = struct.field(pytree_node=False, default=1024)
+    amax_compute: str = struct.field(pytree_node=False, default="max")
+    margin: float = struct.field(pytree_node=False, default=0.0)
+
+    observes: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        check_int(
+            "DelayedScaling",
+            "history_length",
+            self.history_length,
+            1,
+            MAX_HISTORY_LENGTH,
+        )
+        if self.amax_compute not in AMAX_COMPUTES:
+            raise InvalidArgumentError(
+                "DelayedScaling",
+                "amax_compute",
+                self.amax_compute,
+                "one of " + ", ".join(AMAX_COMPUTES),
+            )
+        check_float("DelayedScaling", "margin", self.margin, lo=0.0)
+
+    def init_state(
+        self,
+        shape: tuple[int, ...],
+        x: jax.Array | None,
+        numerics: QNumerics,
+        amax: jax.Array | None = None,
+    ) -> State:
+        """Scale 1 and a history of zeros, as Flax's FP8 layers start.
+
+        A per-tensor scale is stored as ``[1]`` and its history as ``[L]``,
+        the layout of Flax's ``fp8_ops`` state.
+        """
+        return {
+            "scale": jnp.ones(shape or (1,), jnp.float32),
+            "amax_history": jnp.zeros((self.history_length, *shape), jnp.float32),
+        }
+
+    def scale(self, state: State, numerics: QNumerics) -> jax.Array:
+        """:func:`scale_from_history` of the state's history and scale."""
+        return scale_from_history(
+            state["amax_history"],
+            state["scale"],
+            _fmt_max(numerics),
+            self.margin,
+            self.amax_compute,
+        )
+
+    def update(self, state: State, amax: jax.Array, numerics: QNumerics) -> State:
+        """This step's scale, and the history with ``amax`` pushed in."""
+        return {
+            "scale": self.scale(state, numerics),
+            "amax_history": update_history(state["amax_history"], amax),
+        }
+
+
+def _fmt_max(numerics: QNumerics) -> float:
+    mapped = numerics.abs_val_mapped_to()
+    if mapped is None:
+        raise InvalidArgumentError(
+            "DelayedScaling",
+            "numerics",
+            numerics,
+            "numerics with a largest value (int, fp)",
+        )
+    return float(mapped)
+
+
+def scale_from_history(
+    history: jax.Array,
+    old_scale: jax.Array,
+    fmt_max: float,
+    margin: float = 0.0,
+    amax_compute: str = "max",
+) -> jax.Array:
+    r"""The delayed scale: ``amax * 2**margin / fmt_max`` from an amax history.
+
+    Computed exactly as Flax's ``fp8_ops.compute_scale`` (and Transformer
+    Engine) do, as the reciprocal of :math:`(\mathrm{fmt\_max} / a) /
+    2^{\mathrm{margin}}`, so the two give the same bits.
+
+    Args:
+      history: The amax history, ``[history_length, *scale_shape]``
+        (float32); entry 0 is the most recent (see :func:`update_history`).
+      old_scale: The current scale (``scale_shape``), kept where the amax
+        is 0 or not finite.
+      fmt_max: The largest magnitude of the format (448 for E4M3, 57344 for
+        E5M2): ``numerics.abs_val_mapped_to()``.
+      margin: Headroom: the scale is multiplied by ``2**margin``.
+      amax_compute: ``"max"`` over the history or ``"most_recent"``.
+
+    Returns:
+      The new scale, ``old_scale``'s shape and dtype.
+
+    Raises:
+      InvalidArgumentError: For an unknown ``amax_compute`` or an empty
+        history.
+
+    Example:
+      >>> h = jnp.array([2.0, 8.0, 0.0])
+      >>> qbits.providers.scale_from_history(h, jnp.ones(()), 4.0)
+      Array(2., dtype=float32)
+      >>> qbits.providers.scale_from_history(
+      ...     h, jnp.ones(()), 4.0, amax_compute="most_recent")
+      Array(0.5, dtype=float32)
+      >>> qbits.providers.scale_from_history(jnp.zeros(3), jnp.full((), 3.0), 4.0)
+      Array(3., dtype=float32)
+    """
+    if amax_compute not in AMAX_COMPUTES:
+        raise InvalidArgumentError(
+            "scale_from_history",
+            "amax_compute",
+            amax_compute,
+            "one of " + ", ".join(AMAX_COMPUTES),
+        )
+    if history.ndim < 1 or history.shape[0] < 1:
+        raise InvalidArgumentError(
+            "scale_from_history",
+            "history.shape",
+            history.shape,
+            "(history_length, *scale_shape) with history_length >= 1",
+        )
+    amax = jnp.max(history, axis=0) if amax_compute == "max" else history[0]
+    amax = amax.astype(old_scale.dtype)
+    inverse = 1.0 / old_scale
+    factor = (fmt_max / amax) / (2.0**margin)
+    factor = jnp.where(amax > 0.0, factor, inverse)
+    factor = jnp.where(jnp.isfinite(amax), factor, inverse)
+    return 1.0 / factor
+
+
+def update_history(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """Pushes this step's amax into the ring buffer (as Flax's ``fp8_ops``).
+
+    The history is rolled one place towards the front and ``amax`` written
+    at index 0 (Flax's ``compute_amax_history``): index 0 holds the most
+    recent amax, indices 1.. the earlier ones, oldest first; after ``L``
+    steps it holds the last ``L`` amaxes.
+
+    Args:
+      history: ``[history_length, *scale_shape]``.
+      amax: This step's ``max(|x|)`` per block, ``scale_shape`` (or a
+        scalar for a per-tensor history).
+
+    Returns:
+      The new history, same shape and dtype.
+
+    Example:
+      >>> h = jnp.array([1.0, 2.0, 3.0])
+      >>> qbits.providers.update_history(h, jnp.float32(9.0))
+      Array([9., 3., 1.], dtype=float32)
+    """
+    amax = jnp.asarray(amax).astype(history.dtype).reshape(history.shape[1:])
+    return jnp.roll(history, shift=-1, axis=0).at[0].set(amax)
+
+
+class LearnedScale(ScaleProvider):
+    r"""A learned step size (LSQ, Esser et al., arXiv 1902.08153).
+
+    The scale (the step between grid points) is a trainable parameter, one
+    per tensor, trained with the LSQ gradient (:func:`qbits.lsq.lsq_quantize`):
+
+    .. math::
+
+       \frac{\partial \hat{x}}{\partial s} = \begin{cases}
+       Q(v) - v & -Q_n < v < Q_p \\ Q(v) & \text{otherwise}\end{cases},
+       \quad v = x / s,
+
+    scaled by :math:`g = 1 / \sqrt{N Q_p}` (N elements per scale); ``x``
+    gets the straight-through gradient inside the range and zero outside.
+    The matmul runs on the quantized operand as the quantizer's mode says
+    (real mode: int8 x int8 with the learned step as the scale). The
+    parameter is named ``<tensor>_step`` (``lhs_step``, ``rhs_step``) and
+    lives with the model's parameters.
+
+    Attributes:
+      init: How the step is initialised from the first batch: ``"lsq"``
+        (:math:`2\,\mathrm{mean}|x| / \sqrt{Q_p}`, the paper's) or
+        ``"absmax"`` (:math:`\max|x|` mapped onto the grid's edge).
+
+    Example:
+      >>> lsq = qbits.LearnedScale("absmax")
+      >>> lsq.init_state((), jnp.array([15.0, -3.0]), qbits.IntNumerics(bits=4))
+      {'step': Array(2., dtype=float32)}
+    """
+
+    init: str = struct.field(pytree_node=False, default="lsq")
+
+    trainable: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.init not in LSQ_INITS:
+            raise InvalidArgumentError(
+                "LearnedScale", "init", self.init, "one of " + ", ".join(LSQ_INITS)
+            )
+
+    def init_state(
+        self,
+        shape: tuple[int, ...],
+        x: jax.Array | None,
+        numerics: QNumerics,
+        amax: jax.Array | None = None,
+    ) -> State:
+        """The step from a first batch (NaN when no batch is given)."""
+        grid_max(numerics)  # validates the numerics
+        if x is None:
+            return {"step": jnp.full(shape, jnp.nan, jnp.float32)}
+        step = init_step(x, numerics, self.init)
+        return {"step": jnp.broadcast_to(step, shape).astype(jnp.float32)}
+
+    def scale(self, state: State, numerics: QNumerics) -> jax.Array:
+        """The step, without gradient (the gradient flows through :meth:`prepare`)."""
+        return jax.lax.stop_gradient(state["step"])
+
+    def prepare(self, x: jax.Array, state: State, numerics: QNumerics) -> jax.Array:
+        """``x`` fake-quantized with the learned step, with LSQ gradients.
+
+        Quantizing the result again with the same step is exact, so the
+        matmul (real or fake) sees the same grid values.
+        """
+        step = state["step"]
+        return lsq_quantize(numerics, x, step.reshape(()) if step.size == 1 else step)
+
+
+class StaticScale(ScaleProvider):
+    """Static ranges kept as state: one fixed bound per scale block.
+
+    Post-training (or QAT) calibration with any granularity: the bound of
+    each block (``max(|x|)`` of the calibration data, per channel with
+    ``PerChannel()``) is the state ``bound`` and is never updated by
+    training; the scale is ``bound / numerics.abs_val_mapped_to()``
+    (:func:`~qbits.calibration.make_scale`). ``init_state`` takes the bounds
+    from a first batch (``qbits.nnx.init_state(model, batch)``, linen
+    ``init``); set the state to other values (e.g. the max over several
+    batches) before training or serving. For one bound per tensor written
+    into the config, use :class:`~qbits.ConstantBound` (``freeze_ranges``).
+
+    Example:
+      >>> static = qbits.providers.StaticScale()
+      >>> int8 = qbits.IntNumerics(bits=8)
+      >>> state = static.init_state((2,), None, int8, jnp.array([2.55, 0.0]))
+      >>> static.scale(state, int8)
+      Array([0.02, 1.  ], dtype=float32)
+    """
+
+    def init_state(
+        self,
+        shape: tuple[int, ...],
+        x: jax.Array | None,
+        numerics: QNumerics,
+        amax: jax.Array | None = None,
+    ) -> State:
+        """The bounds from a first batch's amax (NaN without one)."""
+        if amax is None:
+            return {"bound": jnp.full(shape, jnp.nan, jnp.float32)}
+        return {"bound": jnp.reshape(amax, shape).astype(jnp.float32)}
+
+    def scale(self, state: State, numerics: QNumerics) -> jax.Array:
+        """``bound / abs_val_mapped_to`` per block, without gradient."""
+        bound = jax.lax.stop_gradient(state["bound"])
+        return make_scale(bound, _fmt_max(numerics))

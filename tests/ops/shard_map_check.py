@@ -1,0 +1,68 @@
+"""Quantized matmuls inside ``jax.shard_map`` on 8 CPU devices (run as a script).
+
+Gradients inside ``shard_map`` (``check_vma=True``, the default) must have
+the varying mesh axes of their operands: the weight gradient is summed over
+the data axis, as JAX's own transpose of a replicated operand does. With
+per-tensor scales computed per shard, the reference is the sum, over the
+shards, of each shard's own quantized gradient. Delayed-scaling state sees
+the amax of the whole batch (maxed over the shards).
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import qbits
+
+DN = (((1,), (0,)), ((), ()))
+
+
+def main():
+    assert jax.device_count() == 8
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (64, 32)) * jnp.arange(1.0, 65.0)[:, None]
+    w = jax.random.normal(k[1], (32, 16))
+    for preset in ("int8", "fp8", "int8_fwd"):
+        config = qbits.presets.get(preset)
+        dg = qbits.dot_general(config, k[2] if config.needs_key else None)
+
+        def local(x, w, dg=dg):
+            return jnp.sum(jnp.tanh(dg(x, w, DN)))
+
+        def body(x, w, local=local):
+            return jax.lax.psum(local(x, w), "data")
+
+        sharded = jax.shard_map(
+            body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P()
+        )
+        gx, gw = jax.jit(jax.grad(sharded, (0, 1)))(x, w)
+        ref = [jax.grad(local, (0, 1))(xs, w) for xs in jnp.split(x, 8)]
+        np.testing.assert_allclose(
+            gx, jnp.concatenate([r[0] for r in ref]), rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(gw, sum(r[1] for r in ref), rtol=1e-4, atol=1e-4)
+
+    dg = qbits.dot_general(qbits.presets.get("fp8_delayed"))
+    state = dg.init_state(x, w, DN)
+
+    def body(x, w, s):
+        return jax.lax.psum(jnp.sum(dg(x, w, DN, state=s) ** 2), "data")
+
+    sharded = jax.shard_map(
+        body, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=P()
+    )
+    _, _, new = jax.jit(jax.grad(sharded, (0, 1, 2)))(x, w, state)
+    np.testing.assert_allclose(new["lhs_amax_history"][0], jnp.max(jnp.abs(x)))
+    assert new["grad_amax_history"][0] > 0
+    print("shard_map gradients are right")
+
+
+if __name__ == "__main__":
+    main()
