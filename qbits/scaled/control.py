@@ -128,8 +128,9 @@ def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     """
     if "num_consts" in params:
         return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"]
-    return len(consts), len(carry)
+    # A flat tree of (constants, carry, scanned): count each part's values.
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts.vals)), len(list(carry.vals))
 
 
 def _stack(y: Any) -> Any:

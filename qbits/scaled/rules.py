@@ -447,7 +447,9 @@ def _register() -> None:
     register_rule("cumsum", _cumsum)
     register_rule("cumlogsumexp", _on_value(lax.cumlogsumexp_p, "unit"))
     # tanh's derivative, a primitive of its own from jax 0.12 on.
-    register_rule("one_minus_square", _on_value(lambda t: 1.0 - t * t, "unit"))
+    register_rule(
+        "one_minus_square", _on_value(lambda t: (1.0 + t) * (1.0 - t), "unit")
+    )
     register_rule("argmax", _arg_reduce(lax.argmax_p))
     register_rule("argmin", _arg_reduce(lax.argmin_p))
     register_rule("dot_general", _dot_general)

