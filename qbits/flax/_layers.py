@@ -72,8 +72,11 @@ class Session:
       explicit: Paths of layers that keep a function given in the model.
     """
 
-    def __init__(self, config: QuantConfig):
+    def __init__(self, config: QuantConfig, has_quant_rng: bool = False):
         self.config = config
+        # Whether the quantized model itself got a 'quant' rng: a layer that
+        # lacks one then sits in a lifted transform that did not split it.
+        self.has_quant_rng = has_quant_rng
         self.layers: list[tuple[str, str]] = []
         self.explicit: set[str] = set()
         self._handlers: dict[Callable[..., Any], Callable[..., Any]] = {
@@ -121,12 +124,20 @@ class Session:
         if res.config.needs_key:
             if not module.has_rng("quant"):
                 name = f" ({res.name!r})" if res.name else ""
+                fix = (
+                    "'quant' listed in split_rngs of the nn.scan / nn.vmap "
+                    "around the layer (e.g. split_rngs={'params': True, "
+                    "'quant': True}): the model got the key, the lifted layer "
+                    "did not"
+                    if self.has_quant_rng
+                    else "a PRNG key: pass rngs={'quant': jax.random.key(...)} "
+                    "to apply (and to init, with 'params')"
+                )
                 raise InvalidArgumentError(
                     "qbits.flax.quantize",
                     "rngs['quant']",
                     None,
-                    "a PRNG key: pass rngs={'quant': jax.random.key(...)} to "
-                    "apply (and to init, with 'params')",
+                    fix,
                     why=f"layer {show_layer(path)} gets {res.where}{name}, which "
                     "rounds stochastically",
                 )

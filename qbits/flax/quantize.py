@@ -107,7 +107,7 @@ class Quantized(nn.Module):
             fn = getattr(self.model, method)
         else:
             fn = functools.partial(method, self.model)
-        session = Session(self.config)
+        session = Session(self.config, self.has_rng("quant"))
         with nn.intercept_methods(session.intercept):
             out = fn(*args, **kwargs)
         _report(session.table(), whole=method == "__call__")

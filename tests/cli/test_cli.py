@@ -1,6 +1,7 @@
 """The qbits command: help, errors as one line, inspect, the default train."""
 
 import json
+import math
 import os
 import pathlib
 import signal
@@ -151,6 +152,21 @@ def test_default_train_end_to_end(tmp_path, capsys):
     assert all(len(r["result"]["curve"]) == 2 for r in summary["runs"])
     table = (out / "results.md").read_text()
     assert "| int8 | 8 | 1 |" in table
+
+
+def test_fp8_delayed_trains_the_default_model_with_every_matmul(tmp_path, capsys):
+    """Every listed preset runs on the default model (delayed scaling included)."""
+    assert main(["inspect", "fp8_delayed"]) == 0
+    table = capsys.readouterr().out
+    for part in ("attn/qk", "attn/pv", "attn/query", "mlp/fc1", "head"):
+        assert f"{part} |" in table
+    assert "| float |" not in table
+    out = tmp_path / "train"
+    argv = ["train", "fp8_delayed", "--size", "tiny", "--steps", "2", "--out"]
+    assert main([*argv, str(out), "-q"]) == 0
+    summary = json.loads((out / "results.json").read_text())
+    assert [r["config"] for r in summary["rows"]] == ["float32", "fp8_delayed"]
+    assert all(math.isfinite(x) for x in summary["runs"][1]["result"]["curve"])
 
 
 # ---------------------------------------------------------------------------

@@ -371,3 +371,27 @@ def test_tile_size_that_does_not_divide_names_the_config_path():
 def test_bad_arguments(model, config):
     with pytest.raises(InvalidArgumentError):
         qbits.flax.quantize(model, config)
+
+
+def test_missing_quant_key_inside_scan_says_to_split_it():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return nn.tanh(nn.Dense(16, name="fc")(x)), None
+
+    def scanned(split):
+        return nn.scan(Block, variable_axes={"params": 0}, split_rngs=split, length=3)()
+
+    x, keys = (
+        jnp.ones((2, 16)),
+        {"params": jax.random.key(0), "quant": jax.random.key(1)},
+    )
+    model = qbits.flax.quantize(scanned({"params": True}), "int8")
+    with pytest.raises(qbits.InvalidArgumentError, match="split_rngs"):
+        model.init(keys, x, None)
+    model = qbits.flax.quantize(scanned({"params": True, "quant": True}), "int8")
+    variables = model.init(keys, x, None)
+    assert variables["params"]["fc"]["kernel"].shape == (3, 16, 16)
+    # Without any key, the message says to pass one.
+    with pytest.raises(qbits.InvalidArgumentError, match="pass rngs="):
+        model.init({"params": jax.random.key(0)}, x, None)
