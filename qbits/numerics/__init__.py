@@ -11,7 +11,7 @@ from qbits.numerics.formats import (
 from qbits.numerics.fp_numerics import Fp8Numerics, FpNumerics
 from qbits.numerics.int_numerics import IntNumerics
 from qbits.numerics.no_numerics import NoNumerics
-from qbits.numerics.noise import UniformNoise
+from qbits.numerics.noise import UniformNoise, derive_key, hash_bits
 
 __all__ = [
     "FLOAT_FORMATS",
@@ -23,7 +23,9 @@ __all__ = [
     "NoiseFn",
     "QNumerics",
     "UniformNoise",
+    "derive_key",
     "float_format",
+    "hash_bits",
     "round_to_format",
     "stochastic_round_to_format",
 ]

@@ -49,6 +49,7 @@ from jax import lax
 from qbits.calibration import AbsMax
 from qbits.errors import InvalidArgumentError
 from qbits.granularity import BlockLayout
+from qbits.numerics import derive_key
 from qbits.ops import matmul
 from qbits.ops.config import IDENTITY, DotGeneralConfig, MatmulConfig
 from qbits.providers import ScaleProvider
@@ -75,7 +76,8 @@ Grad = jax.tree_util.Partial
 TENSORS: tuple[str, ...] = ("lhs", "rhs", "grad")
 
 #: The six quantized operands: ``(matmul, side, tensor, key stream)``. A
-#: stochastic-rounding key for operand ``i`` is ``fold_in(key, i)``.
+#: stochastic-rounding key for operand ``i`` is
+#: :func:`qbits.numerics.derive_key` ``(key, i)``.
 SLOTS: tuple[tuple[str, str, str, int], ...] = (
     ("fwd", "lhs", "lhs", 0),
     ("fwd", "rhs", "rhs", 1),
@@ -163,7 +165,7 @@ def varying(x: Any) -> frozenset:
 
 
 def _key(key: jax.Array | None, stream: int) -> jax.Array | None:
-    return None if key is None else jax.random.fold_in(key, stream)
+    return None if key is None else derive_key(key, stream)
 
 
 def quantize(
@@ -219,7 +221,7 @@ def apply(
       plan: What to compute and how to quantize.
       lhs: The left operand, floating point.
       rhs: The right operand.
-      key: PRNG key for stochastic rounding (``fold_in(key, i)`` for the
+      key: PRNG key for stochastic rounding (``derive_key(key, i)`` for the
         operand ``SLOTS[i]``), or ``None``.
       scales: The given scale of each tensor with a scale provider, shaped
         like the scale its quantizers compute (one entry per block).
@@ -232,7 +234,7 @@ def apply(
         (``jax.jvp``, ``jax.jacfwd``), which a custom VJP does not have.
     """
     try:
-        return _core(plan, lhs, rhs, key, scales)
+        return _jit_core(plan, lhs, rhs, key, scales)
     except TypeError as e:
         if "forward-mode" not in str(e):
             raise
@@ -427,3 +429,6 @@ def _match_vma(ct: jax.Array, want: frozenset, combine: Any) -> jax.Array:
 
 
 _core.defvjp(_fwd, _bwd)
+
+
+_jit_core = jax.jit(_core, static_argnums=0)

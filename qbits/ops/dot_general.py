@@ -299,8 +299,9 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
     Args:
       config: The forward matmul and the two gradient matmuls.
       key: A PRNG key, required when any operand rounds stochastically.
-        The six operands draw from ``fold_in(key, i)``, i = 0..5. Pass a new
-        key each step (and per layer) for independent noise.
+        The six operands draw from ``qbits.numerics.derive_key(key, i)``,
+        i = 0..5. Pass a new key each step (and per layer) for independent
+        noise.
 
     Returns:
       A :class:`DotGeneral`, usable as ``dot_general=`` in ``flax.linen.Dense``

@@ -551,9 +551,11 @@ def _real_dot(
     becomes a batch axis of the dot, and the per-tile products are scaled and
     summed.
 
-    The output is multiplied by the two scales in the order that keeps
-    every result float32 can hold (:func:`_unless_lost`): a huge or tiny
-    pair of scales never turns a representable result into inf or 0.
+    The output is multiplied by the two scales in an order that keeps every
+    result float32 can hold (per tensor: the product of the scales unless it
+    leaves float32's normal range; per channel: :func:`_unless_lost`), so a
+    huge or tiny pair of scales never turns a representable result into inf
+    or 0.
     ``one_scalar`` (GPU, per-tensor scales): one multiply by the
     product, the form XLA's GPU compiler folds into an FP8 GEMM (cuBLASLt's
     scale) instead of a pass over the output; there the product of the two
@@ -589,13 +591,13 @@ def _real_dot(
         out_sharding=out_sharding,
     ).astype(jnp.float32)
     if sl.size == 1 and sr.size == 1:
-        both = (sl.reshape(()) * sr.reshape(())).astype(jnp.float32)
-        scaled = out * both
-        if not one_scalar:
-            scaled = _unless_lost(
-                scaled, out, lambda o: (o * sl.reshape(())) * sr.reshape(())
-            )
-        out = scaled
+        a, b = sl.reshape(()).astype(jnp.float32), sr.reshape(()).astype(jnp.float32)
+        both = a * b
+        if one_scalar:
+            out = out * both
+        else:  # the product, unless it left float32's normal range
+            normal = jnp.isfinite(both) & (jnp.abs(both) >= _TINY)
+            out = (out * jnp.where(normal, both, a)) * jnp.where(normal, 1, b)
     else:
         left = _scale_to_output(sl, dims, "lhs")
         right = _scale_to_output(sr, dims, "rhs")
@@ -603,6 +605,9 @@ def _real_dot(
     if tiled is not None:
         out = jnp.sum(out, axis=len(dims.lhs_batch) - 1)
     return out
+
+
+_TINY = np.float32(np.finfo(np.float32).tiny)
 
 
 def _unless_lost(scaled: jax.Array, out: jax.Array, other: Any) -> jax.Array:
