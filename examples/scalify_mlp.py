@@ -13,7 +13,7 @@ Run: python examples/scalify_mlp.py [--steps 1000]
 
 import argparse
 
-from qbits.experiments.scalify_mlp import PRECISIONS, train_scalify_mlp
+from qbits.experiments import PRECISIONS, train_scalify_mlp
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=1000)

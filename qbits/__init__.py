@@ -37,6 +37,9 @@ from qbits import (
     scaled,
     tensor,
 )
+from qbits._context import Context
+from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._quantizer import Quantizer, mx_quantizer
 from qbits.calibration import (
     AbsMax,
     Calibration,
@@ -52,8 +55,6 @@ from qbits.config import (
     load_config,
     presets,
 )
-from qbits.context import Context
-from qbits.errors import ConfigError, InvalidArgumentError
 from qbits.granularity import Granularity, PerChannel, PerTensor, Tiled
 from qbits.numerics import (
     Fp8Numerics,
@@ -74,11 +75,10 @@ from qbits.ops import (
     einsum,
 )
 from qbits.providers import DelayedScaling, LearnedScale, ScaleProvider
-from qbits.quantizer import Quantizer, mx_quantizer
 from qbits.tensor import QTensor
 
-from qbits import lsq, ranges  # isort: skip  (static ranges, layers 2-5)
-from qbits.ranges import freeze_ranges  # isort: skip
+from qbits import lsq  # isort: skip  (layer 2)
+from qbits._ranges import freeze_ranges  # isort: skip
 from qbits import flax, nnx  # isort: skip  (layer 6 imports everything above)
 from qbits import serving  # isort: skip  (layer 7)
 
@@ -133,7 +133,6 @@ __all__ = [
     "ops",
     "presets",
     "providers",
-    "ranges",
     "scaled",
     "serving",
     "tensor",

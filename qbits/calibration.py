@@ -56,15 +56,10 @@ from flax import struct
 from jax import lax
 from jax.typing import DTypeLike
 
-from qbits.errors import InvalidArgumentError, check_float
+from qbits._errors import InvalidArgumentError, check_float
 
 __all__ = [
     "SCALE_ROUNDINGS",
-    "AbsMax",
-    "Calibration",
-    "ConstantBound",
-    "MseSearch",
-    "Percentile",
     "ScaleRounding",
     "make_scale",
     "round_scale",

@@ -27,7 +27,9 @@ import sys
 import warnings
 from collections.abc import Iterator, Sequence
 
-__all__ = ["main"]
+__all__ = [
+    "main",
+]
 
 _PROG = "qbits"
 _MAX_SEED = 2**32 - 1  # JAX keys of larger seeds repeat those of smaller ones
@@ -139,8 +141,7 @@ def _log(quiet: bool):
 
 
 def _train(args: argparse.Namespace) -> int:
-    from qbits.experiments import spec
-    from qbits.experiments.sweep import Entry, Sweep, config_bits, run_sweep
+    from qbits.experiments import Entry, Sweep, config_bits, run_sweep, spec
 
     name, config, origin = _config(args.config)
     model_spec = spec(args.model, args.size)
@@ -167,7 +168,7 @@ def _train(args: argparse.Namespace) -> int:
         runs = run_sweep(
             sweep, out, resume=False, progress=progress, log=_log(args.quiet)
         )
-    from qbits.experiments.report import summarize
+    from qbits.experiments import summarize
 
     rows = summarize(runs, "float32")
     metric = "char accuracy" if args.model == "lm" else "accuracy"
@@ -185,7 +186,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from qbits.experiments.sweep import load_sweep, run_sweep
+    from qbits.experiments import load_sweep, run_sweep
 
     sweep = load_sweep(args.file)
     out = _out_dir(args.out or f"runs/{sweep.name}")
@@ -410,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     """Runs a command; a user error is one line on stderr and status 2."""
     import qbits
-    from qbits.experiments.sweep import SweepError
+    from qbits.experiments import SweepError
 
     try:
         with warnings.catch_warnings():

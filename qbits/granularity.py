@@ -22,9 +22,11 @@ from typing import Any
 
 from flax import struct
 
-from qbits.errors import InvalidArgumentError, check_int, normalize_axis
+from qbits._errors import InvalidArgumentError, check_int, normalize_axis
 
-__all__ = ["BlockLayout", "Granularity", "PerChannel", "PerTensor", "Tiled"]
+__all__ = [
+    "BlockLayout",
+]
 
 Axes = tuple[int, ...]
 
@@ -179,7 +181,7 @@ class Tiled(Granularity):
       >>> qbits.Tiled(axis=-1, tile_size=3).block_sizes((4, 128))
       Traceback (most recent call last):
       ...
-      qbits.errors.InvalidArgumentError: Tiled: tile_size=3 is not allowed
+      qbits.InvalidArgumentError: Tiled: tile_size=3 is not allowed
       (axis 1 has size 128); expected a divisor of 128: 1, 2, 4, 8, 16, 32, 64, 128.
     """
 

@@ -14,11 +14,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qbits.errors import InvalidArgumentError
-from qbits.numerics import QNumerics
-from qbits.numerics.base import compute_dtype
+from qbits._errors import InvalidArgumentError
+from qbits.numerics import QNumerics, compute_dtype
 
-__all__ = ["LSQ_INITS", "grid_max", "init_step", "lsq_quantize"]
+__all__ = [
+    "LSQ_INITS",
+    "grid_max",
+    "init_step",
+    "lsq_quantize",
+]
 
 #: How a learned step starts: LSQ's ``2 mean|x| / sqrt(Q_p)`` or the absmax.
 LSQ_INITS: tuple[str, ...] = ("lsq", "absmax")

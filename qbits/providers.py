@@ -33,17 +33,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from qbits._errors import InvalidArgumentError, check_float, check_int
 from qbits.calibration import make_scale
-from qbits.errors import InvalidArgumentError, check_float, check_int
 from qbits.lsq import LSQ_INITS, grid_max, init_step, lsq_quantize
 from qbits.numerics import QNumerics
 
 __all__ = [
     "AMAX_COMPUTES",
     "MAX_HISTORY_LENGTH",
-    "DelayedScaling",
-    "LearnedScale",
-    "ScaleProvider",
     "StaticScale",
     "scale_from_history",
     "update_history",

@@ -11,12 +11,16 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from qbits.errors import InvalidArgumentError, normalize_axis
+from qbits._errors import InvalidArgumentError, normalize_axis
 from qbits.numerics import FLOAT_FORMATS
 
 _FORMATS_BY_DTYPE = {f.dtype: f for f in FLOAT_FORMATS.values()}
 
-__all__ = ["PACKABLE_DTYPES", "QTensor", "pack_nibbles", "unpack_nibbles"]
+__all__ = [
+    "PACKABLE_DTYPES",
+    "pack_nibbles",
+    "unpack_nibbles",
+]
 
 # 4-bit storage dtypes that pack two values per uint8 byte.
 PACKABLE_DTYPES: tuple[np.dtype, ...] = (

@@ -73,7 +73,7 @@ def test_block_sizes_that_do_not_fit_are_an_error(blocks):
 
     with pytest.raises(InvalidArgumentError, match=r"Granularity: block_sizes="):
         qbits.Quantizer(qbits.IntNumerics(), granularity=Bad()).quant(
-            qbits.numerics.base.jnp.ones((4, 8))
+            qbits.numerics._base.jnp.ones((4, 8))
         )
 
 
@@ -106,7 +106,7 @@ def test_granularity_that_does_not_fit_the_shape(granularity, shape, pattern):
         granularity.block_sizes(shape)
     with pytest.raises(InvalidArgumentError, match=pattern):
         qbits.Quantizer(qbits.IntNumerics(), granularity=granularity).quant(
-            qbits.numerics.base.jnp.ones(shape)
+            qbits.numerics._base.jnp.ones(shape)
         )
 
 

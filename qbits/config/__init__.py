@@ -1,22 +1,23 @@
 """Layer 5: typed configs, YAML files, presets and per-layer rules.
 
-- :mod:`~qbits.config.schema`: configs as plain data (``to_dict``,
+- :mod:`~qbits.config._schema`: configs as plain data (``to_dict``,
   ``from_dict``); the dataclasses of layers 1-4 are the schema.
-- :mod:`~qbits.config.yamlio`: YAML files (safe loading only).
+- :mod:`~qbits.config._yamlio`: YAML files (safe loading only).
 - :mod:`~qbits.config.presets`: named recipes, also ``configs/<name>.yaml``.
-- :mod:`~qbits.config.rules`: :class:`QuantConfig`, per-layer rules and the
+- :mod:`~qbits.config._rules`: :class:`QuantConfig`, per-layer rules and the
   per-layer table.
-- :mod:`~qbits.config.checks`: whether a config fits a layer's operands.
+- :mod:`~qbits.config._checks`: whether a config fits a layer's operands.
 """
 
 from qbits.config import presets
-from qbits.config.checks import (
+from qbits.config._checks import (
     CheckedConv,
     CheckedDotGeneral,
     check_conv_operands,
     check_operands,
+    show_layer,
 )
-from qbits.config.rules import (
+from qbits.config._rules import (
     LayerRow,
     LayerTable,
     QuantConfig,
@@ -26,14 +27,15 @@ from qbits.config.rules import (
     as_dot_general_config,
     as_quant_config,
 )
-from qbits.config.schema import from_dict, register, to_dict
-from qbits.config.yamlio import (
+from qbits.config._schema import from_dict, register, to_dict
+from qbits.config._yamlio import (
     dump,
     dumps,
     load,
     load_config,
     loads,
     preset_yaml,
+    read_yaml,
     write_presets,
 )
 
@@ -58,7 +60,9 @@ __all__ = [
     "loads",
     "preset_yaml",
     "presets",
+    "read_yaml",
     "register",
+    "show_layer",
     "to_dict",
     "write_presets",
 ]

@@ -10,15 +10,19 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+from qbits._errors import ConfigError
+from qbits._quantizer import Quantizer, mx_quantizer
 from qbits.calibration import AbsMax
-from qbits.errors import ConfigError
 from qbits.granularity import PerChannel, PerTensor, Tiled
 from qbits.numerics import Fp8Numerics, IntNumerics, UniformNoise
 from qbits.ops import DotGeneralConfig, MatmulConfig
 from qbits.providers import DelayedScaling
-from qbits.quantizer import Quantizer, mx_quantizer
 
-__all__ = ["describe", "get", "names"]
+__all__ = [
+    "describe",
+    "get",
+    "names",
+]
 
 
 def _int(bits: int, *, stochastic: bool = False) -> Quantizer:

@@ -12,21 +12,30 @@ What the ``qbits`` command runs (:mod:`qbits.cli`), usable from Python too:
   table and plots (:func:`write_report`).
 """
 
-from qbits.experiments import corpus
-from qbits.experiments.data import CharData, ClassData, char_data, class_data
-from qbits.experiments.models import (
+from qbits.experiments import _corpus as corpus
+from qbits.experiments._data import CharData, ClassData, char_data, class_data
+from qbits.experiments._models import (
     MODELS,
     Classifier,
     ModelSpec,
     TransformerLM,
     spec,
 )
-from qbits.experiments.report import summarize, write_report
-from qbits.experiments.sweep import Entry, Sweep, SweepError, load_sweep, run_sweep
-from qbits.experiments.train import RunResult, build_model, train
+from qbits.experiments._report import summarize, write_report
+from qbits.experiments._scalify_mlp import PRECISIONS, train_scalify_mlp
+from qbits.experiments._sweep import (
+    Entry,
+    Sweep,
+    SweepError,
+    config_bits,
+    load_sweep,
+    run_sweep,
+)
+from qbits.experiments._train import RunResult, build_model, train
 
 __all__ = [
     "MODELS",
+    "PRECISIONS",
     "CharData",
     "ClassData",
     "Classifier",
@@ -39,11 +48,13 @@ __all__ = [
     "build_model",
     "char_data",
     "class_data",
+    "config_bits",
     "corpus",
     "load_sweep",
     "run_sweep",
     "spec",
     "summarize",
     "train",
+    "train_scalify_mlp",
     "write_report",
 ]

@@ -5,14 +5,15 @@ Explicit injection needs nothing from here: give a layer
 :func:`quantize` applies per-layer rules to an *unmodified* linen model
 without patching JAX globally; :func:`layer_table` shows which config each
 layer gets. Delayed scaling (the ``fp8_delayed`` preset) keeps its state in
-the :data:`STATE` collection (:mod:`qbits.flax.stateful`); :class:`TrainState`
+the :data:`STATE` collection (:mod:`qbits.flax._stateful`); :class:`TrainState`
 writes it back each step. :func:`collect_ranges` measures activation ranges
-for :func:`qbits.ranges.freeze_ranges` (static post-training ranges).
+for :func:`qbits.freeze_ranges` (static post-training ranges).
 """
 
-from qbits.flax.quantize import Quantized, layer_table, quantize
-from qbits.flax.ranges import RANGES, collect_ranges
-from qbits.flax.stateful import (
+from qbits.flax._layers import Session
+from qbits.flax._quantize import Quantized, layer_table, quantize
+from qbits.flax._ranges import RANGES, collect_ranges
+from qbits.flax._stateful import (
     STATE,
     StatefulConv,
     StatefulDotGeneral,
@@ -25,6 +26,7 @@ __all__ = [
     "RANGES",
     "STATE",
     "Quantized",
+    "Session",
     "StatefulConv",
     "StatefulDotGeneral",
     "StatefulEinsum",

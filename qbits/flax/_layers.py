@@ -23,10 +23,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qbits.config.checks import CheckedConv, CheckedDotGeneral, show_layer
-from qbits.config.rules import LayerTable, QuantConfig
-from qbits.errors import InvalidArgumentError
-from qbits.flax.stateful import StatefulConv, StatefulDotGeneral, StatefulEinsum
+from qbits._errors import InvalidArgumentError
+from qbits.config import (
+    CheckedConv,
+    CheckedDotGeneral,
+    LayerTable,
+    QuantConfig,
+    show_layer,
+)
+from qbits.flax._stateful import StatefulConv, StatefulDotGeneral, StatefulEinsum
 from qbits.ops import DotGeneralConfig, Einsum, needs_state
 from qbits.ops import conv_general_dilated as make_conv
 from qbits.ops import dot_general as make_dot_general

@@ -13,14 +13,14 @@ run quantized; :func:`layer_table` shows which layer gets which config.
 Delayed scaling keeps its state in :class:`DelayedState` Variables of the
 :class:`QuantizedDotGeneral`; :func:`update_state` writes it back each
 step. :func:`collect_ranges` measures activation ranges for
-:func:`qbits.ranges.freeze_ranges`.
+:func:`qbits.freeze_ranges`.
 """
 
-from qbits.nnx.attention import QuantizedAttention
-from qbits.nnx.layers import QuantizedConv, QuantizedDotGeneral, QuantizedEinsum
-from qbits.nnx.quantize import layer_table, quantize
-from qbits.nnx.ranges import collect_ranges
-from qbits.nnx.stateful import DelayedState, init_state, max_combining, update_state
+from qbits.nnx._attention import QuantizedAttention
+from qbits.nnx._layers import QuantizedConv, QuantizedDotGeneral, QuantizedEinsum
+from qbits.nnx._quantize import layer_table, quantize
+from qbits.nnx._ranges import collect_ranges
+from qbits.nnx._stateful import DelayedState, init_state, max_combining, update_state
 
 __all__ = [
     "DelayedState",

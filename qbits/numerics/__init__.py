@@ -1,17 +1,17 @@
 """Layer 1: how a real number (divided by its scale) becomes a grid point."""
 
-from qbits.numerics.base import NoiseFn, QNumerics
-from qbits.numerics.formats import (
+from qbits.numerics._base import NoiseFn, QNumerics, check_float_input, compute_dtype
+from qbits.numerics._formats import (
     FLOAT_FORMATS,
     FloatFormat,
     float_format,
     round_to_format,
     stochastic_round_to_format,
 )
-from qbits.numerics.fp_numerics import Fp8Numerics, FpNumerics
-from qbits.numerics.int_numerics import IntNumerics
-from qbits.numerics.no_numerics import NoNumerics
-from qbits.numerics.noise import UniformNoise, derive_key, hash_bits
+from qbits.numerics._fp_numerics import Fp8Numerics, FpNumerics
+from qbits.numerics._int_numerics import IntNumerics
+from qbits.numerics._no_numerics import NoNumerics
+from qbits.numerics._noise import UniformNoise, derive_key, hash_bits
 
 __all__ = [
     "FLOAT_FORMATS",
@@ -23,6 +23,8 @@ __all__ = [
     "NoiseFn",
     "QNumerics",
     "UniformNoise",
+    "check_float_input",
+    "compute_dtype",
     "derive_key",
     "float_format",
     "hash_bits",

@@ -1,24 +1,35 @@
 """Layer 4: quantized dot_general, einsum and conv.
 
-One core (:mod:`qbits.ops.core`, one custom VJP) computes the three
-quantized matmuls of each; scales come from calibration or from scale state
-(:mod:`qbits.ops.state`).
+One core (one custom VJP) computes the three quantized matmuls of each;
+scales come from calibration or from scale state (see
+:func:`dot_general`'s ``state=``).
 """
 
-from qbits.ops.config import DotGeneralConfig, MatmulConfig
-from qbits.ops.conv import ConvGeneralDilated, conv_general_dilated
-from qbits.ops.dot_general import DotGeneral, dot_general
-from qbits.ops.einsum import Einsum, einsum
-from qbits.ops.hlo import Gemm, dot_dtypes, gemms, jaxpr_dot_dtypes
-from qbits.ops.state import combine_state, max_combining, needs_state, state_kinds
+from qbits.ops._config import DotGeneralConfig, MatmulConfig
+from qbits.ops._conv import ConvGeneralDilated, conv_general_dilated
+from qbits.ops._dims import Dims
+from qbits.ops._dot_general import DotGeneral, dot_general
+from qbits.ops._einsum import Einsum, einsum
+from qbits.ops._hlo import Gemm, dot_dtypes, gemms, jaxpr_dot_dtypes
+from qbits.ops._matmul import quantize_operand, stored_matmul
+from qbits.ops._state import (
+    check_providers,
+    combine_state,
+    max_combining,
+    needs_state,
+    per_tensor_state,
+    state_kinds,
+)
 
 __all__ = [
     "ConvGeneralDilated",
+    "Dims",
     "DotGeneral",
     "DotGeneralConfig",
     "Einsum",
     "Gemm",
     "MatmulConfig",
+    "check_providers",
     "combine_state",
     "conv_general_dilated",
     "dot_dtypes",
@@ -28,5 +39,8 @@ __all__ = [
     "jaxpr_dot_dtypes",
     "max_combining",
     "needs_state",
+    "per_tensor_state",
+    "quantize_operand",
     "state_kinds",
+    "stored_matmul",
 ]

@@ -25,17 +25,18 @@ Example:
   (262144.0, True)
 """
 
-from qbits.scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled
-from qbits.scaled.interpreter import (
+from qbits.scaled._array import ScaledArray, as_scaled_array, asarray, is_scaled
+from qbits.scaled._interpreter import (
     Const,
     UnsupportedPrimitiveError,
     register_rule,
     scalify,
 )
 
-from qbits.scaled import control, rules, structure  # isort: skip  (the rules)
-from qbits.scaled.structure import register_marker  # isort: skip
-from qbits.scaled.ops import (  # isort: skip
+# The rules register themselves when imported.
+from qbits.scaled import _control, _rules, _structure  # noqa: F401  # isort: skip
+from qbits.scaled._structure import register_marker  # isort: skip
+from qbits.scaled._ops import (  # isort: skip
     cast_ml_dtype,
     cast_ml_dtype_grad,
     dynamic_rescale_l2,
@@ -53,7 +54,6 @@ __all__ = [
     "asarray",
     "cast_ml_dtype",
     "cast_ml_dtype_grad",
-    "control",
     "dynamic_rescale_l2",
     "dynamic_rescale_l2_grad",
     "dynamic_rescale_max",
@@ -61,8 +61,6 @@ __all__ = [
     "is_scaled",
     "register_marker",
     "register_rule",
-    "rules",
     "scalify",
-    "structure",
     "wasted_bits",
 ]

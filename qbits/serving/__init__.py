@@ -8,12 +8,12 @@ forward bit for bit. :func:`save` / :func:`restore` write and read them
 with Orbax (checking the config); :func:`size_report` counts the bytes.
 """
 
+from qbits.serving._checkpoint import restore, save
+from qbits.serving._convert import convert
 from qbits.serving._layout import LayerInfo
-from qbits.serving.checkpoint import restore, save
-from qbits.serving.convert import convert
-from qbits.serving.linen import Served, ServingParams, serve
-from qbits.serving.nnx import KernelPlaceholder, ServedDotGeneral, StoredWeight
-from qbits.serving.report import LayerSize, SizeReport, size_report
+from qbits.serving._linen import Served, ServingParams, serve
+from qbits.serving._nnx import KernelPlaceholder, ServedDotGeneral, StoredWeight
+from qbits.serving._report import LayerSize, SizeReport, size_report
 
 __all__ = [
     "KernelPlaceholder",

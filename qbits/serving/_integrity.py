@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qbits.errors import InvalidArgumentError
+from qbits._errors import InvalidArgumentError
 
 __all__ = [
     "CHECKPOINT",

@@ -20,13 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qbits.config import presets
-from qbits.config.rules import QuantConfig, Rule
-from qbits.config.schema import to_dict
-from qbits.errors import ConfigError, InvalidArgumentError
-from qbits.ops import DotGeneralConfig, MatmulConfig
-from qbits.ops.config import IDENTITY
-from qbits.ops.matmul import quantize
+from qbits._errors import ConfigError, InvalidArgumentError
+from qbits.config import QuantConfig, Rule, presets, to_dict
+from qbits.numerics import NoNumerics
+from qbits.ops import DotGeneralConfig, MatmulConfig, quantize_operand
 from qbits.tensor import PACKABLE_DTYPES, QTensor, storage_dtype
 
 __all__ = [
@@ -141,7 +138,7 @@ def forward_only(config: QuantConfig) -> QuantConfig:
 
 def stores_weight(config: DotGeneralConfig | None) -> bool:
     """Whether a layer with this config keeps a stored (quantized) weight."""
-    return config is not None and config.fwd.rhs != IDENTITY
+    return config is not None and not isinstance(config.fwd.rhs.numerics, NoNumerics)
 
 
 def check_servable(owner: str, path: str, cfg: MatmulConfig, where: str) -> None:
@@ -158,7 +155,7 @@ def check_servable(owner: str, path: str, cfg: MatmulConfig, where: str) -> None
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _store(kernel: jax.Array, cfg: MatmulConfig, contracting: tuple[int, ...]):
     # Exactly what the forward matmul does to its float rhs in real mode.
-    qt, _ = quantize(cfg.rhs, kernel, contracting, None, store=True)
+    qt, _ = quantize_operand(cfg.rhs, kernel, contracting, None, store=True)
     if np.dtype(qt.qvalue.dtype) in PACKABLE_DTYPES:
         qt = qt.pack(axis=-1)
     return qt

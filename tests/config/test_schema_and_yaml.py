@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import qbits
 from qbits import config as qc
-from qbits.numerics.formats import FLOAT_FORMATS
+from qbits.config._checks import with_layer
+from qbits.numerics._formats import FLOAT_FORMATS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FORMATS = sorted(FLOAT_FORMATS)
@@ -509,19 +510,17 @@ def test_read_yaml_is_plain_data_with_the_same_rules(tmp_path):
     file = tmp_path / "s.yaml"
     file.write_text("seeds: [0, 1]\nseeds: [2]\n")
     with pytest.raises(qbits.ConfigError, match="duplicate key at line 2"):
-        qc.yamlio.read_yaml(file)
+        qc.read_yaml(file)
     file.write_text("a: &x [1, 2]\nb: *x\n")
-    assert qc.yamlio.read_yaml(file) == {"a": [1, 2], "b": [1, 2]}
+    assert qc.read_yaml(file) == {"a": [1, 2], "b": [1, 2]}
 
 
 def test_layer_is_a_field_of_config_errors():
     e = qbits.ConfigError("fwd.rhs.x", 3, "an int", why="operand shape (2, 3)")
-    located = qc.checks.with_layer(e, "blocks/0/mlp").within("rules[1].config", "f")
+    located = with_layer(e, "blocks/0/mlp").within("rules[1].config", "f")
     assert located.layer == "blocks/0/mlp"
     assert str(located) == (
         "f: rules[1].config.fwd.rhs.x: expected an int, got 3 "
         "(operand shape (2, 3), in layer 'blocks/0/mlp')."
     )
-    assert str(qc.checks.with_layer(e, "")).endswith(
-        "in layer '' (the top-level module))."
-    )
+    assert str(with_layer(e, "")).endswith("in layer '' (the top-level module)).")

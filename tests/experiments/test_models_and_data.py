@@ -17,7 +17,7 @@ from qbits.experiments import (
     load_sweep,
     spec,
 )
-from qbits.experiments.data import char_batch, char_eval_batches
+from qbits.experiments._data import char_batch, char_eval_batches
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

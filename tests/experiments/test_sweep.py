@@ -13,9 +13,9 @@ import pytest
 
 import qbits
 from qbits.cli import main
-from qbits.experiments import sweep as sweep_lib
-from qbits.experiments.sweep import SweepError, load_sweep, run_sweep
-from qbits.experiments.train import RunResult
+from qbits.experiments import _sweep as sweep_lib
+from qbits.experiments._sweep import SweepError, load_sweep, run_sweep
+from qbits.experiments._train import RunResult
 
 SWEEP = """\
 name: tiny

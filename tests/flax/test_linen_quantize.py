@@ -11,8 +11,8 @@ import pytest
 
 import qbits
 import qbits.flax
+from qbits._errors import ConfigError, InvalidArgumentError
 from qbits.config import QuantConfig, Rule, UnusedRuleWarning
-from qbits.errors import ConfigError, InvalidArgumentError
 
 D, HEADS, SEQ, VOCAB, BLOCKS = 32, 4, 8, 16, 1
 ATTN = ("query", "key", "value", "qk", "pv", "out")

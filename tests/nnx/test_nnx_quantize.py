@@ -12,8 +12,8 @@ import pytest
 
 import qbits
 import qbits.nnx
+from qbits._errors import ConfigError
 from qbits.config import QuantConfig, Rule, UnusedRuleWarning, presets
-from qbits.errors import ConfigError
 from qbits.ops import jaxpr_dot_dtypes
 
 D, HEADS, SEQ, VOCAB = 32, 4, 8, 16

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import qbits
 from qbits import Fp8Numerics, FpNumerics, InvalidArgumentError
 from qbits.numerics import FLOAT_FORMATS
-from qbits.numerics.formats import emulated_round_to_format
+from qbits.numerics._formats import emulated_round_to_format
 from tests.helpers import FLOAT_DTYPES, bits_equal
 
 FORMATS = sorted(FLOAT_FORMATS)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from qbits import InvalidArgumentError
 from qbits.scaled import ScaledArray, as_scaled_array, asarray, is_scaled
-from qbits.scaled.array import pow2_split
+from qbits.scaled._array import pow2_split
 
 E8M0 = jnp.float8_e8m0fnu
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import qbits
-from qbits.ranges import freeze_ranges
+from qbits import freeze_ranges
 
 DN = (((1,), (0,)), ((), ()))
 

@@ -1,0 +1,456 @@
+"""Layer 3: Quantizer = numerics + calibration + granularity."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import struct
+from jax import lax
+
+from qbits._context import Context
+from qbits._errors import InvalidArgumentError
+from qbits.calibration import (
+    SCALE_ROUNDINGS,
+    AbsMax,
+    Calibration,
+    ConstantBound,
+    MseSearch,
+    ScaleRounding,
+    make_scale,
+    scale_limits,
+)
+from qbits.granularity import BlockLayout, Granularity, PerTensor, Tiled
+from qbits.numerics import (
+    FpNumerics,
+    IntNumerics,
+    NoNumerics,
+    QNumerics,
+    check_float_input,
+    compute_dtype,
+)
+from qbits.providers import ScaleProvider
+from qbits.tensor import QTensor, storage_dtype
+
+__all__ = ["Quantizer", "mx_quantizer"]
+
+
+class Quantizer(struct.PyTreeNode):
+    r"""Quantizes a tensor: calibrate each block, scale, put on the grid.
+
+    For each scale block (see ``granularity``) the calibration gives a bound;
+    the scale is ``bound / numerics.abs_val_mapped_to()`` (rounded as
+    ``scale_rounding`` says), and
+
+    .. math:: q = \mathrm{numerics}(x \cdot (1 / s)), \qquad \hat{x} = q \cdot s.
+
+    Scales are computed in float32 and carry no gradient, so the fake
+    quantization ``quant(x).dequant()`` has exactly the numerics' gradient
+    (straight-through, or masked with ``clip_gradient``). Inputs of every
+    float dtype are quantized in float32 (float64 stays); ``dequant`` returns
+    the input's dtype. With :class:`~qbits.NoNumerics` the input comes back
+    bit for bit.
+
+    Edge cases (the rules are in the :mod:`qbits.calibration` docstring):
+
+    - A block holding a NaN or an inf dequantizes to NaN.
+    - A block whose bound is 0 (all zeros) has scale 1 and dequantizes to
+      exact zeros, on grids without a zero too (its codes are 0, off the
+      grid), with the straight-through gradient.
+    - Tiny blocks get scales down to float32's smallest normal, so they keep
+      their values as far as float32 resolves them; huge finite blocks (up
+      to the dtype's largest value) dequantize to finite values of the right
+      sign: scales are capped so the scaled grid fits the input's dtype, and
+      grids whose top is below 4 (int1..int3) divide by a huge scale in two
+      exact steps (its reciprocal would be subnormal, flushed to 0 on CPU).
+    - Under ``jax_enable_x64`` the computation keeps the input's compute
+      dtype (float32, or float64 for float64 input).
+    - A zero-size input gives an empty QTensor; a shared axis of size 0 has
+      one scale entry (1), a per-index or tiled one none.
+    - The gradient of ``quant(x).dequant()`` is ``(g * s) * (1 / s)``:
+      in float32 it flushes to 0 where ``|g| * s`` is below ``2**-126`` and
+      overflows where it exceeds float32's largest value (blocks at
+      float32's extremes). :meth:`quant_vjp`'s gradient, which qbits'
+      matmuls use, applies the numerics' gradient to ``g`` directly and has
+      no such limit.
+
+    Attributes:
+      numerics: The grid (:class:`~qbits.IntNumerics`,
+        :class:`~qbits.FpNumerics`, :class:`~qbits.NoNumerics`, ...).
+      calibration: How each block's bound is found.
+      granularity: Which elements share a scale.
+      scale_rounding: ``"none"``, ``"pow2"`` or ``"e8m0"`` (power of two
+        rounded up); see :func:`qbits.calibration.round_scale`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q = qbits.Quantizer(qbits.IntNumerics(bits=8),
+      ...                     granularity=qbits.PerChannel(shared_axes=(0,)))
+      >>> w = jnp.array([[1.0, -0.02], [-0.5, 0.04]])
+      >>> qt = q.quant(w, store=True)
+      >>> qt.qvalue
+      Array([[127, -64],
+             [-64, 127]], dtype=int8)
+      >>> qt.scale.shape
+      (1, 2)
+    """
+
+    numerics: QNumerics = struct.field(pytree_node=False)
+    calibration: Calibration = struct.field(pytree_node=False, default=AbsMax())
+    granularity: Granularity = struct.field(pytree_node=False, default=PerTensor())
+    scale_rounding: ScaleRounding = struct.field(pytree_node=False, default="none")
+
+    def __post_init__(self) -> None:
+        for name, kind, label in (
+            ("numerics", QNumerics, "QNumerics"),
+            (
+                "calibration",
+                Calibration | ScaleProvider,
+                "Calibration or ScaleProvider",
+            ),
+            ("granularity", Granularity, "Granularity"),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise InvalidArgumentError(
+                    "Quantizer", name, getattr(self, name), f"a qbits {label}"
+                )
+        if self.scale_rounding not in SCALE_ROUNDINGS:
+            raise InvalidArgumentError(
+                "Quantizer",
+                "scale_rounding",
+                self.scale_rounding,
+                "one of " + ", ".join(SCALE_ROUNDINGS),
+            )
+
+    def quant(
+        self,
+        x: jax.Array,
+        context: Context | None = None,
+        *,
+        store: bool = False,
+        contracting_axes: tuple[int, ...] | None = None,
+    ) -> QTensor:
+        """Quantizes ``x``.
+
+        Args:
+          x: A floating-point array.
+          context: Carries the PRNG key for stochastic rounding.
+          store: Return ``qvalue`` in the storage dtype (int8, int4, fp8; fp6
+            in bfloat16) for real low-precision matmuls and serving. Stored
+            integers cannot carry a gradient, so differentiating through a
+            stored quantization raises; the default keeps ``qvalue`` in
+            float32 (exactly the same numbers) and differentiable. Stored
+            integers saturate at the storage dtype's range; the codes of a
+            block whose scale is NaN (it held a NaN or inf) are unspecified.
+          contracting_axes: When ``x`` is a matmul operand, the axes the
+            matmul contracts; granularities with axes left as ``None`` use
+            them.
+
+        Returns:
+          A :class:`~qbits.QTensor`.
+
+        Raises:
+          InvalidArgumentError: If ``x`` is not floating point, the granularity
+            does not fit its shape, stochastic rounding has no key, or
+            ``store=True`` for numerics without a storage dtype.
+        """
+        qt, _ = self._quantize(x, context, store, contracting_axes, vjp=False)
+        return qt
+
+    def quant_vjp(
+        self,
+        x: jax.Array,
+        context: Context | None = None,
+        *,
+        store: bool = False,
+        contracting_axes: tuple[int, ...] | None = None,
+        scale: jax.Array | None = None,
+    ) -> tuple[QTensor, jax.tree_util.Partial]:
+        """Quantizes ``x`` for use inside a custom VJP.
+
+        Like :meth:`quant`, but not differentiable itself: it also returns the
+        gradient of the fake quantization, a pytree-valued function
+        ``grad(g) -> dx`` (the numerics' :meth:`~qbits.QNumerics.vjp_bwd`)
+        that can be kept as a residual. Numerics are elementwise, so
+        ``dx = vjp_bwd(residuals, g)`` needs no scaling.
+
+        ``scale`` gives the scale (one entry per block, the scale's shape)
+        instead of calibrating: required when the calibration is a scale
+        provider (:mod:`qbits.providers`), which takes it from state.
+
+        Returns:
+          ``(qtensor, grad)``.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> q = qbits.Quantizer(qbits.IntNumerics(bits=8, clip_gradient=True),
+          ...                     qbits.ConstantBound(1.0))
+          >>> qt, grad = q.quant_vjp(jnp.array([0.5, 2.0]))
+          >>> grad(jnp.array([1.0, 1.0]))
+          Array([1., 0.], dtype=float32)
+        """
+        return self._quantize(
+            x, context, store, contracting_axes, vjp=True, given=scale
+        )
+
+    def _quantize(
+        self,
+        x: jax.Array,
+        context: Context | None,
+        store: bool,
+        contracting_axes: tuple[int, ...] | None,
+        *,
+        vjp: bool,
+        given: jax.Array | None = None,
+    ) -> tuple[QTensor, jax.tree_util.Partial | None]:
+        x = check_float_input("Quantizer.quant", x)
+        if given is None and isinstance(self.calibration, ScaleProvider):
+            raise InvalidArgumentError(
+                "Quantizer.quant",
+                "scale",
+                None,
+                "a given scale: this quantizer's scale comes from state "
+                f"({type(self.calibration).__name__}); quantize with "
+                "qbits.dot_general(config)(..., state=...) or through "
+                "qbits.flax.quantize / qbits.nnx.quantize, which keep it",
+            )
+        qdtype = self.numerics.get_dtype()
+        if store and qdtype is None and not isinstance(self.numerics, NoNumerics):
+            raise InvalidArgumentError(
+                "Quantizer.quant",
+                "store",
+                True,
+                "False for these numerics",
+                why=f"{self.numerics!r} has no storage dtype",
+            )
+        if isinstance(self.numerics, NoNumerics):
+            qt = QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
+            return qt, (jax.tree_util.Partial(_identity) if vjp else None)
+
+        blocks = self.granularity.block_sizes(x.shape, contracting_axes)
+        layout = BlockLayout.create(x.shape, blocks)
+        xb = x.astype(compute_dtype(x.dtype)).reshape(layout.blocked_shape)
+        mapped = self.numerics.abs_val_mapped_to()
+
+        def scale_of(bound: jax.Array) -> jax.Array:
+            return make_scale(bound, mapped, self.scale_rounding, x.dtype)
+
+        def quantize(v: jax.Array, bound: jax.Array) -> jax.Array:
+            s = scale_of(bound)
+            return self.numerics.fwd(v / s, context) * s
+
+        # quant_vjp is never differentiated (it runs inside custom VJPs), so
+        # only quant needs the gradient stops (and the storage-cast guard).
+        no_grad = (lambda v: v) if vjp else lax.stop_gradient
+        if given is not None:
+            bound = None
+        elif x.size:
+            bound = self.calibration(no_grad(xb), layout.reduce_axes, quantize)
+        else:  # nothing to calibrate: every (empty) block gets scale 1
+            reduced = [
+                1 if a in layout.reduce_axes else n
+                for a, n in enumerate(layout.blocked_shape)
+            ]
+            bound = jnp.zeros(reduced, xb.dtype)
+        # Per-block arithmetic on a flat vector: XLA compiles one kernel for
+        # every distinct computation, and flat vectors of the same length are
+        # the same computation whichever axes the blocks span.
+        if bound is None:  # a given scale
+            blocks = tuple(
+                1 if a in layout.reduce_axes else n
+                for a, n in enumerate(layout.blocked_shape)
+            )
+            scale = _given_scale(given, layout.scale_shape).reshape(-1)
+        else:
+            blocks = bound.shape
+            scale = no_grad(scale_of(bound.reshape(-1)))
+        # A scale above 2**126 has a subnormal inverse, which XLA:CPU flushes
+        # to zero (grids whose top is below 4: int1..int3). Such blocks are
+        # divided in two exact steps, a power of two first.
+        split = scale_limits(mapped, self.scale_rounding, x.dtype)[1] > 2.0**126
+        pre = _pre_factor(scale) if split else None
+        scale, inverse = _scale_and_inverse(scale, pre)
+        scale, inverse = scale.reshape(blocks), inverse.reshape(blocks)
+        y = xb * inverse if pre is None else (xb * pre.reshape(blocks)) * inverse
+        grad = None
+        if vjp:
+            q, residuals = self.numerics.vjp_fwd(y, context)
+            grad = jax.tree_util.Partial(
+                functools.partial(_numerics_grad, self.numerics, layout.blocked_shape),
+                residuals,
+            )
+        else:
+            q = self.numerics(y, context)
+        if bound is not None and not (
+            _keeps_zero(self.numerics)
+            and isinstance(self.calibration, _ZERO_BOUND_MEANS_ZEROS)
+        ):
+            # A block whose bound is 0 dequantizes to exact zeros, also on a
+            # grid without a zero (binary's 0 -> +0.5). The subtracted copy
+            # carries no gradient: the codes keep the numerics' gradient.
+            zero = (bound == 0).astype(q.dtype)
+            q = q - lax.stop_gradient(q) * zero
+        q = q.reshape(x.shape)
+        if store:
+            clipped = isinstance(self.numerics, IntNumerics) and self.numerics.clip
+            q = _to_storage(q, qdtype, saturate=not clipped, guard=not vjp)
+        scale = scale.reshape(layout.scale_shape).astype(jnp.float32)
+        return QTensor(q, scale, qdtype=qdtype, dtype=x.dtype), grad
+
+
+# Calibrations whose bound is 0 only for a block of zeros (or of values so
+# small that every grid with a zero rounds them to it at scale 1).
+_ZERO_BOUND_MEANS_ZEROS = (AbsMax, MseSearch, ConstantBound)
+
+
+def _given_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A given scale as a float32 array of the scale ``shape``."""
+    scale = jnp.asarray(scale)
+    if scale.size != int(np.prod(shape)):
+        raise InvalidArgumentError(
+            "Quantizer.quant",
+            "scale.shape",
+            scale.shape,
+            f"a scale of shape {shape} (one entry per block)",
+        )
+    return scale.reshape(shape).astype(jnp.float32)
+
+
+def _keeps_zero(numerics: QNumerics) -> bool:
+    """Whether ``numerics`` maps 0 to exactly 0, whatever its noise."""
+    if isinstance(numerics, FpNumerics):
+        return True
+    if isinstance(numerics, IntNumerics):
+        if numerics.round:
+            return numerics.preserve_zero
+        return numerics.noise_fn is None
+    return False
+
+
+def _pre_factor(scale: jax.Array) -> jax.Array:
+    """``2**-64`` for scales above ``2**64``, else 1 (exact, per block)."""
+    big = scale > np.asarray(2.0**64, scale.dtype)
+    return lax.select(big, jnp.full_like(scale, 2.0**-64), jnp.ones_like(scale))
+
+
+def _identity(g: jax.Array) -> jax.Array:
+    return g
+
+
+def _scale_and_inverse(
+    scale: jax.Array, pre: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """``scale`` and ``1 / (scale * pre)`` (flat vectors), computed once.
+
+    On CPU, left to itself, XLA copies the small per-block arithmetic that
+    makes a scale into every element of each large consumer (the
+    quantization, the rescaled matmul output), and compiles one more kernel
+    for the reciprocal it uses to divide by the scale. Stacked and divided by
+    a 1 that XLA cannot see (exact), both come from one small kernel that runs
+    once per block. Elsewhere the plain form is kept: the barrier would split
+    the fusions that GPU and TPU compilers make of it (same numbers).
+    """
+
+    def inverse_of(scale: jax.Array) -> jax.Array:
+        return 1.0 / (scale if pre is None else scale * pre)
+
+    def cpu(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+        n = scale.shape[0]
+        both = lax.concatenate([scale, inverse_of(scale)], 0)
+        both = both / lax.optimization_barrier(jnp.ones_like(both))
+        return both[:n], both[n:]
+
+    return lax.platform_dependent(
+        scale, cpu=cpu, default=lambda scale: (scale, inverse_of(scale))
+    )
+
+
+def _numerics_grad(
+    numerics: QNumerics, blocked_shape: tuple[int, ...], residuals: Any, g: jax.Array
+) -> jax.Array:
+    dx, _ = numerics.vjp_bwd(residuals, g.reshape(blocked_shape))
+    return dx.reshape(g.shape)
+
+
+def _to_storage(
+    q: jax.Array, qdtype: np.dtype, *, saturate: bool, guard: bool
+) -> jax.Array:
+    """Casts grid values to their storage dtype.
+
+    Integers saturate at the dtype's range unless the numerics already clip.
+    A NaN element always lies in a block whose scale is NaN (see
+    :mod:`qbits.calibration`), so its integer code does not matter.
+    """
+    target = storage_dtype(qdtype)
+    if saturate and jnp.issubdtype(target, jnp.integer):
+        info = ml_dtypes.iinfo(target)
+        lo, hi = (np.asarray(v, q.dtype) for v in (info.min, info.max))
+        q = lax.clamp(lo, q, hi)
+    return _cast_no_grad(q, target) if guard else q.astype(target)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _cast_no_grad(q: jax.Array, target: np.dtype) -> jax.Array:
+    return q.astype(target)
+
+
+@_cast_no_grad.defjvp
+def _cast_no_grad_jvp(target: np.dtype, primals: Any, tangents: Any) -> Any:
+    raise InvalidArgumentError(
+        "Quantizer.quant",
+        "store",
+        True,
+        "False when differentiating",
+        why=f"values stored as {np.dtype(target)} carry no gradient; "
+        "quant(x).dequant() with the default store=False has the numerics' "
+        "gradient",
+    )
+
+
+_MX_ELEMENTS = (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float6_e2m3fn",
+    "float6_e3m2fn",
+    "float4_e2m1fn",
+    "int8",
+)
+
+
+def mx_quantizer(element: str = "float8_e4m3fn", axis: int | None = None) -> Quantizer:
+    """An OCP Microscaling (MX) quantizer: tiles of 32, E8M0 scales.
+
+    The shared power-of-two scale of each tile is rounded *up* so that no
+    element of the tile clips (as production FP8 training does; the MX v1.0
+    spec rounds down and saturates).
+
+    Args:
+      element: ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (MXFP8),
+        ``"float6_e2m3fn"`` / ``"float6_e3m2fn"`` (MXFP6), ``"float4_e2m1fn"``
+        (MXFP4) or ``"int8"`` (MXINT8).
+      axis: The axis tiled in blocks of 32; ``None`` for a matmul operand's
+        contracting axis.
+
+    Returns:
+      A :class:`Quantizer`.
+
+    Raises:
+      InvalidArgumentError: For another element format.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q = qbits.mx_quantizer("float4_e2m1fn", axis=-1)
+      >>> qt = q.quant(jnp.linspace(-1.0, 1.0, 64).reshape(1, 64))
+      >>> qt.scale.shape, qt.scale[0, 0]
+      ((1, 2), Array(0.25, dtype=float32))
+    """
+    if element not in _MX_ELEMENTS:
+        raise InvalidArgumentError(
+            "mx_quantizer", "element", element, "one of " + ", ".join(_MX_ELEMENTS)
+        )
+    numerics = IntNumerics(bits=8) if element == "int8" else FpNumerics(element)
+    return Quantizer(numerics, AbsMax(), Tiled(axis=axis, tile_size=32), "e8m0")

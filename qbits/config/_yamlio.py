@@ -1,0 +1,476 @@
+"""YAML files: safe loading only, bounded, exact round trips.
+
+Files are read with a :class:`yaml.SafeLoader` (so a file can never build a
+Python object) that also refuses duplicate keys, which plain YAML would
+silently resolve to the last one. A file holds either one config (keys
+``fwd``/``dlhs``/``drhs``), a per-layer :class:`~qbits.QuantConfig` (keys
+``rules``/``default``) or just a preset name.
+
+A config is a few kilobytes, so a file that asks for much more is refused
+before it can exhaust time or memory, with an error naming the file and the
+limit: at most :data:`MAX_BYTES` bytes of UTF-8 text (a UTF-8 byte-order mark
+is allowed; UTF-16 and binary files are refused), mappings and lists nested at
+most :data:`MAX_DEPTH` deep, at most :data:`MAX_ITEMS` entries in one list or
+mapping, and at most :data:`MAX_VALUES` values in the whole document once
+anchors and aliases (``&name``/``*name``) are expanded; aliases are allowed
+within that budget, so a nested "billion laughs" file is refused at once.
+Sweep files (:func:`qbits.experiments.load_sweep`) are read the same way,
+with :func:`read_yaml`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import yaml
+
+from qbits._errors import ConfigError
+from qbits.config import presets
+from qbits.config._rules import QuantConfig
+from qbits.config._schema import MISSING, from_dict, to_dict
+from qbits.ops import DotGeneralConfig
+
+__all__ = [
+    "MAX_BYTES",
+    "MAX_DEPTH",
+    "MAX_ITEMS",
+    "MAX_VALUES",
+    "dump",
+    "dumps",
+    "load",
+    "load_config",
+    "loads",
+    "parse_yaml",
+    "preset_yaml",
+    "read_yaml",
+    "write_presets",
+]
+
+_SINGLE = ("fwd", "dlhs", "drhs")
+_RULES = ("rules", "default")
+
+#: Largest file (bytes; characters for :func:`loads`) qbits reads as YAML.
+MAX_BYTES = 1 << 20
+#: Deepest nesting of mappings and lists (the top-level value is depth 1).
+MAX_DEPTH = 32
+#: Most entries in one list or mapping.
+MAX_ITEMS = 10_000
+#: Most values (scalars, lists, mappings) in a document, aliases expanded.
+MAX_VALUES = 100_000
+
+_LIMIT = "a limit of qbits' YAML reader"
+
+
+def _at(mark: Any) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys and bounds the document.
+
+    While the document is composed it counts the nesting depth (before
+    descending, so a deeply nested file never reaches Python's recursion
+    limit), the entries of each collection, and the size and height of every
+    node with its aliases expanded (an alias is counted as often as it is
+    used, computed once per node).
+    """
+
+    def __init__(self, stream: Any):
+        super().__init__(stream)
+        self._depth = 0
+        self._sizes: dict[int, tuple[int, int]] = {}  # id(node) -> values, height
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if parent is not None and len(parent.value) >= MAX_ITEMS:
+            raise ConfigError(
+                "",
+                len(parent.value) + 1,
+                f"at most {MAX_ITEMS} entries in one list or mapping",
+                why=f"{_at(self.peek_event().start_mark)}: {_LIMIT}",
+            )
+        if self.check_event(yaml.AliasEvent):
+            return super().compose_node(parent, index)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise ConfigError(
+                    "",
+                    self._depth,
+                    f"mappings and lists nested at most {MAX_DEPTH} deep",
+                    why=f"{_at(self.peek_event().start_mark)}: {_LIMIT}",
+                )
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        self._measure(node)
+        return node
+
+    def _measure(self, node: Any) -> None:
+        """Records the expanded size and height of a just composed node."""
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = []
+        known = [self._sizes.get(id(c), (1, 1)) for c in children]
+        values = 1 + sum(v for v, _ in known)
+        height = 1 + max((h for _, h in known), default=0)
+        self._sizes[id(node)] = (values, height)
+        if values > MAX_VALUES:
+            raise ConfigError(
+                "",
+                values,
+                f"at most {MAX_VALUES} values in the document, aliases (*name) "
+                "expanded",
+                why=f"{_at(node.start_mark)}: {_LIMIT}",
+            )
+        if height > MAX_DEPTH:
+            raise ConfigError(
+                "",
+                height,
+                f"mappings and lists nested at most {MAX_DEPTH} deep, aliases "
+                "(*name) expanded",
+                why=f"{_at(node.start_mark)}: {_LIMIT}",
+            )
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict:
+    loader.flatten_mapping(node)
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        try:
+            duplicate = key in seen
+        except TypeError:  # a list or mapping as a key
+            kind = "a list" if isinstance(key, list) else "a mapping"
+            raise ConfigError(
+                "",
+                kind,
+                "a string, number, bool or null as a key",
+                why=f"{_at(key_node.start_mark)}: an unhashable key",
+            ) from None
+        if duplicate:
+            line = key_node.start_mark.line + 1
+            raise ConfigError(
+                "",
+                key,
+                "each key once per mapping",
+                why=f"duplicate key at line {line}",
+            )
+        seen[key] = True
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping
+)
+
+
+def _too_big(size: int) -> ConfigError:
+    return ConfigError(
+        "",
+        size,
+        f"at most {MAX_BYTES} bytes of YAML",
+        why=f"{_LIMIT}; a config is a few kilobytes",
+    )
+
+
+def _decode(data: bytes) -> str:
+    """UTF-8 bytes (an optional byte-order mark) as text; ConfigError otherwise."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(
+            "",
+            data[:4],
+            "UTF-8 text",
+            why="a UTF-16 byte-order mark: save the file as UTF-8",
+        )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - data.rfind(b"\n", 0, e.start)
+        raise ConfigError(
+            "",
+            data[e.start : e.start + 4],
+            "UTF-8 text",
+            why=f"line {line}, column {column}: not UTF-8; a binary file or "
+            "another encoding?",
+        ) from None
+
+
+def parse_yaml(text: str | bytes, source: str | None = None) -> Any:
+    r"""Parses YAML into plain data, safely and within the limits above.
+
+    The reader behind :func:`loads` and sweep files: only plain YAML
+    (mappings, lists, strings, numbers, booleans, null; no tags that build
+    Python objects), each key once per mapping, and the size limits of this
+    module.
+
+    Args:
+      text: The YAML text (bytes must be UTF-8).
+      source: The file name, for error messages.
+
+    Returns:
+      The document as dicts, lists and scalars (``None`` for an empty one).
+
+    Raises:
+      ConfigError: For text that breaks a rule or does not parse; one line
+        naming ``source``, the place and the rule.
+
+    Example:
+      >>> qbits.config._yamlio.parse_yaml("seeds: [0, 1]")
+      {'seeds': [0, 1]}
+      >>> qbits.config._yamlio.parse_yaml("a: &x [1, 2]\nb: *x")
+      {'a': [1, 2], 'b': [1, 2]}
+    """
+    try:
+        if isinstance(text, bytes):
+            if len(text) > MAX_BYTES:
+                raise _too_big(len(text))
+            text = _decode(text)
+        if not isinstance(text, str):
+            raise ConfigError("", text, "YAML text (a str)")
+        if len(text) > MAX_BYTES:
+            raise _too_big(len(text))
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
+    except ConfigError as e:
+        raise e.within(source=source) from None
+    except yaml.constructor.ConstructorError as e:
+        tag = re.search(r"tag '([^']*)'", e.problem or "")
+        line = getattr(e.problem_mark, "line", -1) + 1
+        raise ConfigError(
+            "",
+            tag.group(1) if tag else e.problem,
+            "plain YAML: mappings, lists, strings, numbers, booleans and null",
+            why=f"line {line}: a tag that would build a Python object",
+            source=source,
+        ) from None
+    except yaml.reader.ReaderError as e:
+        raise ConfigError(
+            "",
+            chr(e.character) if isinstance(e.character, int) else e.character,
+            "YAML text: printable characters only",
+            why=f"character {e.position}: {e.reason}; a binary file?",
+            source=source,
+        ) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = _at(mark) + ": " if mark else ""
+        raise ConfigError(
+            "",
+            text if len(text) < 40 else text[:37] + "...",
+            "valid YAML",
+            why=where + str(getattr(e, "problem", e)).splitlines()[0],
+            source=source,
+        ) from None
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    r"""Reads a YAML file into plain data (see :func:`parse_yaml`).
+
+    Only the first :data:`MAX_BYTES` bytes are ever read: a larger file is
+    refused without reading the rest.
+
+    Args:
+      path: The file.
+
+    Returns:
+      The document as dicts, lists and scalars.
+
+    Raises:
+      ConfigError: For a file that cannot be read or breaks a rule; the
+        message starts with the file name.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> f = pathlib.Path(tempfile.mkdtemp()) / "x.yaml"
+      >>> _ = f.write_text("a: 1\na: 2\n")
+      >>> try:
+      ...     qbits.config._yamlio.read_yaml(f)
+      ... except qbits.ConfigError as e:
+      ...     print(str(e).removeprefix(f"{f}: "))
+      expected each key once per mapping, got 'a' (duplicate key at line 2).
+    """
+    source = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(
+            "", source, "a readable file", why=e.strerror or str(e)
+        ) from None
+    except ValueError as e:  # e.g. a NUL byte in the path
+        raise ConfigError("", source, "a readable file", why=str(e)) from None
+    return parse_yaml(data, source)
+
+
+def dumps(config: Any, comment: str = "") -> str:
+    """A config as YAML text.
+
+    Args:
+      config: A :class:`~qbits.DotGeneralConfig`, :class:`~qbits.QuantConfig`
+        or a piece of one.
+      comment: Text put first, each line as a ``#`` comment.
+
+    Returns:
+      YAML that :func:`loads` turns back into an equal config.
+
+    Example:
+      >>> print(qbits.config.dumps(qbits.presets.get("int4_weight_only")))
+      fwd:
+        rhs:
+          numerics:
+            type: int
+            bits: 4
+            dtype: int4
+          granularity:
+            type: tiled
+            tile_size: 128
+      <BLANKLINE>
+    """
+    header = "".join(f"# {line}".rstrip() + "\n" for line in comment.splitlines())
+    body = yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=False)
+    return header + (body if body.strip() != "{}" else "{}\n")
+
+
+def loads(text: str, source: str | None = None) -> DotGeneralConfig | QuantConfig:
+    """Parses a YAML config.
+
+    Args:
+      text: YAML holding a config (``fwd``/``dlhs``/``drhs``), a per-layer
+        config (``rules``/``default``) or a preset name.
+      source: The file name, for error messages.
+
+    Returns:
+      A :class:`~qbits.DotGeneralConfig` for a single config or preset name, a
+      :class:`~qbits.QuantConfig` for rules.
+
+    Raises:
+      ConfigError: For YAML that does not parse, uses tags that would build
+        Python objects, repeats a key, exceeds a limit of this module, is
+        empty or not a mapping, or holds a bad value (the message names its
+        path, e.g. ``rules[1].config.fwd.rhs.numerics.bits``).
+
+    Example:
+      >>> qc = qbits.config.loads('''
+      ... rules:
+      ...   - {pattern: head, config: null}
+      ... default: int8_fwd
+      ... ''')
+      >>> qc.resolve("head").config is None, qc.resolve("mlp/fc1").name
+      (True, 'int8_fwd')
+    """
+    data = parse_yaml(text, source)
+    try:
+        return _from_document(data)
+    except ConfigError as e:
+        raise e.within(source=source) from None
+
+
+def _from_document(data: Any) -> DotGeneralConfig | QuantConfig:
+    if data is None:
+        raise ConfigError(
+            "", MISSING, "a mapping or a preset name", why="the document is empty"
+        )
+    if isinstance(data, str):
+        return presets.get(presets.check_name(data))
+    if not isinstance(data, dict):
+        raise ConfigError(
+            "",
+            data,
+            "a mapping (keys fwd/dlhs/drhs, or rules/default) or a preset name",
+        )
+    keys = set(data)
+    if keys <= set(_SINGLE):  # {} is the identity config
+        return from_dict(data, DotGeneralConfig)
+    if keys <= set(_RULES):
+        return from_dict(data, QuantConfig)
+    unknown = [k for k in data if k not in _SINGLE + _RULES]
+    bad = unknown[0] if unknown else next(iter(data))
+    mixed = not unknown
+    raise ConfigError(
+        str(bad),
+        bad,
+        "the keys fwd, dlhs, drhs (one config) or rules, default (per-layer rules)",
+        why="both kinds of keys in one file" if mixed else "",
+    )
+
+
+def dump(config: Any, path: str | os.PathLike, comment: str = "") -> None:
+    """Writes :func:`dumps` of ``config`` to the file ``path``."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(dumps(config, comment))
+
+
+def load(path: str | os.PathLike) -> DotGeneralConfig | QuantConfig:
+    """Reads a config file (see :func:`loads` and :func:`read_yaml`).
+
+    Raises:
+      ConfigError: For a file that cannot be read, is not UTF-8 text, is
+        larger or deeper than the limits of this module, or holds a bad
+        config; the message starts with the file name.
+    """
+    source = os.fspath(path)
+    try:
+        return _from_document(read_yaml(path))
+    except ConfigError as e:
+        raise e.within(source=source) from None
+
+
+def load_config(path: str | os.PathLike) -> QuantConfig:
+    """Reads a per-layer config file.
+
+    A file with a single config or a preset name becomes the ``default`` of a
+    :class:`~qbits.QuantConfig` without rules: every layer gets it.
+
+    Args:
+      path: A YAML file.
+
+    Returns:
+      A :class:`~qbits.QuantConfig`.
+
+    Raises:
+      ConfigError: As :func:`loads`.
+
+    Example:
+      >>> qc = qbits.load_config("configs/int8_fwd.yaml")
+      >>> qc.resolve("any/layer").config == qbits.presets.get("int8_fwd")
+      True
+    """
+    config = load(path)
+    if isinstance(config, QuantConfig):
+        return config
+    return QuantConfig(default=config)
+
+
+def preset_yaml(name: str) -> str:
+    """The text of ``configs/<name>.yaml``: the preset, its description on top.
+
+    Example:
+      >>> print(qbits.config.preset_yaml("none"))
+      # none: No quantization: exactly ``lax.dot_general``.
+      #
+      # The float baseline of every ablation, and the config to give layers that
+      # must stay float (or use ``null`` in a rule).
+      {}
+      <BLANKLINE>
+    """
+    return dumps(presets.get(name), f"{name}: {presets.describe(name)}")
+
+
+def write_presets(directory: str | os.PathLike) -> list[str]:
+    """Writes every preset to ``directory/<name>.yaml``; returns the paths.
+
+    The files in the repository's ``configs/`` are written by this function
+    (a test checks they are current).
+    """
+    paths = []
+    for name in presets.names():
+        path = os.path.join(directory, f"{name}.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(preset_yaml(name))
+        paths.append(path)
+    return paths

@@ -1,0 +1,228 @@
+"""The training loop of the example models, quantized by a per-layer config.
+
+:func:`train` builds the model from a seed, quantizes a copy with
+:func:`qbits.nnx.quantize` (so the float and the quantized run start from the
+same parameters), and trains it with AdamW (linear warm-up, cosine decay) on
+batches that are a function of ``(seed, step)`` only. The float32 baseline is
+the same call with ``config=None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+import qbits
+from qbits._errors import check_int
+from qbits.experiments import _data as data_lib
+from qbits.experiments._models import Classifier, ModelSpec, TransformerLM
+
+__all__ = ["RunResult", "build_model", "train"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """The outcome of one training run.
+
+    Attributes:
+      train_loss: Mean training loss over the last 10% of the steps.
+      eval_loss: Loss on the held-out data after the last step.
+      eval_accuracy: Next-character (``lm``) or class (``mlp``) accuracy on
+        the held-out data.
+      curve: Training loss at every step.
+      eval_curve: ``(step, eval loss)`` at each evaluation.
+      seconds: Wall-clock time of the run, compilation included.
+      unused_rules: A sentence naming the config's rules that matched no
+        layer, or ``""``.
+    """
+
+    train_loss: float
+    eval_loss: float
+    eval_accuracy: float
+    curve: list[float]
+    eval_curve: list[tuple[int, float]]
+    seconds: float
+    unused_rules: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The result as plain JSON-able data."""
+        return dataclasses.asdict(self)
+
+
+def build_model(spec: ModelSpec, seed: int) -> tuple[nnx.Module, Any]:
+    """The float model of ``spec`` initialised from ``seed``, and its data.
+
+    Example:
+      >>> from qbits.experiments import build_model, spec
+      >>> model, data = build_model(spec("mlp", "tiny"), seed=0)
+      >>> type(model).__name__, data.classes
+      ('Classifier', 10)
+    """
+    rngs = nnx.Rngs(params=seed)
+    if spec.model == "lm":
+        data = data_lib.char_data()
+        return TransformerLM(data.vocab, spec, rngs=rngs), data
+    data = data_lib.class_data()
+    return Classifier(data.x.shape[1], data.classes, spec, rngs=rngs), data
+
+
+def _compiler_options(spec: ModelSpec) -> dict[str, Any] | None:
+    """XLA options: quick, unoptimized compilation for smoke-test sizes."""
+    if not spec.fast_compile:
+        return None
+    return {
+        "xla_backend_optimization_level": 0,
+        "xla_llvm_disable_expensive_passes": True,
+    }
+
+
+def _loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean()
+    return loss, hits
+
+
+def train(
+    spec: ModelSpec,
+    config: Any = None,
+    *,
+    seed: int = 0,
+    steps: int | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> RunResult:
+    """Trains the example model of ``spec`` with its matmuls quantized by ``config``.
+
+    Args:
+      spec: The model, its sizes and hyperparameters (:func:`spec`).
+      config: A :class:`~qbits.QuantConfig`, a :class:`~qbits.DotGeneralConfig`
+        or a preset name; ``None`` (or ``"none"``) trains in float32.
+      seed: Seed of the initial parameters, the data order and the keys of
+        stochastic rounding (evaluations do not advance those keys, so a
+        run's training does not depend on how often it is evaluated).
+      steps: Training steps (default ``spec.steps``).
+      progress: Called as ``progress(step, loss)`` after every step.
+
+    Returns:
+      A :class:`RunResult`.
+
+    Raises:
+      InvalidArgumentError: For a seed outside ``0..2**32 - 1`` (JAX keys of
+        larger seeds repeat those of smaller ones) or a negative ``steps``.
+      ConfigError: For a config that does not fit a layer (e.g. a tile size
+        that does not divide its axis), naming the layer.
+
+    Example:
+      >>> from qbits.experiments import spec, train
+      >>> result = train(spec("mlp", "tiny"), "int8_fwd", steps=2)
+      >>> len(result.curve), result.eval_loss > 0
+      (2, True)
+    """
+    start = time.perf_counter()
+    check_int("train", "seed", seed, 0, 2**32 - 1)
+    steps = spec.steps if steps is None else steps
+    check_int("train", "steps", steps, 0)
+    model, data = build_model(spec, seed)
+    unused = ""
+    if config is not None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", qbits.UnusedRuleWarning)
+            model = qbits.nnx.quantize(model, config, rngs=nnx.Rngs(quant=seed))
+        unused = "; ".join(
+            str(w.message)
+            for w in caught
+            if issubclass(w.category, qbits.UnusedRuleWarning)
+        )
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, spec.lr, max(1, steps // 10), max(steps, 2), spec.lr / 10
+    )
+    tx = optax.adamw(schedule, weight_decay=0.01)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    wrt = nnx.DiffState(0, (nnx.Param, qbits.nnx.DelayedState))
+
+    if spec.model == "lm":
+
+        def batch_of(step):
+            key = jax.random.fold_in(jax.random.key(seed), step)
+            return data_lib.char_batch(data.train, key, spec.batch, spec.context)
+
+        eval_x, eval_y = data_lib.char_eval_batches(
+            data.eval, spec.eval_batches, spec.batch, spec.context
+        )
+    else:
+
+        def batch_of(step):
+            key = jax.random.fold_in(jax.random.key(seed), step)
+            idx = jax.random.randint(key, (spec.batch,), 0, data.x.shape[0])
+            return data.x[idx], data.y[idx]
+
+        n = spec.eval_batches * spec.batch
+        eval_x = data.x_eval[:n].reshape(spec.eval_batches, spec.batch, -1)
+        eval_y = data.y_eval[:n].reshape(spec.eval_batches, spec.batch)
+
+    # The functional nnx style: one jax.jit over the state of the model and
+    # the optimizer (the keys of stochastic rounding advance inside it).
+    graphdef, state = nnx.split((model, optimizer))
+    jit = functools.partial(jax.jit, compiler_options=_compiler_options(spec))
+
+    @jit
+    def step_fn(state, step):
+        model, optimizer = nnx.merge(graphdef, state)
+        x, y = batch_of(step)
+        loss, grads = nnx.value_and_grad(lambda m: _loss(m(x), y)[0], argnums=wrt)(
+            model
+        )
+        # Delayed-scaling configs: the "gradient" of their state is the new
+        # state; write it and give the optimizer the parameter gradients.
+        grads = qbits.nnx.update_state(model, grads)
+        # optax's bias correction computes float ** int32, which strict dtype
+        # promotion refuses; the model itself runs under the caller's setting.
+        with jax.numpy_dtype_promotion("standard"):
+            optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    @jit
+    def eval_fn(state):
+        model, _ = nnx.merge(graphdef, state)
+        losses, hits = [], []
+        for i in range(spec.eval_batches):
+            loss, hit = _loss(model(eval_x[i]), eval_y[i])
+            losses.append(loss)
+            hits.append(hit)
+        return jnp.stack(losses).mean(), jnp.stack(hits).mean()
+
+    eval_at = {round(steps * (i + 1) / spec.evals) for i in range(spec.evals)} | {steps}
+    curve: list[float] = []
+    eval_curve: list[tuple[int, float]] = []
+    eval_loss = accuracy = math.nan
+    for step in range(steps):
+        state, loss = step_fn(state, jnp.asarray(step, jnp.int32))
+        curve.append(float(loss))
+        if progress is not None:
+            progress(step + 1, curve[-1])
+        if step + 1 in eval_at:
+            ev, acc = eval_fn(state)
+            eval_loss, accuracy = float(ev), float(acc)
+            eval_curve.append((step + 1, eval_loss))
+    if steps == 0:
+        ev, acc = eval_fn(state)
+        eval_loss, accuracy = float(ev), float(acc)
+    tail = curve[-max(1, steps // 10) :] or [math.nan]
+    return RunResult(
+        train_loss=sum(tail) / len(tail),
+        eval_loss=eval_loss,
+        eval_accuracy=accuracy,
+        curve=curve,
+        eval_curve=eval_curve,
+        seconds=time.perf_counter() - start,
+        unused_rules=unused,
+    )

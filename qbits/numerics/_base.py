@@ -1,0 +1,146 @@
+"""The QNumerics interface and the custom VJP that every numerics gets."""
+
+from __future__ import annotations
+
+import abc
+import functools
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from qbits._context import Context
+from qbits._errors import InvalidArgumentError
+
+__all__ = ["NoiseFn", "QNumerics"]
+
+Residuals = Any
+
+
+class NoiseFn(Protocol):
+    """Draws rounding noise, uniform in ``[-0.5, 0.5)``, for a given shape."""
+
+    def __call__(self, shape: tuple[int, ...], key: jax.Array) -> jax.Array:
+        """Returns float32 noise of ``shape`` drawn from ``key``."""
+        ...
+
+
+class QNumerics(struct.PyTreeNode, metaclass=abc.ABCMeta):
+    """How a real number (already divided by its scale) becomes a grid point.
+
+    A numerics object is a frozen, hashable pytree with only static fields. It
+    owns its gradient: calling it (``numerics(x, context)``) runs :meth:`fwd`
+    in the forward pass and :meth:`vjp_bwd` in the backward pass, through a
+    ``jax.custom_vjp``. Subclasses implement the abstract methods and nothing
+    else.
+
+    Example:
+      A sign (binary) numerics with a straight-through gradient:
+
+      >>> import jax, jax.numpy as jnp
+      >>> class Sign(qbits.QNumerics):
+      ...     def fwd(self, x, context):
+      ...         return jnp.where(x < 0, -1.0, 1.0).astype(x.dtype)
+      ...     def vjp_fwd(self, x, context):
+      ...         return self.fwd(x, context), None
+      ...     def vjp_bwd(self, residuals, g):
+      ...         return g, None
+      ...     def get_dtype(self):
+      ...         return None
+      ...     def abs_val_mapped_to(self):
+      ...         return 1.0
+      >>> Sign()(jnp.array([-2.0, 0.5]))
+      Array([-1.,  1.], dtype=float32)
+      >>> jax.grad(lambda x: Sign()(x).sum())(jnp.array([-2.0, 0.5]))
+      Array([1., 1.], dtype=float32)
+    """
+
+    @abc.abstractmethod
+    def fwd(self, x: jax.Array, context: Context | None) -> jax.Array:
+        """Puts ``x`` on the grid. Returns an array of ``x``'s dtype and shape."""
+
+    @abc.abstractmethod
+    def vjp_fwd(
+        self, x: jax.Array, context: Context | None
+    ) -> tuple[jax.Array, Residuals]:
+        """Forward pass of the custom VJP: ``(fwd(x, context), residuals)``."""
+
+    @abc.abstractmethod
+    def vjp_bwd(self, residuals: Residuals, g: jax.Array) -> tuple[jax.Array, None]:
+        """Backward pass: cotangents for ``(x, context)`` given ``g``."""
+
+    @abc.abstractmethod
+    def get_dtype(self) -> np.dtype | None:
+        """Storage dtype of the real (non-emulated) path; ``None`` if none."""
+
+    @abc.abstractmethod
+    def abs_val_mapped_to(self) -> float | None:
+        """The grid magnitude that the calibration bound is mapped onto."""
+
+    def __call__(self, x: jax.Array, context: Context | None = None) -> jax.Array:
+        """Applies the numerics with its own gradient (see :meth:`vjp_bwd`)."""
+        return _apply(self, x, context)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _apply(numerics: QNumerics, x: jax.Array, context: Context | None) -> jax.Array:
+    return numerics.fwd(x, context)
+
+
+def _apply_fwd(
+    numerics: QNumerics, x: jax.Array, context: Context | None
+) -> tuple[jax.Array, Residuals]:
+    return numerics.vjp_fwd(x, context)
+
+
+def _apply_bwd(
+    numerics: QNumerics, residuals: Residuals, g: jax.Array
+) -> tuple[jax.Array, None]:
+    return numerics.vjp_bwd(residuals, g)
+
+
+_apply.defvjp(_apply_fwd, _apply_bwd)
+
+
+def clipped_straight_through(
+    x: jax.Array | None, g: jax.Array, bound: float
+) -> tuple[jax.Array, None]:
+    """Straight-through cotangents for ``(x, context)``; zero where ``|x| > bound``.
+
+    ``x`` is the residual the forward pass kept, ``None`` when the gradient
+    is not masked.
+    """
+    if x is None:
+        return g, None
+    return jnp.where(jnp.abs(x) <= bound, g, jnp.zeros_like(g)), None
+
+
+def check_float_input(owner: str, x: Any) -> jax.Array:
+    """Returns ``x`` as a jax array, raising unless it is floating point."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise InvalidArgumentError(
+            owner, "x.dtype", x.dtype, "a floating-point dtype (float32, bfloat16, ...)"
+        )
+    return x
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """The dtype numerics compute in: float64 stays, everything else is f32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype("f4")
+
+
+def require_key(owner: str, context: Context | None) -> jax.Array:
+    """Returns the context's PRNG key, raising a clear error when it is absent."""
+    key = None if context is None else context.key
+    if key is None:
+        raise InvalidArgumentError(
+            owner,
+            "context",
+            context,
+            "a qbits.Context(key=jax.random.key(...)): this numerics rounds "
+            "stochastically (noise_fn is set) and draws its noise from that key",
+        )
+    return key

@@ -1,0 +1,201 @@
+"""The configuration of one quantized matmul and of a dot_general's three."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from flax import struct
+
+from qbits._errors import InvalidArgumentError, check_bool
+from qbits._quantizer import Quantizer
+from qbits.numerics import IntNumerics, NoNumerics
+
+__all__ = ["IDENTITY", "DotGeneralConfig", "MatmulConfig"]
+
+IDENTITY = Quantizer(NoNumerics())
+MODES = ("real", "fake")
+_ACCUMULATORS = (np.dtype(np.int32), np.dtype(np.float32))
+
+
+class MatmulConfig(struct.PyTreeNode):
+    """How one matmul quantizes its two operands.
+
+    In ``"real"`` mode the operands are stored in their low-precision dtype
+    and fed to the dot: int8 x int8 accumulates in int32, fp8 x fp8 in
+    float32, and the output is multiplied by the two scales (which must then
+    be shared along the contracting axes, or tiled along one of them). int4
+    is widened to int8 and fp4 to bfloat16 inside the computation where XLA
+    cannot take it. In ``"fake"`` mode the operands are quantized and
+    dequantized and the dot runs in their float dtype. Both give the same
+    numbers within float32 rounding.
+
+    Attributes:
+      lhs: Quantizer of the left operand. In the backward matmuls of a
+        :class:`DotGeneralConfig` the left operand is the incoming gradient.
+      rhs: Quantizer of the right operand.
+      mode: ``"real"`` or ``"fake"``.
+      accumulator: ``None`` (int32 for integer x integer, float32 otherwise),
+        ``int32`` or ``float32``. For fp8 GEMMs on a GPU, ``None`` lets the
+        tensor cores accumulate in their fast, less precise way;
+        ``float32`` asks for full float32 accumulation.
+      use_fwd_quant: Backward matmuls only: use the forward pass's quantized
+        operand (its stored values and scales) as this matmul's rhs instead of
+        quantizing the float operand again with ``rhs``.
+
+    Example:
+      >>> int8 = qbits.Quantizer(qbits.IntNumerics(bits=8))
+      >>> cfg = qbits.MatmulConfig(lhs=int8, rhs=int8)
+      >>> cfg.is_identity
+      False
+    """
+
+    lhs: Quantizer = struct.field(pytree_node=False, default=IDENTITY)
+    rhs: Quantizer = struct.field(pytree_node=False, default=IDENTITY)
+    mode: Literal["real", "fake"] = struct.field(pytree_node=False, default="real")
+    accumulator: Any = struct.field(pytree_node=False, default=None)
+    use_fwd_quant: bool = struct.field(pytree_node=False, default=False)
+
+    def __post_init__(self) -> None:
+        for name in ("lhs", "rhs"):
+            if not isinstance(getattr(self, name), Quantizer):
+                raise InvalidArgumentError(
+                    "MatmulConfig", name, getattr(self, name), "a qbits.Quantizer"
+                )
+        if self.mode not in MODES:
+            raise InvalidArgumentError(
+                "MatmulConfig", "mode", self.mode, "'real' or 'fake'"
+            )
+        if self.accumulator is not None:
+            try:
+                acc = np.dtype(self.accumulator)
+            except TypeError:
+                acc = None
+            if acc not in _ACCUMULATORS:
+                raise InvalidArgumentError(
+                    "MatmulConfig",
+                    "accumulator",
+                    self.accumulator,
+                    "None, int32 or float32",
+                )
+            object.__setattr__(self, "accumulator", acc)
+        check_bool("MatmulConfig", "use_fwd_quant", self.use_fwd_quant)
+        if self.mode == "real":
+            for name in ("lhs", "rhs"):
+                n = getattr(self, name).numerics
+                if (
+                    isinstance(n, IntNumerics)
+                    and not n.clip
+                    and n.get_dtype() is not None
+                ):
+                    raise InvalidArgumentError(
+                        "MatmulConfig",
+                        f"{name}.numerics.clip",
+                        False,
+                        "True in real mode, or mode='fake'",
+                        why="real mode stores the codes as integers, which "
+                        "cannot hold values beyond the grid that an unclipped "
+                        "fake quantization keeps: the two modes would differ",
+                    )
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether neither operand is quantized."""
+        return self.lhs == IDENTITY and self.rhs == IDENTITY
+
+    @property
+    def needs_key(self) -> bool:
+        """Whether an operand rounds stochastically and needs a PRNG key."""
+        return any(
+            getattr(q.numerics, "noise_fn", None) is not None
+            for q in (self.lhs, self.rhs)
+        )
+
+
+class DotGeneralConfig(struct.PyTreeNode):
+    """The three matmuls of a ``dot_general`` and its gradient.
+
+    ``fwd`` computes ``out = lhs . rhs``; ``dlhs`` computes the gradient of the
+    lhs from the output gradient ``g`` and the rhs; ``drhs`` the gradient of the
+    rhs from ``g`` and the lhs. In both backward matmuls the config's ``lhs``
+    quantizer applies to ``g`` and its ``rhs`` quantizer to the other forward
+    operand (AQT's convention).
+
+    Attributes:
+      fwd: The forward matmul.
+      dlhs: The matmul giving the lhs gradient: ``g . rhs``.
+      drhs: The matmul giving the rhs gradient: ``g . lhs``.
+
+    Raises:
+      InvalidArgumentError: If ``fwd.use_fwd_quant`` is set, or a backward
+        matmul reuses a forward operand the forward matmul does not store.
+
+    Example:
+      >>> int8 = qbits.MatmulConfig(
+      ...     lhs=qbits.Quantizer(qbits.IntNumerics(bits=8)),
+      ...     rhs=qbits.Quantizer(qbits.IntNumerics(bits=8)))
+      >>> forward_only = qbits.DotGeneralConfig(fwd=int8)
+      >>> forward_only.dlhs.is_identity
+      True
+    """
+
+    fwd: MatmulConfig = struct.field(pytree_node=False, default=MatmulConfig())
+    dlhs: MatmulConfig = struct.field(pytree_node=False, default=MatmulConfig())
+    drhs: MatmulConfig = struct.field(pytree_node=False, default=MatmulConfig())
+
+    def __post_init__(self) -> None:
+        for name in ("fwd", "dlhs", "drhs"):
+            if not isinstance(getattr(self, name), MatmulConfig):
+                raise InvalidArgumentError(
+                    "DotGeneralConfig",
+                    name,
+                    getattr(self, name),
+                    "a qbits.MatmulConfig",
+                )
+        if self.fwd.use_fwd_quant:
+            raise InvalidArgumentError(
+                "DotGeneralConfig",
+                "fwd.use_fwd_quant",
+                True,
+                "False (only backward matmuls can reuse forward operands)",
+            )
+        for name, side in (("dlhs", "rhs"), ("drhs", "lhs")):
+            if (
+                getattr(self, name).use_fwd_quant
+                and getattr(self.fwd, side) == IDENTITY
+            ):
+                raise InvalidArgumentError(
+                    "DotGeneralConfig",
+                    f"{name}.use_fwd_quant",
+                    True,
+                    f"False when fwd.{side} does not quantize",
+                )
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether none of the three matmuls quantizes."""
+        return all(m.is_identity for m in (self.fwd, self.dlhs, self.drhs))
+
+    @property
+    def needs_key(self) -> bool:
+        """Whether any of the three matmuls rounds stochastically."""
+        return any(m.needs_key for m in (self.fwd, self.dlhs, self.drhs))
+
+
+def check_config(owner: str, config: Any, key: Any) -> None:
+    """Raises unless ``config`` is a DotGeneralConfig with the key it needs.
+
+    Raises:
+      InvalidArgumentError: For another type, or a config that rounds
+        stochastically without a key (at once, not inside a backward pass).
+    """
+    if not isinstance(config, DotGeneralConfig):
+        raise InvalidArgumentError(owner, "config", config, "a qbits.DotGeneralConfig")
+    if config.needs_key and key is None:
+        raise InvalidArgumentError(
+            owner,
+            "key",
+            None,
+            "a PRNG key (jax.random.key(...))",
+            why="the config rounds stochastically",
+        )

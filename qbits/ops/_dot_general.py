@@ -1,0 +1,329 @@
+"""Quantized ``dot_general``: forward and both backward matmuls."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from qbits._errors import InvalidArgumentError
+from qbits.ops import _core as core
+from qbits.ops import _state as state_lib
+from qbits.ops._config import DotGeneralConfig, MatmulConfig, check_config
+from qbits.ops._dims import Axes, Dims
+from qbits.ops._matmul import contract, fold_scale_into_lhs, result_dtype, stored_rhs
+from qbits.scaled import is_scaled, scalify
+from qbits.tensor import QTensor
+
+__all__ = ["DotContraction", "DotGeneral", "dot_general"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DotContraction(core.Contraction):
+    """A ``lax.dot_general`` as a contraction of the core.
+
+    Attributes:
+      dims: The dimension numbers.
+      precision: As for ``lax.dot_general`` (hashable).
+      preferred_element_type: As for ``lax.dot_general``.
+      out_sharding: As for ``lax.dot_general``.
+      out_perm: The output is ``transpose(dot, out_perm)`` (the gradient
+        matmuls, laid out like their operand), or ``None``.
+      shardings: The operands' shardings under a mesh with explicit axes
+        (their gradients get them), else ``None`` each.
+    """
+
+    dims: Dims
+    precision: Any = None
+    preferred_element_type: Any = None
+    out_sharding: Any = None
+    out_perm: Axes | None = None
+    shardings: tuple[Any, Any] = (None, None)
+
+    @classmethod
+    def create(
+        cls,
+        dims: Dims,
+        precision: Any,
+        preferred_element_type: Any,
+        out_sharding: Any,
+        lhs: Any,
+        rhs: Any,
+    ) -> DotContraction:
+        """The contraction of one call, with the operands' explicit shardings."""
+        if isinstance(precision, list):
+            precision = tuple(precision)
+        return cls(
+            dims,
+            precision,
+            preferred_element_type,
+            out_sharding,
+            None,
+            (_explicit_sharding(lhs), _explicit_sharding(rhs)),
+        )
+
+    @property
+    def contracting(self) -> tuple[Axes, Axes]:
+        """The contracting axes of the lhs and the rhs."""
+        return self.dims.lhs_contract, self.dims.rhs_contract
+
+    def __call__(self, lhs: QTensor, rhs: QTensor, cfg: MatmulConfig) -> jax.Array:
+        """The dot of two quantized operands (:func:`qbits.ops._matmul.contract`)."""
+        return contract(
+            lhs,
+            rhs,
+            self.dims,
+            cfg,
+            result_dtype(lhs, rhs, self.dims, self.preferred_element_type),
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            out_sharding=self.out_sharding,
+            out_perm=self.out_perm,
+        )
+
+    def plain(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        """``lax.dot_general`` itself (then the output permutation)."""
+        out = lax.dot_general(
+            lhs,
+            rhs,
+            self.dims.lax(),
+            self.precision,
+            self.preferred_element_type,
+            out_sharding=self.out_sharding,
+        )
+        if self.out_perm is None or self.out_perm == tuple(range(out.ndim)):
+            return out
+        return jnp.transpose(out, self.out_perm)
+
+    def gradient(self, side: str) -> DotContraction:
+        """The gradient matmul of ``side``, exactly as JAX transposes it."""
+        dims, perm = self.dims.grad_lhs() if side == "lhs" else self.dims.grad_rhs()
+        of = self.shardings[0 if side == "lhs" else 1]
+        return DotContraction(
+            dims,
+            self.precision,
+            self.preferred_element_type,
+            _grad_sharding(of, perm),
+            perm,
+        )
+
+    def reuse(self, rhs: QTensor) -> QTensor | None:
+        """The forward operand when its scale factors out of this dot."""
+        return rhs if stored_rhs(rhs, self.dims) else None
+
+    def fold(self, lhs: jax.Array, rhs: QTensor) -> jax.Array:
+        """``lhs`` times ``rhs``'s scale along the paired axes."""
+        return fold_scale_into_lhs(lhs, rhs, self.dims)
+
+
+def _explicit_sharding(x: Any) -> Any:
+    """``x``'s NamedSharding under a mesh with explicit axes, else ``None``."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return None
+    return sharding
+
+
+def _grad_sharding(sharding: Any, perm: tuple[int, ...]) -> Any:
+    """The sharding of a gradient matmul's output, as JAX's transpose rule has it.
+
+    Under a mesh with explicit axes, the gradient of ``x`` gets ``x``'s
+    sharding; the matmul computes it before the transpose ``perm``, so its
+    output sharding is ``x``'s spec in that earlier axis order. Elsewhere
+    sharding is left to propagation (``None``).
+    """
+    if sharding is None:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+    before = [int(i) for i in np.argsort(perm)]  # output axis -> x axis
+    return NamedSharding(sharding.mesh, PartitionSpec(*(spec[a] for a in before)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DotGeneral:
+    """A drop-in ``jax.lax.dot_general`` that quantizes as its config says.
+
+    Made by :func:`dot_general`; call it exactly like ``lax.dot_general``.
+    A config whose quantizers take their scales from state (a
+    :class:`~qbits.providers.ScaleProvider` such as
+    :class:`~qbits.DelayedScaling`) also needs ``state=``, from
+    :meth:`init_state`.
+
+    Attributes:
+      config: The three matmuls.
+      key: PRNG key for stochastic rounding, or ``None``.
+
+    Example:
+      >>> import flax.linen as nn
+      >>> dg = qbits.dot_general(qbits.DotGeneralConfig())
+      >>> layer = nn.Dense(4, dot_general=dg)
+      >>> isinstance(layer.dot_general, qbits.DotGeneral)
+      True
+    """
+
+    config: DotGeneralConfig
+    key: jax.Array | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, DotGeneral)
+            and other.config == self.config
+            and other.key is self.key
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.config, id(self.key)))
+
+    def __call__(
+        self,
+        lhs: jax.typing.ArrayLike,
+        rhs: jax.typing.ArrayLike,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        *,
+        out_sharding: Any = None,
+        state: dict[str, jax.Array] | None = None,
+    ) -> jax.Array:
+        """Computes ``lax.dot_general(lhs, rhs, ...)`` with quantized matmuls.
+
+        A :class:`~qbits.scaled.ScaledArray` operand gives a ScaledArray
+        result (the quantization runs on its data; see :mod:`qbits.scaled`).
+        ``state`` holds the scale state of the config's providers
+        (:meth:`init_state`); its gradient is the next state (see
+        :mod:`qbits.ops._state`).
+        """
+        if is_scaled(lhs) or is_scaled(rhs):
+            return scalify(
+                lambda a, b: self(
+                    a,
+                    b,
+                    dimension_numbers,
+                    precision,
+                    preferred_element_type,
+                    out_sharding=out_sharding,
+                    state=state,
+                )
+            )(lhs, rhs)
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        if self.config.is_identity and not state:
+            return lax.dot_general(
+                lhs,
+                rhs,
+                dimension_numbers,
+                precision,
+                preferred_element_type,
+                out_sharding=out_sharding,
+            )
+        c = self._contraction(
+            lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding
+        )
+        return state_lib.run(self.config, c, lhs, rhs, self.key, state, "dot_general")
+
+    def init_state(
+        self,
+        lhs: Any,
+        rhs: Any,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+    ) -> dict[str, jax.Array]:
+        """The initial scale state for operands like these.
+
+        Arrays or ``jax.ShapeDtypeStruct`` s; a learned scale
+        (:class:`~qbits.LearnedScale`) starts from the operands' values.
+
+        Example:
+          >>> dg = qbits.dot_general(qbits.presets.get("fp8_delayed"))
+          >>> state = dg.init_state(jnp.ones((2, 4)), jnp.ones((4, 3)),
+          ...                       (((1,), (0,)), ((), ())))
+          >>> state["lhs_scale"], state["lhs_amax_history"].shape
+          (Array([1.], dtype=float32), (1024,))
+        """
+        if not isinstance(lhs, jax.ShapeDtypeStruct):
+            lhs = jnp.asarray(lhs)
+        if not isinstance(rhs, jax.ShapeDtypeStruct):
+            rhs = jnp.asarray(rhs)
+        c = self._contraction(
+            lhs, rhs, dimension_numbers, precision, preferred_element_type, None
+        )
+        return state_lib.init_state(self.config, c, lhs, rhs, "dot_general")
+
+    def _contraction(
+        self,
+        lhs: Any,
+        rhs: Any,
+        dimension_numbers: Any,
+        precision: Any,
+        preferred_element_type: Any,
+        out_sharding: Any,
+    ) -> DotContraction:
+        dims = Dims.create(dimension_numbers, len(lhs.shape), len(rhs.shape))
+        # Let lax check shapes and dtypes, with its own messages.
+        jax.eval_shape(
+            functools.partial(lax.dot_general, dimension_numbers=dims.lax()),
+            jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+            jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
+        )
+        for name, x in (("lhs", lhs), ("rhs", rhs)):
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                raise InvalidArgumentError(
+                    "dot_general", f"{name}.dtype", x.dtype, "a floating-point dtype"
+                )
+        return DotContraction.create(
+            dims, precision, preferred_element_type, out_sharding, lhs, rhs
+        )
+
+
+def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGeneral:
+    """A quantized drop-in for ``jax.lax.dot_general``.
+
+    The returned function has exactly the signature of ``lax.dot_general``
+    (``precision`` may be positional, ``out_sharding`` is keyword-only), takes
+    any dimension numbers, and honours ``precision`` and
+    ``preferred_element_type``. Its gradient runs ``config.dlhs`` and
+    ``config.drhs``, each quantized as configured, through a custom VJP; a
+    numerics' gradient (straight-through, or masked with ``clip_gradient``)
+    applies on top. A config that quantizes nothing is ``lax.dot_general``
+    itself. Quantizers whose scales come from state (delayed scaling,
+    learned steps) take it as the keyword ``state=`` (see
+    :meth:`DotGeneral.init_state` and :mod:`qbits.ops._state`).
+
+    Args:
+      config: The forward matmul and the two gradient matmuls.
+      key: A PRNG key, required when any operand rounds stochastically.
+        The six operands draw from ``qbits.numerics.derive_key(key, i)``,
+        i = 0..5. Pass a new key each step (and per layer) for independent
+        noise.
+
+    Returns:
+      A :class:`DotGeneral`, usable as ``dot_general=`` in ``flax.linen.Dense``
+      and ``flax.nnx.Linear``, and as ``jnp.einsum(..., _dot_general=...)``.
+
+    Raises:
+      InvalidArgumentError: If the config rounds stochastically and ``key`` is
+        ``None``: at once, rather than inside the backward pass.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> int8 = qbits.Quantizer(qbits.IntNumerics(bits=8))
+      >>> mm = qbits.MatmulConfig(lhs=int8, rhs=int8)
+      >>> dg = qbits.dot_general(qbits.DotGeneralConfig(fwd=mm, dlhs=mm, drhs=mm))
+      >>> x = jax.random.normal(jax.random.key(0), (4, 16))
+      >>> w = jax.random.normal(jax.random.key(1), (16, 8))
+      >>> y = dg(x, w, (((1,), (0,)), ((), ())))
+      >>> bool(jnp.allclose(y, x @ w, rtol=0.05, atol=0.1))
+      True
+      >>> gx, gw = jax.grad(lambda x, w: dg(x, w, (((1,), (0,)), ((), ()))).sum(),
+      ...                   argnums=(0, 1))(x, w)
+    """
+    check_config("dot_general", config, key)
+    state_lib.check_providers(config, "dot_general")
+    return DotGeneral(config, key)

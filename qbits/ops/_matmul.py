@@ -1,0 +1,661 @@
+"""One quantized dot: quantized operands in, the rescaled output out.
+
+:func:`contract` is what :func:`qbits.dot_general` computes in each of its
+three matmuls (the forward and both gradients) once the operands are
+quantized, in real mode (low-precision dot, scales on the output) or fake
+mode (a float dot of the dequantized operands). It is not differentiable
+itself; the custom VJP in :mod:`qbits.ops._core` ties three of them together.
+
+Integer operands and XLA:CPU
+  XLA:CPU runs an s8 x s8 -> s32 dot on its fast kernel only when the lhs has
+  its contracting axes last; with any other lhs layout, and for an s8 array
+  that was transposed after quantization, it converts both operands to s32
+  (3-5x slower than float32); the rhs may be ``[K, N]`` or ``[N, K]``. So an
+  lhs whose contracting axes are not last is transposed (see ``_laid_out``),
+  and when the caller will permute the output the way exchanging the
+  operands does (the weight gradient ``x^T g``), the operands are exchanged,
+  so that the dot writes the final layout and the transposed operand is the
+  smaller activation rather than the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from qbits._context import Context
+from qbits._errors import InvalidArgumentError
+from qbits._quantizer import Quantizer
+from qbits.numerics import IntNumerics
+from qbits.ops._config import MatmulConfig
+from qbits.ops._dims import Axes, Dims
+from qbits.tensor import QTensor, expand_scale
+
+__all__ = [
+    "code_bound",
+    "common_dtypes",
+    "contract",
+    "dot_operand",
+    "fold_scale_into_lhs",
+    "quantize_operand",
+    "result_dtype",
+    "stored_matmul",
+    "stored_rhs",
+]
+
+Grad = jax.tree_util.Partial
+
+
+def result_dtype(
+    lhs: jax.Array | QTensor,
+    rhs: jax.Array | QTensor,
+    dims: Dims,
+    preferred_element_type: Any,
+) -> np.dtype:
+    """The dtype ``lax.dot_general`` would return for these operands."""
+    out = jax.eval_shape(
+        lambda a, b: lax.dot_general(
+            a, b, dims.lax(), preferred_element_type=preferred_element_type
+        ),
+        jax.ShapeDtypeStruct(lhs.shape, jnp.dtype(lhs.dtype)),
+        jax.ShapeDtypeStruct(rhs.shape, jnp.dtype(rhs.dtype)),
+    )
+    return np.dtype(out.dtype)
+
+
+def quantize_operand(
+    quantizer: Quantizer,
+    x: jax.Array,
+    contracting: Axes,
+    key: jax.Array | None,
+    *,
+    store: bool,
+    scale: jax.Array | None = None,
+) -> tuple[QTensor, Grad]:
+    """``quantizer.quant_vjp`` of a matmul operand, stored where it can be.
+
+    Quantizes as the matmuls of :func:`qbits.dot_general` do (and a served
+    weight is stored): scales shared along ``contracting`` by default.
+    ``scale`` is the given scale of a quantizer with a scale provider.
+
+    Returns:
+      ``(qtensor, grad)`` as :meth:`qbits.Quantizer.quant_vjp`.
+
+    Example:
+      >>> q = qbits.Quantizer(qbits.IntNumerics(bits=8))
+      >>> qt, _ = qbits.ops.quantize_operand(q, jnp.ones((4, 8)), (1,), None,
+      ...                                    store=True)
+      >>> qt.qvalue.dtype
+      dtype('int8')
+    """
+    store = store and quantizer.numerics.get_dtype() is not None
+    return quantizer.quant_vjp(
+        x, Context(key), store=store, contracting_axes=contracting, scale=scale
+    )
+
+
+def stored_matmul(
+    lhs: jax.Array,
+    rhs: QTensor,
+    dims: Dims,
+    cfg: MatmulConfig,
+    key: jax.Array | None = None,
+    *,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """The forward matmul against a stored rhs (a served weight).
+
+    ``lhs`` is quantized as ``cfg.lhs`` says; ``rhs`` was quantized for this
+    matmul (its scale is shared along the contracting axes, or tiled), as
+    :func:`quantize_operand` stores it. Forward only (serving).
+
+    Raises:
+      InvalidArgumentError: For an ``rhs`` whose scale does not factor out.
+
+    Example:
+      >>> q = qbits.Quantizer(qbits.IntNumerics(bits=8))
+      >>> cfg = qbits.MatmulConfig(lhs=q, rhs=q)
+      >>> w, _ = qbits.ops.quantize_operand(q, jnp.ones((8, 3)), (0,), None,
+      ...                                   store=True)
+      >>> dims = qbits.ops.Dims.create((((1,), (0,)), ((), ())), 2, 2)
+      >>> qbits.ops.stored_matmul(jnp.ones((2, 8)), w, dims, cfg).shape
+      (2, 3)
+    """
+    if not stored_rhs(rhs, dims):
+        raise InvalidArgumentError(
+            "matmul",
+            "rhs.scale",
+            rhs.scale.shape,
+            "a scale shared along the contracting axes, or tiled along one",
+        )
+    lq, _ = quantize_operand(
+        cfg.lhs, lhs, dims.lhs_contract, key, store=cfg.mode == "real"
+    )
+    return contract(
+        lq,
+        rhs,
+        dims,
+        cfg,
+        result_dtype(lhs, rhs, dims, preferred_element_type),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+    )
+
+
+def contract(
+    lqt: QTensor,
+    rqt: QTensor,
+    dims: Dims,
+    cfg: MatmulConfig,
+    out_dtype: Any,
+    *,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+    out_perm: Axes | None = None,
+) -> jax.Array:
+    """Contracts two operands quantized already, as ``cfg.mode`` says.
+
+    Scales must factor out of the dot in real mode (shared along the
+    contracting axes, or tiled). Integer x integer dots accumulate in int32
+    where it holds every sum (see :func:`code_bound`), else in float32.
+
+    Returns:
+      The output in ``out_dtype``, transposed by ``out_perm``.
+    """
+    empty = 0 in lqt.shape or 0 in rqt.shape  # nothing to multiply: lax's zeros
+    if cfg.mode != "real" or empty:
+        out = lax.dot_general(
+            lqt.dequant(),
+            rqt.dequant(),
+            dims.lax(),
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
+        )
+        return _permute(out.astype(out_dtype), out_perm)
+    lqt = _per_index_free(lqt, dims.lhs_batch + dims.lhs_free)
+    rqt = _per_index_free(rqt, dims.rhs_batch + dims.rhs_free)
+    a, b = dot_operand(lqt), dot_operand(rqt)
+    if jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
+        if _int32_holds(lqt, rqt, dims, cfg):
+            out = _integer_dot(lqt, rqt, dims, cfg, precision, out_perm, out_sharding)
+            return out.astype(out_dtype)
+        # The int32 sum could overflow: accumulate the (exact) codes in float32.
+        cfg = dataclasses.replace(cfg, accumulator=np.dtype(np.float32))
+    if _is_byte_float(a) and _is_byte_float(b):  # fp8
+
+        def cpu(lqt: QTensor, rqt: QTensor) -> jax.Array:
+            a, b = dot_operand(lqt), dot_operand(rqt)
+            out = _real_dot(
+                a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding
+            )
+            return _permute(out, out_perm)
+
+        def gpu(lqt: QTensor, rqt: QTensor) -> jax.Array:
+            return _gemm_layout_dot(
+                lqt, rqt, dims, cfg, precision, out_perm, out_sharding
+            )
+
+        out = lax.platform_dependent(lqt, rqt, cpu=cpu, default=gpu)
+        return out.astype(out_dtype)
+    out = _real_dot(a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding)
+    return _permute(out.astype(out_dtype), out_perm)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def code_bound(qt: QTensor, quantizer: Quantizer | None = None) -> int:
+    """The largest magnitude of a stored integer operand's codes.
+
+    ``2**(bits-1) - 1`` for a clipping :class:`~qbits.IntNumerics` that
+    stored ``qt``; otherwise the storage dtype's largest value.
+    """
+    top = int(ml_dtypes.iinfo(np.dtype(qt.qdtype)).max)
+    numerics = getattr(quantizer, "numerics", None)
+    if (
+        isinstance(numerics, IntNumerics)
+        and numerics.clip
+        and numerics.get_dtype() == np.dtype(qt.qdtype)
+    ):
+        return min(top, 2 ** (numerics.bits - 1) - 1)
+    return top
+
+
+def _int32_holds(lqt: QTensor, rqt: QTensor, dims: Dims, cfg: MatmulConfig) -> bool:
+    """Whether an int32 accumulator holds every sum of this integer dot.
+
+    The rule: ``K * max|a| * max|b| <= 2**31 - 1``, with K the number of
+    products summed into one output (the tile size for tiled scales) and
+    the code bounds of :func:`code_bound`. int8 x int8 sums up to K = 133,144
+    exactly; 16-bit codes only K = 2 (wider sums accumulate in float32).
+
+    Raises:
+      InvalidArgumentError: For ``accumulator=int32`` where it could
+        overflow.
+    """
+    k = 1
+    for la in dims.lhs_contract:
+        k *= lqt.shape[la]
+    tiled = _tiled_pair(lqt, lqt.scale, rqt.scale, dims)
+    if tiled is not None:
+        k = k // lqt.shape[dims.lhs_contract[tiled[0]]] * tiled[1]
+    worst = k * code_bound(lqt, cfg.lhs) * code_bound(rqt, cfg.rhs)
+    if worst <= INT32_MAX:
+        return True
+    if cfg.accumulator == np.dtype(np.int32):
+        raise InvalidArgumentError(
+            "MatmulConfig",
+            "accumulator",
+            "int32",
+            "None or float32 for these operands",
+            why=f"{k} products of {np.dtype(lqt.qdtype)} x {np.dtype(rqt.qdtype)} "
+            f"codes can sum to {worst}, beyond int32",
+        )
+    return False
+
+
+def _per_index_free(qt: QTensor, axes: Axes) -> QTensor:
+    """``qt`` with block scales along ``axes`` (not contracted) made per index.
+
+    A scale shared by a block of rows or columns (DeepSeek-V3's 128 x 128
+    weight blocks) factors out of each output element like a per-channel
+    one; repeating it (a small array) lets the dot treat it as one.
+    """
+    scale = qt.scale
+    for a in axes:
+        n, k = qt.shape[a], scale.shape[a]
+        if k not in (1, n):
+            scale = jnp.repeat(scale, n // k, axis=a)
+    return qt if scale is qt.scale else qt.replace(scale=scale)
+
+
+def _is_byte_float(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 1
+
+
+def stored_rhs(rhs: QTensor, dims: Dims) -> bool:
+    """Whether a stored rhs's scale factors out of this dot as it is.
+
+    That is the case when it was quantized for this matmul (its scale is
+    shared along the contracted axes, or tiled); a forward operand reused by
+    a backward matmul (``use_fwd_quant``) has its scale along axes this
+    matmul contracts, and it is folded into the lhs instead
+    (:func:`fold_scale_into_lhs`).
+    """
+    shape = rhs.scale.shape
+    return all(shape[a] == 1 for a in dims.rhs_contract) or _single_tiled(
+        shape, rhs, dims
+    )
+
+
+def _single_tiled(shape: tuple[int, ...], rhs: QTensor, dims: Dims) -> bool:
+    varying = [a for a in dims.rhs_contract if shape[a] != 1]
+    return len(varying) == 1 and 1 < shape[varying[0]] < rhs.shape[varying[0]]
+
+
+def _integer_dot(
+    lhs: QTensor,
+    rhs: QTensor,
+    dims: Dims,
+    cfg: MatmulConfig,
+    precision: Any,
+    out_perm: Axes | None,
+    out_sharding: Any,
+) -> jax.Array:
+    """An integer dot laid out for the backend: see the module docstring."""
+
+    def cpu(lhs: QTensor, rhs: QTensor) -> jax.Array:
+        swap = out_perm is not None and tuple(out_perm) == dims.swap_perm()
+        a, b, d = (rhs, lhs, dims.swapped()) if swap else (lhs, rhs, dims)
+        a_order = d.lhs_batch + d.lhs_free + d.lhs_contract
+        b_order = _rhs_order(d)
+        a_vals, a_scale = _laid_out(a, a_order, barriers=True)
+        b_vals, b_scale = _laid_out(b, b_order, barriers=True)
+        moved = d.moved(a_order, b_order)
+        # Moving operand axes keeps the output layout; exchanging the operands
+        # writes the permuted output directly.
+        sharding = _permuted_sharding(out_sharding, out_perm) if swap else out_sharding
+        out = _real_dot(
+            a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding
+        )
+        return out if swap else _permute(out, out_perm)
+
+    def gpu(lhs: QTensor, rhs: QTensor) -> jax.Array:
+        return _gemm_layout_dot(lhs, rhs, dims, cfg, precision, out_perm, out_sharding)
+
+    return lax.platform_dependent(lhs, rhs, cpu=cpu, default=gpu)
+
+
+def _gemm_layout_dot(
+    lhs: QTensor,
+    rhs: QTensor,
+    dims: Dims,
+    cfg: MatmulConfig,
+    precision: Any,
+    out_perm: Axes | None,
+    out_sharding: Any,
+) -> jax.Array:
+    """A byte-operand dot with both operands ``[batch, free, contracting]``.
+
+    cuBLASLt runs int8 and fp8 GEMMs only with both operands contiguous along
+    the contracting axes ("TN"). Left to itself, XLA's GPU compiler makes the
+    transposes that need after fusion, as separate kernels, slow on one-byte
+    elements; written here, they fuse into the quantization that produces
+    the operand, and XLA sees the layout its GEMM takes.
+    """
+    if precision is None and cfg.accumulator == np.dtype(np.float32):
+        # fp8: no fast accumulation (cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM).
+        precision = lax.Precision.HIGHEST
+    swap = out_perm is not None and tuple(out_perm) == dims.swap_perm()
+    a, b, d = (rhs, lhs, dims.swapped()) if swap else (lhs, rhs, dims)
+    a_order = d.lhs_batch + d.lhs_free + d.lhs_contract
+    b_order = d.rhs_batch + d.rhs_free + d.rhs_contract
+    a_vals, a_scale = _laid_out(a, a_order, barriers=False)
+    b_vals, b_scale = _laid_out(b, b_order, barriers=False)
+    moved = d.moved(a_order, b_order)
+    sharding = _permuted_sharding(out_sharding, out_perm) if swap else out_sharding
+    out = _real_dot(
+        a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding,
+        one_scalar=True,
+    )  # fmt: skip
+    return out if swap else _permute(out, out_perm)
+
+
+def _permuted_sharding(sharding: Any, perm: Axes | None) -> Any:
+    """The sharding of ``transpose(out, perm)`` given ``out``'s."""
+    if sharding is None or perm is None:
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+    return sharding.update(spec=type(sharding.spec)(*(spec[p] for p in perm)))
+
+
+def _rhs_order(d: Dims) -> Axes:
+    """The rhs layout for an integer dot.
+
+    The rhs stays as it is when it is ``[batch, K, N]`` or ``[batch, N, K]``
+    (both run on the fast kernel, and a transpose costs a strided pass);
+    otherwise it becomes ``[batch, K, N]``.
+    """
+    for order in (
+        d.rhs_batch + d.rhs_contract + d.rhs_free,
+        d.rhs_batch + d.rhs_free + d.rhs_contract,
+    ):
+        if order == tuple(range(d.rhs_ndim)):
+            return order
+    return d.rhs_batch + d.rhs_contract + d.rhs_free
+
+
+def _laid_out(
+    qt: QTensor, order: Axes, *, barriers: bool
+) -> tuple[jax.Array, jax.Array]:
+    """The dot operand and scale of ``qt``, transposed to ``order``.
+
+    With ``barriers`` (XLA:CPU): XLA:CPU turns a bare transpose of an s8
+    array into a copy and then runs the dot in s32; inside an elementwise
+    computation the transposed array stays s8. Zeroing the values of blocks
+    whose scale is NaN is such a computation, and a harmless one (those
+    outputs are NaN through the scale). The barriers keep XLA from folding
+    the transpose into the dot.
+    """
+    values = dot_operand(qt)
+    if order == tuple(range(values.ndim)):
+        return values, qt.scale
+    scale = jnp.transpose(qt.scale, order)
+    if not barriers:
+        return jnp.transpose(values, order), scale
+    values = jnp.transpose(lax.optimization_barrier(values), order)
+    poisoned = jnp.isnan(expand_scale(scale, values.shape))
+    values = jnp.where(poisoned, jnp.zeros_like(values), values)
+    return lax.optimization_barrier(values), scale
+
+
+def _permute(x: jax.Array, perm: Axes | None) -> jax.Array:
+    if perm is None or tuple(perm) == tuple(range(x.ndim)):
+        return x
+    return jnp.transpose(x, perm)
+
+
+def fold_scale_into_lhs(lhs: jax.Array, rhs_fwd: QTensor, dims: Dims) -> jax.Array:
+    """``lhs * s`` where ``s`` is the rhs scale laid out along the lhs axes.
+
+    Reusing the forward pass's rhs in a backward matmul: its scale varies
+    along axes that this matmul contracts, so it cannot be applied to the
+    output; it is applied to the other operand instead (exact in real
+    arithmetic: ``sum_k g_k (s_k q_k) = sum_k (g_k s_k) q_k``).
+    """
+    scale = rhs_fwd.scale
+    if any(scale.shape[a] != 1 for a in dims.rhs_free):
+        raise InvalidArgumentError(
+            "dot_general",
+            "use_fwd_quant",
+            True,
+            "False for this forward quantization",
+            why=f"the forward operand's scale {scale.shape} varies along axes "
+            f"{dims.rhs_free} that the backward matmul does not contract "
+            "(tiled scales cannot be reused)",
+        )
+    pairs = dict(
+        zip(
+            dims.lhs_contract + dims.lhs_batch,
+            dims.rhs_contract + dims.rhs_batch,
+            strict=True,
+        )
+    )
+    paired = sorted(pairs)
+    # Put the paired rhs axes in lhs order (free rhs axes have size 1), then
+    # insert size-1 axes where the lhs has free axes.
+    scale = jnp.transpose(scale, [pairs[a] for a in paired] + list(dims.rhs_free))
+    shape = [
+        scale.shape[paired.index(a)] if a in pairs else 1 for a in range(dims.lhs_ndim)
+    ]
+    return lhs.astype(jnp.float32) * scale.reshape(shape)
+
+
+def dot_operand(qt: QTensor) -> jax.Array:
+    """The stored values in a dtype XLA can contract."""
+    q = qt.unpack().qvalue
+    if q.dtype in (jnp.int4, jnp.int2):
+        return q.astype(jnp.int8)
+    if q.dtype == jnp.uint4:
+        return q.astype(jnp.uint8)
+    if q.dtype == np.dtype(ml_dtypes.float4_e2m1fn):
+        return q.astype(jnp.bfloat16)
+    return q
+
+
+def common_dtypes(
+    a: jax.Array, b: jax.Array, accumulator: Any
+) -> tuple[jax.Array, jax.Array, np.dtype]:
+    """Operand and accumulator dtypes for the real dot."""
+    a_int = jnp.issubdtype(a.dtype, jnp.integer)
+    b_int = jnp.issubdtype(b.dtype, jnp.integer)
+    if a_int and b_int and accumulator in (None, np.dtype(np.int32)):
+        return a, b, np.dtype(np.int32)
+    if accumulator == np.dtype(np.int32):
+        raise InvalidArgumentError(
+            "MatmulConfig",
+            "accumulator",
+            "int32",
+            "None or float32 for these operands",
+            why=f"operands are {a.dtype} and {b.dtype}, not both integers",
+        )
+
+    # Integers meet a float operand (or a float accumulator): widen them to a
+    # float dtype that holds them exactly, the other operand's where it can.
+    def widened(x: jax.Array, other: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            return x
+        if ml_dtypes.iinfo(x.dtype).bits > 8:
+            return x.astype(jnp.float32)
+        float_other = jnp.issubdtype(other.dtype, jnp.floating)
+        if float_other and jnp.dtype(other.dtype).itemsize >= 2:
+            return x.astype(other.dtype)
+        return x.astype(jnp.bfloat16)
+
+    return widened(a, b), widened(b, a), np.dtype(np.float32)
+
+
+def _tiled_pair(
+    a: jax.Array, sl: jax.Array, sr: jax.Array, dims: Dims
+) -> tuple[int, int] | None:
+    """The contracting pair whose scales are tiled, and the tile size.
+
+    Raises:
+      InvalidArgumentError: If a scale varies along a contracting axis in a
+        way that cannot be factored out of the dot.
+    """
+    tiled = []
+    for i, (la, ra) in enumerate(
+        zip(dims.lhs_contract, dims.rhs_contract, strict=True)
+    ):
+        k = a.shape[la]
+        counts = {sl.shape[la], sr.shape[ra]} - {1}
+        if not counts:
+            continue
+        if len(counts) > 1:
+            raise _not_factorable(
+                f"lhs axis {la} and rhs axis {ra} are contracted, but their scales "
+                f"have {sl.shape[la]} and {sr.shape[ra]} entries along them"
+            )
+        tile = k // next(iter(counts))
+        if tile == 1:
+            raise _not_factorable(
+                f"the scales vary with every element of contracted axis {la}"
+            )
+        tiled.append((i, tile))
+    if len(tiled) > 1:
+        raise _not_factorable("real mode tiles at most one contracting axis")
+    return tiled[0] if tiled else None
+
+
+def _not_factorable(why: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        "MatmulConfig",
+        "mode",
+        "real",
+        "'fake' for these scales (real mode needs scales shared along the "
+        "contracting axes, or tiled alike along one of them)",
+        why=why,
+    )
+
+
+def _split(x: jax.Array, axis: int, tile: int) -> jax.Array:
+    shape = list(x.shape)
+    shape[axis : axis + 1] = [shape[axis] // tile, tile]
+    return x.reshape(shape)
+
+
+def _real_dot(
+    a: jax.Array,
+    sl: jax.Array,
+    b: jax.Array,
+    sr: jax.Array,
+    dims: Dims,
+    cfg: MatmulConfig,
+    precision: Any,
+    out_sharding: Any,
+    *,
+    one_scalar: bool = False,
+) -> jax.Array:
+    """The low-precision dot and the rescaling, in float32.
+
+    A tiled contracting axis is split into (tiles, tile); the tile index
+    becomes a batch axis of the dot, and the per-tile products are scaled and
+    summed.
+
+    The output is multiplied by the two scales in an order that keeps every
+    result float32 can hold (per tensor: the product of the scales unless it
+    leaves float32's normal range; per channel: :func:`_unless_lost`), so a
+    huge or tiny pair of scales never turns a representable result into inf
+    or 0.
+    ``one_scalar`` (GPU, per-tensor scales): one multiply by the
+    product, the form XLA's GPU compiler folds into an FP8 GEMM (cuBLASLt's
+    scale) instead of a pass over the output; there the product of the two
+    scales must be a normal float32 (it is unless the two operands' amaxes
+    multiply to less than about 2e-33 for E4M3, or overflow).
+    """
+    tiled = _tiled_pair(a, sl, sr, dims)
+    a, b, acc = common_dtypes(a, b, cfg.accumulator)
+    if tiled is not None:
+        i, tile = tiled
+        la, ra = dims.lhs_contract[i], dims.rhs_contract[i]
+        a, b = _split(a, la, tile), _split(b, ra, tile)
+        sl, sr = jnp.expand_dims(sl, la + 1), jnp.expand_dims(sr, ra + 1)
+
+        def shift(axes: Axes, at: int) -> Axes:
+            return tuple(x + (x > at) for x in axes)
+
+        dims = Dims(
+            tuple(la + 1 if x == la else x for x in shift(dims.lhs_contract, la)),
+            tuple(ra + 1 if x == ra else x for x in shift(dims.rhs_contract, ra)),
+            (*shift(dims.lhs_batch, la), la),
+            (*shift(dims.rhs_batch, ra), ra),
+            a.ndim,
+            b.ndim,
+        )
+        out_sharding = None
+    out = lax.dot_general(
+        a,
+        b,
+        dims.lax(),
+        precision,
+        preferred_element_type=acc,
+        out_sharding=out_sharding,
+    ).astype(jnp.float32)
+    if sl.size == 1 and sr.size == 1:
+        a, b = sl.reshape(()).astype(jnp.float32), sr.reshape(()).astype(jnp.float32)
+        both = a * b
+        if one_scalar:
+            out = out * both
+        else:  # the product, unless it left float32's normal range
+            normal = jnp.isfinite(both) & (jnp.abs(both) >= _TINY)
+            out = (out * jnp.where(normal, both, a)) * jnp.where(normal, 1, b)
+    else:
+        left = _scale_to_output(sl, dims, "lhs")
+        right = _scale_to_output(sr, dims, "rhs")
+        out = _unless_lost((out * left) * right, out, lambda o: o * (left * right))
+    if tiled is not None:
+        out = jnp.sum(out, axis=len(dims.lhs_batch) - 1)
+    return out
+
+
+_TINY = np.float32(np.finfo(np.float32).tiny)
+
+
+def _unless_lost(scaled: jax.Array, out: jax.Array, other: Any) -> jax.Array:
+    """``scaled``, or ``other(out)`` where ``scaled`` overflowed or flushed to 0.
+
+    Two orders of the same two multiplies: where the first loses a result
+    (an intermediate beyond float32's range), the other keeps it.
+    """
+    lost = ~jnp.isfinite(scaled) | ((scaled == 0) & (out != 0))
+    return jnp.where(lost & jnp.isfinite(out), other(out), scaled)
+
+
+def _scale_to_output(scale: jax.Array, dims: Dims, side: str) -> jax.Array:
+    """Lays out an operand's scale like the dot's output.
+
+    The scale has size 1 along contracted axes; the output has the batch axes,
+    then the lhs free axes, then the rhs free axes.
+    """
+    if side == "lhs":
+        batch, free, contract = dims.lhs_batch, dims.lhs_free, dims.lhs_contract
+        before, after = 0, len(dims.rhs_free)
+    else:
+        batch, free, contract = dims.rhs_batch, dims.rhs_free, dims.rhs_contract
+        before, after = len(dims.lhs_free), 0
+    s = jnp.transpose(scale, batch + free + contract)
+    s = s.reshape(s.shape[: len(batch) + len(free)])
+    shape = s.shape[: len(batch)] + (1,) * before + s.shape[len(batch) :] + (1,) * after
+    return s.reshape(shape).astype(jnp.float32)

@@ -1,0 +1,307 @@
+"""Orbax save and restore of serving params, checked and checksummed.
+
+A checkpoint is an Orbax composite checkpoint with two items: ``arrays``
+(the serving variables, or the nnx state, stored as they are: int8, packed
+uint8, fp8, float32 scales, biases) and ``meta`` (JSON: format version,
+``"linen"`` or ``"nnx"``, every stored layer's
+:class:`~qbits.serving.LayerInfo`, its forward config included, and every
+array's path, shape, dtype and SHA-256 checksum). Restoring compares the
+metadata with the target's before reading any array, so a checkpoint of
+another config is refused with a :class:`~qbits.ConfigError` naming the layer
+and both configs; after reading, every array is checked against its
+checksum, so a damaged checkpoint is refused instead of serving other
+weights. Every failure to read or write names the checkpoint's path and what
+is wrong, with Orbax's own error chained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qbits._errors import ConfigError, InvalidArgumentError, check_bool
+from qbits.serving import _integrity as integrity
+from qbits.serving._layout import LayerInfo
+from qbits.serving._linen import ServingParams
+from qbits.serving._nnx import KernelPlaceholder, served_layers
+
+__all__ = ["restore", "save"]
+
+FORMAT = "qbits.serving"
+# 1: layers only. 2: adds "checksums" (path -> shape, dtype, sha256).
+VERSION = 2
+
+
+def _saved_state(model: nnx.Module) -> Any:
+    # The empty kernel placeholders stay out (Orbax refuses zero-size arrays).
+    return nnx.state(model, nnx.Not(KernelPlaceholder))
+
+
+def _split(owner: str, serving: Any) -> tuple[str, Any, tuple[LayerInfo, ...]]:
+    """``(kind, array tree, layers)`` of serving params or a served nnx model."""
+    if isinstance(serving, ServingParams):
+        return "linen", serving.variables, serving.layers
+    if isinstance(serving, nnx.Module):
+        layers = tuple(info for info, _, _ in served_layers(serving))
+        if not layers:
+            raise InvalidArgumentError(
+                owner,
+                "serving",
+                type(serving).__name__,
+                "a served nnx model from qbits.serving._convert(model, config)",
+                why="it has no stored layers (a float model?)",
+            )
+        return "nnx", nnx.to_pure_dict(_saved_state(serving)), layers
+    raise InvalidArgumentError(
+        owner,
+        "serving",
+        serving,
+        "qbits.serving.ServingParams or a served nnx model (from "
+        "qbits.serving.convert)",
+    )
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+def save(directory: str | os.PathLike[str], serving: Any, *, force: bool = False):
+    """Writes serving params (or a served nnx model) to ``directory``.
+
+    Besides the arrays and every stored layer's
+    :class:`~qbits.serving.LayerInfo`, the checkpoint holds each array's
+    shape, dtype and SHA-256 checksum (of its bytes, computed on the host),
+    which :func:`restore` checks. Orbax writes to a temporary directory and
+    renames it when complete, so a save that fails leaves nothing at
+    ``directory``; with ``force=True`` the new checkpoint is written beside
+    the old one, which is replaced only once the new one is complete.
+
+    Args:
+      directory: A new directory (absolute, or made absolute); missing parent
+        directories are made.
+      serving: :class:`~qbits.serving.ServingParams` or a served nnx model.
+      force: Replace an existing checkpoint (or an empty directory).
+
+    Raises:
+      InvalidArgumentError: For anything but serving params or a served model,
+        or a ``directory`` that cannot be written: it exists (without
+        ``force``), it is a file or a directory of other files (with
+        ``force``), its parent is a file or not writable, or writing fails
+        (the Orbax error is chained).
+
+    Example:
+      >>> import tempfile, flax.linen as nn
+      >>> x = jnp.ones((2, 8))
+      >>> params = nn.Dense(4).init(jax.random.key(0), x)
+      >>> sp = qbits.serving.convert(nn.Dense(4), "int4_fwd", params, x)
+      >>> path = tempfile.mkdtemp() + "/ckpt"
+      >>> qbits.serving.save(path, sp)
+      >>> back = qbits.serving.restore(path, sp)
+      >>> bool((back.variables["qbits_serving"]["qvalue"]
+      ...       == sp.variables["qbits_serving"]["qvalue"]).all())
+      True
+    """
+    owner = "qbits.serving.save"
+    kind, tree, layers = _split(owner, serving)
+    check_bool(owner, "force", force)
+    directory = os.path.abspath(directory)
+    replace = integrity.check_destination(owner, directory, force)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": kind,
+        "layers": [info.as_dict() for info in layers],
+        "checksums": integrity.checksums(tree),
+    }
+    primary = jax.process_index() == 0
+    target = directory + integrity.NEW if replace else directory
+    ocp, ckpt = _checkpointer()
+    try:
+        with ckpt:
+            ckpt.save(
+                target,
+                args=ocp.args.Composite(
+                    arrays=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)
+                ),
+                force=replace,  # a leftover of an interrupted save
+            )
+        if replace and primary:
+            integrity.swap(target, directory)
+    except Exception as e:
+        why = f"writing the checkpoint failed: {integrity.cause(e)}"
+        error = integrity.bad_directory(owner, directory, why, "a writable path")
+        raise error from integrity.orbax_cause(e)
+    if replace and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("qbits.serving.save")
+
+
+def _read_meta(owner: str, directory: str, ocp: Any, ckpt: Any) -> dict[str, Any]:
+    """The ``meta`` item, its fields checked."""
+    try:
+        meta = ckpt.restore(
+            directory, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+        )["meta"]
+    except Exception as e:
+        why = (
+            "its meta item is not valid JSON"
+            if isinstance(e, json.JSONDecodeError)
+            else "its meta item cannot be read"
+        )
+        error = integrity.bad_directory(
+            owner, directory, f"{why} ({integrity.cause(e)})"
+        )
+        raise error from integrity.orbax_cause(e)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise integrity.bad_directory(
+            owner, directory, f"its meta item has no format {FORMAT!r}"
+        )
+    version = meta.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise integrity.bad_directory(
+            owner, directory, f"its meta item has version={version!r}"
+        )
+    if not 1 <= version <= VERSION:
+        raise integrity.bad_directory(
+            owner,
+            directory,
+            f"it has format version {version}; this qbits reads versions "
+            f"1..{VERSION} (a newer qbits wrote it?)",
+        )
+    if meta.get("kind") not in ("linen", "nnx"):
+        raise integrity.bad_directory(
+            owner, directory, f"its meta item has kind={meta.get('kind')!r}"
+        )
+    try:
+        meta["layers"] = [LayerInfo.from_dict(d) for d in meta["layers"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise integrity.bad_directory(
+            owner, directory, f"its meta item has bad layers ({integrity.cause(e)})"
+        ) from e
+    return meta
+
+
+def _check(directory: str, meta: Any, kind: str, layers: tuple[LayerInfo, ...]) -> None:
+    owner = "qbits.serving.restore"
+    if meta["kind"] != kind:
+        raise InvalidArgumentError(
+            owner,
+            "target",
+            f"a {kind} target",
+            f"a {meta['kind']} target (the checkpoint holds a {meta['kind']} model)",
+        )
+    saved = {info.path: info for info in meta["layers"]}
+    wanted = {info.path: info for info in layers}
+    for path in list(saved) + [p for p in wanted if p not in saved]:
+        s, w = saved.get(path), wanted.get(path)
+        if s is not None and w is not None and s.config == w.config:
+            if s.shape != w.shape or s.dtype != w.dtype:
+                raise InvalidArgumentError(
+                    owner,
+                    "target",
+                    f"layer {path!r} of shape {w.shape} ({w.dtype})",
+                    f"shape {s.shape} ({s.dtype}), as in the checkpoint",
+                    why=f"the checkpoint at {directory} holds another model",
+                )
+            continue
+        got = s.describe() if s is not None else "a float weight (not stored)"
+        expected = w.describe() if w is not None else "a float weight (not stored)"
+        raise ConfigError(
+            f"layers[{path!r}].config",
+            got,
+            f"{expected}, the target's config",
+            why="the checkpoint was converted with another config: restore "
+            "into a target converted with the checkpoint's config",
+            source=directory,
+        )
+
+
+def restore(directory: str | os.PathLike[str], target: Any) -> Any:
+    """Reads serving params (or a served nnx model's state) from ``directory``.
+
+    The arrays come back exactly as saved (same dtypes and bits). The
+    checkpoint's config, and its arrays' shapes and dtypes, are checked
+    against ``target``'s first; every array read is then checked against the
+    SHA-256 checksum saved with it. A checkpoint written before checksums
+    existed (format version 1) restores unverified, with a ``UserWarning``.
+
+    Args:
+      directory: A checkpoint written by :func:`save`.
+      target: What to restore into: serving params, or a served nnx model,
+        converted with the same config (real arrays or
+        ``jax.eval_shape`` / ``nnx.eval_shape`` results: only shapes and
+        dtypes are read).
+
+    Returns:
+      New :class:`~qbits.serving.ServingParams` (linen) or a served nnx
+      model (``target`` itself, updated in place).
+
+    Raises:
+      ConfigError: If the checkpoint was converted with another config
+        (naming the first layer that differs and both configs).
+      InvalidArgumentError: For a target of another kind or model (naming
+        the first layer or array that differs); or a ``directory`` that is
+        not an intact serving checkpoint: it does not exist, is a file or an
+        empty directory, lacks its ``meta`` or ``arrays`` item, has unreadable
+        or invalid metadata, has array files Orbax cannot read (the Orbax
+        error is chained), or holds an array whose bytes do not match their
+        checksum (naming the array). The target is left unchanged then.
+
+    Example:
+      >>> import tempfile, flax.nnx as nnx
+      >>> layer = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+      >>> served = qbits.serving.convert(layer, "int8_fwd")
+      >>> path = tempfile.mkdtemp() + "/ckpt"
+      >>> qbits.serving.save(path, served)
+      >>> other = qbits.serving.convert(layer, "w4a8")
+      >>> try:
+      ...     qbits.serving.restore(path, other)
+      ... except qbits.ConfigError as e:
+      ...     print(e.path, "|", e.value, "|", e.allowed)
+      layers[''].config | int8_fwd | w4a8, the target's config
+    """
+    owner = "qbits.serving.restore"
+    kind, tree, layers = _split(owner, target)
+    directory = os.path.abspath(directory)
+    integrity.check_directory(owner, directory)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(x.dtype)), tree
+    )
+    ocp, ckpt = _checkpointer()
+    with ckpt:
+        meta = _read_meta(owner, directory, ocp, ckpt)
+        _check(directory, meta, kind, layers)
+        records = integrity.read_checksums(owner, directory, meta)
+        if records is not None:
+            integrity.check_arrays(owner, directory, records, abstract)
+        try:
+            arrays = ckpt.restore(
+                directory,
+                args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract)),
+            )["arrays"]
+        except Exception as e:
+            why = f"its arrays cannot be read ({integrity.cause(e)})"
+            error = integrity.bad_directory(owner, directory, why)
+            raise error from integrity.orbax_cause(e)
+    if records is not None:
+        integrity.verify(owner, directory, records, arrays)
+    if kind == "linen":
+        return ServingParams(arrays, layers)
+    state = _saved_state(target)
+    nnx.replace_by_pure_dict(state, arrays)
+    nnx.update(target, state)
+    for _, module in nnx.iter_modules(target):  # an abstract target's placeholders
+        kernel = getattr(module, "kernel", None)
+        if isinstance(kernel, KernelPlaceholder):
+            empty = jnp.zeros((0,), kernel.get_raw_value().dtype)
+            module.kernel = KernelPlaceholder(empty)
+    return target

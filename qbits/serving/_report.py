@@ -1,0 +1,217 @@
+"""How many bytes the stored weights take, per layer and in total."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import numpy as np
+
+from qbits._errors import InvalidArgumentError
+from qbits.serving._layout import COLLECTION, LayerInfo
+from qbits.serving._linen import ServingParams
+from qbits.serving._linen_convert import _get
+from qbits.serving._nnx import KernelPlaceholder, StoredWeight, served_layers
+
+__all__ = ["LayerSize", "SizeReport", "size_report"]
+
+
+def _nbytes(x: Any) -> int:
+    return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSize:
+    """The weight bytes of one stored layer.
+
+    Attributes:
+      path: The layer's path.
+      format: The stored format (``int8``, ``int4 (packed)``, ...) and config.
+      shape: The float weight's shape.
+      value_bytes: Bytes of the stored values.
+      scale_bytes: Bytes of the scales.
+      float32_bytes: Bytes of the same weight in float32.
+
+    Example:
+      >>> row = qbits.serving.LayerSize("fc", "int8", (4, 4), 16, 16, 64)
+      >>> row.bytes, row.ratio
+      (32, 0.5)
+    """
+
+    path: str
+    format: str
+    shape: tuple[int, ...]
+    value_bytes: int
+    scale_bytes: int
+    float32_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        """Values and scales together."""
+        return self.value_bytes + self.scale_bytes
+
+    @property
+    def ratio(self) -> float:
+        """``bytes / float32_bytes``."""
+        return self.bytes / self.float32_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeReport:
+    """Weight bytes of a served model versus float32.
+
+    Attributes:
+      layers: One :class:`LayerSize` per stored layer.
+      other_bytes: Bytes of every other parameter (biases, norms, float
+        layers), as they are stored.
+      other_float32_bytes: The same parameters in float32.
+
+    Example:
+      >>> row = qbits.serving.LayerSize("fc", "int8", (4, 4), 16, 16, 64)
+      >>> report = qbits.serving.SizeReport((row,), 16, 16)
+      >>> report.ratio, report.total_ratio
+      (0.5, 0.6)
+      >>> print(str(report).splitlines()[2])
+      | fc | int8 | 4x4 | 16 | 16 | 64 | 0.5000 |
+    """
+
+    layers: tuple[LayerSize, ...]
+    other_bytes: int
+    other_float32_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the stored weights (values and scales)."""
+        return sum(r.bytes for r in self.layers)
+
+    @property
+    def float32_bytes(self) -> int:
+        """Bytes of the stored weights in float32."""
+        return sum(r.float32_bytes for r in self.layers)
+
+    @property
+    def ratio(self) -> float:
+        """Stored weights' bytes over their float32 bytes (scales included)."""
+        return self.bytes / self.float32_bytes if self.float32_bytes else 1.0
+
+    @property
+    def total_ratio(self) -> float:
+        """All parameters' bytes over their float32 bytes."""
+        whole = self.float32_bytes + self.other_float32_bytes
+        return (self.bytes + self.other_bytes) / whole if whole else 1.0
+
+    def as_dicts(self) -> list[dict[str, Any]]:
+        """One plain dict per layer, then the totals."""
+        rows = [
+            {**dataclasses.asdict(r), "bytes": r.bytes, "ratio": r.ratio}
+            for r in self.layers
+        ]
+        rows.append(
+            {
+                "path": "stored weights",
+                "bytes": self.bytes,
+                "float32_bytes": self.float32_bytes,
+                "ratio": self.ratio,
+            }
+        )
+        rows.append(
+            {
+                "path": "all parameters",
+                "bytes": self.bytes + self.other_bytes,
+                "float32_bytes": self.float32_bytes + self.other_float32_bytes,
+                "ratio": self.total_ratio,
+            }
+        )
+        return rows
+
+    def __str__(self) -> str:
+        lines = [
+            "| layer | format | shape | values | scales | float32 | ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in self.layers:
+            shape = "x".join(str(n) for n in r.shape)
+            lines.append(
+                f"| {r.path} | {r.format} | {shape} | {r.value_bytes:,} | "
+                f"{r.scale_bytes:,} | {r.float32_bytes:,} | {r.ratio:.4f} |"
+            )
+        values = sum(r.value_bytes for r in self.layers)
+        scales = sum(r.scale_bytes for r in self.layers)
+        lines.append(
+            f"| **stored weights** | | | {values:,} | {scales:,} | "
+            f"{self.float32_bytes:,} | {self.ratio:.4f} |"
+        )
+        lines.append(
+            f"| **all parameters** | | | {values:,} + {self.other_bytes:,} other | "
+            f"{scales:,} | {self.float32_bytes + self.other_float32_bytes:,} | "
+            f"{self.total_ratio:.4f} |"
+        )
+        return "\n".join(lines)
+
+
+def _row(info: LayerInfo, qvalue: Any, scale: Any) -> LayerSize:
+    fmt = info.qdtype + (" (packed)" if info.packed else "")
+    return LayerSize(
+        path=info.path,
+        format=f"{fmt}, {info.describe()}",
+        shape=info.shape,
+        value_bytes=_nbytes(qvalue),
+        scale_bytes=_nbytes(scale),
+        float32_bytes=int(np.prod(info.shape)) * 4,
+    )
+
+
+def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
+    """Bytes of the stored weights, per layer and in total, versus float32.
+
+    Works on shapes only (also on ``jax.eval_shape`` results).
+
+    Args:
+      serving: :class:`~qbits.serving.ServingParams` (linen) or a served nnx
+        model, from :func:`qbits.serving.convert`.
+
+    Returns:
+      A :class:`SizeReport`; ``str()`` of it is a markdown table.
+
+    Raises:
+      InvalidArgumentError: For anything else.
+
+    Example:
+      >>> import flax.linen as nn
+      >>> x = jnp.ones((1, 512))
+      >>> params = nn.Dense(2048).init(jax.random.key(0), x)
+      >>> sp = qbits.serving.convert(nn.Dense(2048), "int8_fwd", params, x)
+      >>> report = qbits.serving.size_report(sp)
+      >>> round(report.ratio, 4), report.layers[0].scale_bytes
+      (0.2520, 8192)
+    """
+    if isinstance(serving, ServingParams):
+        stored = serving.variables.get(COLLECTION, {})
+        rows = []
+        for info in serving.layers:
+            arrays = _get(stored, tuple(info.path.split("/")) if info.path else ())
+            rows.append(_row(info, arrays["qvalue"], arrays["scale"]))
+        others = [
+            leaf
+            for name, tree in serving.variables.items()
+            if name != COLLECTION
+            for leaf in jax.tree.leaves(tree)
+        ]
+    elif isinstance(serving, nnx.Module):
+        rows = [_row(*layer) for layer in served_layers(serving)]
+        rest = nnx.state(serving, nnx.Not(nnx.Any(StoredWeight, KernelPlaceholder)))
+        others = [leaf for leaf in jax.tree.leaves(rest) if hasattr(leaf, "dtype")]
+        others = [x for x in others if np.issubdtype(np.dtype(x.dtype), np.inexact)]
+    else:
+        raise InvalidArgumentError(
+            "qbits.serving.size_report",
+            "serving",
+            serving,
+            "qbits.serving.ServingParams or a served nnx model (from "
+            "qbits.serving.convert)",
+        )
+    other_bytes = sum(_nbytes(x) for x in others)
+    other_f32 = sum(int(np.prod(x.shape)) * 4 for x in others)
+    return SizeReport(tuple(rows), other_bytes, other_f32)
