@@ -5,6 +5,7 @@ restart): trace, lower and XLA-compile the first call of one SGD training
 step of N Dense layers (width 256, batch 128, ReLU, MSE loss), on one core
 with single-threaded XLA:CPU. Variants: float32, qbits ``int8`` (forward
 and both backward matmuls, stochastic rounding of the gradients),
+``int8_nearest`` (the same with rounding to nearest, like Qwix's),
 ``int8_fwd``, ``fp8``, and Qwix's quantized training (QT) int8 when the
 ``qwix`` package is installed (a benchmark-only extra, never a dependency
 of qbits). Also the 2-layer MLP of ``train_step.py`` (512 -> 2048 -> 512,
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("float32", "int8", "int8_fwd", "fp8", "qwix_int8")
+VARIANTS = ("float32", "int8", "int8_nearest", "int8_fwd", "fp8", "qwix_int8")
 WIDTH, BATCH = 256, 128
 MLP = (256, 512, 2048, 512)  # batch, in, hidden, out (train_step.py's MLP)
 
@@ -67,7 +68,14 @@ def child(variant: str, model: str, depth: int) -> dict[str, float]:
     else:
         import qbits
 
-        config = None if variant == "float32" else qbits.presets.get(variant)
+        if variant == "int8_nearest":  # int8 everywhere, no stochastic rounding
+            q = qbits.Quantizer(
+                qbits.IntNumerics(bits=8), granularity=qbits.PerChannel()
+            )
+            mm = qbits.MatmulConfig(lhs=q, rhs=q)
+            config = qbits.DotGeneralConfig(mm, mm, mm)
+        else:
+            config = None if variant == "float32" else qbits.presets.get(variant)
 
         def dot(i: int, key: jax.Array):
             if config is None:

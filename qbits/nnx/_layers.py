@@ -55,12 +55,20 @@ def has_stream(rngs: Any) -> bool:
     return False
 
 
-def fork_stream(owner: str, rngs: Any, why: str) -> nnx.RngStream:
-    """A new RngStream forked from ``rngs``' ``quant`` (or default) stream."""
+def fork_stream(
+    owner: str, rngs: Any, why: str, stack: tuple[int, ...] = ()
+) -> nnx.RngStream:
+    """A new RngStream forked from ``rngs``' ``quant`` (or default) stream.
+
+    With ``stack``, one stream per stacked layer (split along those axes).
+    """
+    stream = None
     if isinstance(rngs, nnx.RngStream):
-        return rngs.fork()
-    if has_stream(rngs):
-        return rngs[STREAM].fork()
+        stream = rngs.fork()
+    elif has_stream(rngs):
+        stream = rngs[STREAM].fork()
+    if stream is not None:
+        return stream.split(stack) if stack else stream
     raise InvalidArgumentError(
         owner,
         "rngs",
@@ -89,6 +97,7 @@ class _Quantized(nnx.Module):
         rngs: nnx.Rngs | nnx.RngStream | None = None,
         where: str = "config",
         layer: str | None = None,
+        stack: tuple[int, ...] = (),
     ):
         owner = type(self).__name__
         self.config = as_dot_general_config(owner, config)
@@ -98,8 +107,9 @@ class _Quantized(nnx.Module):
             raise InvalidArgumentError(owner, "layer", layer, "None or a string")
         self.where = where
         self.layer = layer
+        stack = tuple(stack)
         self.rngs = (
-            fork_stream(owner, rngs, "the config rounds stochastically")
+            fork_stream(owner, rngs, "the config rounds stochastically", stack)
             if self.config.needs_key
             else None
         )
@@ -109,6 +119,8 @@ class _Quantized(nnx.Module):
         initial = per_tensor_state(self.config)
         for name in self._state_names:
             value = initial.get(name, jnp.zeros((0,), jnp.float32))
+            if name in initial:  # one per stacked layer
+                value = jnp.broadcast_to(value, stack + value.shape)
             var = nnx.Param if kinds[name] == "trained" else DelayedState
             setattr(self, name, var(value))
         self._init_state_next_call = False
@@ -163,6 +175,8 @@ class QuantizedDotGeneral(_Quantized):
       where: The config's place in its file, used in error messages
         (``"rules[0].config"``).
       layer: The layer's path, named in error messages, or ``None``.
+      stack: Leading axes of a layer stacked by ``nnx.vmap``: the key stream
+        and scale state get them too (one per stacked layer).
 
     Raises:
       InvalidArgumentError: For a config that is neither, or one that rounds

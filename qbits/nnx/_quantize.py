@@ -262,13 +262,44 @@ def _missing_rngs(rngs: Any, keyed: list[LayerRow]) -> None:
     )
 
 
+def _stack(layer: _Layer) -> tuple[int, ...]:
+    """The leading axes a layer's kernel has beyond its own (``nnx.vmap``).
+
+    Layers created under ``nnx.vmap`` (blocks stacked for ``nnx.scan``) hold
+    their parameters with a leading axis per stacked layer; the quantized
+    function they get holds its key stream and scale state stacked alike.
+    """
+    module = layer.module
+    if layer.kind == "Linear":
+        own, kernel = 2, module.kernel
+    elif layer.kind == "LinearGeneral":
+        own = len(module.in_features) + len(module.out_features)
+        own += len(module.batch_axis)
+        kernel = module.kernel
+    elif layer.kind == "Einsum":
+        own, kernel = len(module.kernel_shape), module.kernel
+    elif layer.kind == "Conv":
+        own, kernel = len(module.kernel_size) + 2, module.kernel
+    else:  # an attention einsum: stacked as the attention's query projection
+        query = module.query
+        own = len(query.in_features) + len(query.out_features)
+        kernel = query.kernel
+    shape = tuple(kernel[...].shape)
+    return shape[: max(len(shape) - own, 0)]
+
+
 def _inject(active: list[tuple[_Layer, LayerRow]], rngs: Any) -> None:
     """Gives each matched layer its quantized function."""
     attention: dict[int, dict[str, QuantizedEinsum]] = {}
     modules: dict[int, nnx.Module] = {}
     for layer, row in active:
         res = row.resolution
-        kwargs = {"rngs": rngs, "where": res.where, "layer": row.path}
+        kwargs = {
+            "rngs": rngs,
+            "where": res.where,
+            "layer": row.path,
+            "stack": _stack(layer),
+        }
         module = layer.module
         if layer.kind in ("Linear", "LinearGeneral"):
             module.dot_general = nnx.data(QuantizedDotGeneral(res.config, **kwargs))

@@ -548,3 +548,66 @@ def test_tiny_and_huge_operands_keep_their_results(preset, magnitude):
     got = np.asarray(dg(x, w, MM), np.float64)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=0.15)
+
+
+@pytest.mark.parametrize("preset", ["int8", "fp8", "fp8_delayed"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        None,
+        jax.checkpoint_policies.nothing_saveable,
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.everything_saveable,
+    ],
+)
+def test_remat_gives_the_same_gradients_and_state(preset, policy):
+    config = qbits.presets.get(preset)
+    dg = qbits.dot_general(config, jax.random.key(3) if config.needs_key else None)
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (16, 32))
+    w1 = jax.random.normal(k[1], (32, 64)) / 6
+    w2 = jax.random.normal(k[2], (64, 8)) / 8
+    s1 = dg.init_state(x, w1, MM) if qbits.ops.needs_state(config) else None
+    s2 = dg.init_state(x @ w1, w2, MM) if s1 is not None else None
+
+    def block(x, w1, w2, s1, s2):
+        h = jnp.tanh(dg(x, w1, MM, state=s1))
+        return dg(h, w2, MM, state=s2)
+
+    def loss(block, args):
+        return jnp.sum(block(*args) ** 2)
+
+    args = (x, w1, w2, s1, s2)
+    argnums = (1, 2, 3, 4) if s1 is not None else (1, 2)
+    want = jax.jit(jax.grad(lambda *a: loss(block, a), argnums))(*args)
+    remat = jax.checkpoint(block, policy=policy)
+    got = jax.jit(jax.grad(lambda *a: loss(remat, a), argnums))(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("pet", [None, jnp.float32])
+@pytest.mark.parametrize("preset", ["int8", "fp8", "fp8_delayed", "none"])
+def test_mixed_precision_keeps_the_dtypes_lax_gives(dtype, pet, preset):
+    config = qbits.presets.get(preset)
+    dg = qbits.dot_general(config, jax.random.key(0) if config.needs_key else None)
+    k = jax.random.split(jax.random.key(1), 2)
+    x = jax.random.normal(k[0], (8, 32)).astype(dtype)
+    w = (jax.random.normal(k[1], (32, 16)) / 6).astype(dtype)
+    state = dg.init_state(x, w, MM) if qbits.ops.needs_state(config) else None
+
+    def f(x, w):
+        return dg(x, w, MM, preferred_element_type=pet, state=state)
+
+    want = lax.dot_general(x, w, MM, preferred_element_type=pet)
+    out = f(x, w)
+    assert out.dtype == want.dtype
+    gx, gw = jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(), (0, 1))(x, w)
+    assert gx.dtype == x.dtype and gw.dtype == w.dtype
+    if preset == "none":  # the identity config is lax itself, in every dtype
+        np.testing.assert_array_equal(out, want)
+    else:
+        ref = np.asarray(want, np.float32)
+        err = np.abs(np.asarray(out, np.float32) - ref).max() / np.abs(ref).max()
+        assert err < 0.1, err

@@ -202,3 +202,39 @@ def test_state_shared_across_scan_steps_combines_with_max():
     for k in ref:
         np.testing.assert_array_equal(new[k], ref[k], err_msg=k)
     assert new["lhs_amax_history"][0] == jnp.max(jnp.abs(xs))
+
+
+def test_gradient_accumulation_keeps_the_largest_microbatch_amax():
+    """optax.MultiSteps: every micro-batch's amax reaches the state."""
+    model = qbits.flax.quantize(nn.Dense(4, name="fc"), "fp8_delayed")
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    variables = model.init(jax.random.key(1), x)
+    state = qbits.flax.TrainState.create(
+        apply_fn=model.apply,
+        params=variables,
+        tx=optax.MultiSteps(optax.sgd(0.01), every_k_schedule=3),
+    )
+
+    @jax.jit
+    def micro_step(state, x):
+        grads = jax.grad(lambda v: (state.apply_fn(v, x) ** 2).sum())(state.params)
+        with jax.numpy_dtype_promotion("standard"):  # optax.MultiSteps
+            return state.apply_gradients(grads=grads)
+
+    scales = (50.0, 1.0, 1.0)  # the largest micro-batch comes first
+    for s in scales:
+        state = micro_step(state, s * x)
+    hist = state.params[STATE][DOT]["lhs_amax_history"]
+    # Each micro-batch's amax is in the history (index 0 the newest, the
+    # older ones behind it, as Flax's ring buffer); the largest sets the scale.
+    amax = float(jnp.max(jnp.abs(x)))
+    np.testing.assert_allclose(hist[0], amax, rtol=1e-6)
+    np.testing.assert_allclose(
+        sorted(np.asarray(hist))[-3:], [amax, amax, 50 * amax], rtol=1e-6
+    )
+    state = micro_step(state, x)
+    np.testing.assert_allclose(
+        state.params[STATE][DOT]["lhs_scale"],
+        [50 * float(jnp.max(jnp.abs(x))) / 448],
+        rtol=1e-6,
+    )
