@@ -7,9 +7,9 @@ with single-threaded XLA:CPU. Variants: float32, qbits ``int8`` (forward
 and both backward matmuls, stochastic rounding of the gradients),
 ``int8_nearest`` (the same with rounding to nearest, like Qwix's),
 ``int8_fwd``, ``fp8``, and Qwix's quantized training (QT) int8 when the
-``qwix`` package is installed (a benchmark-only extra, never a dependency
-of qbits). Also the 2-layer MLP of ``train_step.py`` (512 -> 2048 -> 512,
-batch 256).
+``qwix`` package is installed (``pip install -e ".[compare]"``: a
+benchmark-only extra, never a dependency of qbits). Also the 2-layer MLP
+of ``train_step.py`` (512 -> 2048 -> 512, batch 256).
 
 Reports, per variant and depth, the median seconds over ``--repeats``
 fresh processes (split into trace, lower and XLA compile), the ratio to

@@ -284,7 +284,7 @@ def _stack(layer: _Layer) -> tuple[int, ...]:
         query = module.query
         own = len(query.in_features) + len(query.out_features)
         kernel = query.kernel
-    shape = tuple(kernel[...].shape)
+    shape = tuple(kernel.get_value().shape)
     return shape[: max(len(shape) - own, 0)]
 
 

@@ -279,23 +279,25 @@ def test_ctrl_c_exits_130_every_time(tmp_path):
     for attempt, delay in enumerate((0.4, 0.9, 1.6)):
         command = ["train", "--model", "mlp", "--size", "tiny", "--steps", "1000000"]
         out = ["--out", str(tmp_path / f"run{attempt}")]
-        proc = subprocess.Popen(
+        with subprocess.Popen(
             [sys.executable, "-X", "faulthandler", "-m", "qbits.cli", *command, *out],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )
-        try:
+        ) as proc:
             # Printed just before the first model is built and compiled.
             assert proc.stdout.readline().startswith("training mlp (tiny)")
             time.sleep(delay)
             proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=60)
-        finally:
-            proc.kill()
-            proc.wait()
+            try:
+                _, err = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                # faulthandler prints every thread's stack on SIGABRT.
+                proc.send_signal(signal.SIGABRT)
+                _, err = proc.communicate()
+                pytest.fail(f"still running 120 s after SIGINT:\n{err[-6000:]}")
         assert "Fatal Python error" not in err, err
         assert "Traceback" not in err, err
         assert proc.returncode == 130, (proc.returncode, err)
