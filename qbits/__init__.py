@@ -21,9 +21,13 @@ in this file):
    (:class:`QuantConfig`, :class:`Rule`); bad configs raise
    :class:`ConfigError`; :func:`freeze_ranges` (:mod:`ranges`) turns
    collected activation ranges into static bounds.
-6. Flax: :mod:`qbits.flax` (linen) and :mod:`qbits.nnx` quantize unmodified
+6. :func:`quantize` (:mod:`qbits.intercept`): every matmul of any function
+   or model (custom layers, raw einsums and ``@``, scanned blocks),
+   quantized by per-layer rules as a function transformation;
+   :func:`layer_table` lists them.
+7. Flax: :mod:`qbits.flax` (linen) and :mod:`qbits.nnx` quantize unmodified
    models by per-layer rules (``quantize``, ``layer_table``).
-7. :mod:`qbits.serving`: convert trained params to stored int8/int4/fp8
+8. :mod:`qbits.serving`: convert trained params to stored int8/int4/fp8
    weights, serve them, save/restore, size report.
 """
 
@@ -79,8 +83,10 @@ from qbits.tensor import QTensor
 
 from qbits import lsq  # isort: skip  (layer 2)
 from qbits._ranges import freeze_ranges  # isort: skip
-from qbits import flax, nnx  # isort: skip  (layer 6 imports everything above)
-from qbits import serving  # isort: skip  (layer 7)
+from qbits import intercept  # isort: skip  (layer 6)
+from qbits.intercept import layer_table, quantize  # isort: skip
+from qbits import flax, nnx  # isort: skip  (layer 7 imports everything above)
+from qbits import serving  # isort: skip  (layer 8)
 
 __version__ = "0.1.0"
 
@@ -125,6 +131,8 @@ __all__ = [
     "flax",
     "freeze_ranges",
     "granularity",
+    "intercept",
+    "layer_table",
     "load_config",
     "lsq",
     "mx_quantizer",
@@ -133,6 +141,7 @@ __all__ = [
     "ops",
     "presets",
     "providers",
+    "quantize",
     "scaled",
     "serving",
     "tensor",

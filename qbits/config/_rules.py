@@ -310,12 +310,15 @@ class LayerRow:
       resolution: The resolved config and where it came from.
       explicit: The layer keeps the function the model gave it explicitly;
         ``resolution`` is then not applied.
+      operands: The operand types, e.g. ``"f32[8,16] x f32[16,32]"``, where
+        known (:func:`qbits.layer_table`), else ``""``.
     """
 
     path: str
     kind: str
     resolution: Resolution
     explicit: bool = False
+    operands: str = ""
 
     def describe(self) -> str:
         """A short name of the config: a preset name, ``float`` or ``inline``."""
@@ -329,9 +332,11 @@ class LayerRow:
     def as_dict(self) -> dict[str, Any]:
         """The row as plain data (the config as :func:`qbits.config.to_dict`)."""
         res = self.resolution
+        operands = {"operands": self.operands} if self.operands else {}
         return {
             "path": self.path,
             "kind": self.kind,
+            **operands,
             "config": self.describe(),
             "source": "model" if self.explicit else res.where,
             "resolved": None
@@ -348,6 +353,9 @@ class LayerTable:
       rows: One :class:`LayerRow` per layer, in model order.
       unused_rules: Indices of rules that matched no layer.
       patterns: The patterns of all rules (to name the unused ones).
+      idle: For unused rules that match modules holding parameters the
+        model never multiplies with (an embedding looked up, a norm's
+        scale): ``{rule index: those module paths}``.
 
     Example:
       >>> qc = qbits.QuantConfig(rules=(qbits.Rule("head", None),), default="int8_fwd")
@@ -364,6 +372,7 @@ class LayerTable:
     rows: tuple[LayerRow, ...]
     unused_rules: tuple[int, ...] = ()
     patterns: tuple[str, ...] = ()
+    idle: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __getitem__(self, path: str) -> LayerRow:
         for row in self.rows:
@@ -385,10 +394,17 @@ class LayerTable:
         """A sentence naming the unused rules, or ``""``."""
         if not self.unused_rules:
             return ""
-        listed = ", ".join(
-            f"rules[{i}] (pattern {self.patterns[i]!r})" for i in self.unused_rules
-        )
-        return f"{listed} matched no layer"
+        parts = []
+        for i in self.unused_rules:
+            text = f"rules[{i}] (pattern {self.patterns[i]!r})"
+            if self.idle.get(i):
+                modules = ", ".join(self.idle[i][:3])
+                more = " ..." if len(self.idle[i]) > 3 else ""
+                text += f" matches {modules}{more}, which run no matmul"
+            else:
+                text += " matched no layer"
+            parts.append(text)
+        return "; ".join(parts)
 
     def warn_unused(self) -> None:
         """Warns with :class:`UnusedRuleWarning` if some rule matched nothing."""
@@ -396,11 +412,22 @@ class LayerTable:
             warnings.warn(self.unused_message(), UnusedRuleWarning, stacklevel=3)
 
     def __str__(self) -> str:
-        lines = ["| layer | kind | config | from |", "|---|---|---|---|"]
-        lines += [
-            f"| {r.path} | {r.kind} | {r.describe()} | {r.resolution.where} |"
-            for r in self.rows
-        ]
+        if any(r.operands for r in self.rows):
+            lines = [
+                "| layer | kind | operands | config | from |",
+                "|---|---|---|---|---|",
+            ]
+            lines += [
+                f"| {r.path} | {r.kind} | {r.operands} | {r.describe()} | "
+                f"{r.resolution.where} |"
+                for r in self.rows
+            ]
+        else:
+            lines = ["| layer | kind | config | from |", "|---|---|---|---|"]
+            lines += [
+                f"| {r.path} | {r.kind} | {r.describe()} | {r.resolution.where} |"
+                for r in self.rows
+            ]
         if self.unused_rules:
             lines += ["", "Unused: " + self.unused_message() + "."]
         return "\n".join(lines)

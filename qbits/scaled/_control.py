@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qbits._jaxpr import scan_counts
 from qbits.scaled._array import ScaledArray
 from qbits.scaled._interpreter import eval_closed, plain, register_rule
 from qbits.scaled._rules import F32, promote, scale32
@@ -89,7 +90,7 @@ def _split_scanned(xs: list[Any]) -> tuple[list[Any], list[Any]]:
 def _scan(
     *args: Any, jaxpr: Any, length: int, reverse: bool, unroll: Any, **params: Any
 ) -> list[Any]:
-    num_consts, num_carry = _scan_counts(params)
+    num_consts, num_carry = scan_counts(params)
     consts = [plain(c) for c in args[:num_consts]]
     init = list(args[num_consts : num_consts + num_carry])
     xs_data, xs_scales = _split_scanned(list(args[num_consts + num_carry :]))
@@ -118,19 +119,6 @@ def _scan(
     carry, ys = lax.scan(body, carry, xs_data, length=length, reverse=reverse,
                          unroll=unroll)  # fmt: skip
     return list(carry) + [_stack(y) for y in ys]
-
-
-def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
-    """How many of a scan's inputs are constants and carries.
-
-    jax before 0.12 gives the counts; from 0.12 on, ``ft_in`` holds the
-    (constants, carry, scanned) parts, one entry per flat input.
-    """
-    if "num_consts" in params:
-        return params["num_consts"], params["num_carry"]
-    # A flat tree of (constants, carry, scanned): count each part's values.
-    consts, carry, _ = params["ft_in"].unpack()
-    return len(list(consts.vals)), len(list(carry.vals))
 
 
 def _stack(y: Any) -> Any:

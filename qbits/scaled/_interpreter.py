@@ -23,6 +23,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from qbits._errors import InvalidArgumentError
+from qbits._jaxpr import bind
 from qbits.calibration import SCALE_ROUNDINGS
 from qbits.scaled._array import ScaledArray, is_scaled
 
@@ -177,9 +178,9 @@ def eval_jaxpr(jaxpr: Any, consts: list[Any], *args: Any) -> list[Any]:
             if jnp.issubdtype(aval.dtype, jnp.floating):
                 outvals = Const(invals[0].value, aval.shape, aval.dtype)
             else:
-                outvals = _bind(eqn, [plain(x) for x in invals])
+                outvals = bind(eqn, [plain(x) for x in invals])
         else:
-            outvals = _bind(eqn, [plain(x) for x in invals])
+            outvals = bind(eqn, [plain(x) for x in invals])
         if not eqn.primitive.multiple_results:
             outvals = [outvals]
         for v, val in zip(eqn.outvars, outvals, strict=True):
@@ -192,19 +193,10 @@ def _fold(eqn: Any, consts: list[Const]) -> Any:
     aval = eqn.outvars[0].aval
     with jax.ensure_compile_time_eval():
         scalars = [jnp.asarray(c.value, c.dtype) for c in consts]
-        out = np.asarray(_bind(eqn, scalars))
+        out = np.asarray(bind(eqn, scalars))
     if not jnp.issubdtype(aval.dtype, jnp.floating):
         return jnp.full(aval.shape, out, aval.dtype)
     return Const(out, aval.shape, aval.dtype)
-
-
-def _bind(eqn: Any, invals: list[Any]) -> Any:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: list[Any] = []
-    if isinstance(params, tuple):  # JAX < 0.8 returned (subfuns, params)
-        subfuns, params = params
-    with eqn.ctx.manager:
-        return eqn.primitive.bind(*subfuns, *invals, **params)
 
 
 def eval_closed(closed: Any, *args: Any) -> list[Any]:

@@ -1,0 +1,14 @@
+"""Layer 6: quantize every matmul of any function, by rules, without patching.
+
+:func:`quantize` traces a function (a model's ``apply``, a loss, a training
+step's forward) to a jaxpr, names each matmul by the parameter that feeds
+it, and runs it again with every matched ``dot_general``, einsum, ``@`` and
+convolution on qbits' quantized core. :func:`layer_table` lists them.
+"""
+
+from qbits.intercept._transform import layer_table, quantize
+
+__all__ = [
+    "layer_table",
+    "quantize",
+]

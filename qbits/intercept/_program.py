@@ -1,0 +1,428 @@
+"""Finding every matmul a function computes, and naming it.
+
+A function is traced once to a jaxpr. Every ``dot_general`` and
+``conv_general_dilated`` equation in it (at any depth: inside ``jit``,
+``scan``, ``remat``, ``cond`` and ``while`` bodies) is a *site*. A site is
+named by the parameter that feeds it: parameters are the leaves of one
+argument (the model's variables or state), and their paths are followed
+through the operations that only move or re-type a weight (reshape,
+transpose, casts, slices, a scan over stacked layers). An operand fed by a
+parameter at ``blocks/attn/query/kernel`` makes the site
+``blocks/attn/query`` (the module path; the parameter's own name is kept
+where one module multiplies with several parameters). A site whose operands
+are both activations (attention's two einsums) is named after the modules
+whose matmuls produced its operands, plus the einsum's subscripts where the
+jaxpr records them (``blocks/attn/...qhd,...khd->...hqk``).
+
+Sites inside a ``custom_jvp`` or ``custom_vjp`` rule (a model's own
+quantized function, or a hand-written gradient) and inside other
+primitives whose bodies cannot be re-run (``shard_map`` and the like) are
+listed but kept as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from qbits._jaxpr import scan_counts
+
+__all__ = ["Program", "Site", "trace"]
+
+# Primitives whose outputs are their first operand moved, re-typed or sliced:
+# a weight stays a weight through them.
+_MOVES = frozenset(
+    (
+        "convert_element_type", "reshape", "transpose", "broadcast_in_dim",
+        "squeeze", "expand_dims", "copy", "copy_p", "slice", "dynamic_slice",
+        "rev", "reduce_precision", "sharding_constraint", "mesh_cast",
+        "reshard", "pvary", "real",
+    )
+)  # fmt: skip
+# Multiple-result primitives that pass each operand through unchanged.
+_PASS_EACH = frozenset(("device_put", "optimization_barrier"))
+_CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
+_REMATS = frozenset(("remat2", "checkpoint"))
+_CUSTOM = frozenset(
+    ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
+)
+MATMULS = frozenset(("dot_general", "conv_general_dilated"))
+# At most this many producing modules are remembered per value: the scope of
+# an activation x activation matmul is their common path prefix.
+_MAX_ORIGINS = 8
+
+Ctx = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A parameter feeding an operand, by its path."""
+
+    path: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class _Value:
+    weights: frozenset[Weight] = frozenset()
+    origins: frozenset[tuple[str, ...]] = frozenset()
+
+
+_ACTIVATION = _Value()
+
+
+@dataclasses.dataclass
+class Site:
+    """One matmul equation of the traced function.
+
+    Attributes:
+      ctx: Where the equation is: equation indices from the outermost jaxpr
+        down through the bodies that hold it.
+      primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+      operands: The operand types, e.g. ``"f32[8,16] x f32[16,32]"``.
+      lhs, rhs: The parameters feeding each operand (empty: activation).
+      label: The einsum subscripts the jaxpr recorded, or ``""``.
+      scope: For activation x activation sites, the common module path of
+        the matmuls that produced the operands.
+      frozen: Why the site cannot be replaced (``"custom_vjp"``...), or ``""``.
+      loops: Lengths of the scans the site runs in, outermost first (a scan
+        over stacked layers runs each of its matmuls once per layer).
+      path: The site's name for the rules (set by :meth:`Program.name_sites`).
+    """
+
+    ctx: Ctx
+    primitive: str
+    operands: str
+    lhs: frozenset[Weight]
+    rhs: frozenset[Weight]
+    label: str
+    scope: tuple[str, ...]
+    frozen: str
+    loops: tuple[int, ...] = ()
+    path: str = ""
+
+    @property
+    def kind(self) -> str:
+        """``weight x activation``-style description of the operands."""
+        sides = [
+            "weight" if self.lhs else "activation",
+            "weight" if self.rhs else "activation",
+        ]
+        name = "conv" if self.primitive == "conv_general_dilated" else "dot_general"
+        if self.label:
+            name = "einsum"
+        return f"{name} ({sides[0]} x {sides[1]})"
+
+
+@dataclasses.dataclass
+class Program:
+    """A traced function, its matmul sites and how to call its jaxpr.
+
+    Attributes:
+      closed: The function's ClosedJaxpr (flat inputs: the dynamic leaves).
+      sites: Every matmul, in program order.
+      param_paths: Module paths of every parameter leaf (for rule reports).
+      dynamic: Which leaves of ``(args, kwargs)`` are traced inputs.
+      in_tree: The tree of ``(args, kwargs)``.
+      out_tree: The tree of the output.
+      statics: The non-array leaves, kept as given.
+    """
+
+    closed: Any
+    sites: list[Site]
+    param_paths: tuple[str, ...]
+    dynamic: tuple[bool, ...]
+    in_tree: Any
+    out_tree: Any
+    statics: tuple[Any, ...]
+
+    def name_sites(self) -> None:
+        """Gives every site its rule path (module path, or module/parameter)."""
+        by_module: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
+        for site in self.sites:
+            for w in site.rhs or site.lhs:
+                by_module.setdefault(w.path[:-1], set()).add(w.path)
+        for site in self.sites:
+            weights = sorted(site.rhs or site.lhs, key=lambda w: w.path)
+            if weights:
+                w = weights[0]
+                module = w.path[:-1]
+                parts = w.path if len(by_module[module]) > 1 or not module else module
+                site.path = "/".join(parts)
+            else:
+                scope = "/".join(site.scope)
+                label = site.label or site.primitive
+                site.path = f"{scope}/{label}" if scope else label
+
+
+def _is_array(x: Any) -> bool:
+    """Whether a leaf is traced (arrays and their specs) rather than static."""
+    return isinstance(
+        x, (jax.Array, jax.core.Tracer, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+    ) or hasattr(x, "__jax_array__")
+
+
+def _key_name(key: Any) -> str | None:
+    """A path entry's name; ``None`` for entries that name no module."""
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return None if key.name == "value" else key.name  # nnx Variable.value
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def param_path(keys: Sequence[Any]) -> tuple[str, ...]:
+    """``('Dense_0', 'kernel')`` for linen's ``['params']['Dense_0']['kernel']``."""
+    names = [n for n in (_key_name(k) for k in keys) if n is not None]
+    if len(names) > 1 and names[0] == "params":  # linen's variables dict
+        names = names[1:]
+    return tuple(names)
+
+
+def _shape(aval: Any) -> str:
+    dtype = aval.dtype
+    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
+             "float64": "f64"}.get(str(dtype), str(dtype))  # fmt: skip
+    return f"{short}[{','.join(str(d) for d in aval.shape)}]"
+
+
+def _label(name_stack: str) -> str:
+    """The einsum subscripts a jaxpr's name stack ends with, or ``""``."""
+    last = name_stack.rsplit("/", 1)[-1] if name_stack else ""
+    return last if "->" in last else ""
+
+
+def _common(paths: frozenset[tuple[str, ...]]) -> tuple[str, ...]:
+    """The longest common prefix of module paths."""
+    if not paths:
+        return ()
+    items = list(paths)
+    prefix = items[0]
+    for p in items[1:]:
+        n = 0
+        while n < min(len(prefix), len(p)) and prefix[n] == p[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
+
+
+def _union(values: list[_Value]) -> _Value:
+    origins: frozenset[tuple[str, ...]] = frozenset()
+    for v in values:
+        origins |= v.origins
+    if len(origins) > _MAX_ORIGINS:
+        origins = frozenset()
+    return _Value(frozenset(), origins)
+
+
+class _Walker:
+    """Follows parameters through a jaxpr and records its matmul sites."""
+
+    def __init__(self) -> None:
+        self.sites: list[Site] = []
+        # Inside a custom-gradient body, the weights its call was given: the
+        # body quantizes them before multiplying, which hides their paths.
+        self.region: frozenset[Weight] = frozenset()
+
+    def walk(
+        self,
+        jaxpr: Any,
+        inputs: list[_Value],
+        ctx: Ctx,
+        frozen: str,
+        stack_prefix: str,
+        loops: tuple[int, ...] = (),
+    ) -> list[_Value]:
+        env: dict[Any, _Value] = {}
+
+        def read(v: Any) -> _Value:
+            if isinstance(v, jcore.Literal):
+                return _ACTIVATION
+            return env.get(v, _ACTIVATION)
+
+        for v, value in zip(jaxpr.invars, inputs, strict=True):
+            env[v] = value
+        for i, eqn in enumerate(jaxpr.eqns):
+            here = (*ctx, i)
+            ins = [read(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            stack = stack_prefix + "/" + str(eqn.source_info.name_stack)
+            outs = self._eqn(eqn, name, ins, here, frozen, stack.strip("/"), loops)
+            for v, value in zip(eqn.outvars, outs, strict=True):
+                env[v] = value
+        return [read(v) for v in jaxpr.outvars]
+
+    def _eqn(
+        self,
+        eqn: Any,
+        name: str,
+        ins: list[_Value],
+        here: Ctx,
+        frozen: str,
+        stack: str,
+        loops: tuple[int, ...],
+    ) -> list[_Value]:
+        n_out = len(eqn.outvars)
+        if name in MATMULS:
+            lhs, rhs = ins[0], ins[1]
+            if frozen and not (lhs.weights or rhs.weights) and self.region:
+                rhs = _Value(self.region, rhs.origins)
+            scope = (
+                ()
+                if (lhs.weights or rhs.weights)
+                else _common(lhs.origins | rhs.origins)
+            )
+            site = Site(
+                ctx=here,
+                primitive=name,
+                operands=" x ".join(_shape(v.aval) for v in eqn.invars[:2]),
+                lhs=lhs.weights,
+                rhs=rhs.weights,
+                label=_label(stack) if name == "dot_general" else "",
+                scope=scope,
+                frozen=frozen,
+                loops=loops,
+            )
+            self.sites.append(site)
+            weights = rhs.weights or lhs.weights
+            if weights:
+                origin = frozenset(w.path[:-1] for w in weights)
+            else:
+                origin = frozenset((scope,)) if scope else frozenset()
+            return [_Value(frozenset(), origin)]
+        if name in _MOVES and ins:
+            return [ins[0]] + [_ACTIVATION] * (n_out - 1)
+        if name in _PASS_EACH:
+            return list(ins[:n_out])
+        if name in _CALLS:
+            closed = eqn.params["jaxpr"]
+            return self.walk(closed.jaxpr, ins, here, frozen, stack, loops)
+        if name in _REMATS:
+            return self.walk(eqn.params["jaxpr"], ins, here, frozen, stack, loops)
+        if name == "scan":
+            return self._scan(eqn, ins, here, frozen, stack, loops)
+        if name == "cond":
+            for b in eqn.params["branches"]:
+                self.walk(b.jaxpr, ins[1:], here, frozen, stack, loops)
+            return [_union(ins[1:])] * n_out
+        if name == "while":
+            p = eqn.params
+            nc, nb = p["cond_nconsts"], p["body_nconsts"]
+            carry = [_union([v]) for v in ins[nc + nb :]]
+            self.walk(p["body_jaxpr"].jaxpr, ins[nc : nc + nb] + carry, here,
+                      frozen, stack, loops)  # fmt: skip
+            return [_union(ins[nc + nb :])] * n_out
+        subs = list(_sub_jaxprs(eqn.params))
+        if subs:
+            why = frozen or ("custom_vjp" if "vjp" in name else
+                             "custom_jvp" if "jvp" in name else name)  # fmt: skip
+            outer = self.region
+            self.region = outer or frozenset().union(*(v.weights for v in ins))
+            if name in _CUSTOM and len(subs[0].invars) == len(ins):
+                self.walk(subs[0], ins, here, why, stack, loops)
+            else:
+                for sub in subs:
+                    self.walk(sub, [_ACTIVATION] * len(sub.invars), here, why, stack,
+                              loops)  # fmt: skip
+            self.region = outer
+        return [_union(ins)] * n_out
+
+    def _scan(
+        self,
+        eqn: Any,
+        ins: list[_Value],
+        here: Ctx,
+        frozen: str,
+        stack: str,
+        loops: tuple[int, ...],
+    ) -> list[_Value]:
+        p = eqn.params
+        n_consts, n_carry = scan_counts(p)
+        length = int(p["length"])
+        carry = [_union([v]) for v in ins[n_consts : n_consts + n_carry]]
+        inputs = ins[:n_consts] + carry + ins[n_consts + n_carry :]
+        outs = self.walk(p["jaxpr"].jaxpr, inputs, here, frozen, stack,
+                         (*loops, length))  # fmt: skip
+        return [_union([v]) for v in outs]
+
+
+def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:
+    """The open jaxprs held by an equation's params."""
+    found = []
+    for value in params.values():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for item in items:
+            if isinstance(item, jcore.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jcore.Jaxpr):
+                found.append(item)
+    return found
+
+
+def trace(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params_argnum: int | None,
+) -> Program:
+    """Traces ``fn(*args, **kwargs)`` and finds its matmuls.
+
+    Array leaves of the arguments are traced; other leaves (Python numbers,
+    strings, flags) stay static, as in a direct call. Leaves of
+    ``args[params_argnum]`` are the parameters that name the sites.
+    """
+    leaves_with_path, in_tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [leaf for _, leaf in leaves_with_path]
+    dynamic = tuple(_is_array(x) for x in leaves)
+    statics = tuple(x for x, d in zip(leaves, dynamic, strict=True) if not d)
+    inputs: list[_Value] = []
+    params: list[str] = []
+    for (keypath, _), d in zip(leaves_with_path, dynamic, strict=True):
+        if not d:
+            continue
+        is_param = (
+            params_argnum is not None
+            and len(keypath) >= 2
+            and keypath[0] == jax.tree_util.SequenceKey(0)
+            and keypath[1] == jax.tree_util.SequenceKey(params_argnum)
+        )
+        if is_param:
+            path = param_path(keypath[2:])
+            params.append("/".join(path[:-1]))
+            inputs.append(_Value(frozenset((Weight(path),))))
+        else:
+            inputs.append(_ACTIVATION)
+
+    def flat_fn(*dyn: Any) -> Any:
+        a, k = jax.tree.unflatten(in_tree, merge(dynamic, dyn, statics))
+        return fn(*a, **k)
+
+    specs = [x for x, d in zip(leaves, dynamic, strict=True) if d]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*specs)
+    walker = _Walker()
+    walker.walk(closed.jaxpr, inputs, (), "", "")
+    program = Program(
+        closed=closed,
+        sites=walker.sites,
+        param_paths=tuple(dict.fromkeys(params)),
+        dynamic=dynamic,
+        in_tree=in_tree,
+        out_tree=jax.tree.structure(out_shape),
+        statics=statics,
+    )
+    program.name_sites()
+    return program
+
+
+def merge(dynamic: Sequence[bool], dyn: Sequence[Any], statics: Sequence[Any]) -> list:
+    """The full leaf list from the traced and the static leaves."""
+    it_dyn, it_static = iter(dyn), iter(statics)
+    return [next(it_dyn) if d else next(it_static) for d in dynamic]

@@ -1,0 +1,345 @@
+"""qbits.quantize: every matmul of model code written any way, by rules."""
+
+import warnings
+
+import flax.linen as nn
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import qbits
+from tests.intercept.models import LM, NnxMlp, lm_batch
+
+S8 = ("s8", "s8", "s32")
+I8 = ("int8", "int8", "int32")  # the jaxpr spelling
+
+
+def _lm(**kw):
+    model = LM(**kw)
+    tokens = lm_batch()
+    return model, model.init(jax.random.key(0), tokens), tokens
+
+
+def _lm_loss(apply, tokens):
+    def loss(params):
+        logits = apply({"params": params}, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+    return loss
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_every_dot_of_the_training_step_is_int8(scan):
+    """Custom Einsum modules, a block-diagonal linear, raw ``@`` with two
+    parameters of one module, attention einsums, a tied head; unrolled, or
+    scanned and rematerialised: every dot, forward and backward, is s8."""
+    model, variables, tokens = _lm(scan=scan, remat=scan)
+    apply = qbits.quantize(model.apply, "int8", jax.random.key(1))
+    dots = qbits.ops.dot_dtypes(jax.grad(_lm_loss(apply, tokens)), variables["params"])
+    assert dots and set(dots) == {S8}
+    # 9 matmuls per block (2 of them activation x activation) + the head,
+    # three dots each (forward, both gradients; remat recomputes forwards).
+    assert len(dots) >= 3 * (10 if scan else 19)
+
+
+def test_layer_table_lists_every_matmul_with_its_path_and_kind():
+    model, variables, tokens = _lm()
+    table = qbits.layer_table(model.apply, "int8", variables, tokens)
+    paths = [row.path for row in table.rows]
+    assert paths[:9] == [
+        "blocks_0/attn/q", "blocks_0/attn/k", "blocks_0/attn/v",
+        "blocks_0/attn/btnh,bsnh->bnts", "blocks_0/attn/bnts,bsnh->btnh",
+        "blocks_0/attn/o", "blocks_0/mix", "blocks_0/mlp/w_in", "blocks_0/mlp/w_out",
+    ]  # fmt: skip
+    assert paths[-1] == "embed"  # the tied head; the lookup is no matmul
+    assert len(paths) == 19
+    head = table["embed"]
+    assert head.kind == "dot_general (activation x weight)"
+    assert head.operands == "f32[2,8,16] x f32[16,32]"
+    assert table["blocks_0/mix"].kind == "einsum (weight x activation)"
+    assert "activation x activation" in table["blocks_1/attn/btnh,bsnh->bnts"].kind
+
+
+def test_scanned_layers_are_listed_once_with_the_scan_length():
+    model, variables, tokens = _lm(scan=True, depth=3)
+    table = qbits.layer_table(model.apply, "int8", variables, tokens)
+    assert [r.path for r in table.rows][:2] == ["blocks/attn/q", "blocks/attn/k"]
+    assert len(table.rows) == 10
+    assert table["blocks/mlp/w_in"].kind.endswith("scanned x3")
+
+
+def test_rules_by_path_first_match_null_is_float():
+    model, variables, tokens = _lm()
+    rules = qbits.QuantConfig(
+        rules=(
+            qbits.Rule(".*/attn/.*->.*", None),  # attention einsums float
+            qbits.Rule("embed", None),
+            qbits.Rule(".*mlp.*", "int8_fwd"),
+        ),
+        default="int8",
+    )
+    table = qbits.layer_table(model.apply, rules, variables, tokens)
+    described = {row.path: row.describe() for row in table.rows}
+    assert described["blocks_0/attn/btnh,bsnh->bnts"] == "float"
+    assert described["embed"] == "float"
+    assert described["blocks_1/mlp/w_out"] == "int8_fwd"
+    assert described["blocks_1/attn/q"] == "int8"
+    apply = qbits.quantize(model.apply, rules, jax.random.key(0))
+    dots = qbits.ops.jaxpr_dot_dtypes(apply, variables, tokens)
+    # 2 x (q, k, v, o, mix, w_in, w_out) int8; 2 x 2 attention einsums + head float
+    assert dots.count(I8) == 14
+    assert len(dots) - dots.count(I8) == 5
+
+
+def test_deterministic_config_equals_the_flax_layer_wrappers_bit_for_bit():
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.relu(nn.Dense(32)(x)))
+
+    model = Mlp()
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    variables = model.init(jax.random.key(1), x)
+    for preset in ("int8_fwd", "w4a8"):
+        wrapped = qbits.flax.quantize(model, preset)
+        transformed = qbits.quantize(model.apply, preset)
+        np.testing.assert_array_equal(
+            transformed(variables, x), wrapped.apply(variables, x)
+        )
+        g1 = jax.grad(lambda v, f=transformed: f(v, x).sum())(variables)
+        g2 = jax.grad(lambda v, f=wrapped.apply: f(v, x).sum())(variables)
+        jax.tree.map(np.testing.assert_array_equal, g1, g2)
+
+
+def test_identity_config_is_lax_bit_for_bit():
+    model, variables, tokens = _lm()
+    out = qbits.quantize(model.apply, "none")(variables, tokens)
+    np.testing.assert_array_equal(out, model.apply(variables, tokens))
+
+
+def test_nnx_module_with_raw_matmul_and_linear():
+    model = NnxMlp(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    def forward(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    x = jax.random.normal(jax.random.key(2), (8, 16))
+    table = qbits.layer_table(forward, "int8", state, x)
+    assert [r.path for r in table.rows] == ["w1", "proj"]
+    qforward = qbits.quantize(forward, "int8", jax.random.key(3))
+    dots = qbits.ops.dot_dtypes(jax.grad(lambda s: qforward(s, x).sum()), state)
+    assert dots and set(dots) == {S8}
+    out = qbits.quantize(forward, "int8_fwd")(state, x)
+    np.testing.assert_allclose(out, forward(state, x), atol=0.05, rtol=0.05)
+
+
+def test_nnx_scanned_vmapped_blocks():
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(16, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.tanh(self.lin(x))
+
+    class Scanned(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=4)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Block(rngs)
+
+            self.blocks = make(rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def step(block, x):
+                return block(x)
+
+            return step(self.blocks, x)
+
+    graphdef, state = nnx.split(Scanned(nnx.Rngs(0)))
+
+    def forward(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    table = qbits.layer_table(forward, "int8", state, x)
+    assert [(r.path, r.kind) for r in table.rows] == [
+        ("blocks/lin", "dot_general (activation x weight), scanned x4")
+    ]
+    qforward = qbits.quantize(forward, "int8", jax.random.key(2))
+    dots = qbits.ops.dot_dtypes(jax.grad(lambda s: qforward(s, x).sum()), state)
+    assert dots and set(dots) == {S8}
+
+
+def test_scanned_equals_unrolled_for_a_deterministic_config():
+    model, variables, tokens = _lm(scan=True, remat=True)
+    unrolled = LM(scan=False)
+    stacked = variables["params"]["blocks"]
+    params = {k: v for k, v in variables["params"].items() if k != "blocks"}
+    for i in range(2):
+        params[f"blocks_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
+    a = qbits.quantize(model.apply, "int8_fwd")(variables, tokens)
+    b = qbits.quantize(unrolled.apply, "int8_fwd")({"params": params}, tokens)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_stochastic_rounding_draws_per_scan_iteration():
+    def fn(w, x):
+        def step(h, _):
+            return h @ w, h
+
+        return jax.lax.scan(step, x, None, length=3)[1]
+
+    w = jnp.eye(16) * 0.7
+    x = jnp.tile(jnp.linspace(-1, 1, 16), (4, 1))
+    rounding = qbits.Quantizer(
+        qbits.IntNumerics(bits=4, noise_fn=qbits.UniformNoise()),
+        granularity=qbits.PerChannel(),
+    )
+    mm = qbits.MatmulConfig(lhs=rounding, rhs=rounding)
+    config = qbits.DotGeneralConfig(mm, mm, mm)
+    key = jax.random.key(0)
+    ys = qbits.quantize(fn, config, key)(w, x)
+    again = qbits.quantize(fn, config, key)(w, x)
+    np.testing.assert_array_equal(ys, again)  # the same key, the same numbers
+    # the same input h in iterations 0 and 1 would round alike with one stream
+    g = jax.grad(lambda w: (qbits.quantize(fn, config, key)(w, x) ** 2).sum())(w)
+    assert bool(jnp.all(jnp.isfinite(g)))
+    draws = qbits.quantize(lambda w, x: fn(w, x)[:1], config, key)
+    assert draws(w, x).shape == (1, 4, 16)
+
+
+def test_cond_while_and_nested_jit_are_reached():
+    @jax.jit
+    def inner(x, w):
+        return x @ w
+
+    def fn(params, x):
+        y = jax.lax.cond(x.sum() > 0, lambda a: a @ params["a"], lambda a: a, x)
+        y = inner(y, params["b"])
+        _, y = jax.lax.while_loop(
+            lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ params["c"]), (0, y)
+        )
+        return y
+
+    params = {k: jnp.eye(8) * 0.5 for k in "abc"}
+    x = jnp.ones((2, 8))
+    table = qbits.layer_table(fn, "int8_fwd", params, x)
+    assert [r.path for r in table.rows] == ["a", "b", "c"]
+    dots = qbits.ops.jaxpr_dot_dtypes(qbits.quantize(fn, "int8_fwd"), params, x)
+    assert dots == [I8] * 3
+    np.testing.assert_allclose(
+        qbits.quantize(fn, "int8_fwd")(params, x), fn(params, x), rtol=0.05
+    )
+
+
+def test_the_jit_cache_keeps_float_and_quantized_apart():
+    model, variables, tokens = _lm()
+    float_fn = jax.jit(model.apply)
+    quant_fn = jax.jit(qbits.quantize(model.apply, "int8_fwd"))
+    first_float = float_fn(variables, tokens)
+    first_quant = quant_fn(variables, tokens)
+    assert not np.array_equal(first_float, first_quant)
+    # the other order, fresh functions
+    quant_again = jax.jit(qbits.quantize(model.apply, "int8_fwd"))(variables, tokens)
+    float_again = jax.jit(model.apply)(variables, tokens)
+    np.testing.assert_array_equal(first_float, float_again)
+    np.testing.assert_array_equal(first_quant, quant_again)
+
+
+def test_a_models_own_quantized_function_is_kept_and_listed():
+    config = qbits.presets.get("int8_fwd")
+
+    class Own(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(8, dot_general=qbits.dot_general(config), name="own")(x)
+            return nn.Dense(4, name="plain")(x)
+
+    model = Own()
+    x = jnp.ones((2, 8))
+    variables = model.init(jax.random.key(0), x)
+    table = qbits.layer_table(model.apply, "w4a8", variables, x)
+    own = [r for r in table.rows if r.path == "own"]
+    assert own and all(r.explicit and r.describe() == "explicit" for r in own)
+    assert "inside custom_vjp (kept)" in own[0].kind
+    assert table["plain"].describe() == "w4a8"
+    out = qbits.quantize(model.apply, "w4a8")(variables, x)
+    assert out.shape == (2, 4)
+
+
+def test_convolutions_are_reached():
+    class Cnn(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(4, (3, 3))(x))
+            return nn.Dense(2)(x.reshape(x.shape[0], -1))
+
+    model = Cnn()
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    variables = model.init(jax.random.key(1), x)
+    table = qbits.layer_table(model.apply, "int8", variables, x)
+    assert [(r.path, r.kind.split(" ")[0]) for r in table.rows] == [
+        ("Conv_0", "conv"), ("Dense_0", "dot_general")
+    ]  # fmt: skip
+    apply = qbits.quantize(model.apply, "int8", jax.random.key(0))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda v: apply(v, x).sum()))(variables)
+    convs = [
+        tuple(str(v.aval.dtype) for v in e.invars)
+        for e in _equations(jaxpr.jaxpr)
+        if e.primitive.name == "conv_general_dilated"
+    ]
+    # The forward on the stored int8 values; the two gradient convolutions
+    # run in float on quantized values (as qbits.conv_general_dilated does).
+    assert len(convs) == 3 and convs[0] == ("int8", "int8")
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple) else (value,):
+                inner = getattr(item, "jaxpr", item)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+def test_errors_name_the_matmul_and_the_fix():
+    model, variables, tokens = _lm()
+    with pytest.raises(qbits.InvalidArgumentError, match=r"key.*blocks_0/attn/q"):
+        qbits.quantize(model.apply, "int8")(variables, tokens)
+    with pytest.raises(qbits.InvalidArgumentError, match=r"blocks_0/attn/q.*Rule"):
+        qbits.quantize(model.apply, "fp8_delayed")(variables, tokens)
+    with pytest.raises(qbits.InvalidArgumentError, match="config='no_such_preset'"):
+        qbits.quantize(model.apply, "no_such_preset")
+    with pytest.raises(qbits.InvalidArgumentError, match="fn"):
+        qbits.quantize("not a function", "int8")
+
+
+def test_unused_rules_say_whether_the_module_exists():
+    class Lookup(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(32, 8, name="embed")(tokens)
+            return nn.Dense(4, name="head")(x)
+
+    model = Lookup()
+    tokens = lm_batch()
+    variables = model.init(jax.random.key(0), tokens)
+    rules = qbits.QuantConfig(
+        rules=(qbits.Rule("embed", None), qbits.Rule("nowhere", None)),
+        default="int8_fwd",
+    )
+    table = qbits.layer_table(model.apply, rules, variables, tokens)
+    message = table.unused_message()
+    assert "rules[0] (pattern 'embed') matches embed, which run no matmul" in message
+    assert "rules[1] (pattern 'nowhere') matched no layer" in message
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qbits.quantize(model.apply, rules)(variables, tokens)
+    assert any(issubclass(w.category, qbits.UnusedRuleWarning) for w in caught)
