@@ -6,7 +6,8 @@ step of N Dense layers (width 256, batch 128, ReLU, MSE loss), on one core
 with single-threaded XLA:CPU. Variants: float32, qbits ``int8`` (forward
 and both backward matmuls, stochastic rounding of the gradients),
 ``int8_nearest`` (the same with rounding to nearest, like Qwix's),
-``int8_fwd``, ``fp8``, and Qwix's quantized training (QT) int8 when the
+``int8_fwd``, ``fp8``, ``int8_quantize`` (the float loss quantized by
+``qbits.quantize``), and Qwix's quantized training (QT) int8 when the
 ``qwix`` package is installed (``pip install -e ".[compare]"``: a
 benchmark-only extra, never a dependency of qbits). Also the 2-layer MLP
 of ``train_step.py`` (512 -> 2048 -> 512, batch 256).
@@ -32,7 +33,15 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("float32", "int8", "int8_nearest", "int8_fwd", "fp8", "qwix_int8")
+VARIANTS = (
+    "float32",
+    "int8",
+    "int8_nearest",
+    "int8_fwd",
+    "fp8",
+    "int8_quantize",
+    "qwix_int8",
+)
 WIDTH, BATCH = 256, 128
 MLP = (256, 512, 2048, 512)  # batch, in, hidden, out (train_step.py's MLP)
 
@@ -74,6 +83,8 @@ def child(variant: str, model: str, depth: int) -> dict[str, float]:
             )
             mm = qbits.MatmulConfig(lhs=q, rhs=q)
             config = qbits.DotGeneralConfig(mm, mm, mm)
+        elif variant == "int8_quantize":  # the float loss, transformed
+            config = None
         else:
             config = None if variant == "float32" else qbits.presets.get(variant)
 
@@ -92,6 +103,9 @@ def child(variant: str, model: str, depth: int) -> dict[str, float]:
             return jnp.mean((h - y) ** 2)
 
         def step(params, x, y, key):
+            if variant == "int8_quantize":
+                grads = jax.grad(qbits.quantize(loss, "int8", key))(params, x, y, key)
+                return [p - 1e-3 * g for p, g in zip(params, grads, strict=True)]
             grads = jax.grad(loss)(params, x, y, key)
             return [p - 1e-3 * g for p, g in zip(params, grads, strict=True)]
 

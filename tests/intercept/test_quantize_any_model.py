@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import qbits
-from tests.intercept.models import LM, NnxMlp, lm_batch
+from examples.custom_models import LM, NnxMlp, lm_batch
 
 S8 = ("s8", "s8", "s32")
 I8 = ("int8", "int8", "int32")  # the jaxpr spelling

@@ -1,9 +1,20 @@
-"""Small models written the ways real model code is written.
+"""Model code written the ways real model code is written, quantized whole.
 
-Custom layer classes with their own parameters, raw ``jnp.einsum`` and
-``@``, a tied embedding head, a block-diagonal linear, attention written
-with einsums, scanned and rematerialised blocks; linen and nnx.
+Custom layer classes with their own parameters (a Gemma-style ``Einsum``
+module, a Griffin-style block-diagonal linear), raw ``jnp.einsum`` and
+``@``, attention written with einsums, a tied embedding head, scanned and
+rematerialised blocks; linen and nnx. None of these layers is a Flax layer
+class that qbits knows: ``qbits.quantize`` reaches their matmuls through
+the traced program.
+
+Run as a script, it lists every matmul of the scanned language model with
+the ``int8`` preset and trains it beside float32 on generated data (same
+seed), printing both losses.
+
+Run: python examples/custom_models.py [--steps 150]
 """
+
+import argparse
 
 import flax.linen as nn
 import jax
@@ -122,3 +133,51 @@ class NnxMlp(nnx.Module):
 def lm_batch(batch=2, length=8, vocab=32, seed=0):
     key = jax.random.key(seed)
     return jax.random.randint(key, (batch, length), 0, vocab)
+
+
+def _train(model, steps, quantized):
+    import optax
+
+    import qbits
+
+    tokens = lm_batch(batch=8, length=16)
+    targets = jnp.roll(tokens, -1, axis=1)  # a learnable shift of the input
+    params = model.init(jax.random.key(0), tokens)["params"]
+    opt = optax.adam(3e-3)
+    state = opt.init(params)
+
+    def loss(params, key):
+        apply = model.apply
+        if quantized:
+            apply = qbits.quantize(model.apply, "int8", key)
+        logits = apply({"params": params}, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    @jax.jit
+    def step(params, state, key):
+        value, grads = jax.value_and_grad(loss)(params, key)
+        updates, state = opt.update(grads, state)
+        return optax.apply_updates(params, updates), state, value
+
+    for i in range(steps):
+        params, state, value = step(params, state, jax.random.key(i))
+    return float(value)
+
+
+def main() -> None:
+    import qbits
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    args = parser.parse_args()
+    model = LM(scan=True, remat=True, depth=2)
+    tokens = lm_batch()
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    print(qbits.layer_table(model.apply, "int8", variables, tokens))
+    f32 = _train(model, args.steps, quantized=False)
+    int8 = _train(model, args.steps, quantized=True)
+    print(f"final loss after {args.steps} steps: float32 {f32:.4f}, int8 {int8:.4f}")
+
+
+if __name__ == "__main__":
+    main()
