@@ -174,12 +174,13 @@ def _train(args: argparse.Namespace) -> int:
     metric = "char accuracy" if args.model == "lm" else "accuracy"
     print(
         f"\n{'run':<16} {'train loss':>10} {'eval loss':>10} {'eval / f32':>10} "
-        f"{metric:>13} {'time':>7}"
+        f"{metric:>13} {'time':>7} {'compile':>8} {'step':>9}"
     )
     for r in rows:
         print(
             f"{r['config']:<16} {r['train_loss']:>10.4f} {r['eval_loss']:>10.4f} "
-            f"{r['ratio']:>10.4f} {r['eval_accuracy']:>13.3f} {r['seconds']:>6.0f}s"
+            f"{r['ratio']:>10.4f} {r['eval_accuracy']:>13.3f} {r['seconds']:>6.0f}s "
+            f"{r['compile_seconds']:>7.1f}s {1000 * r['step_seconds']:>7.1f}ms"
         )
     print(f"\nwrote {out}/results.md, results.csv, results.json, loss_curves.png")
     return 0
@@ -287,9 +288,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--size",
-        choices=("default", "tiny"),
+        choices=("default", "tiny", "deep"),
         default="default",
-        help="model size; tiny is for smoke tests (default: %(default)s)",
+        help="model size; tiny is for smoke tests, deep (lm) is 12 scanned blocks "
+        "(default: %(default)s)",
     )
     train.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)

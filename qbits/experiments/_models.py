@@ -45,6 +45,8 @@ class ModelSpec:
       evals: Evaluations during training (for the curves), the last at the end.
       fast_compile: Compile without XLA's optimizations: seconds less to
         start, slower steps (the ``tiny`` sizes, which run a few steps).
+      scan: The LM's blocks are stacked with ``nnx.vmap`` and run with
+        ``nnx.scan`` (one traced block however deep; the ``deep`` size).
 
     Example:
       >>> from qbits.experiments import spec
@@ -63,20 +65,23 @@ class ModelSpec:
     eval_batches: int = 8
     evals: int = 5
     fast_compile: bool = False
+    scan: bool = False
 
 
 SIZES: dict[tuple[str, str], ModelSpec] = {
     ("lm", "default"): ModelSpec("lm", 128, 2, 4, 64, 32, 800, 3e-3),
     ("lm", "tiny"): ModelSpec("lm", 16, 1, 2, 16, 4, 4, 3e-3, 1, 1, True),
+    ("lm", "deep"): ModelSpec("lm", 64, 12, 4, 64, 32, 300, 2e-3, scan=True),
     ("mlp", "default"): ModelSpec("mlp", 256, 2, 1, 1, 256, 400, 3e-3),
     ("mlp", "tiny"): ModelSpec("mlp", 16, 1, 1, 1, 16, 4, 3e-3, 1, 1, True),
 }
 
 
 def spec(model: str, size: str = "default") -> ModelSpec:
-    """The :class:`ModelSpec` of ``model`` at ``size`` (``default`` or ``tiny``).
+    """The :class:`ModelSpec` of ``model`` at ``size``.
 
-    ``tiny`` exists for smoke tests: it runs in seconds and learns little.
+    Sizes: ``default``; ``tiny``, for smoke tests (it runs in seconds and
+    learns little); for the LM, ``deep``: 12 blocks, stacked and scanned.
 
     Raises:
       ValueError: For an unknown model or size (the message lists them).
@@ -90,7 +95,8 @@ def spec(model: str, size: str = "default") -> ModelSpec:
     if not isinstance(model, str) or model not in MODELS:
         raise ValueError(f"unknown model {model!r}; expected one of: lm, mlp")
     if not isinstance(size, str) or (model, size) not in SIZES:
-        raise ValueError(f"unknown size {size!r}; expected one of: default, tiny")
+        sizes = ", ".join(s for m, s in SIZES if m == model)
+        raise ValueError(f"unknown size {size!r} for {model}; expected one of: {sizes}")
     return SIZES[model, size]
 
 
@@ -142,9 +148,19 @@ class TransformerLM(nnx.Module):
         self.pos = nnx.Param(
             0.02 * jax.random.normal(rngs.params(), (spec.context, spec.width))
         )
-        self.blocks = nnx.List(
-            [_Block(spec.width, spec.heads, rngs) for _ in range(spec.depth)]
-        )
+        self.scan = spec.scan
+        if spec.scan:
+
+            @nnx.split_rngs(splits=spec.depth)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(rngs: nnx.Rngs) -> _Block:
+                return _Block(spec.width, spec.heads, rngs)
+
+            self.blocks = stacked(rngs)
+        else:
+            self.blocks = nnx.List(
+                [_Block(spec.width, spec.heads, rngs) for _ in range(spec.depth)]
+            )
         self.norm = nnx.LayerNorm(spec.width, rngs=rngs)
         self.head = nnx.Linear(spec.width, vocab, rngs=rngs)
 
@@ -153,8 +169,16 @@ class TransformerLM(nnx.Module):
         length = tokens.shape[-1]
         x = self.embed(tokens) + self.pos[:length]
         mask = nnx.make_causal_mask(tokens)
-        for block in self.blocks:
-            x = block(x, mask)
+        if self.scan:
+
+            @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
+            def run(block: _Block, x: jax.Array, mask: jax.Array) -> jax.Array:
+                return block(x, mask)
+
+            x = run(self.blocks, x, mask)
+        else:
+            for block in self.blocks:
+                x = block(x, mask)
         return self.head(self.norm(x))
 
 

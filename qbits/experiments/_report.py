@@ -37,6 +37,8 @@ _COLUMNS = (
     "ratio",
     "eval_accuracy",
     "seconds",
+    "compile_seconds",
+    "step_seconds",
 )
 
 
@@ -65,7 +67,7 @@ def summarize(
         group = groups[name]
 
         def mean(key, group=group):
-            return float(np.mean([r["result"][key] for r in group]))
+            return float(np.mean([r["result"].get(key, math.nan) for r in group]))
 
         evals = [r["result"]["eval_loss"] for r in group]
         rows.append(
@@ -79,6 +81,8 @@ def summarize(
                 "ratio": math.nan,
                 "eval_accuracy": mean("eval_accuracy"),
                 "seconds": mean("seconds"),
+                "compile_seconds": mean("compile_seconds"),
+                "step_seconds": mean("step_seconds"),
             }
         )
     base = next((r["eval_loss"] for r in rows if r["config"] == baseline), None)
@@ -92,8 +96,8 @@ def _markdown(name: str, rows: list[dict[str, Any]], baseline: str | None) -> st
     rel = f"eval / {baseline}" if baseline else "eval / baseline"
     lines = [
         f"| config | bits | seeds | train loss | eval loss | {rel} | accuracy "
-        "| time / run (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| time / run (s) | compile (s) | step (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         bits = "float" if r["bits"] >= 32 else f"{r['bits']:g}"
@@ -103,7 +107,8 @@ def _markdown(name: str, rows: list[dict[str, Any]], baseline: str | None) -> st
         ratio = "" if math.isnan(r["ratio"]) else f"{r['ratio']:.4f}"
         lines.append(
             f"| {r['config']} | {bits} | {r['seeds']} | {r['train_loss']:.4f} | "
-            f"{ev} | {ratio} | {r['eval_accuracy']:.3f} | {r['seconds']:.1f} |"
+            f"{ev} | {ratio} | {r['eval_accuracy']:.3f} | {r['seconds']:.1f} | "
+            f"{r['compile_seconds']:.1f} | {1000 * r['step_seconds']:.1f} |"
         )
     return f"# {name}\n\n" + "\n".join(lines) + "\n"
 

@@ -4,7 +4,7 @@ A sweep file::
 
     name: lm_presets          # optional; default: the file name
     model: lm                 # lm | mlp
-    size: default             # default | tiny (tiny is for smoke tests)
+    size: default             # default | tiny (smoke tests) | deep (lm only)
     steps: 400                # optional; default: the model's
     seeds: [0, 1]             # optional; default [0]
     baseline: none            # the entry ratios are taken to; default: none
@@ -160,7 +160,7 @@ class Sweep:
       seeds: The seeds; every entry runs once per seed.
       entries: The configs.
       baseline: Name of the entry the ratios are relative to, or ``None``.
-      size: ``default`` or ``tiny``.
+      size: ``default``, ``tiny`` or (lm) ``deep``.
     """
 
     name: str

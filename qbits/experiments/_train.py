@@ -20,6 +20,7 @@ from typing import Any
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import qbits
@@ -42,6 +43,8 @@ class RunResult:
       curve: Training loss at every step.
       eval_curve: ``(step, eval loss)`` at each evaluation.
       seconds: Wall-clock time of the run, compilation included.
+      compile_seconds: Time to trace, lower and compile the training step.
+      step_seconds: Median wall-clock time of one training step (compiled).
       unused_rules: A sentence naming the config's rules that matched no
         layer, or ``""``.
     """
@@ -53,6 +56,8 @@ class RunResult:
     eval_curve: list[tuple[int, float]]
     seconds: float
     unused_rules: str = ""
+    compile_seconds: float = math.nan
+    step_seconds: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         """The result as plain JSON-able data."""
@@ -204,9 +209,15 @@ def train(
     curve: list[float] = []
     eval_curve: list[tuple[int, float]] = []
     eval_loss = accuracy = math.nan
+    tic = time.perf_counter()
+    step_fn = step_fn.lower(state, jnp.asarray(0, jnp.int32)).compile()
+    compile_seconds = time.perf_counter() - tic
+    step_times: list[float] = []
     for step in range(steps):
+        tic = time.perf_counter()
         state, loss = step_fn(state, jnp.asarray(step, jnp.int32))
         curve.append(float(loss))
+        step_times.append(time.perf_counter() - tic)
         if progress is not None:
             progress(step + 1, curve[-1])
         if step + 1 in eval_at:
@@ -224,5 +235,7 @@ def train(
         curve=curve,
         eval_curve=eval_curve,
         seconds=time.perf_counter() - start,
+        compile_seconds=compile_seconds,
+        step_seconds=float(np.median(step_times)) if step_times else math.nan,
         unused_rules=unused,
     )

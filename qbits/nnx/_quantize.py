@@ -122,7 +122,10 @@ def _check_model(model: Any) -> None:
 def _table(model: nnx.Module, config: QuantConfig) -> tuple[LayerTable, list[_Layer]]:
     layers = _layers(model)
     table = config.table(
-        [(layer.path, layer.kind) for layer in layers],
+        [
+            (layer.path, layer.kind + "".join(f", stacked x{n}" for n in _stack(layer)))
+            for layer in layers
+        ],
         explicit=[layer.path for layer in layers if layer.explicit],
     )
     return table, layers
@@ -138,6 +141,8 @@ def layer_table(model: nnx.Module, config: Any) -> LayerTable:
     ``nnx.MultiHeadAttention`` at ``P`` are ``P/qk`` and ``P/pv``, of kinds
     ``"MultiHeadAttention.qk"`` and ``"MultiHeadAttention.pv"``; its
     projections are its ``LinearGeneral`` children ``P/query`` ... ``P/out``.
+    Layers stacked by ``nnx.vmap`` (blocks run by ``nnx.scan``) are listed
+    once, their kind saying how many: ``"Linear, stacked x12"``.
 
     Args:
       model: A ``flax.nnx.Module``.

@@ -39,8 +39,24 @@ VERSION = 2
 
 
 def _saved_state(model: nnx.Module) -> Any:
-    # The empty kernel placeholders stay out (Orbax refuses zero-size arrays).
-    return nnx.state(model, nnx.Not(KernelPlaceholder))
+    # The empty kernel placeholders stay out (Orbax refuses zero-size arrays),
+    # and so do the key streams a quantized copy trained with stochastic
+    # rounding keeps (nnx.RngState): serving draws no keys.
+    return nnx.state(model, nnx.Not(nnx.Any(KernelPlaceholder, nnx.RngState)))
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """What to read an array as: its shape, dtype and, if it has one, sharding.
+
+    A target whose arrays carry mesh shardings (placed with
+    ``jax.device_put``, or ``jax.ShapeDtypeStruct(..., sharding=...)``) gets
+    the arrays back with those ``NamedSharding`` s, on any mesh: Orbax reads
+    each device's shard. Other arrays are read onto the default device.
+    """
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = None
+    return jax.ShapeDtypeStruct(x.shape, np.dtype(x.dtype), sharding=sharding)
 
 
 def _split(owner: str, serving: Any) -> tuple[str, Any, tuple[LayerInfo, ...]]:
@@ -238,8 +254,10 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
       directory: A checkpoint written by :func:`save`.
       target: What to restore into: serving params, or a served nnx model,
         converted with the same config (real arrays or
-        ``jax.eval_shape`` / ``nnx.eval_shape`` results: only shapes and
-        dtypes are read).
+        ``jax.eval_shape`` / ``nnx.eval_shape`` results: shapes and dtypes
+        are read, and shardings where the arrays have them: the restored
+        arrays then come back sharded alike, on that mesh whatever mesh
+        they were saved from).
 
     Returns:
       New :class:`~qbits.serving.ServingParams` (linen) or a served nnx
@@ -273,9 +291,7 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
     kind, tree, layers = _split(owner, target)
     directory = os.path.abspath(directory)
     integrity.check_directory(owner, directory)
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(x.dtype)), tree
-    )
+    abstract = jax.tree.map(_abstract, tree)
     ocp, ckpt = _checkpointer()
     with ckpt:
         meta = _read_meta(owner, directory, ocp, ckpt)

@@ -55,7 +55,9 @@ def convert(
 
     Raises:
       InvalidArgumentError: For a model that is neither, missing or
-        converted variables, or linen-only arguments given with an nnx model.
+        converted variables, a linen model given no sample inputs (when the
+        traced method takes some), or linen-only arguments given with an nnx
+        model.
       ConfigError: For a layer whose forward matmul rounds stochastically
         (serving is deterministic), or a config that does not fit a layer.
 

@@ -10,6 +10,7 @@ kernel is then quantized once, outside the trace, by
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import flax.linen as nn
@@ -149,6 +150,41 @@ def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     tree.update(value)
 
 
+def _required_inputs(model: nn.Module, method: Any) -> tuple[str, list[str]]:
+    """``(name, required parameters)`` of the method ``convert`` traces."""
+    fn = getattr(type(model), method, None) if isinstance(method, str) else method
+    name = method if isinstance(method, str) else getattr(fn, "__name__", "method")
+    try:
+        params = list(inspect.signature(fn).parameters.values())[1:]  # the module
+    except (TypeError, ValueError):  # no signature to read: let the trace tell
+        return name, []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [
+        p.name for p in params if p.default is p.empty and p.kind not in variadic
+    ]
+    return name, required
+
+
+def _check_inputs(owner: str, model: nn.Module, method: Any, given: bool) -> None:
+    """Raises when no sample inputs were given and the traced method needs some."""
+    if given:
+        return
+    name, required = _required_inputs(model, method)
+    if not required:
+        return
+    call = f"{type(model).__name__}.{name}({', '.join(required)})"
+    raise InvalidArgumentError(
+        owner,
+        "*args",
+        "no sample inputs",
+        "sample inputs after the variables, as model.apply takes them: "
+        "convert(model, config, variables, x), with arrays or "
+        "jax.ShapeDtypeStruct s (keyword arguments and method= as in apply)",
+        why=f"convert traces the model on sample inputs to find its Dense "
+        f"layers, and {call} takes inputs",
+    )
+
+
 def convert_linen(
     model: nn.Module,
     config: Any,
@@ -165,7 +201,9 @@ def convert_linen(
     fwd = forward_only(original)
     variables = _variables(owner, variables)
     collector = _Collector(fwd, original)
-    run = _Run(model, collector, _as_method(method, owner))
+    method = _as_method(method, owner)
+    _check_inputs(owner, model, method, bool(args or kwargs))
+    run = _Run(model, collector, method)
     # Trace abstractly: arrays become shapes, other arguments stay as they are.
     leaves, treedef = jax.tree.flatten((args, kwargs))
     arrays = [

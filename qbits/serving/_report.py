@@ -7,6 +7,7 @@ from typing import Any
 
 import flax.nnx as nnx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from qbits._errors import InvalidArgumentError
@@ -151,6 +152,12 @@ class SizeReport:
         return "\n".join(lines)
 
 
+def _arrays(tree: Any) -> list[Any]:
+    """The arrays of ``tree`` but PRNG keys (which have no bytes per element)."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if hasattr(leaf, "dtype")]
+    return [x for x in leaves if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+
+
 def _row(info: LayerInfo, qvalue: Any, scale: Any) -> LayerSize:
     fmt = info.qdtype + (" (packed)" if info.packed else "")
     return LayerSize(
@@ -193,17 +200,16 @@ def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
         for info in serving.layers:
             arrays = _get(stored, tuple(info.path.split("/")) if info.path else ())
             rows.append(_row(info, arrays["qvalue"], arrays["scale"]))
-        others = [
-            leaf
-            for name, tree in serving.variables.items()
-            if name != COLLECTION
-            for leaf in jax.tree.leaves(tree)
-        ]
+        others = _arrays(
+            {k: v for k, v in serving.variables.items() if k != COLLECTION}
+        )
     elif isinstance(serving, nnx.Module):
         rows = [_row(*layer) for layer in served_layers(serving)]
-        rest = nnx.state(serving, nnx.Not(nnx.Any(StoredWeight, KernelPlaceholder)))
-        others = [leaf for leaf in jax.tree.leaves(rest) if hasattr(leaf, "dtype")]
-        others = [x for x in others if np.issubdtype(np.dtype(x.dtype), np.inexact)]
+        # A quantized copy trained with stochastic rounding keeps its layers'
+        # key streams (nnx.RngState: PRNG keys and counters): not weights.
+        skip = nnx.Any(StoredWeight, KernelPlaceholder, nnx.RngState)
+        others = _arrays(nnx.state(serving, nnx.Not(skip)))
+        others = [x for x in others if jnp.issubdtype(x.dtype, jnp.inexact)]
     else:
         raise InvalidArgumentError(
             "qbits.serving.size_report",

@@ -1,5 +1,7 @@
 """The example models, their data and the example files."""
 
+import dataclasses
+import math
 import pathlib
 
 import flax.nnx as nnx
@@ -16,6 +18,7 @@ from qbits.experiments import (
     corpus,
     load_sweep,
     spec,
+    train,
 )
 from qbits.experiments._data import char_batch, char_eval_batches
 
@@ -82,3 +85,21 @@ def test_example_files_load():
     assert w4["blocks/0/mlp/fc1"].describe() == "w4a8" and not w4.unused_rules
     bits = load_sweep(ROOT / "examples" / "sweep_bits.yaml")
     assert len(bits.entries) == 2 + 3 * 2 * 2 and bits.seeds == (0, 1)
+
+
+def test_deep_lm_scans_stacked_blocks_and_trains_quantized():
+    """The ``deep`` size: blocks stacked by nnx.vmap, run by nnx.scan; int8
+    (stochastic rounding, keys split per layer) and fp8_delayed (one amax
+    history per layer) train; the layer table lists each block layer once."""
+    deep = spec("lm", "deep")
+    assert deep.scan and deep.depth == 12
+    small = dataclasses.replace(spec("lm", "tiny"), depth=3, scan=True)
+    lm = nnx.eval_shape(lambda: TransformerLM(10, small, rngs=nnx.Rngs(0)))
+    rows = qbits.nnx.layer_table(lm, "int8").rows
+    assert [r.path for r in rows][:2] == ["blocks/attn/key", "blocks/attn/out"]
+    assert len(rows) == 9
+    assert rows[0].kind == "LinearGeneral, stacked x3"
+    assert rows[-1].kind == "Linear"  # the head
+    for config in ("int8", "fp8_delayed"):
+        result = train(small, config, steps=2)
+        assert math.isfinite(result.train_loss), config

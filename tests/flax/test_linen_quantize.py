@@ -359,6 +359,35 @@ def test_tile_size_that_does_not_divide_names_the_config_path():
     assert params["params"]["fc"]["kernel"].shape == (128, 4)
 
 
+def test_mxfp8_on_a_dense_with_3d_inputs_forward_and_backward():
+    # Issue 16: mxfp8 on a (batch, seq, features) input failed even in the
+    # forward ("expected an explicit axis"). The gradient matmul now tiles
+    # the last axis it contracts (seq: a multiple of the tile size, 32).
+    model = nn.Dense(64)
+    qmodel = qbits.flax.quantize(model, "mxfp8")
+    x = jax.random.normal(jax.random.key(0), (2, 32, 64))
+    params = model.init(jax.random.key(1), x)
+
+    def loss(m, p, x):
+        return (m.apply(p, x) ** 2).sum()
+
+    grad = jax.grad(functools.partial(loss, qmodel), argnums=(0, 1))
+    e4m3, e5m2 = "float8_e4m3fn", "float8_e5m2"
+    assert qbits.ops.jaxpr_dot_dtypes(grad, params, x) == [
+        (e4m3, e4m3, "float32"),  # forward
+        (e5m2, e4m3, "float32"),  # gradient of the input
+        (e5m2, e4m3, "float32"),  # gradient of the kernel (over batch and seq)
+    ]
+    y, yq = model.apply(params, x), jax.jit(qmodel.apply)(params, x)
+    np.testing.assert_allclose(yq, y, atol=0.3)
+    float_grad = jax.grad(functools.partial(loss, model), argnums=(0, 1))
+    (g_params, g_x), (f_params, f_x) = jax.jit(grad)(params, x), float_grad(params, x)
+    got_kernel, want_kernel = g_params["params"]["kernel"], f_params["params"]["kernel"]
+    for got, want in ((got_kernel, want_kernel), (g_x, f_x)):
+        assert bool(jnp.isfinite(got).all())
+        assert float(jnp.abs(got - want).max()) < 0.1 * float(jnp.abs(want).max())
+
+
 @pytest.mark.parametrize(
     ("model", "config"),
     [

@@ -2,6 +2,7 @@
 
 import functools
 
+import flax.linen as nn
 import flax.nnx as nnx
 import jax
 import jax.extend
@@ -11,6 +12,7 @@ import optax
 import pytest
 
 import qbits
+import qbits.flax
 import qbits.nnx
 from qbits._errors import ConfigError
 from qbits.config import QuantConfig, Rule, UnusedRuleWarning, presets
@@ -363,6 +365,65 @@ def test_einsum_conv_linear_general_and_explicit_layers():
     ]
     for got, want in zip(call(qmodel, x, image), call(model, x, image), strict=True):
         np.testing.assert_allclose(got, want, atol=0.5)
+
+
+def test_delayed_scaling_on_a_conv_trains_as_linen_does():
+    # Issue 16 reported an error for "fp8_delayed" on an nnx Conv (naming
+    # neither layer nor rule); the core now runs delayed scaling on convs.
+    layer = nnx.Conv(3, 8, (3, 3), rngs=nnx.Rngs(0))
+    qmodel = qbits.nnx.quantize(layer, "fp8_delayed")
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    graphdef, state = nnx.split(qmodel)
+    assert conv_dtypes(lambda s: nnx.merge(graphdef, s)(x), state) == [
+        ("float8_e4m3fn", "float8_e4m3fn")
+    ]
+    wrt = nnx.DiffState(0, (nnx.Param, qbits.nnx.DelayedState))
+    grads = nnx.jit(nnx.grad(lambda m: (m(x) ** 2).sum(), argnums=wrt))(qmodel)
+    new = grads["conv_general_dilated"]
+    assert float(new["lhs_amax_history"][...][0]) == float(jnp.max(jnp.abs(x)))
+    kernel = jnp.max(jnp.abs(layer.kernel[...]))
+    assert float(new["rhs_amax_history"][...][0]) == float(kernel)
+    assert float(new["grad_amax_history"][...][0]) > 0
+    # Bit for bit what linen's quantized Conv computes from the same weights.
+    linen = qbits.flax.quantize(nn.Conv(8, (3, 3)), "fp8_delayed")
+    variables = linen.init(jax.random.key(1), x)
+    variables["params"] = {"kernel": layer.kernel[...], "bias": layer.bias[...]}
+    np.testing.assert_array_equal(call(qmodel, x), jax.jit(linen.apply)(variables, x))
+    linen_grads = jax.jit(jax.grad(lambda v: (linen.apply(v, x) ** 2).sum()))(variables)
+    for name, value in linen_grads[qbits.flax.STATE]["StatefulConv_0"].items():
+        np.testing.assert_array_equal(new[name][...], value, err_msg=name)
+    np.testing.assert_array_equal(grads["kernel"][...], linen_grads["params"]["kernel"])
+
+
+def test_mxfp8_on_a_linear_with_3d_inputs_forward_and_backward():
+    # Issue 16: mxfp8 on a (batch, seq, features) input failed even in the
+    # forward ("expected an explicit axis"). The gradient matmul now tiles
+    # the last axis it contracts (seq: a multiple of the tile size, 32).
+    layer = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    qmodel = qbits.nnx.quantize(layer, "mxfp8")
+    x = jax.random.normal(jax.random.key(0), (2, 32, 64))
+
+    def loss(model, x):
+        return (model(x) ** 2).sum()
+
+    graphdef, state = nnx.split(qmodel)
+    dtypes = jaxpr_dot_dtypes(
+        jax.grad(lambda s, x: loss(nnx.merge(graphdef, s), x), argnums=(0, 1)),
+        state,
+        x,
+    )
+    e4m3, e5m2 = "float8_e4m3fn", "float8_e5m2"
+    assert dtypes == [
+        (e4m3, e4m3, "float32"),  # forward
+        (e5m2, e4m3, "float32"),  # gradient of the input
+        (e5m2, e4m3, "float32"),  # gradient of the kernel (over batch and seq)
+    ]
+    np.testing.assert_allclose(call(qmodel, x), call(layer, x), atol=0.3)
+    grad = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
+    (q_model, q_x), (f_model, f_x) = grad(qmodel, x), grad(layer, x)
+    for got, want in ((q_model["kernel"][...], f_model["kernel"][...]), (q_x, f_x)):
+        assert bool(jnp.isfinite(got).all())
+        assert float(jnp.abs(got - want).max()) < 0.1 * float(jnp.abs(want).max())
 
 
 def test_unused_rule_warns():

@@ -7,6 +7,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import qbits
@@ -280,6 +281,79 @@ def test_nnx_serving_model_given_float_params(nnx_setup):
     served.layers[2].dot_general.qvalue.set_value(jnp.zeros((256, 2, 8)))
     with pytest.raises(qbits.InvalidArgumentError, match=r"layers/2.*float values"):
         served(x)
+
+
+class ConvNet(nnx.Module):
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.fc = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(nnx.relu(self.conv(x)).mean(axis=(1, 2)))
+
+
+def test_nnx_trained_quantized_copy_with_a_conv_serves_reports_and_saves(tmp_path):
+    # Regression (issue 16): the trained copy's Conv keeps its key stream (the
+    # int8 preset's backward rounds stochastically); size_report took its PRNG
+    # key for a weight (TypeError: Cannot interpret 'key<fry>' as a data type)
+    # and restore could not read it back.
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    qmodel = qbits.nnx.quantize(ConvNet(nnx.Rngs(0)), "int8", rngs=nnx.Rngs(quant=1))
+    opt = nnx.Optimizer(qmodel, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+        opt.update(model, nnx.grad(lambda m: (m(x) ** 2).sum())(model))
+
+    step(qmodel, opt)
+    served = serving.convert(qmodel, "int8")
+    assert jax.tree.leaves(nnx.state(served, nnx.RngKey))  # the key is still there
+    # The same trained weights in a float model serve and report the same.
+    trained = ConvNet(nnx.Rngs(5))
+    nnx.update(trained, nnx.state(qmodel, nnx.Param))
+    reference = serving.convert(trained, "int8")
+    report = serving.size_report(served)
+    assert report == serving.size_report(reference)
+    assert [r.path for r in report.layers] == ["fc"]
+    assert report.other_bytes == (3 * 3 * 3 * 8 + 8 + 4) * 4  # conv, biases
+    np.testing.assert_array_equal(served(x), reference(x))
+    # Saved without the key stream: it restores into a target converted from
+    # a float model.
+    serving.save(tmp_path / "ckpt", served)
+    target = nnx.eval_shape(lambda: serving.convert(ConvNet(nnx.Rngs(6)), "int8"))
+    restored = serving.restore(tmp_path / "ckpt", target)
+    np.testing.assert_array_equal(restored(x), served(x))
+
+
+def test_linen_convert_without_sample_inputs_says_they_are_needed():
+    # Regression (issue 16): an IndexError from inside qbits before.
+    class Probe(nn.Module):
+        def setup(self):
+            self.fc = nn.Dense(8)
+
+        def __call__(self, x):
+            return self.fc(x)
+
+        def probe(self):  # takes no inputs
+            return self.fc(jnp.ones((2, 256)))
+
+    x = jnp.ones((2, 256))
+    params = nn.Dense(8).init(jax.random.key(0), x)
+    with pytest.raises(qbits.InvalidArgumentError) as info:
+        serving.convert(nn.Dense(8), "int8_fwd", params)
+    message = str(info.value)
+    assert message.startswith("qbits.serving.convert: *args='no sample inputs'")
+    assert "Dense.__call__(inputs)" in message
+    assert "convert(model, config, variables, x)" in message
+    assert info.value.argument == "*args"
+    quantized = qbits.flax.quantize(Probe(), "int8_fwd")  # unwrapped: the same
+    params = Probe().init(jax.random.key(0), x)
+    with pytest.raises(qbits.InvalidArgumentError, match=r"Probe.__call__\(x\)"):
+        serving.convert(quantized, "int8_fwd", params)
+    # A method that takes no inputs needs none.
+    for method in ("probe", Probe.probe):
+        sp = serving.convert(Probe(), "int8_fwd", params, method=method)
+        assert [info.path for info in sp.layers] == ["fc"]
 
 
 def test_bad_arguments(linen_setup, nnx_setup, tmp_path):

@@ -1,0 +1,317 @@
+"""Run with 8 CPU devices: a sharded (FSDP + tensor-parallel) quantized LM.
+
+Invoked by test_sharded_lm.py in a subprocess (XLA_FLAGS must be set before
+JAX starts). A small transformer-style LM (attention einsums, an MLP, a
+head), its parameters sharded over a 4 x 2 mesh: the ``embed`` axis over
+``data`` (FSDP), the ``mlp``/``heads``/``vocab`` axes over ``model``
+(tensor parallel), the batch over ``data``. Checks, for linen with logical
+axis rules and for nnx with sharding annotations, with the ``int8`` and
+``fp8_delayed`` presets (the layer wrappers) and ``int8`` through
+``qbits.quantize``: loss and gradients equal the unsharded ones within
+float32 rounding; the gradients keep the parameters' shardings. Prints one
+JSON line with the collectives of each optimized training step. Exits
+non-zero on a mismatch.
+"""
+
+import json
+import os
+import re
+import tempfile
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qbits
+
+WIDTH, HEADS, MLP, VOCAB, LAYERS = 32, 4, 64, 64, 2
+RULES = (
+    ("batch", "data"),
+    ("embed", "data"),
+    ("mlp", "model"),
+    ("heads", "model"),
+    ("vocab", "model"),
+    ("kv", None),
+)
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+               "collective-permute")  # fmt: skip
+
+
+def _init(axes):
+    return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm(use_scale=False, use_bias=False)(x)
+        qkv = nn.DenseGeneral(
+            (3, HEADS, WIDTH // HEADS),
+            kernel_init=_init(("embed", None, "heads", "kv")),
+            use_bias=False,
+            name="qkv",
+        )(h)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        probs = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), axis=-1)
+        ctx = jnp.einsum("bnts,bsnh->btnh", probs, v)
+        x = x + nn.DenseGeneral(
+            WIDTH,
+            axis=(-2, -1),
+            kernel_init=_init(("heads", "kv", "embed")),
+            use_bias=False,
+            name="out",
+        )(ctx)
+        h = nn.LayerNorm(use_scale=False, use_bias=False)(x)
+        h = nn.Dense(MLP, kernel_init=_init(("embed", "mlp")), name="fc1")(h)
+        h = nn.Dense(WIDTH, kernel_init=_init(("mlp", "embed")), name="fc2")(
+            jax.nn.gelu(h)
+        )
+        return x + h
+
+
+class LM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(
+            VOCAB, WIDTH, embedding_init=_init(("vocab", "embed")), name="embed"
+        )(tokens)
+        for i in range(LAYERS):
+            x = Block(name=f"blocks_{i}")(x)
+        return nn.Dense(VOCAB, kernel_init=_init(("embed", "vocab")), name="head")(x)
+
+
+def _loss(logits, tokens):
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[..., None], -1))
+
+
+def _close(got, want, what, flips=False):
+    """Equal within float32 rounding; with ``flips``, up to rounding flips.
+
+    Sharding changes the order of the reductions around the matmuls (layer
+    norms, softmax, the contraction's partial sums), which moves values by
+    an ulp or so; a value sitting on a rounding boundary of the int8/fp8
+    grid then rounds to the neighbouring code, and the gradients that see
+    it move by one quantization step. Allowed: at most 3% of a tensor's
+    elements beyond float32 rounding, none by more than 2% of its largest
+    magnitude; the median element within float32 rounding.
+    """
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        scale = float(np.abs(b).max()) if b.size else 0.0
+        tol = 2e-5 * np.abs(b) + 2e-5 * scale
+        off = np.abs(a - b) > tol
+        if not flips:
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * scale,
+                                       err_msg=what)  # fmt: skip
+            continue
+        worst = float(np.abs(a - b).max()) if b.size else 0.0
+        if (
+            off.mean() > 0.03
+            or worst > 0.02 * scale
+            or (b.size and np.median(np.abs(a - b)) > 2e-5 * scale)
+        ):
+            raise AssertionError(
+                f"{what}: {off.mean():.1%} of {b.shape} off, worst {worst:.3g} "
+                f"(largest {scale:.3g})"
+            )
+
+
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
+          "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}  # fmt: skip
+
+
+def _collectives(compiled) -> dict[str, dict[str, int]]:
+    """Per collective kind in the optimized HLO: ops and result bytes."""
+    found: dict[str, dict[str, int]] = {}
+    pattern = re.compile(
+        r"= (\w+)\[([\d,]*)\][^=]*?\b(" + "|".join(COLLECTIVES) + r")(-start)?\("
+    )
+    for line in compiled.as_text().splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        n = 1
+        for d in filter(None, m.group(2).split(",")):
+            n *= int(d)
+        entry = found.setdefault(m.group(3), {"ops": 0, "bytes": 0})
+        entry["ops"] += 1
+        entry["bytes"] += n * _BYTES.get(m.group(1), 4)
+    return found
+
+
+def linen_case(mesh, tokens, variant, reference=None):
+    model = LM()
+    abstract = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    logical = nn.get_partition_spec(abstract)
+    param_shardings = nn.logical_to_mesh_sharding(logical, mesh, RULES)["params"]
+    key = jax.random.key(1)
+    rngs = {}
+    if variant == "float32":
+        apply, init = model.apply, model.init
+    elif variant == "int8 (qbits.quantize)":
+        apply, init = qbits.quantize(model.apply, "int8", key), model.init
+    else:  # the layer wrappers; fp8_delayed's state is part of the variables
+        wrapped = qbits.flax.quantize(model, variant)
+        apply, init = wrapped.apply, wrapped.init
+        rngs = {"rngs": {"quant": key}} if variant == "int8" else {}
+    init_rngs = {"params": jax.random.key(0), "quant": key}
+    variables = nn.unbox(init(init_rngs, tokens))
+    shardings = {
+        name: param_shardings
+        if name == "params"
+        else jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
+        for name, tree in variables.items()
+    }
+
+    @jax.jit
+    def step(variables, tokens):
+        def loss(variables):
+            return _loss(apply(variables, tokens, **rngs), tokens)
+
+        return jax.value_and_grad(loss)(variables)
+
+    want = step(variables, tokens)
+    sharded = jax.device_put(variables, shardings)
+    batch = jax.device_put(tokens, NamedSharding(mesh, P("data", None)))
+    got = step(sharded, batch)
+    _close(got[0], want[0], f"linen {variant} loss")
+    _close(got, want, f"linen {variant}", flips=variant != "float32")
+    # The gradients get the shardings float32's get (XLA picks them under
+    # auto axes; the FSDP/TP kernels keep their own).
+    grads = [g.sharding for g in jax.tree.leaves(got[1]["params"])]
+    if reference is not None:
+        for g, s in zip(grads, reference, strict=True):
+            if not g.is_equivalent_to(s, len(s.spec)):
+                raise AssertionError(f"linen {variant}: {g} != {s}")
+    return _collectives(step.lower(sharded, batch).compile()), grads
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.fc1 = nnx.Linear(
+            WIDTH, MLP, kernel_init=nnx.with_partitioning(init, ("data", "model")),
+            rngs=rngs,
+        )  # fmt: skip
+        self.fc2 = nnx.Linear(
+            MLP, WIDTH, kernel_init=nnx.with_partitioning(init, ("model", "data")),
+            rngs=rngs,
+        )  # fmt: skip
+
+    def __call__(self, x):
+        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([NnxBlock(rngs) for _ in range(LAYERS)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def nnx_case(mesh, x, preset):
+    def run(sharded: bool, preset=preset):
+        model = NnxNet(nnx.Rngs(0))
+        if preset is not None:
+            model = qbits.nnx.quantize(model, preset, rngs=nnx.Rngs(quant=0))
+        graphdef, state = nnx.split(model)
+        if sharded:
+            specs = nnx.get_partition_spec(state)
+            state = jax.device_put(
+                state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+            )
+        params_filter = nnx.Param
+
+        @jax.jit
+        def step(state, x):
+            model = nnx.merge(graphdef, state)
+            wrt = nnx.DiffState(0, params_filter)
+            loss, grads = nnx.value_and_grad(
+                lambda m: jnp.mean(m(x) ** 2), argnums=wrt
+            )(model)
+            return loss, grads
+
+        return step(state, x)
+
+    want = run(False)
+    got = run(True)
+    _close(got[0], want[0], f"nnx {preset} loss")
+    _close(got, want, f"nnx {preset}", flips=True)
+    # Under auto axes XLA picks the gradients' shardings (float32's own
+    # differ from the annotations too); they span the mesh.
+    kernel = got[1]["blocks"][0]["fc1"]["kernel"][...]
+    if len(kernel.sharding.device_set) != 8:
+        raise AssertionError(f"nnx {preset}: fc1 gradient {kernel.sharding}")
+
+
+def serving_case(mesh, tokens):
+    """Stored int8 weights and scales keep their shardings: convert, serve,
+    and an Orbax save/restore onto a mesh of another shape."""
+    model = LM()
+    abstract = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    logical = nn.get_partition_spec(abstract)
+    shardings = nn.logical_to_mesh_sharding(logical, mesh, RULES)
+    variables = jax.device_put(
+        nn.unbox(model.init(jax.random.key(0), tokens)), shardings
+    )
+    served = qbits.serving.convert(model, "int8_fwd", variables, tokens)
+    stored = served.variables["qbits_serving"]["blocks_0"]["fc1"]
+    if stored["qvalue"].dtype != jnp.int8 or stored["qvalue"].sharding.spec != P(
+        "data", "model"
+    ):
+        raise AssertionError(f"convert: {stored['qvalue'].sharding}")
+    if stored["scale"].sharding.spec != P(None, "model"):
+        raise AssertionError(f"convert scale: {stored['scale'].sharding}")
+    server = qbits.serving.serve(model, "int8_fwd")
+    out = jax.jit(server.apply)(served, tokens)
+    other = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(other, x.sharding.spec)
+        ),
+        served,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        qbits.serving.save(f"{tmp}/ckpt", served)
+        restored = qbits.serving.restore(f"{tmp}/ckpt", target)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(served), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if a.sharding.mesh.shape != other.shape or a.sharding.spec != b.sharding.spec:
+            raise AssertionError(f"restore: {a.sharding} (saved {b.sharding})")
+    with jax.set_mesh(other):
+        again = jax.jit(server.apply)(restored, tokens)
+    np.testing.assert_allclose(np.asarray(again), np.asarray(out), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
+
+
+def main():
+    assert jax.device_count() == 8, jax.devices()
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    tokens = jax.random.randint(jax.random.key(2), (8, 16), 0, VOCAB)
+    counts = {}
+    with jax.set_mesh(mesh):
+        counts["float32"], reference = linen_case(mesh, tokens, "float32")
+        variants = os.environ.get(
+            "QBITS_VARIANTS", "int8,fp8_delayed,int8 (qbits.quantize)"
+        )
+        for variant in variants.split(","):
+            counts[variant], _ = linen_case(mesh, tokens, variant, reference)
+        x = jax.random.normal(jax.random.key(3), (8, WIDTH))
+        for preset in ("int8", "fp8_delayed"):
+            nnx_case(mesh, x, preset)
+        serving_case(mesh, tokens)
+    print(json.dumps({"layers": LAYERS, "collectives": counts}))
+
+
+if __name__ == "__main__":
+    main()
