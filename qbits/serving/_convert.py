@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import flax.linen as nn
 import flax.nnx as nnx
 
 from qbits._errors import InvalidArgumentError
+from qbits.config import as_quant_config, presets
 from qbits.serving._linen import ServingParams
 from qbits.serving._linen_convert import convert_linen
-from qbits.serving._nnx import convert_nnx
+from qbits.serving._nnx import convert_nnx, served_layers
 
 __all__ = ["convert"]
 
@@ -61,6 +63,11 @@ def convert(
       ConfigError: For a layer whose forward matmul rounds stochastically
         (serving is deterministic), or a config that does not fit a layer.
 
+    Warns:
+      UserWarning: When no layer gets stored weights (no ``Dense``-family
+        layer's config quantizes its weight): the result serves float
+        weights. ``qbits.layer_table`` lists the model's matmuls.
+
     Example:
       >>> import flax.linen as nn
       >>> x = jnp.ones((2, 256))
@@ -79,7 +86,9 @@ def convert(
                 "variables or sample inputs with an nnx model",
                 "convert(nnx_model, config) (the model holds its parameters)",
             )
-        return convert_nnx(model, config)
+        served = convert_nnx(model, config)
+        _warn_if_empty(len(served_layers(served)), config)
+        return served
     if isinstance(model, nn.Module):
         if variables is None:
             raise InvalidArgumentError(
@@ -89,10 +98,30 @@ def convert(
                 "the float variables of the linen model (model.init(...)), "
                 "then sample inputs: convert(model, config, variables, x)",
             )
-        return convert_linen(model, config, variables, *args, method=method, **kwargs)
+        params = convert_linen(model, config, variables, *args, method=method, **kwargs)
+        _warn_if_empty(len(params.layers), config)
+        return params
     raise InvalidArgumentError(
         "qbits.serving.convert",
         "model",
         model,
         "a flax.linen.Module or a flax.nnx.Module",
     )
+
+
+def _warn_if_empty(stored: int, config: Any) -> None:
+    """Warns when a config that quantizes something stored no weight."""
+    rules = as_quant_config("qbits.serving.convert", config)
+    refs = [rules.default, *(rule.config for rule in rules.rules)]
+    configs = [presets.get(ref) if isinstance(ref, str) else ref for ref in refs]
+    if stored == 0 and any(c is not None and not c.fwd.is_identity for c in configs):
+        warnings.warn(
+            "qbits.serving.convert stored no low-precision weights: no "
+            "Dense/DenseGeneral (linen) or Linear/LinearGeneral (nnx) layer's "
+            "config quantizes its weight, so every weight stays float. Check "
+            "the rules (qbits.flax.layer_table / qbits.nnx.layer_table); "
+            "matmuls of custom layers and einsums (qbits.layer_table) are not "
+            "stored by convert yet",
+            UserWarning,
+            stacklevel=3,
+        )

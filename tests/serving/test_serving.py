@@ -1,6 +1,7 @@
 """qbits.serving: convert, serve, save/restore, size report, bad input."""
 
 import functools
+import warnings
 
 import flax.linen as nn
 import flax.nnx as nnx
@@ -389,3 +390,31 @@ def test_serving_dots_are_int8_on_xla_cpu(linen_setup):
     served = serving.serve(model, _rules("int8_fwd"))
     dots = qbits.ops.dot_dtypes(served.apply, sp, x)
     assert dots.count(("s8", "s8", "s32")) == 2  # fc1 and proj; head is float
+
+
+def test_convert_warns_when_it_stores_no_weights():
+    """A model whose matmuls are its own einsums: nothing to store, said so."""
+
+    class OwnEinsum(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.normal(0.1), (16, 4))
+            return jnp.einsum("bd,df->bf", x, w)
+
+    x = jnp.ones((2, 16))
+    variables = OwnEinsum().init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match="stored no low-precision weights"):
+        qbits.serving.convert(OwnEinsum(), "int8_fwd", variables, x)
+
+    class RawMatmul(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((16, 4)))
+
+        def __call__(self, x):
+            return x @ self.w[...]
+
+    with pytest.warns(UserWarning, match="stored no low-precision weights"):
+        qbits.serving.convert(RawMatmul(), "int8_fwd")
+    with warnings.catch_warnings():  # all float on purpose: nothing to say
+        warnings.simplefilter("error")
+        qbits.serving.convert(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), "none")
