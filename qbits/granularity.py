@@ -182,7 +182,8 @@ class Tiled(Granularity):
       Traceback (most recent call last):
       ...
       qbits.InvalidArgumentError: Tiled: tile_size=3 is not allowed
-      (axis 1 has size 128); expected a divisor of 128: 1, 2, 4, 8, 16, 32, 64, 128.
+      (axis 1 has size 128); expected a divisor of 128: 1, 2, 4, 8, 16, 32, 64, 128;
+      or make that axis a multiple of 3.
     """
 
     axis: int | None = struct.field(pytree_node=False, default=None)
@@ -318,6 +319,7 @@ def _check_divides(name: str, size: int, shape: tuple[int, ...], axis: int) -> N
             size,
             f"a divisor of {n}: "
             + ", ".join(map(str, divisors[:16]))
-            + (", ..." if len(divisors) > 16 else ""),
+            + (", ..." if len(divisors) > 16 else "")
+            + f"; or make that axis a multiple of {size}",
             why=f"axis {axis} has size {n}",
         )
