@@ -88,9 +88,10 @@ def test_example_files_load():
 
 
 def test_deep_lm_scans_stacked_blocks_and_trains_quantized():
-    """The ``deep`` size: blocks stacked by nnx.vmap, run by nnx.scan; int8
-    (stochastic rounding, keys split per layer) and fp8_delayed (one amax
-    history per layer) train; the layer table lists each block layer once."""
+    """The ``deep`` size: blocks stacked by nnx.vmap, run by nnx.scan;
+    fp8_delayed (one amax history per layer) trains (int8's per-layer keys
+    under nnx.scan: tests/nnx/test_nnx_scan.py); the layer table lists each
+    block layer once."""
     deep = spec("lm", "deep")
     assert deep.scan and deep.depth == 12
     small = dataclasses.replace(spec("lm", "tiny"), depth=3, scan=True)
@@ -100,6 +101,5 @@ def test_deep_lm_scans_stacked_blocks_and_trains_quantized():
     assert len(rows) == 9
     assert rows[0].kind == "LinearGeneral, stacked x3"
     assert rows[-1].kind == "Linear"  # the head
-    for config in ("int8", "fp8_delayed"):
-        result = train(small, config, steps=2)
-        assert math.isfinite(result.train_loss), config
+    result = train(small, "fp8_delayed", steps=2)
+    assert math.isfinite(result.train_loss)
