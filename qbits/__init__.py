@@ -84,7 +84,7 @@ from qbits.tensor import QTensor
 from qbits import lsq  # isort: skip  (layer 2)
 from qbits._ranges import freeze_ranges  # isort: skip
 from qbits import intercept  # isort: skip  (layer 6)
-from qbits.intercept import layer_table, quantize  # isort: skip
+from qbits.intercept import init_state, layer_table, quantize  # isort: skip
 from qbits import flax, nnx  # isort: skip  (layer 7 imports everything above)
 from qbits import serving  # isort: skip  (layer 8)
 
@@ -131,6 +131,7 @@ __all__ = [
     "flax",
     "freeze_ranges",
     "granularity",
+    "init_state",
     "intercept",
     "layer_table",
     "load_config",

@@ -3,12 +3,15 @@
 :func:`quantize` traces a function (a model's ``apply``, a loss, a training
 step's forward) to a jaxpr, names each matmul by the parameter that feeds
 it, and runs it again with every matched ``dot_general``, einsum, ``@`` and
-convolution on qbits' quantized core. :func:`layer_table` lists them.
+convolution on qbits' quantized core. :func:`layer_table` lists them;
+:func:`init_state` gives the scale state of delayed, static and learned
+scales.
 """
 
-from qbits.intercept._transform import layer_table, quantize
+from qbits.intercept._transform import init_state, layer_table, quantize
 
 __all__ = [
+    "init_state",
     "layer_table",
     "quantize",
 ]

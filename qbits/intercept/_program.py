@@ -91,6 +91,8 @@ class Site:
       frozen: Why the site cannot be replaced (``"custom_vjp"``...), or ``""``.
       loops: Lengths of the scans the site runs in, outermost first (a scan
         over stacked layers runs each of its matmuls once per layer).
+      control: ``"cond"`` or ``"while"`` when the site runs in such a body
+        (where scale state cannot be carried), else ``""``.
       path: The site's name for the rules (set by :meth:`Program.name_sites`).
     """
 
@@ -103,6 +105,7 @@ class Site:
     scope: tuple[str, ...]
     frozen: str
     loops: tuple[int, ...] = ()
+    control: str = ""
     path: str = ""
 
     @property
@@ -240,6 +243,7 @@ class _Walker:
         frozen: str,
         stack_prefix: str,
         loops: tuple[int, ...] = (),
+        control: str = "",
     ) -> list[_Value]:
         env: dict[Any, _Value] = {}
 
@@ -255,7 +259,9 @@ class _Walker:
             ins = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
             stack = stack_prefix + "/" + str(eqn.source_info.name_stack)
-            outs = self._eqn(eqn, name, ins, here, frozen, stack.strip("/"), loops)
+            outs = self._eqn(
+                eqn, name, ins, here, frozen, stack.strip("/"), loops, control
+            )
             for v, value in zip(eqn.outvars, outs, strict=True):
                 env[v] = value
         return [read(v) for v in jaxpr.outvars]
@@ -269,6 +275,7 @@ class _Walker:
         frozen: str,
         stack: str,
         loops: tuple[int, ...],
+        control: str,
     ) -> list[_Value]:
         n_out = len(eqn.outvars)
         if name in MATMULS:
@@ -290,6 +297,7 @@ class _Walker:
                 scope=scope,
                 frozen=frozen,
                 loops=loops,
+                control=control,
             )
             self.sites.append(site)
             weights = rhs.weights or lhs.weights
@@ -304,21 +312,23 @@ class _Walker:
             return list(ins[:n_out])
         if name in _CALLS:
             closed = eqn.params["jaxpr"]
-            return self.walk(closed.jaxpr, ins, here, frozen, stack, loops)
+            return self.walk(closed.jaxpr, ins, here, frozen, stack, loops, control)
         if name in _REMATS:
-            return self.walk(eqn.params["jaxpr"], ins, here, frozen, stack, loops)
+            return self.walk(
+                eqn.params["jaxpr"], ins, here, frozen, stack, loops, control
+            )
         if name == "scan":
-            return self._scan(eqn, ins, here, frozen, stack, loops)
+            return self._scan(eqn, ins, here, frozen, stack, loops, control)
         if name == "cond":
             for b in eqn.params["branches"]:
-                self.walk(b.jaxpr, ins[1:], here, frozen, stack, loops)
+                self.walk(b.jaxpr, ins[1:], here, frozen, stack, loops, "cond")
             return [_union(ins[1:])] * n_out
         if name == "while":
             p = eqn.params
             nc, nb = p["cond_nconsts"], p["body_nconsts"]
             carry = [_union([v]) for v in ins[nc + nb :]]
             self.walk(p["body_jaxpr"].jaxpr, ins[nc : nc + nb] + carry, here,
-                      frozen, stack, loops)  # fmt: skip
+                      frozen, stack, loops, "while")  # fmt: skip
             return [_union(ins[nc + nb :])] * n_out
         subs = list(_sub_jaxprs(eqn.params))
         if subs:
@@ -327,11 +337,11 @@ class _Walker:
             outer = self.region
             self.region = outer or frozenset().union(*(v.weights for v in ins))
             if name in _CUSTOM and len(subs[0].invars) == len(ins):
-                self.walk(subs[0], ins, here, why, stack, loops)
+                self.walk(subs[0], ins, here, why, stack, loops, control)
             else:
                 for sub in subs:
                     self.walk(sub, [_ACTIVATION] * len(sub.invars), here, why, stack,
-                              loops)  # fmt: skip
+                              loops, control)  # fmt: skip
             self.region = outer
         return [_union(ins)] * n_out
 
@@ -343,6 +353,7 @@ class _Walker:
         frozen: str,
         stack: str,
         loops: tuple[int, ...],
+        control: str,
     ) -> list[_Value]:
         p = eqn.params
         n_consts, n_carry = scan_counts(p)
@@ -350,7 +361,7 @@ class _Walker:
         carry = [_union([v]) for v in ins[n_consts : n_consts + n_carry]]
         inputs = ins[:n_consts] + carry + ins[n_consts + n_carry :]
         outs = self.walk(p["jaxpr"].jaxpr, inputs, here, frozen, stack,
-                         (*loops, length))  # fmt: skip
+                         (*loops, length), control)  # fmt: skip
         return [_union([v]) for v in outs]
 
 

@@ -14,6 +14,7 @@ float or quantized, keeps its own numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -28,16 +29,17 @@ from qbits.config import LayerRow, LayerTable, QuantConfig, as_quant_config
 from qbits.intercept._program import Ctx, Program, trace
 from qbits.numerics import derive_key
 
-__all__ = ["layer_table", "quantize"]
+__all__ = ["init_state", "layer_table", "quantize"]
 
 _OWNER = "qbits.quantize"
 
 
 class _Plan:
-    """Which sites run quantized, with which config and key stream."""
+    """Which sites run quantized, with which config, key stream and state."""
 
     def __init__(self, program: Program, rules: QuantConfig, owner: str):
         self.configs: dict[Ctx, tuple[Any, int]] = {}
+        self.state_keys: dict[Ctx, str] = {}  # sites with scale state: its name
         self.holds: set[Ctx] = set()  # bodies holding a quantized site
         self.needs_key: list[str] = []
         for index, site in enumerate(program.sites):
@@ -45,22 +47,36 @@ class _Plan:
             if config is None or site.frozen or config.is_identity:
                 continue
             if ops.needs_state(config):
-                raise InvalidArgumentError(
-                    owner,
-                    "config",
-                    f"the config of {site.path!r}",
-                    "a config without scale state here (current scaling); keep "
-                    "delayed, static or learned scales on layers quantized by "
-                    "qbits.flax.quantize / qbits.nnx.quantize, or add "
-                    f"qbits.Rule({site.path!r}, None)",
-                    why="its scales come from state, which qbits.quantize does "
-                    "not carry",
-                )
+                if site.control:
+                    raise InvalidArgumentError(
+                        owner,
+                        "config",
+                        f"the config of {site.path!r}",
+                        "a config without scale state for a matmul inside a "
+                        f"{site.control} body, or qbits.Rule({site.path!r}, None)",
+                        why="scale state cannot be carried through "
+                        f"{site.control} (an untaken branch or a repeated "
+                        "iteration would overwrite it)",
+                    )
+                name = site.path
+                n = 1
+                while name in self.state_keys.values():
+                    n += 1
+                    name = f"{site.path}#{n}"
+                self.state_keys[site.ctx] = name
             self.configs[site.ctx] = (config, index)
             if config.needs_key:
                 self.needs_key.append(site.path)
             for n in range(1, len(site.ctx)):
                 self.holds.add(site.ctx[:n])
+
+    def states_under(self, ctx: Ctx) -> list[str]:
+        """The state names of the sites inside the body at ``ctx``."""
+        return [
+            name
+            for site, name in self.state_keys.items()
+            if len(site) > len(ctx) and site[: len(ctx)] == ctx
+        ]
 
 
 def _table(program: Program, rules: QuantConfig) -> LayerTable:
@@ -92,15 +108,30 @@ def _table(program: Program, rules: QuantConfig) -> LayerTable:
     )
 
 
+@dataclasses.dataclass
+class _Frame:
+    """What a body runs with: its key, its sites' state, where to put new state.
+
+    ``collect`` is set when the runner initialises state (:func:`init_state`):
+    stateful sites then record their initial state there and run in float.
+    """
+
+    key: Any
+    states: dict[str, Any]
+    collect: dict[str, Any] | None = None
+
+    def with_(self, **changes: Any) -> _Frame:
+        return dataclasses.replace(self, **changes)
+
+
 class _Runner:
     """Runs a program's jaxpr with the planned sites quantized."""
 
-    def __init__(self, plan: _Plan, key: jax.Array | None):
+    def __init__(self, plan: _Plan):
         self.plan = plan
-        self.key = key
 
     def run(self, jaxpr: Any, consts: list[Any], args: list[Any], ctx: Ctx,
-            key: Any) -> list[Any]:  # fmt: skip
+            frame: _Frame) -> list[Any]:  # fmt: skip
         env: dict[Any, Any] = {}
 
         def read(v: Any) -> Any:
@@ -114,9 +145,9 @@ class _Runner:
             here = (*ctx, i)
             invals = [read(v) for v in eqn.invars]
             if here in self.plan.configs:
-                outs = [self._matmul(eqn, invals, here, key)]
+                outs = [self._matmul(eqn, invals, here, frame)]
             elif here in self.plan.holds:
-                outs = self._body(eqn, invals, here, key)
+                outs = self._body(eqn, invals, here, frame)
             else:
                 out = bind(eqn, invals)
                 outs = out if eqn.primitive.multiple_results else [out]
@@ -125,34 +156,45 @@ class _Runner:
                     env[v] = val
         return [read(v) for v in jaxpr.outvars]
 
-    def _matmul(self, eqn: Any, invals: list[Any], here: Ctx, key: Any) -> Any:
+    def _matmul(self, eqn: Any, invals: list[Any], here: Ctx, frame: _Frame) -> Any:
         config, index = self.plan.configs[here]
+        key = frame.key
         site_key = derive_key(key, index) if config.needs_key else None
         p = dict(eqn.params)
+        state_name = self.plan.state_keys.get(here)
+        kwargs: dict[str, Any] = {}
         if eqn.primitive.name == "dot_general":
-            kwargs = {}
+            op = ops.dot_general(config, site_key)
+            args = (invals[0], invals[1], p["dimension_numbers"], p.get("precision"),
+                    p.get("preferred_element_type"))  # fmt: skip
             if p.get("out_sharding") is not None:
                 kwargs["out_sharding"] = p["out_sharding"]
-            return ops.dot_general(config, site_key)(
-                invals[0], invals[1], p["dimension_numbers"], p.get("precision"),
-                p.get("preferred_element_type"), **kwargs,
+        else:
+            op = ops.conv_general_dilated(config, site_key)
+            args = (
+                invals[0], invals[1], p["window_strides"], p["padding"],
+                p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"],
+                p["feature_group_count"], p["batch_group_count"], p.get("precision"),
+                p.get("preferred_element_type"),
             )  # fmt: skip
-        return ops.conv_general_dilated(config, site_key)(
-            invals[0], invals[1], p["window_strides"], p["padding"],
-            p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"],
-            p["feature_group_count"], p["batch_group_count"], p.get("precision"),
-            p.get("preferred_element_type"),
-        )  # fmt: skip
+        if state_name is not None:
+            if frame.collect is not None:  # initialising: float forward
+                frame.collect[state_name] = op.init_state(*args)
+                return bind(eqn, invals)
+            kwargs["state"] = frame.states[state_name]
+        return op(*args, **kwargs)
 
-    def _body(self, eqn: Any, invals: list[Any], here: Ctx, key: Any) -> list[Any]:
+    def _body(self, eqn: Any, invals: list[Any], here: Ctx, frame: _Frame) -> list:
         name, p = eqn.primitive.name, eqn.params
         run = self.run
         if name in ("jit", "pjit", "closed_call", "core_call"):
             closed = p["jaxpr"]
-            return run(closed.jaxpr, closed.consts, invals, here, key)
+            return run(closed.jaxpr, closed.consts, invals, here, frame)
         if name in ("remat2", "checkpoint"):
+            if frame.collect is not None:  # initialising: nothing to save
+                return run(p["jaxpr"], [], invals, here, frame)
             fn = jax.checkpoint(
-                lambda *a: run(p["jaxpr"], [], list(a), here, key),
+                lambda *a: run(p["jaxpr"], [], list(a), here, frame),
                 prevent_cse=p["prevent_cse"],
                 policy=p["policy"],
             )
@@ -160,18 +202,18 @@ class _Runner:
         if name == "cond":
             branches = [
                 functools.partial(
-                    lambda b, *a: run(b.jaxpr, b.consts, list(a), here, key), b
+                    lambda b, *a: run(b.jaxpr, b.consts, list(a), here, frame), b
                 )
                 for b in p["branches"]
             ]
             return list(lax.switch(invals[0], branches, *invals[1:]))
         if name == "scan":
-            return self._scan(eqn, invals, here, key)
+            return self._scan(eqn, invals, here, frame)
         if name == "while":
-            return self._while(eqn, invals, here, key)
+            return self._while(eqn, invals, here, frame)
         raise AssertionError(name)  # pragma: no cover - _program lists no others
 
-    def _scan(self, eqn: Any, invals: list[Any], here: Ctx, key: Any) -> list[Any]:
+    def _scan(self, eqn: Any, invals: list[Any], here: Ctx, frame: _Frame) -> list:
         p = eqn.params
         n_consts, n_carry = scan_counts(p)
         consts = invals[:n_consts]
@@ -179,20 +221,31 @@ class _Runner:
         xs = invals[n_consts + n_carry :]
         body = p["jaxpr"]
         length = int(p["length"])
+        # The state of the sites inside is stacked along the scan: one slice
+        # per iteration (per layer, for a scan over stacked layers).
+        names = self.plan.states_under(here)
+        initialising = frame.collect is not None
+        stacked = {} if initialising else {n: frame.states[n] for n in names}
 
-        def step(carry: list[Any], x: tuple[Any, list[Any]]) -> Any:
-            it, x_slice = x
-            k = None if key is None else jax.random.fold_in(key, it)
+        def step(carry: list[Any], x: tuple[Any, list[Any], dict]) -> Any:
+            it, x_slice, state_slice = x
+            key = None if frame.key is None else jax.random.fold_in(frame.key, it)
+            inner = frame.with_(key=key, states={**frame.states, **state_slice},
+                                collect={} if initialising else None)  # fmt: skip
             out = self.run(body.jaxpr, body.consts, [*consts, *carry, *x_slice],
-                           here, k)  # fmt: skip
-            return out[:n_carry], out[n_carry:]
+                           here, inner)  # fmt: skip
+            return out[:n_carry], (out[n_carry:], inner.collect or {})
 
         iters = lax.iota("int32", length)
-        carry, ys = lax.scan(step, list(init), (iters, list(xs)), length=length,
-                             reverse=p["reverse"], unroll=p["unroll"])  # fmt: skip
+        carry, (ys, new) = lax.scan(
+            step, list(init), (iters, list(xs), stacked), length=length,
+            reverse=p["reverse"], unroll=p["unroll"],
+        )  # fmt: skip
+        if initialising:
+            frame.collect.update(new)  # type: ignore[union-attr]
         return list(carry) + list(ys)
 
-    def _while(self, eqn: Any, invals: list[Any], here: Ctx, key: Any) -> list[Any]:
+    def _while(self, eqn: Any, invals: list[Any], here: Ctx, frame: _Frame) -> list:
         p = eqn.params
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
         cond_consts, body_consts = invals[:nc], invals[nc : nc + nb]
@@ -203,8 +256,10 @@ class _Runner:
 
         def body_fn(c: tuple[Any, list[Any]]) -> Any:
             it, carry = c
-            k = None if key is None else jax.random.fold_in(key, it)
-            out = self.run(body.jaxpr, body.consts, [*body_consts, *carry], here, k)
+            key = None if frame.key is None else jax.random.fold_in(frame.key, it)
+            inner = frame.with_(key=key)
+            out = self.run(body.jaxpr, body.consts, [*body_consts, *carry], here,
+                           inner)  # fmt: skip
             return it + 1, out
 
         _, out = lax.while_loop(
@@ -234,6 +289,7 @@ def quantize(
     config: Any,
     key: jax.Array | None = None,
     *,
+    state: dict[str, dict[str, jax.Array]] | None = None,
     params_argnum: int | None = 0,
 ) -> Callable[..., Any]:
     """Quantizes every matmul ``fn`` computes, by per-layer rules.
@@ -261,6 +317,12 @@ def quantize(
       key: PRNG key for stochastic rounding (required when a config rounds
         stochastically): every matmul, every scan iteration and every loop
         step draws its own stream.
+      state: The scale state of matmuls whose configs take their scales
+        from state (delayed scaling, static ranges, learned scales), from
+        :func:`init_state`: ``{matmul path: its state}``, stacked along the
+        scan for matmuls inside one. As with the layer wrappers, the new
+        state is the gradient of ``state`` (``jax.grad`` with respect to
+        it): call ``quantize`` inside the differentiated function.
       params_argnum: Which positional argument holds the parameters
         (``None``: no argument names sites; weight matmuls are then named
         like activation ones).
@@ -270,10 +332,9 @@ def quantize(
       (``jax.grad``) to run the quantized backward matmuls.
 
     Raises:
-      InvalidArgumentError: For a bad ``config``, a missing ``key``, or a
-        config whose scales come from state (delayed, static, learned: use
-        :func:`qbits.flax.quantize` / :func:`qbits.nnx.quantize` for those
-        layers), naming the matmul's path.
+      InvalidArgumentError: For a bad ``config``, a missing ``key``, a
+        missing or mismatched ``state``, or scale state inside a ``cond`` or
+        ``while`` body, naming the matmul's path.
 
     Example:
       >>> def mlp(params, x):
@@ -295,14 +356,88 @@ def quantize(
         program = trace(fn, args, kwargs, params_argnum)
         plan = _Plan(program, quant, _OWNER)
         _check_key(key, plan, _OWNER)
+        _check_state(state, plan)
         _table(program, quant).warn_unused()
-        leaves = jax.tree.leaves((args, kwargs))
-        dyn = [x for x, d in zip(leaves, program.dynamic, strict=True) if d]
-        closed = program.closed
-        out = _Runner(plan, key).run(closed.jaxpr, closed.consts, dyn, (), key)
+        frame = _Frame(key, dict(state or {}))
+        out = _run(program, plan, frame, args, kwargs)
         return jax.tree.unflatten(program.out_tree, out)
 
     return quantized
+
+
+def _run(program: Program, plan: _Plan, frame: _Frame, args: Any, kwargs: Any):
+    leaves = jax.tree.leaves((args, kwargs))
+    dyn = [x for x, d in zip(leaves, program.dynamic, strict=True) if d]
+    closed = program.closed
+    return _Runner(plan).run(closed.jaxpr, closed.consts, dyn, (), frame)
+
+
+def _check_state(state: Any, plan: _Plan) -> None:
+    want = sorted(plan.state_keys.values())
+    if not want and state is None:
+        return
+    have = sorted(state) if isinstance(state, dict) else None
+    if have != want:
+        listed = ", ".join(want[:4]) + (
+            f" and {len(want) - 4} more" if len(want) > 4 else ""
+        )
+        if have is not None:
+            missing = [n for n in want if n not in have][:3]
+            extra = [n for n in have if n not in want][:3]
+            state = f"a state missing {missing}, with {extra} extra"
+        raise InvalidArgumentError(
+            _OWNER,
+            "state",
+            state,
+            f"the state of exactly the matmuls {listed} "
+            "(qbits.init_state(fn, config, *args) makes it)",
+            why="their configs take their scales from state"
+            if want
+            else "no matmul's config takes its scales from state",
+        )
+
+
+def init_state(
+    fn: Callable[..., Any],
+    config: Any,
+    *args: Any,
+    params_argnum: int | None = 0,
+    **kwargs: Any,
+) -> dict[str, dict[str, jax.Array]]:
+    """The initial scale state of every matmul of ``fn`` whose config keeps one.
+
+    Runs ``fn(*args, **kwargs)`` once (in float) and gives each matmul whose
+    config takes its scales from state (delayed scaling, static ranges,
+    learned scales) its initial state, from its actual operands: what
+    :func:`quantize` takes as ``state=``. Matmuls inside a scan get their
+    states stacked along it (one per layer of a scan over layers).
+
+    Args:
+      fn: The function, as for :func:`quantize`.
+      config: The rules, as for :func:`quantize`.
+      *args: Arguments for ``fn``.
+      params_argnum: As for :func:`quantize`.
+      **kwargs: Keyword arguments for ``fn``.
+
+    Returns:
+      ``{matmul path: {state entry: array}}`` (empty when no config keeps
+      state). A path used by several matmuls gets ``#2``, ``#3``... for the
+      later ones.
+
+    Example:
+      >>> def mlp(params, x):
+      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
+      >>> state = qbits.init_state(mlp, "fp8_delayed", params, jnp.ones((3, 4)))
+      >>> sorted(state), state["w1"]["lhs_amax_history"].shape
+      (['w1', 'w2'], (1024,))
+    """
+    quant = as_quant_config("qbits.init_state", config, allow_none=True)
+    program = trace(fn, args, kwargs, params_argnum)
+    plan = _Plan(program, quant, "qbits.init_state")
+    collect: dict[str, Any] = {}
+    _run(program, plan, _Frame(jax.random.key(0), {}, collect), args, kwargs)
+    return collect
 
 
 def layer_table(

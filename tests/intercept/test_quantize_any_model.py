@@ -313,7 +313,7 @@ def test_errors_name_the_matmul_and_the_fix():
     model, variables, tokens = _lm()
     with pytest.raises(qbits.InvalidArgumentError, match=r"key.*blocks_0/attn/q"):
         qbits.quantize(model.apply, "int8")(variables, tokens)
-    with pytest.raises(qbits.InvalidArgumentError, match=r"blocks_0/attn/q.*Rule"):
+    with pytest.raises(qbits.InvalidArgumentError, match=r"state=None.*init_state"):
         qbits.quantize(model.apply, "fp8_delayed")(variables, tokens)
     with pytest.raises(qbits.InvalidArgumentError, match="config='no_such_preset'"):
         qbits.quantize(model.apply, "no_such_preset")
@@ -343,3 +343,74 @@ def test_unused_rules_say_whether_the_module_exists():
         warnings.simplefilter("always")
         qbits.quantize(model.apply, rules)(variables, tokens)
     assert any(issubclass(w.category, qbits.UnusedRuleWarning) for w in caught)
+
+
+def test_delayed_scaling_state_through_the_transformation_equals_the_wrappers():
+    """fp8_delayed: init_state, then the new state is the gradient of the
+    state, step after step, exactly as qbits.flax.quantize keeps it."""
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="head")(nn.relu(nn.Dense(32, name="fc1")(x)))
+
+    model = Mlp()
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    wrapped = qbits.flax.quantize(model, "fp8_delayed")
+    variables = wrapped.init(jax.random.key(1), x)
+    params = {"params": variables["params"]}
+    state = qbits.init_state(model.apply, "fp8_delayed", params, x)
+    assert sorted(state) == ["fc1", "head"]
+
+    def loss(params, state):
+        apply = qbits.quantize(model.apply, "fp8_delayed", state=state)
+        return jnp.sum(apply(params, x) ** 2)
+
+    def wrapped_loss(variables):
+        return jnp.sum(wrapped.apply(variables, x) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    wrapped_step = jax.jit(jax.grad(wrapped_loss))
+    for _ in range(3):
+        grads, state = step(params, state)
+        wrapped_grads = wrapped_step(variables)
+        variables = {**variables, qbits.flax.STATE: wrapped_grads[qbits.flax.STATE]}
+        theirs = variables[qbits.flax.STATE]
+        for layer in ("fc1", "head"):
+            (entries,) = theirs[layer].values()
+            for name, value in entries.items():
+                np.testing.assert_array_equal(state[layer][name], value)
+        jax.tree.map(
+            np.testing.assert_array_equal, grads["params"], wrapped_grads["params"]
+        )
+    assert float(state["fc1"]["lhs_amax_history"][0]) == float(jnp.max(jnp.abs(x)))
+
+
+def test_delayed_scaling_state_is_stacked_along_scanned_layers():
+    model, variables, tokens = _lm(scan=True, remat=True, depth=3)
+    rules = qbits.QuantConfig(rules=(qbits.Rule(".*->.*", None),),
+                              default="fp8_delayed")  # fmt: skip
+    state = qbits.init_state(model.apply, rules, variables, tokens)
+    assert state["blocks/mlp/w_in"]["lhs_amax_history"].shape == (3, 1024)
+
+    def loss(params, state):
+        apply = qbits.quantize(model.apply, rules, state=state)
+        logits = apply({"params": params}, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+    grads, new = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables["params"], state)
+    history = new["blocks/mlp/w_in"]["grad_amax_history"]
+    assert history.shape == (3, 1024) and bool(jnp.all(history[:, 0] > 0))
+    first = new["blocks/mlp/w_in"]["rhs_amax_history"][:, 0]
+    weights = variables["params"]["blocks"]["mlp"]["w_in"]
+    np.testing.assert_array_equal(first, jnp.max(jnp.abs(weights), axis=(1, 2)))
+    assert bool(jnp.all(jnp.isfinite(grads["blocks"]["mlp"]["w_in"])))
+
+
+def test_scale_state_inside_cond_is_refused():
+    def fn(w, x):
+        return jax.lax.cond(x.sum() > 0, lambda a: a @ w, lambda a: a, x)
+
+    w, x = jnp.eye(4), jnp.ones((2, 4))
+    with pytest.raises(qbits.InvalidArgumentError, match="inside a cond body"):
+        qbits.init_state(fn, "fp8_delayed", w, x)
