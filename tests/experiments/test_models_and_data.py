@@ -94,12 +94,12 @@ def test_deep_lm_scans_stacked_blocks_and_trains_quantized():
     block layer once."""
     deep = spec("lm", "deep")
     assert deep.scan and deep.depth == 12
-    small = dataclasses.replace(spec("lm", "tiny"), depth=3, scan=True)
+    small = dataclasses.replace(spec("lm", "tiny"), depth=2, scan=True)
     lm = nnx.eval_shape(lambda: TransformerLM(10, small, rngs=nnx.Rngs(0)))
     rows = qbits.nnx.layer_table(lm, "int8").rows
     assert [r.path for r in rows][:2] == ["blocks/attn/key", "blocks/attn/out"]
     assert len(rows) == 9
-    assert rows[0].kind == "LinearGeneral, stacked x3"
+    assert rows[0].kind == "LinearGeneral, stacked x2"
     assert rows[-1].kind == "Linear"  # the head
     result = train(small, "fp8_delayed", steps=2)
     assert math.isfinite(result.train_loss)
