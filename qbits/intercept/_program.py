@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from qbits._errors import InvalidArgumentError
 from qbits._jaxpr import scan_counts
 
 __all__ = ["Program", "Site", "trace"]
@@ -389,7 +390,21 @@ def trace(
     Array leaves of the arguments are traced; other leaves (Python numbers,
     strings, flags) stay static, as in a direct call. Leaves of
     ``args[params_argnum]`` are the parameters that name the sites.
+
+    Raises:
+      InvalidArgumentError: When ``params_argnum`` names no positional
+        argument.
     """
+    if params_argnum is not None and not (
+        isinstance(params_argnum, int) and 0 <= params_argnum < len(args)
+    ):
+        raise InvalidArgumentError(
+            "qbits.quantize",
+            "params_argnum",
+            params_argnum,
+            f"the index of the positional argument holding the parameters "
+            f"(0..{len(args) - 1} for this call), or None",
+        )
     leaves_with_path, in_tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
     leaves = [leaf for _, leaf in leaves_with_path]
     dynamic = tuple(_is_array(x) for x in leaves)

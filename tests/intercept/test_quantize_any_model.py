@@ -319,6 +319,8 @@ def test_errors_name_the_matmul_and_the_fix():
         qbits.quantize(model.apply, "no_such_preset")
     with pytest.raises(qbits.InvalidArgumentError, match="fn"):
         qbits.quantize("not a function", "int8")
+    with pytest.raises(qbits.InvalidArgumentError, match="params_argnum=2"):
+        qbits.quantize(model.apply, "int8_fwd", params_argnum=2)(variables, tokens)
 
 
 def test_unused_rules_say_whether_the_module_exists():
@@ -414,3 +416,17 @@ def test_scale_state_inside_cond_is_refused():
     w, x = jnp.eye(4), jnp.ones((2, 4))
     with pytest.raises(qbits.InvalidArgumentError, match="inside a cond body"):
         qbits.init_state(fn, "fp8_delayed", w, x)
+
+
+def test_vmap_jit_and_host_callbacks_pass_through():
+    def fn(params, x):
+        jax.debug.callback(lambda v: None, x.sum())
+        return jnp.tanh(x @ params["w"])
+
+    params = {"w": jax.random.normal(jax.random.key(0), (8, 4))}
+    xs = jax.random.normal(jax.random.key(1), (5, 3, 8))
+    qfn = qbits.quantize(fn, "int8_fwd")
+    batched = jax.jit(jax.vmap(qfn, in_axes=(None, 0)))(params, xs)
+    one_by_one = jnp.stack([qfn(params, x) for x in xs])
+    np.testing.assert_allclose(batched, one_by_one, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(batched, jax.vmap(fn, (None, 0))(params, xs), atol=0.05)
