@@ -20,6 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from qbits import ops
@@ -40,6 +42,9 @@ class _Plan:
     def __init__(self, program: Program, rules: QuantConfig, owner: str):
         self.configs: dict[Ctx, tuple[Any, int]] = {}
         self.state_keys: dict[Ctx, str] = {}  # sites with scale state: its name
+        # dot_general sites whose weight is the lhs operand: run with the
+        # operands swapped so that the weight gets the config's rhs side.
+        self.swapped: set[Ctx] = set()
         self.holds: set[Ctx] = set()  # bodies holding a quantized site
         self.needs_key: list[str] = []
         for index, site in enumerate(program.sites):
@@ -65,6 +70,8 @@ class _Plan:
                     name = f"{site.path}#{n}"
                 self.state_keys[site.ctx] = name
             self.configs[site.ctx] = (config, index)
+            if site.primitive == "dot_general" and site.lhs and not site.rhs:
+                self.swapped.add(site.ctx)
             if config.needs_key:
                 self.needs_key.append(site.path)
             for n in range(1, len(site.ctx)):
@@ -163,12 +170,18 @@ class _Runner:
         p = dict(eqn.params)
         state_name = self.plan.state_keys.get(here)
         kwargs: dict[str, Any] = {}
+        swap = here in self.plan.swapped
         if eqn.primitive.name == "dot_general":
             op = ops.dot_general(config, site_key)
-            args = (invals[0], invals[1], p["dimension_numbers"], p.get("precision"),
-                    p.get("preferred_element_type"))  # fmt: skip
-            if p.get("out_sharding") is not None:
-                kwargs["out_sharding"] = p["out_sharding"]
+            lhs, rhs = invals[0], invals[1]
+            dn, precision = p["dimension_numbers"], p.get("precision")
+            out_sharding = p.get("out_sharding")
+            if swap:
+                lhs, rhs, dn, precision, perm = _swapped(lhs, rhs, dn, precision)
+                out_sharding = _permuted_sharding(out_sharding, perm)
+            args = (lhs, rhs, dn, precision, p.get("preferred_element_type"))
+            if out_sharding is not None:
+                kwargs["out_sharding"] = out_sharding
         else:
             op = ops.conv_general_dilated(config, site_key)
             args = (
@@ -179,10 +192,13 @@ class _Runner:
             )  # fmt: skip
         if state_name is not None:
             if frame.collect is not None:  # initialising: float forward
-                frame.collect[state_name] = op.init_state(*args)
+                frame.collect[state_name] = op.init_state(*args[:5])
                 return bind(eqn, invals)
             kwargs["state"] = frame.states[state_name]
-        return op(*args, **kwargs)
+        out = op(*args, **kwargs)
+        if swap:  # back to the equation's own output layout
+            out = jnp.transpose(out, np.argsort(perm))
+        return out
 
     def _body(self, eqn: Any, invals: list[Any], here: Ctx, frame: _Frame) -> list:
         name, p = eqn.primitive.name, eqn.params
@@ -266,6 +282,36 @@ class _Runner:
             cond_fn, body_fn, (jax.numpy.int32(0), invals[nc + nb :])
         )
         return list(out)
+
+
+def _swapped(lhs: Any, rhs: Any, dn: Any, precision: Any) -> tuple:
+    """``rhs . lhs`` for ``lhs . rhs``: swapped operands and dimension numbers.
+
+    Returns the new operands, dimension numbers and precision, and the
+    permutation that the swapped product's axes are of the original output's
+    (batch axes, then rhs free axes, then lhs free axes).
+    """
+    (lc, rc), (lb, rb) = dn
+    nb = len(lb)
+    nl = jnp.ndim(lhs) - len(lc) - nb
+    nr = jnp.ndim(rhs) - len(rc) - nb
+    if isinstance(precision, tuple):
+        precision = precision[::-1]
+    # swapped output axis k holds original output axis perm[k]
+    perm = [*range(nb), *range(nb + nl, nb + nl + nr), *range(nb, nb + nl)]
+    return rhs, lhs, ((rc, lc), (rb, lb)), precision, perm
+
+
+def _permuted_sharding(sharding: Any, perm: list[int]) -> Any:
+    """An output sharding for the swapped product (``None`` stays ``None``)."""
+    if sharding is None:
+        return None
+    spec = getattr(sharding, "spec", sharding)
+    entries = list(spec) + [None] * (len(perm) - len(spec))
+    new = jax.sharding.PartitionSpec(*(entries[i] for i in perm))
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, new)
+    return new
 
 
 def bind_closed(closed: Any, args: list[Any]) -> list[Any]:
