@@ -103,7 +103,6 @@ def _table(program: Program, rules: QuantConfig) -> LayerTable:
         resolution = rules.resolve(site.path)
         explicit = bool(site.frozen)
         rows.append(LayerRow(site.path, kind, resolution, explicit, site.operands))
-    base = rules.table([])
     used = {row.resolution.rule for row in rows if not row.explicit}
     unused = tuple(i for i in range(len(rules.rules)) if i not in used)
     idle = {
@@ -111,7 +110,10 @@ def _table(program: Program, rules: QuantConfig) -> LayerTable:
         for i in unused
     }
     return LayerTable(
-        rows, unused, base.patterns, idle={i: p for i, p in idle.items() if p}
+        rows,
+        unused,
+        tuple(r.pattern for r in rules.rules),
+        idle={i: p for i, p in idle.items() if p},
     )
 
 
@@ -245,7 +247,7 @@ class _Runner:
 
         def step(carry: list[Any], x: tuple[Any, list[Any], dict]) -> Any:
             it, x_slice, state_slice = x
-            key = None if frame.key is None else jax.random.fold_in(frame.key, it)
+            key = _iteration_key(frame.key, it)
             inner = frame.with_(key=key, states={**frame.states, **state_slice},
                                 collect={} if initialising else None)  # fmt: skip
             out = self.run(body.jaxpr, body.consts, [*consts, *carry, *x_slice],
@@ -272,7 +274,7 @@ class _Runner:
 
         def body_fn(c: tuple[Any, list[Any]]) -> Any:
             it, carry = c
-            key = None if frame.key is None else jax.random.fold_in(frame.key, it)
+            key = _iteration_key(frame.key, it)
             inner = frame.with_(key=key)
             out = self.run(body.jaxpr, body.consts, [*body_consts, *carry], here,
                            inner)  # fmt: skip
@@ -312,6 +314,11 @@ def _permuted_sharding(sharding: Any, perm: list[int]) -> Any:
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, new)
     return new
+
+
+def _iteration_key(key: Any, iteration: Any) -> Any:
+    """The key stream of one loop iteration (``None`` stays ``None``)."""
+    return None if key is None else jax.random.fold_in(key, iteration)
 
 
 def bind_closed(closed: Any, args: list[Any]) -> list[Any]:
