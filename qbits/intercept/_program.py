@@ -62,9 +62,15 @@ Ctx = tuple[int, ...]
 
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    """A parameter feeding an operand, by its path."""
+    """A parameter feeding an operand.
+
+    Attributes:
+      path: Its module path for the rules (``('blocks_0', 'mlp', 'w_in')``).
+      keys: Its key path inside the parameters argument (to find the leaf).
+    """
 
     path: tuple[str, ...]
+    keys: tuple[Any, ...] = dataclasses.field(default=(), compare=False)
 
 
 @dataclasses.dataclass
@@ -82,7 +88,7 @@ class Site:
 
     Attributes:
       ctx: Where the equation is: equation indices from the outermost jaxpr
-        down through the bodies that hold it.
+        down through the bodies that hold it (and a ``cond``'s branch index).
       primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
       operands: The operand types, e.g. ``"f32[8,16] x f32[16,32]"``.
       lhs, rhs: The parameters feeding each operand (empty: activation).
@@ -94,6 +100,7 @@ class Site:
         over stacked layers runs each of its matmuls once per layer).
       control: ``"cond"`` or ``"while"`` when the site runs in such a body
         (where scale state cannot be carried), else ``""``.
+      contracting: The contracting axes of each operand (``dot_general``).
       path: The site's name for the rules (set by :meth:`Program.name_sites`).
     """
 
@@ -107,6 +114,7 @@ class Site:
     frozen: str
     loops: tuple[int, ...] = ()
     control: str = ""
+    contracting: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     path: str = ""
 
     @property
@@ -134,6 +142,8 @@ class Program:
       in_tree: The tree of ``(args, kwargs)``.
       out_tree: The tree of the output.
       statics: The non-array leaves, kept as given.
+      escaped: The parameters that something other than a matmul operand
+        reads (an embedding lookup, an addition, an output of the function).
     """
 
     closed: Any
@@ -143,6 +153,7 @@ class Program:
     in_tree: Any
     out_tree: Any
     statics: tuple[Any, ...]
+    escaped: frozenset[Weight] = frozenset()
 
     def name_sites(self) -> None:
         """Gives every site its rule path (module path, or module/parameter)."""
@@ -235,6 +246,14 @@ class _Walker:
         # Inside a custom-gradient body, the weights its call was given: the
         # body quantizes them before multiplying, which hides their paths.
         self.region: frozenset[Weight] = frozenset()
+        # Parameters read by anything but a matmul operand (or a move).
+        self.escaped: set[Weight] = set()
+
+    def lose(self, values: Sequence[_Value]) -> _Value:
+        """The union of values whose parameters are read as activations."""
+        for v in values:
+            self.escaped.update(v.weights)
+        return _union(list(values))
 
     def walk(
         self,
@@ -299,6 +318,11 @@ class _Walker:
                 frozen=frozen,
                 loops=loops,
                 control=control,
+                contracting=(
+                    tuple(eqn.params["dimension_numbers"][0])
+                    if name == "dot_general"
+                    else ((), ())
+                ),
             )
             self.sites.append(site)
             weights = rhs.weights or lhs.weights
@@ -321,13 +345,15 @@ class _Walker:
         if name == "scan":
             return self._scan(eqn, ins, here, frozen, stack, loops, control)
         if name == "cond":
-            for b in eqn.params["branches"]:
-                self.walk(b.jaxpr, ins[1:], here, frozen, stack, loops, "cond")
-            return [_union(ins[1:])] * n_out
+            for j, b in enumerate(eqn.params["branches"]):
+                self.walk(b.jaxpr, ins[1:], (*here, j), frozen, stack, loops,
+                          "cond")  # fmt: skip
+            return [self.lose(ins[1:])] * n_out
         if name == "while":
             p = eqn.params
             nc, nb = p["cond_nconsts"], p["body_nconsts"]
-            carry = [_union([v]) for v in ins[nc + nb :]]
+            self.lose(ins[:nc])
+            carry = [self.lose([v]) for v in ins[nc + nb :]]
             self.walk(p["body_jaxpr"].jaxpr, ins[nc : nc + nb] + carry, here,
                       frozen, stack, loops, "while")  # fmt: skip
             return [_union(ins[nc + nb :])] * n_out
@@ -344,7 +370,7 @@ class _Walker:
                     self.walk(sub, [_ACTIVATION] * len(sub.invars), here, why, stack,
                               loops, control)  # fmt: skip
             self.region = outer
-        return [_union(ins)] * n_out
+        return [self.lose(ins)] * n_out
 
     def _scan(
         self,
@@ -359,11 +385,11 @@ class _Walker:
         p = eqn.params
         n_consts, n_carry = scan_counts(p)
         length = int(p["length"])
-        carry = [_union([v]) for v in ins[n_consts : n_consts + n_carry]]
+        carry = [self.lose([v]) for v in ins[n_consts : n_consts + n_carry]]
         inputs = ins[:n_consts] + carry + ins[n_consts + n_carry :]
         outs = self.walk(p["jaxpr"].jaxpr, inputs, here, frozen, stack,
                          (*loops, length), control)  # fmt: skip
-        return [_union([v]) for v in outs]
+        return [self.lose([v]) for v in outs]
 
 
 def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:
@@ -423,7 +449,7 @@ def trace(
         if is_param:
             path = param_path(keypath[2:])
             params.append("/".join(path[:-1]))
-            inputs.append(_Value(frozenset((Weight(path),))))
+            inputs.append(_Value(frozenset((Weight(path, tuple(keypath[2:])),))))
         else:
             inputs.append(_ACTIVATION)
 
@@ -434,7 +460,7 @@ def trace(
     specs = [x for x, d in zip(leaves, dynamic, strict=True) if d]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*specs)
     walker = _Walker()
-    walker.walk(closed.jaxpr, inputs, (), "", "")
+    walker.lose(walker.walk(closed.jaxpr, inputs, (), "", ""))
     program = Program(
         closed=closed,
         sites=walker.sites,
@@ -443,6 +469,7 @@ def trace(
         in_tree=in_tree,
         out_tree=jax.tree.structure(out_shape),
         statics=statics,
+        escaped=frozenset(walker.escaped),
     )
     program.name_sites()
     return program

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -25,11 +25,12 @@ import numpy as np
 from jax import lax
 
 from qbits import ops
-from qbits._errors import InvalidArgumentError
+from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._jaxpr import bind, scan_counts
 from qbits.config import LayerRow, LayerTable, QuantConfig, as_quant_config
 from qbits.intercept._program import Ctx, Program, trace
-from qbits.numerics import derive_key
+from qbits.numerics import NoNumerics, derive_key
+from qbits.tensor import QTensor
 
 __all__ = ["init_state", "layer_table", "quantize"]
 
@@ -39,9 +40,16 @@ _OWNER = "qbits.quantize"
 class _Plan:
     """Which sites run quantized, with which config, key stream and state."""
 
-    def __init__(self, program: Program, rules: QuantConfig, owner: str):
+    def __init__(
+        self, program: Program, rules: QuantConfig, owner: str, store: bool = False
+    ):
         self.configs: dict[Ctx, tuple[Any, int]] = {}
-        self.state_keys: dict[Ctx, str] = {}  # sites with scale state: its name
+        # Sites with per-site data (scale state or a stored weight): its name.
+        self.slots: dict[Ctx, str] = {}
+        self.state_keys: dict[Ctx, str] = {}  # sites with scale state
+        # ``store``: weight matmuls whose forward quantizes the weight run on
+        # a stored (already quantized) weight, forward only (serving).
+        self.stored: dict[Ctx, str] = {}
         # dot_general sites whose weight is the lhs operand: run with the
         # operands swapped so that the weight gets the config's rhs side.
         self.swapped: set[Ctx] = set()
@@ -51,7 +59,19 @@ class _Plan:
             config = rules.resolve(site.path).config
             if config is None or site.frozen or config.is_identity:
                 continue
-            if ops.needs_state(config):
+            if store and _stores(config, site):
+                if ops.needs_state(config) or config.fwd.needs_key:
+                    what = ("rounds stochastically" if config.fwd.needs_key
+                            else "takes its scales from state")  # fmt: skip
+                    raise ConfigError(
+                        f"{rules.resolve(site.path).where}.fwd",
+                        f"a forward matmul that {what}",
+                        "a forward matmul that computes its scales and rounds "
+                        "to nearest (serving is deterministic and stateless)",
+                        why=f"matmul {site.path!r}, in {owner}",
+                    )
+                self.stored[site.ctx] = self._name(site)
+            elif ops.needs_state(config):
                 if site.control:
                     raise InvalidArgumentError(
                         owner,
@@ -63,12 +83,7 @@ class _Plan:
                         f"{site.control} (an untaken branch or a repeated "
                         "iteration would overwrite it)",
                     )
-                name = site.path
-                n = 1
-                while name in self.state_keys.values():
-                    n += 1
-                    name = f"{site.path}#{n}"
-                self.state_keys[site.ctx] = name
+                self.state_keys[site.ctx] = self._name(site)
             self.configs[site.ctx] = (config, index)
             if site.primitive == "dot_general" and site.lhs and not site.rhs:
                 self.swapped.add(site.ctx)
@@ -77,13 +92,29 @@ class _Plan:
             for n in range(1, len(site.ctx)):
                 self.holds.add(site.ctx[:n])
 
-    def states_under(self, ctx: Ctx) -> list[str]:
-        """The state names of the sites inside the body at ``ctx``."""
+    def _name(self, site: Any) -> str:
+        """A unique name for a site's data: its path, then ``path#2``..."""
+        name, n = site.path, 1
+        while name in self.slots.values():
+            n += 1
+            name = f"{site.path}#{n}"
+        self.slots[site.ctx] = name
+        return name
+
+    def slots_under(self, ctx: Ctx) -> list[str]:
+        """The data names of the sites inside the body at ``ctx``."""
         return [
             name
-            for site, name in self.state_keys.items()
+            for site, name in self.slots.items()
             if len(site) > len(ctx) and site[: len(ctx)] == ctx
         ]
+
+
+def _stores(config: Any, site: Any) -> bool:
+    """Whether serving stores this site's weight (a quantized weight operand)."""
+    if site.primitive != "dot_general" or not (site.rhs or site.lhs):
+        return False
+    return not isinstance(config.fwd.rhs.numerics, NoNumerics)
 
 
 def _table(program: Program, rules: QuantConfig) -> LayerTable:
@@ -192,12 +223,28 @@ class _Runner:
                 p["feature_group_count"], p["batch_group_count"], p.get("precision"),
                 p.get("preferred_element_type"),
             )  # fmt: skip
-        if state_name is not None:
-            if frame.collect is not None:  # initialising: float forward
-                frame.collect[state_name] = op.init_state(*args[:5])
+        stored_name = self.plan.stored.get(here)
+        if stored_name is not None:
+            dims = ops.Dims.create(args[2], jnp.ndim(args[0]), jnp.ndim(args[1]))
+            if frame.collect is not None:  # storing: the forward's rhs, once
+                weight = jnp.asarray(args[1])
+                frame.collect[stored_name] = ops.store_weight(
+                    weight, config.fwd, dims.rhs_contract
+                )
                 return bind(eqn, invals)
-            kwargs["state"] = frame.states[state_name]
-        out = op(*args, **kwargs)
+            qt = frame.states[stored_name].replace(dtype=np.dtype(args[1].dtype))
+            out = ops.stored_matmul(
+                args[0], qt, dims, config.fwd, precision=_tuple(args[3]),
+                preferred_element_type=args[4], **kwargs,
+            )  # fmt: skip
+        elif state_name is not None and frame.collect is not None:
+            # initialising: the state from the actual operands, float forward
+            frame.collect[state_name] = op.init_state(*args[:5])
+            return bind(eqn, invals)
+        else:
+            if state_name is not None:
+                kwargs["state"] = frame.states[state_name]
+            out = op(*args, **kwargs)
         if swap:  # back to the equation's own output layout
             out = jnp.transpose(out, np.argsort(perm))
         return out
@@ -220,10 +267,11 @@ class _Runner:
         if name == "cond":
             branches = [
                 functools.partial(
-                    lambda b, *a: run(b.jaxpr, b.consts, list(a), here, frame), b
+                    lambda j, b, *a: run(b.jaxpr, b.consts, list(a), (*here, j),
+                                         frame), j, b,
                 )
-                for b in p["branches"]
-            ]
+                for j, b in enumerate(p["branches"])
+            ]  # fmt: skip
             return list(lax.switch(invals[0], branches, *invals[1:]))
         if name == "scan":
             return self._scan(eqn, invals, here, frame)
@@ -241,7 +289,7 @@ class _Runner:
         length = int(p["length"])
         # The state of the sites inside is stacked along the scan: one slice
         # per iteration (per layer, for a scan over stacked layers).
-        names = self.plan.states_under(here)
+        names = self.plan.slots_under(here)
         initialising = frame.collect is not None
         stacked = {} if initialising else {n: frame.states[n] for n in names}
 
@@ -316,6 +364,10 @@ def _permuted_sharding(sharding: Any, perm: list[int]) -> Any:
     return new
 
 
+def _tuple(precision: Any) -> Any:
+    return tuple(precision) if isinstance(precision, list) else precision
+
+
 def _iteration_key(key: Any, iteration: Any) -> Any:
     """The key stream of one loop iteration (``None`` stays ``None``)."""
     return None if key is None else jax.random.fold_in(key, iteration)
@@ -343,6 +395,7 @@ def quantize(
     key: jax.Array | None = None,
     *,
     state: dict[str, dict[str, jax.Array]] | None = None,
+    stored: Mapping[str, QTensor] | None = None,
     params_argnum: int | None = 0,
 ) -> Callable[..., Any]:
     """Quantizes every matmul ``fn`` computes, by per-layer rules.
@@ -376,6 +429,12 @@ def quantize(
         scan for matmuls inside one. As with the layer wrappers, the new
         state is the gradient of ``state`` (``jax.grad`` with respect to
         it): call ``quantize`` inside the differentiated function.
+      stored: Serving: the weights of the weight matmuls whose forward
+        quantizes the weight, already quantized (from
+        :func:`store_weights`, ``{matmul path: QTensor}``). Those matmuls
+        run forward only on them and ignore the float parameter (whose
+        value may then be anything of its shape, e.g. zeros); the output
+        equals the quantized forward on the float weights bit for bit.
       params_argnum: Which positional argument holds the parameters
         (``None``: no argument names sites; weight matmuls are then named
         like activation ones).
@@ -386,8 +445,10 @@ def quantize(
 
     Raises:
       InvalidArgumentError: For a bad ``config``, a missing ``key``, a
-        missing or mismatched ``state``, or scale state inside a ``cond`` or
-        ``while`` body, naming the matmul's path.
+        missing or mismatched ``state`` or ``stored``, or scale state inside
+        a ``cond`` or ``while`` body, naming the matmul's path.
+      ConfigError: With ``stored``, for a weight matmul whose forward keeps
+        scale state or rounds stochastically (serving is neither).
 
     Example:
       >>> def mlp(params, x):
@@ -407,11 +468,18 @@ def quantize(
     @functools.wraps(fn)
     def quantized(*args: Any, **kwargs: Any) -> Any:
         program = trace(fn, args, kwargs, params_argnum)
-        plan = _Plan(program, quant, _OWNER)
+        plan = _Plan(program, quant, _OWNER, store=stored is not None)
         _check_key(key, plan, _OWNER)
         _check_state(state, plan)
+        if stored is not None:
+            _check_names("stored", stored, plan.stored.values(),
+                         "stored with this config: qbits.serving.convert or "
+                         "qbits.intercept.store_weights",
+                         "their forward configs quantize a weight: a missing "
+                         "one was stored float (converted with another "
+                         "config?)")  # fmt: skip
         _table(program, quant).warn_unused()
-        frame = _Frame(key, dict(state or {}))
+        frame = _Frame(key, {**(state or {}), **(stored or {})})
         out = _run(program, plan, frame, args, kwargs)
         return jax.tree.unflatten(program.out_tree, out)
 
@@ -426,28 +494,33 @@ def _run(program: Program, plan: _Plan, frame: _Frame, args: Any, kwargs: Any):
 
 
 def _check_state(state: Any, plan: _Plan) -> None:
-    want = sorted(plan.state_keys.values())
-    if not want and state is None:
+    if not plan.state_keys and state is None:
         return
-    have = sorted(state) if isinstance(state, dict) else None
-    if have != want:
-        listed = ", ".join(want[:4]) + (
-            f" and {len(want) - 4} more" if len(want) > 4 else ""
-        )
-        if have is not None:
-            missing = [n for n in want if n not in have][:3]
-            extra = [n for n in have if n not in want][:3]
-            state = f"a state missing {missing}, with {extra} extra"
-        raise InvalidArgumentError(
-            _OWNER,
-            "state",
-            state,
-            f"the state of exactly the matmuls {listed} "
-            "(qbits.init_state(fn, config, *args) makes it)",
-            why="their configs take their scales from state"
-            if want
-            else "no matmul's config takes its scales from state",
-        )
+    _check_names("state", state, plan.state_keys.values(),
+                 "qbits.init_state(fn, config, *args) makes it",
+                 "their configs take their scales from state")  # fmt: skip
+
+
+def _check_names(arg: str, given: Any, names: Any, fix: str, why: str) -> None:
+    """Raises unless ``given`` is a mapping with exactly these matmul names."""
+    want = sorted(names)
+    have = sorted(given) if isinstance(given, Mapping) else None
+    if have == want:
+        return
+    listed = ", ".join(want[:4]) + (
+        f" and {len(want) - 4} more" if len(want) > 4 else ""
+    )
+    if have is not None:
+        missing = [n for n in want if n not in have][:3]
+        extra = [n for n in have if n not in want][:3]
+        given = f"a mapping missing {missing}, with {extra} extra"
+    raise InvalidArgumentError(
+        _OWNER,
+        arg,
+        given,
+        f"the {arg} of exactly the matmuls {listed} ({fix})",
+        why=why if want else f"no matmul needs it ({why})",
+    )
 
 
 def init_state(

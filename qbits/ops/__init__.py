@@ -11,7 +11,7 @@ from qbits.ops._dims import Dims
 from qbits.ops._dot_general import DotGeneral, dot_general
 from qbits.ops._einsum import Einsum, einsum
 from qbits.ops._hlo import Gemm, dot_dtypes, gemms, jaxpr_dot_dtypes
-from qbits.ops._matmul import quantize_operand, stored_matmul
+from qbits.ops._matmul import quantize_operand, store_weight, stored_matmul
 from qbits.ops._state import (
     check_providers,
     combine_state,
@@ -42,5 +42,6 @@ __all__ = [
     "per_tensor_state",
     "quantize_operand",
     "state_kinds",
+    "store_weight",
     "stored_matmul",
 ]

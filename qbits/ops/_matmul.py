@@ -21,6 +21,7 @@ Integer operands and XLA:CPU
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from qbits._quantizer import Quantizer
 from qbits.numerics import IntNumerics
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes, Dims
-from qbits.tensor import QTensor, expand_scale
+from qbits.tensor import PACKABLE_DTYPES, QTensor, expand_scale
 
 __all__ = [
     "code_bound",
@@ -45,6 +46,7 @@ __all__ = [
     "fold_scale_into_lhs",
     "quantize_operand",
     "result_dtype",
+    "store_weight",
     "stored_matmul",
     "stored_rhs",
 ]
@@ -98,6 +100,39 @@ def quantize_operand(
     return quantizer.quant_vjp(
         x, Context(key), store=store, contracting_axes=contracting, scale=scale
     )
+
+
+def store_weight(weight: jax.Array, cfg: MatmulConfig, contracting: Any) -> QTensor:
+    """The stored form of a weight, as the forward matmul quantizes it.
+
+    Exactly what the forward matmul does to its float rhs in real mode
+    (``cfg.rhs`` along the contracting axes), in the storage dtype; 4-bit
+    values are packed two per byte along the last axis. What
+    :func:`stored_matmul` takes as its ``rhs``.
+
+    Args:
+      weight: The float weight, in the dtype and layout the matmul sees it.
+      cfg: The matmul's forward config.
+      contracting: The weight axes the matmul contracts.
+
+    Returns:
+      A :class:`~qbits.QTensor` in the storage dtype.
+
+    Example:
+      >>> cfg = qbits.presets.get("w4a8").fwd
+      >>> qt = qbits.ops.store_weight(jnp.ones((8, 3)), cfg, (0,))
+      >>> qt.qvalue.dtype, qt.qvalue.shape, qt.shape
+      (dtype('uint8'), (8, 2), (8, 3))
+    """
+    return _store(weight, cfg, tuple(int(a) for a in contracting))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _store(weight: jax.Array, cfg: MatmulConfig, contracting: tuple[int, ...]):
+    qt, _ = quantize_operand(cfg.rhs, weight, contracting, None, store=True)
+    if np.dtype(qt.qvalue.dtype) in PACKABLE_DTYPES:
+        qt = qt.pack(axis=-1)
+    return qt
 
 
 def stored_matmul(

@@ -11,8 +11,9 @@ with Orbax (checking the config); :func:`size_report` counts the bytes.
 from qbits.serving._checkpoint import restore, save
 from qbits.serving._convert import convert
 from qbits.serving._layout import LayerInfo
-from qbits.serving._linen import Served, ServingParams, serve
+from qbits.serving._linen import Served, serve
 from qbits.serving._nnx import KernelPlaceholder, ServedDotGeneral, StoredWeight
+from qbits.serving._params import ServingParams
 from qbits.serving._report import LayerSize, SizeReport, size_report
 
 __all__ = [

@@ -28,8 +28,8 @@ import numpy as np
 from qbits._errors import ConfigError, InvalidArgumentError, check_bool
 from qbits.serving import _integrity as integrity
 from qbits.serving._layout import LayerInfo
-from qbits.serving._linen import ServingParams
 from qbits.serving._nnx import KernelPlaceholder, served_layers
+from qbits.serving._params import ServingParams
 
 __all__ = ["restore", "save"]
 
@@ -121,8 +121,8 @@ def save(directory: str | os.PathLike[str], serving: Any, *, force: bool = False
       >>> path = tempfile.mkdtemp() + "/ckpt"
       >>> qbits.serving.save(path, sp)
       >>> back = qbits.serving.restore(path, sp)
-      >>> bool((back.variables["qbits_serving"]["qvalue"]
-      ...       == sp.variables["qbits_serving"]["qvalue"]).all())
+      >>> bool((back.variables["qbits_serving"]["kernel"]["qvalue"]
+      ...       == sp.variables["qbits_serving"]["kernel"]["qvalue"]).all())
       True
     """
     owner = "qbits.serving.save"

@@ -12,7 +12,6 @@ layer's forward config, as static metadata next to the arrays.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from typing import Any
 
@@ -23,8 +22,8 @@ import numpy as np
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits.config import QuantConfig, Rule, presets, to_dict
 from qbits.numerics import NoNumerics
-from qbits.ops import DotGeneralConfig, MatmulConfig, quantize_operand
-from qbits.tensor import PACKABLE_DTYPES, QTensor, storage_dtype
+from qbits.ops import DotGeneralConfig, MatmulConfig
+from qbits.tensor import QTensor, storage_dtype
 
 __all__ = [
     "LayerInfo",
@@ -32,7 +31,7 @@ __all__ = [
     "check_stored",
     "fingerprint",
     "forward_only",
-    "store_weight",
+    "rule_path",
 ]
 
 # Name of the linen variable collection that holds the stored weights.
@@ -44,16 +43,25 @@ class LayerInfo:
     """One served layer: where it is and how its weight is stored.
 
     Attributes:
-      path: The layer's module path (``"block_0/mlp/fc1"``).
-      kind: The Flax class (``"Dense"``, ``"DenseGeneral"``, ``"Linear"``,
-        ``"LinearGeneral"``).
-      shape: Shape of the float weight (the kernel).
-      dtype: The kernel's float dtype as the layer's matmul sees it.
-      contracting: The kernel axes the matmul contracts.
+      path: The matmul's path (``"block_0/mlp/fc1"``, as in
+        :func:`qbits.layer_table`).
+      kind: What it is: the matmul's kind (``"dot_general (activation x
+        weight)"``, ``"einsum (...)"``) or, for nnx layers, the Flax class
+        (``"Linear"``, ``"LinearGeneral"``).
+      shape: Shape of the weight as the matmul sees it (after the model's
+        own reshapes and transposes), scanned layers stacked first.
+      dtype: Its float dtype as the matmul sees it.
+      contracting: The weight axes the matmul contracts (of one layer).
       qdtype: The stored format (``int8``, ``int4``, ``float8_e4m3fn``).
       packed: Whether 4-bit values are packed two per byte (last axis).
       config: The layer's forward matmul config, as canonical JSON.
       name: The preset the config came from, or ``""``.
+      param: The float parameter the stored weight replaces, as a path into
+        the variables (``"params/block_0/mlp/fc1/kernel"``), or ``""`` where
+        the float parameter is kept (something else reads it too, e.g. the
+        lookup of a tied embedding).
+      param_shape: That parameter's shape.
+      param_dtype: That parameter's dtype.
 
     Example:
       >>> import flax.linen as nn
@@ -61,7 +69,7 @@ class LayerInfo:
       >>> params = nn.Dense(4).init(jax.random.key(0), x)
       >>> info = qbits.serving.convert(nn.Dense(4), "w4a8", params, x).layers[0]
       >>> info.kind, info.shape, info.qdtype, info.packed, info.describe()
-      ('Dense', (8, 4), 'int4', True, 'w4a8')
+      ('dot_general (activation x weight)', (8, 4), 'int4', True, 'w4a8')
     """
 
     path: str
@@ -73,6 +81,9 @@ class LayerInfo:
     packed: bool
     config: str
     name: str = ""
+    param: str = ""
+    param_shape: tuple[int, ...] = ()
+    param_dtype: str = ""
 
     def describe(self) -> str:
         """The config, short: the preset name or the forward quantizers."""
@@ -83,15 +94,16 @@ class LayerInfo:
     def as_dict(self) -> dict[str, Any]:
         """Plain data (for the checkpoint's metadata)."""
         d = dataclasses.asdict(self)
-        d["shape"], d["contracting"] = list(self.shape), list(self.contracting)
+        for key in ("shape", "contracting", "param_shape"):
+            d[key] = list(d[key])
         return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerInfo:
         """Inverse of :meth:`as_dict`."""
         data = dict(data)
-        data["shape"] = tuple(data["shape"])
-        data["contracting"] = tuple(data["contracting"])
+        for key in ("shape", "contracting", "param_shape"):
+            data[key] = tuple(data.get(key, ()))
         return cls(**data)
 
 
@@ -150,30 +162,6 @@ def check_servable(owner: str, path: str, cfg: MatmulConfig, where: str) -> None
             "a forward matmul without noise_fn (serving is deterministic)",
             why=f"layer {path!r}, in {owner}",
         )
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _store(kernel: jax.Array, cfg: MatmulConfig, contracting: tuple[int, ...]):
-    # Exactly what the forward matmul does to its float rhs in real mode.
-    qt, _ = quantize_operand(cfg.rhs, kernel, contracting, None, store=True)
-    if np.dtype(qt.qvalue.dtype) in PACKABLE_DTYPES:
-        qt = qt.pack(axis=-1)
-    return qt
-
-
-def store_weight(kernel: jax.Array, cfg: MatmulConfig, contracting: Any) -> QTensor:
-    """The stored QTensor of a float kernel, as the forward matmul quantizes it.
-
-    Args:
-      kernel: The float kernel (already in the dtype the matmul sees).
-      cfg: The layer's forward matmul config.
-      contracting: The kernel axes the matmul contracts.
-
-    Returns:
-      A :class:`~qbits.QTensor` in the storage dtype; 4-bit values packed
-      two per byte along the last axis.
-    """
-    return _store(kernel, cfg, tuple(int(a) for a in contracting))
 
 
 def stored_qtensor(info: LayerInfo, qvalue: jax.Array, scale: jax.Array) -> QTensor:
@@ -242,11 +230,11 @@ def check_layers(
       source: The checkpoint directory, if any.
     """
     for info in layers:
-        res = config.resolve(info.path)
+        res = config.resolve(rule_path(info.path))
         if stores_weight(res.config) and fingerprint(res.config.fwd) == info.config:
             continue
         if stores_weight(res.config):
-            expected = original.resolve(info.path).name or describe_matmul(
+            expected = original.resolve(rule_path(info.path)).name or describe_matmul(
                 fingerprint_dict(res)
             )
         else:
@@ -260,6 +248,11 @@ def check_layers(
             "with the config they were converted with",
             source=source,
         )
+
+
+def rule_path(path: str) -> str:
+    """The path the rules match: ``"mlp/fc1"`` for the second use ``"mlp/fc1#2"``."""
+    return path.split("#", 1)[0]
 
 
 def _show(path: str) -> str:

@@ -1,111 +1,29 @@
-"""Serving Flax linen models from stored low-precision weights.
+"""Serving Flax linen models (and plain functions) from stored weights.
 
-:func:`~qbits.serving._linen_convert.convert_linen` turns a model's float variables into
-:class:`ServingParams`: every ``nn.Dense`` / ``nn.DenseGeneral`` whose
-forward config quantizes the weight loses its float ``kernel`` (from the
-``params`` collection) and gets, in the ``qbits_serving`` collection at the
-same module path, ``qvalue`` (int8, packed int4 in uint8, fp8) and
-``scale``. Everything else (biases, norms, embeddings, float layers) is
-unchanged. The layout of every stored layer, and its forward config, ride
-along as static metadata (:class:`~qbits.serving.LayerInfo`), also under
-``jax.jit``.
-
-:func:`serve` wraps the model like :func:`qbits.flax.quantize` does: while it
-runs, an interceptor computes each stored layer as flax's own ``__call__``
-does (parameters, dtype promotion, bias), with the float weight replaced by
-the stored QTensor in the very matmul the training forward pass uses
-(:func:`qbits.ops._matmul.matmul` with an already-quantized rhs). Every other
-quantizable layer (Conv, Einsum, attention einsums, layers whose weight
-stays float) runs exactly as in :func:`qbits.flax.quantize`.
+A linen model is served as its ``apply`` function is:
+:func:`~qbits.serving._params.convert_params` stores the weights of every
+matmul of ``model.apply`` whose forward config quantizes its weight, and
+:class:`Served` runs ``model.apply`` on them. The rules, paths and numbers
+are :func:`qbits.quantize`'s: a served model equals ``qbits.quantize(
+model.apply, config)`` on the float variables bit for bit.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-import jax.numpy as jnp
-import numpy as np
-from flax import struct
+import flax.nnx as nnx
 
-from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._errors import InvalidArgumentError
 from qbits.config import QuantConfig, as_quant_config
-from qbits.flax import Quantized, Session
-from qbits.ops import Dims, stored_matmul
-from qbits.serving._layout import (
-    COLLECTION,
-    LayerInfo,
-    check_layers,
-    check_stored,
-    describe_matmul,
-    fingerprint_dict,
-    forward_only,
-    stored_qtensor,
-    stores_weight,
-)
+from qbits.flax import Quantized
+from qbits.serving._params import ServingParams, convert_params, serve_params
 
-__all__ = ["Served", "ServingParams", "serve"]
-
-_DENSE = {
-    getattr(nn.Dense.__call__, "__wrapped__", nn.Dense.__call__): "Dense",
-    getattr(
-        nn.DenseGeneral.__call__, "__wrapped__", nn.DenseGeneral.__call__
-    ): "DenseGeneral",
-}
-
-
-class ServingParams(struct.PyTreeNode):
-    """The variables of a served linen model, with their stored layout.
-
-    A pytree: ``variables`` are its leaves (pass it through ``jax.jit``);
-    ``layers`` is static metadata, available while tracing.
-
-    Attributes:
-      variables: ``{"params": ..., "qbits_serving": ...}``: the float
-        variables without the stored layers' kernels, and per stored layer
-        ``{"qvalue", "scale"}`` at the layer's module path.
-      layers: One :class:`~qbits.serving.LayerInfo` per stored layer.
-
-    Example:
-      >>> import flax.linen as nn
-      >>> x = jnp.ones((2, 8))
-      >>> params = nn.Dense(4).init(jax.random.key(0), x)
-      >>> sp = qbits.serving.convert(nn.Dense(4), "int8_fwd", params, x)
-      >>> jax.tree.map(lambda a: a.dtype.name, sp.variables)
-      {'params': {'bias': 'float32'},
-       'qbits_serving': {'qvalue': 'int8', 'scale': 'float32'}}
-    """
-
-    variables: Any
-    layers: tuple[LayerInfo, ...] = struct.field(pytree_node=False, default=())
-
-    def layer(self, path: str) -> LayerInfo:
-        """The stored layer at ``path``.
-
-        Raises:
-          KeyError: If no stored layer has that path.
-        """
-        for info in self.layers:
-            if info.path == path:
-                return info
-        raise KeyError(path)
-
-
-def _show(path: str) -> str:
-    return repr(path) if path else "'' (the top-level module)"
-
-
-def _path(module: nn.Module) -> str:
-    return "/".join(str(p) for p in module.path)
-
-
-def _fn(method: str | Callable[..., Any], model: nn.Module) -> Callable[..., Any]:
-    if isinstance(method, str):
-        return getattr(model, method)
-    return functools.partial(method, model)
+__all__ = ["Served", "convert_linen", "serve"]
 
 
 def _as_method(method: Any, owner: str) -> str | Callable[..., Any]:
@@ -122,128 +40,27 @@ def _as_method(method: Any, owner: str) -> str | Callable[..., Any]:
     return method
 
 
-def _dense_layout(
-    module: nn.Module, inputs: Any
-) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """``(dimension_numbers, kernel_shape, bias_shape, bias_broadcast)``.
+def _apply(model: nn.Module, method: str | Callable[..., Any]) -> Callable[..., Any]:
+    """``model.apply`` of one method, as a function of ``(variables, ...)``."""
 
-    As flax 0.12's ``Dense.__call__`` / ``DenseGeneral.__call__`` compute them.
-    """
-    ndim = inputs.ndim
-    if not isinstance(module, nn.DenseGeneral):
-        dn = (((ndim - 1,), (0,)), ((), ()))
-        bias_shape = (module.features,)
-        return dn, (inputs.shape[-1], module.features), bias_shape, bias_shape
-    features = tuple(np.atleast_1d(module.features).tolist())
-    axis = tuple(a % ndim for a in np.atleast_1d(module.axis).tolist())
-    batch_dims = tuple(a % ndim for a in np.atleast_1d(module.batch_dims).tolist())
-    n_batch, n_axis = len(batch_dims), len(axis)
-    batch_shape = tuple(inputs.shape[a] for a in batch_dims)
-    kernel_shape = batch_shape + tuple(inputs.shape[a] for a in axis) + features
-    batch_ind = tuple(range(n_batch))
-    contract_ind = tuple(range(n_batch, n_batch + n_axis))
-    expanded = tuple(
-        inputs.shape[a] if a in batch_dims else 1 for a in range(ndim) if a not in axis
-    )
-    dn = ((axis, contract_ind), (batch_dims, batch_ind))
-    return dn, kernel_shape, batch_shape + features, expanded + features
+    def apply(variables: Any, *args: Any, **kwargs: Any) -> Any:
+        return model.apply(variables, *args, method=method, **kwargs)
+
+    return apply
 
 
-class _ServingSession:
-    """Interceptor of a served model: stored Dense layers, the rest as QAT."""
-
-    def __init__(
-        self, config: QuantConfig, original: QuantConfig, layers: dict[str, LayerInfo]
-    ):
-        self.config = config
-        self.original = original
-        self.layers = layers
-        self.qat = Session(config)
-
-    def intercept(self, next_fun, args, kwargs, context):
-        kind = _DENSE.get(getattr(context.orig_method, "func", None))
-        module = context.module
-        if kind is None or module.dot_general is not None:
-            return self.qat.intercept(next_fun, args, kwargs, context)
-        if module.dot_general_cls is not None:
-            return self.qat.intercept(next_fun, args, kwargs, context)
-        path = _path(module)
-        res = self.config.resolve(path)
-        if not stores_weight(res.config):
-            return self.qat.intercept(next_fun, args, kwargs, context)
-        return self._served(module, path, res, *args, **kwargs)
-
-    def _describe(self, path: str, res: Any) -> str:
-        name = self.original.resolve(path).name
-        return name or describe_matmul(fingerprint_dict(res))
-
-    def _served(self, module: nn.Module, path: str, res: Any, inputs: Any) -> Any:
-        owner = "qbits.serving.Served"
-        info = self.layers.get(path)
-        if module.has_variable("params", "kernel"):
-            raise InvalidArgumentError(
-                owner,
-                "variables",
-                f"float params (layer {path!r} has a float 'kernel')",
-                "serving params from qbits.serving._convert(model, config, "
-                "variables, *sample_inputs)",
-                why=f"layer {_show(path)} serves a stored "
-                f"{np.dtype(res.config.fwd.rhs.numerics.get_dtype()).name} weight "
-                "and holds no float weight",
-            )
-        if info is None or not module.has_variable(COLLECTION, "qvalue"):
-            raise ConfigError(
-                res.where,
-                "serving params without a stored weight for this layer",
-                "serving params converted with the serving model's config",
-                why=f"layer {_show(path)} gets {self._describe(path, res)} in the "
-                "serving model: run qbits.serving.convert with that config",
-            )
-        qvalue = module.get_variable(COLLECTION, "qvalue")
-        scale = module.get_variable(COLLECTION, "scale")
-        inputs = jnp.asarray(inputs)
-        dn, shape, bias_shape, bias_broadcast = _dense_layout(module, inputs)
-        if tuple(shape) != info.shape:
-            raise InvalidArgumentError(
-                owner,
-                "inputs",
-                f"an input of shape {inputs.shape}",
-                f"an input for which layer {path!r} has a kernel of the stored "
-                f"shape {info.shape}",
-                why=f"it would need a kernel of shape {tuple(shape)}",
-            )
-        check_stored(owner, info, qvalue, scale)
-        bias = None
-        if module.use_bias:
-            bias = module.param(
-                "bias", module.bias_init, bias_shape, module.param_dtype
-            )
-        placeholder = jnp.zeros((0,), info.dtype)  # the kernel, for promotion
-        inputs, placeholder, bias = module.promote_dtype(
-            inputs, placeholder, bias, dtype=module.dtype
-        )
-        qt = stored_qtensor(info, qvalue, scale).replace(
-            dtype=np.dtype(placeholder.dtype)
-        )
-        dims = Dims.create(dn, inputs.ndim, len(shape))
-        precision = module.precision
-        if isinstance(precision, list):
-            precision = tuple(precision)
-        out = stored_matmul(inputs, qt, dims, res.config.fwd, precision=precision)
-        if bias is not None:
-            out += jnp.reshape(bias, bias_broadcast)
-        return out
-
-
-class Served(nn.Module):
-    """A linen model served from :class:`ServingParams`.
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """A linen model served from :class:`~qbits.serving.ServingParams`.
 
     Made by :func:`serve`. ``apply`` takes the serving params (from
     :func:`qbits.serving.convert` or :func:`qbits.serving.restore`) in place
     of variables; everything else is as in ``flax.linen.Module.apply``
-    (``method=`` names or gives a method of the wrapped model). Its output
-    equals, bit for bit, that of ``qbits.flax.quantize(model, config)``
-    applied to the float variables.
+    (``method=`` names or gives a method of the model; ``rngs=``,
+    ``mutable=``). Its output equals, bit for bit, that of
+    ``qbits.quantize(model.apply, config)`` on the float variables (and of
+    ``qbits.flax.quantize(model, config)`` for Flax's Dense, DenseGeneral,
+    Einsum and Conv layers; attention einsums within float32 rounding).
 
     Attributes:
       model: The float linen model (unmodified).
@@ -255,41 +72,21 @@ class Served(nn.Module):
       >>> params = nn.Dense(4).init(jax.random.key(1), x)
       >>> sp = qbits.serving.convert(nn.Dense(4), "w4a8", params, x)
       >>> served = qbits.serving.serve(nn.Dense(4), "w4a8")
-      >>> qat = qbits.flax.quantize(nn.Dense(4), "w4a8")
-      >>> bool((jax.jit(served.apply)(sp, x) == jax.jit(qat.apply)(params, x)).all())
+      >>> qat = qbits.quantize(nn.Dense(4).apply, "w4a8")
+      >>> bool((jax.jit(served.apply)(sp, x) == jax.jit(qat)(params, x)).all())
       True
     """
 
     model: nn.Module
     config: QuantConfig
 
-    def setup(self) -> None:
-        """Shares the wrapper's scope with the model (identical variables)."""
-        nn.share_scope(self, self.model)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Calls the model (only inside :meth:`apply`)."""
-        return self._run("__call__", {}, *args, **kwargs)
-
-    def _run(
-        self,
-        method: str | Callable[..., Any],
-        layers: dict[str, LayerInfo],
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        session = _ServingSession(forward_only(self.config), self.config, layers)
-        with nn.intercept_methods(session.intercept):
-            return _fn(method, self.model)(*args, **kwargs)
-
-    @nn.nowrap
     def apply(self, serving: Any, *args: Any, method: Any = None, **kwargs: Any):
         """Runs the model on its stored weights.
 
         Args:
           serving: :class:`ServingParams` from :func:`qbits.serving.convert`.
           *args: The model's inputs.
-          method: A method name or method of the wrapped model.
+          method: A method name or method of the model.
           **kwargs: As for ``flax.linen.Module.apply``.
 
         Returns:
@@ -297,58 +94,111 @@ class Served(nn.Module):
 
         Raises:
           InvalidArgumentError: For float variables or anything other than
-            serving params, naming the first float layer.
+            serving params.
           ConfigError: For serving params converted with another config.
         """
         owner = "qbits.serving.Served.apply"
-        if not isinstance(serving, ServingParams):
-            why = "these are not serving params"
-            if isinstance(serving, dict) or hasattr(serving, "keys"):
-                why = "these look like float variables: run convert first"
-            raise InvalidArgumentError(
-                owner,
-                "serving",
-                type(serving).__name__,
-                "qbits.serving.ServingParams from qbits.serving._convert(model, "
-                "config, variables, *sample_inputs) or qbits.serving.restore",
-                why=why,
-            )
-        check_layers(owner, forward_only(self.config), self.config, serving.layers)
-        layers = {info.path: info for info in serving.layers}
-        fn = _as_method(method, owner)
-
-        def run(wrapper: Served, *a: Any, **k: Any) -> Any:
-            return wrapper._run(fn, layers, *a, **k)
-
-        return super().apply(serving.variables, *args, method=run, **kwargs)
+        fn = _apply(self.model, _as_method(method, owner))
+        return serve_params(owner, fn, self.config)(serving, *args, **kwargs)
 
 
-def serve(model: nn.Module, config: Any) -> Served:
-    """The serving version of a linen model (see :class:`Served`).
+def _required_inputs(model: nn.Module, method: Any) -> tuple[str, list[str]]:
+    """``(name, required parameters)`` of the method ``convert`` traces."""
+    fn = getattr(type(model), method, None) if isinstance(method, str) else method
+    name = method if isinstance(method, str) else getattr(fn, "__name__", "method")
+    try:
+        params = list(inspect.signature(fn).parameters.values())[1:]  # the module
+    except (TypeError, ValueError):  # no signature to read: let the trace tell
+        return name, []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [
+        p.name for p in params if p.default is p.empty and p.kind not in variadic
+    ]
+    return name, required
+
+
+def _check_inputs(owner: str, model: nn.Module, method: Any, given: bool) -> None:
+    """Raises when no sample inputs were given and the traced method needs some."""
+    if given:
+        return
+    name, required = _required_inputs(model, method)
+    if not required:
+        return
+    call = f"{type(model).__name__}.{name}({', '.join(required)})"
+    raise InvalidArgumentError(
+        owner,
+        "*args",
+        "no sample inputs",
+        "sample inputs after the variables, as model.apply takes them: "
+        "convert(model, config, variables, x), with arrays or "
+        "jax.ShapeDtypeStruct s (keyword arguments and method= as in apply)",
+        why=f"convert traces the model on sample inputs to find its matmuls, "
+        f"and {call} takes inputs",
+    )
+
+
+def convert_linen(
+    model: nn.Module,
+    config: Any,
+    variables: Any,
+    *args: Any,
+    method: Any = None,
+    **kwargs: Any,
+) -> ServingParams:
+    """Serving params of a linen model: see :func:`qbits.serving.convert`."""
+    owner = "qbits.serving.convert"
+    if isinstance(model, Quantized):
+        model = model.model
+    method = _as_method(method, owner)
+    _check_inputs(owner, model, method, bool(args or kwargs))
+    return convert_params(owner, _apply(model, method), config, variables, args, kwargs)
+
+
+def serve(model: nn.Module | Callable[..., Any], config: Any) -> Any:
+    """The serving version of a linen model or a function.
 
     Args:
       model: The float linen model (unbound), as given to
-        :func:`qbits.flax.quantize`.
+        :func:`qbits.serving.convert`; or the function that was converted
+        (``fn(variables, *args)``).
       config: The config it was converted with (a
         :class:`~qbits.QuantConfig`, a :class:`~qbits.DotGeneralConfig` or a
         preset name).
 
     Returns:
-      A :class:`Served` module; call ``served.apply(serving_params, *inputs)``.
+      For a linen model, a :class:`Served` (call
+      ``served.apply(serving_params, *inputs)``); for a function,
+      ``served(serving_params, *args, **kwargs)``.
 
     Raises:
-      InvalidArgumentError: For a model that is not a linen module or a
-        config of another type.
+      InvalidArgumentError: For a model that is neither a linen module nor
+        a function, or a config of another type.
 
     Example:
-      >>> import flax.linen as nn
-      >>> served = qbits.serving.serve(nn.Dense(4), "int8_fwd")
-      >>> served.config.default
-      'int8_fwd'
+      >>> def mlp(params, x):
+      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
+      >>> x = jnp.ones((3, 4))
+      >>> sp = qbits.serving.convert(mlp, "int8_fwd", params, x)
+      >>> qbits.serving.serve(mlp, "int8_fwd")(sp, x).shape
+      (3, 2)
     """
     owner = "qbits.serving.serve"
     if isinstance(model, Quantized | Served):
         model = model.model
-    if not isinstance(model, nn.Module):
-        raise InvalidArgumentError(owner, "model", model, "a flax.linen.Module")
-    return Served(model, as_quant_config(owner, config))
+    quant = as_quant_config(owner, config)
+    if isinstance(model, nnx.Module):
+        raise InvalidArgumentError(
+            owner,
+            "model",
+            type(model).__name__,
+            "a linen model or a function; an nnx model is served by the copy "
+            "qbits.serving.convert(model, config) returns",
+        )
+    if isinstance(model, nn.Module):
+        return Served(model, quant)
+    if callable(model):
+        return serve_params(owner, model, quant)
+    raise InvalidArgumentError(
+        owner, "model", model, "a flax.linen.Module or a function of (variables, ...)"
+    )

@@ -23,14 +23,13 @@ from qbits._errors import InvalidArgumentError
 from qbits.config import as_quant_config
 from qbits.nnx import QuantizedDotGeneral, layer_table
 from qbits.nnx import quantize as qat_quantize
-from qbits.ops import Dims, MatmulConfig, stored_matmul
+from qbits.ops import Dims, MatmulConfig, store_weight, stored_matmul
 from qbits.serving._layout import (
     LayerInfo,
     check_servable,
     check_stored,
     fingerprint,
     forward_only,
-    store_weight,
     stored_qtensor,
     stores_weight,
 )

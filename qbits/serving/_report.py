@@ -12,9 +12,8 @@ import numpy as np
 
 from qbits._errors import InvalidArgumentError
 from qbits.serving._layout import COLLECTION, LayerInfo
-from qbits.serving._linen import ServingParams
-from qbits.serving._linen_convert import _get
 from qbits.serving._nnx import KernelPlaceholder, StoredWeight, served_layers
+from qbits.serving._params import ServingParams
 
 __all__ = ["LayerSize", "SizeReport", "size_report"]
 
@@ -198,7 +197,9 @@ def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
         stored = serving.variables.get(COLLECTION, {})
         rows = []
         for info in serving.layers:
-            arrays = _get(stored, tuple(info.path.split("/")) if info.path else ())
+            arrays = stored
+            for part in info.path.split("/") if info.path else ():
+                arrays = arrays[part]
             rows.append(_row(info, arrays["qvalue"], arrays["scale"]))
         others = _arrays(
             {k: v for k, v in serving.variables.items() if k != COLLECTION}

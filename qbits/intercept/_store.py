@@ -1,0 +1,148 @@
+"""``store_weights``: the quantized weights of a function, stored once.
+
+Serving computes a trained model's forward pass on weights quantized once
+instead of at every call. The function is traced as :func:`qbits.quantize`
+traces it; every weight matmul whose forward config quantizes the weight
+(``fwd.rhs``) gets the weight as that forward pass quantizes it: the same
+quantizer, on the operand as the matmul sees it (after the model's own
+reshapes, transposes and dtype casts), along its contracting axes, stacked
+along the scans it runs in. ``qbits.quantize(fn, config, stored=...)``
+then runs those matmuls on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qbits.config import as_quant_config
+from qbits.intercept._program import merge, trace
+from qbits.intercept._transform import _Frame, _Plan, _run
+from qbits.tensor import QTensor
+
+__all__ = ["StoredMatmul", "store_weights"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredMatmul:
+    """One weight matmul's stored weight.
+
+    Attributes:
+      path: The matmul's path (as in :func:`qbits.layer_table`).
+      weight: The quantized weight, in the storage dtype (int4 packed two
+        per byte along the last axis), stacked along the scans the matmul
+        runs in (one slice per scanned layer).
+      keys: The key path of the parameter feeding it, inside the
+        parameters argument (``jax.tree_util`` keys).
+      shape: The parameter's shape.
+      dtype: The parameter's dtype.
+      contracting: The weight axes the matmul contracts (per layer).
+      kind: The matmul's kind, as in the layer table.
+      exclusive: Whether stored matmuls are all that read the parameter:
+        a server can then drop its float copy (a tied embedding, also read
+        by its lookup, is not exclusive).
+    """
+
+    path: str
+    weight: QTensor
+    keys: tuple[Any, ...]
+    shape: tuple[int, ...]
+    dtype: Any
+    contracting: tuple[int, ...]
+    kind: str
+    exclusive: bool
+
+
+def store_weights(
+    fn: Callable[..., Any],
+    config: Any,
+    *args: Any,
+    params_argnum: int = 0,
+    **kwargs: Any,
+) -> dict[str, StoredMatmul]:
+    """Every weight matmul's weight, quantized once as its forward does.
+
+    Args:
+      fn: The function, as for :func:`qbits.quantize`.
+      config: The rules it runs with (only forward matmuls matter).
+      *args: Arguments for ``fn``; ``args[params_argnum]`` holds the float
+        parameters (concrete arrays); other arrays may be
+        ``jax.ShapeDtypeStruct`` s (only their shapes matter).
+      params_argnum: Which positional argument holds the parameters.
+      **kwargs: Keyword arguments for ``fn``.
+
+    Returns:
+      ``{matmul path: StoredMatmul}`` for each weight matmul whose forward
+      config quantizes the weight; convolutions are left out (served
+      quantizing on the fly). ``{name: s.weight}`` is what
+      ``qbits.quantize(fn, config, stored=...)`` takes.
+
+    Raises:
+      ConfigError: For a weight matmul whose forward config keeps scale
+        state or rounds stochastically.
+
+    Example:
+      >>> def mlp(params, x):
+      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
+      >>> x = jnp.ones((3, 4))
+      >>> stored = qbits.intercept.store_weights(mlp, "w4a8", params, x)
+      >>> {n: s.weight.qvalue.dtype.name for n, s in stored.items()}
+      {'w1': 'uint8', 'w2': 'uint8'}
+      >>> served = qbits.quantize(mlp, "w4a8",
+      ...                         stored={n: s.weight for n, s in stored.items()})
+      >>> bool((served(params, x) == qbits.quantize(mlp, "w4a8")(params, x)).all())
+      True
+    """
+    owner = "qbits.intercept.store_weights"
+    quant = as_quant_config(owner, config, allow_none=True)
+    program = trace(fn, args, kwargs, params_argnum)
+    plan = _Plan(program, quant, owner, store=True)
+    leaves = [
+        jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
+        for x in jax.tree.leaves((args, kwargs))
+    ]
+    dyn = [x for x, d in zip(leaves, program.dynamic, strict=True) if d]
+
+    @jax.jit
+    def collect_weights(dyn: list[Any]) -> dict[str, QTensor]:
+        # Only the weights are returned: XLA drops the activations' work.
+        full = merge(program.dynamic, dyn, program.statics)
+        a, k = jax.tree.unflatten(program.in_tree, full)
+        collect: dict[str, Any] = {}
+        _run(program, plan, _Frame(None, {}, collect), a, k)
+        return collect
+
+    collect = collect_weights(dyn)
+    sites = {site.ctx: site for site in program.sites}
+    weights = {}  # each site's parameter
+    for ctx in plan.stored:
+        site = sites[ctx]
+        weights[ctx] = next(iter(site.rhs or site.lhs))
+    # A parameter can be dropped when every matmul reading it is stored.
+    others = {w for ctx, site in sites.items() if ctx not in plan.stored
+              for w in site.lhs | site.rhs}  # fmt: skip
+    params = dict(jax.tree_util.tree_flatten_with_path(args[params_argnum])[0])
+    out = {}
+    for ctx, name in plan.stored.items():
+        weight, site = weights[ctx], sites[ctx]
+        leaf = params[weight.keys]
+        qt = collect[name]
+        ndim = len(qt.shape) - len(site.loops)  # the weight of one iteration
+        lhs_axes, rhs_axes = site.contracting
+        axes = lhs_axes if ctx in plan.swapped else rhs_axes
+        out[name] = StoredMatmul(
+            path=name,
+            weight=qt,
+            keys=weight.keys,
+            shape=tuple(int(n) for n in leaf.shape),
+            dtype=leaf.dtype,
+            contracting=tuple(int(a) % ndim for a in axes),
+            kind=site.kind,
+            exclusive=weight not in program.escaped and weight not in others,
+        )
+    return out

@@ -1,0 +1,79 @@
+"""qbits.intercept.store_weights and qbits.quantize(..., stored=): serving."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import qbits
+
+
+def _params():
+    k = jax.random.split(jax.random.key(0), 4)
+    return {
+        "w_in": jax.random.normal(k[0], (16, 32)),
+        "w_left": jax.random.normal(k[1], (8, 32)),  # multiplied from the left
+        "w_t": jax.random.normal(k[2], (4, 8)),  # transposed before use
+        "shift": jax.random.normal(k[3], (16, 32)),  # also added: kept float
+    }
+
+
+def _fn(params, x):
+    h = jax.nn.relu(x @ params["w_in"])  # [b, 32]
+    h = lax.dot_general(params["w_left"], h, (((1,), (1,)), ((), ())))  # [8, b]
+    h = h.T @ params["w_t"].T  # [b, 4]
+    return h.sum() + (x @ params["shift"]).sum() + params["shift"].sum()
+
+
+@pytest.mark.parametrize("preset", ["int8_fwd", "w4a8", "fp8"])
+def test_stored_weights_serve_the_quantized_forward_bit_for_bit(preset):
+    params, x = _params(), jax.random.normal(jax.random.key(1), (3, 16))
+    stored = qbits.intercept.store_weights(_fn, preset, params, x)
+    assert sorted(stored) == ["shift", "w_in", "w_left", "w_t"]
+    # The weight on the left is stored as the rhs it becomes; the transposed
+    # one in the layout its matmul sees.
+    assert stored["w_left"].contracting == (1,)
+    assert stored["w_t"].weight.shape == (8, 4)
+    assert stored["w_t"].shape == (4, 8) and stored["w_t"].contracting == (0,)
+    assert [s.exclusive for s in stored.values()].count(False) == 1
+    assert not stored["shift"].exclusive  # the sum reads it too
+    weights = {n: s.weight for n, s in stored.items()}
+    served = jax.jit(qbits.quantize(_fn, preset, stored=weights))
+    # The float parameters a stored matmul replaces are not read.
+    zeros = {
+        n: jnp.zeros_like(p) if stored[n].exclusive else p for n, p in params.items()
+    }
+    qat = jax.jit(qbits.quantize(_fn, preset))(params, x)
+    np.testing.assert_array_equal(served(zeros, x), qat)
+
+
+def test_sample_inputs_may_be_shapes():
+    params = _params()
+    spec = jax.ShapeDtypeStruct((3, 16), jnp.float32)
+    by_spec = qbits.intercept.store_weights(_fn, "int8_fwd", params, spec)
+    by_value = qbits.intercept.store_weights(_fn, "int8_fwd", params, jnp.ones((3, 16)))
+    for name, s in by_spec.items():
+        np.testing.assert_array_equal(s.weight.qvalue, by_value[name].weight.qvalue)
+
+
+def test_stateful_and_stochastic_forward_configs_are_refused():
+    params, x = _params(), jnp.ones((3, 16))
+    with pytest.raises(qbits.ConfigError, match="takes its scales from state"):
+        qbits.intercept.store_weights(_fn, "fp8_delayed", params, x)
+    noisy = qbits.Quantizer(qbits.IntNumerics(bits=8, noise_fn=qbits.UniformNoise()))
+    config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(lhs=noisy, rhs=noisy))
+    with pytest.raises(qbits.ConfigError, match="rounds stochastically"):
+        qbits.intercept.store_weights(_fn, config, params, x)
+
+
+def test_missing_or_extra_stored_weights_are_named():
+    params, x = _params(), jnp.ones((3, 16))
+    stored = qbits.intercept.store_weights(_fn, "int8_fwd", params, x)
+    weights = {n: s.weight for n, s in stored.items()}
+    fewer = {n: w for n, w in weights.items() if n != "w_t"}
+    with pytest.raises(qbits.InvalidArgumentError, match=r"missing \['w_t'\]"):
+        qbits.quantize(_fn, "int8_fwd", stored=fewer)(params, x)
+    rules = qbits.QuantConfig(rules=(qbits.Rule("w_t", None),), default="int8_fwd")
+    with pytest.raises(qbits.InvalidArgumentError, match=r"with \['w_t'\] extra"):
+        qbits.quantize(_fn, rules, stored=weights)(params, x)
