@@ -258,16 +258,17 @@ class Quantizer(struct.PyTreeNode):
             bound = jnp.zeros(reduced, xb.dtype)
         # Per-block arithmetic on a flat vector: XLA compiles one kernel for
         # every distinct computation, and flat vectors of the same length are
-        # the same computation whichever axes the blocks span.
+        # the same computation whichever axes the blocks span (not where the
+        # scales are sharded along mesh axes in their type: see _flat).
         if bound is None:  # a given scale
             blocks = tuple(
                 1 if a in layout.reduce_axes else n
                 for a, n in enumerate(layout.blocked_shape)
             )
-            scale = _given_scale(given, layout.scale_shape).reshape(-1)
+            scale = _flat(_given_scale(given, layout.scale_shape))
         else:
             blocks = bound.shape
-            scale = no_grad(scale_of(bound.reshape(-1)))
+            scale = no_grad(scale_of(_flat(bound)))
         # A scale above 2**126 has a subnormal inverse, which XLA:CPU flushes
         # to zero (grids whose top is below 4: int1..int3). Such blocks are
         # divided in two exact steps, a power of two first.
@@ -305,6 +306,18 @@ class Quantizer(struct.PyTreeNode):
 # Calibrations whose bound is 0 only for a block of zeros (or of values so
 # small that every grid with a zero rounds them to it at scale 1).
 _ZERO_BOUND_MEANS_ZEROS = (AbsMax, MseSearch, ConstantBound)
+
+
+def _flat(v: jax.Array) -> jax.Array:
+    """``v`` as a flat vector, unless explicit sharding pins its axes.
+
+    Under explicit mesh axes (``AxisType.Explicit``), merging a sharded axis
+    with others has no sharding JAX can infer: the scales keep their shape.
+    """
+    spec = getattr(getattr(jax.typeof(v), "sharding", None), "spec", None)
+    if spec is not None and any(entry is not None for entry in spec):
+        return v
+    return v.reshape(-1)
 
 
 def _given_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:

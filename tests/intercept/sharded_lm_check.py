@@ -8,7 +8,9 @@ head), its parameters sharded over a 4 x 2 mesh: the ``embed`` axis over
 axis rules and for nnx with sharding annotations, with the ``int8`` and
 ``fp8_delayed`` presets (the layer wrappers) and ``int8`` through
 ``qbits.quantize``: loss and gradients equal the unsharded ones within
-float32 rounding; the gradients keep the parameters' shardings. Prints one
+float32 rounding; the gradients keep the parameters' shardings. The same
+for a plain-JAX block under explicit mesh axes (``out_sharding`` on every
+einsum) through ``qbits.quantize``. Prints one
 JSON line with the collectives of each optimized training step. Exits
 non-zero on a mismatch.
 """
@@ -295,6 +297,92 @@ def serving_case(mesh, tokens):
                                atol=1e-5)  # fmt: skip
 
 
+def _explicit_block(p, x, sharded):
+    """A transformer block as plain JAX, FSDP + tensor parallel under
+    explicit mesh axes: weights gathered along ``data`` before use
+    (``reshard``), every einsum given its ``out_sharding``."""
+
+    def out(spec):
+        return spec if sharded else None
+
+    def gather(w, spec):
+        return jax.sharding.reshard(w, spec) if sharded else w
+
+    heads = P("data", None, "model", None)
+    proj = {n: gather(p[n], P(None, "model", None)) for n in ("wq", "wk", "wv")}
+    q, k, v = (
+        jnp.einsum("btd,dnh->btnh", x, proj[n], out_sharding=out(heads))
+        for n in ("wq", "wk", "wv")
+    )
+    s = jnp.einsum("btnh,bsnh->bnts", q, k, out_sharding=out(P("data", "model")))
+    c = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, -1), v,
+                   out_sharding=out(heads))  # fmt: skip
+    wo = gather(p["wo"], P("model", None, None))
+    x = x + jnp.einsum("btnh,nhd->btd", c, wo, out_sharding=out(P("data")))
+    w1, w2 = gather(p["w1"], P(None, "model")), gather(p["w2"], P("model", None))
+    h = jnp.einsum("btd,df->btf", x, w1, out_sharding=out(P("data", None, "model")))
+    return x + jnp.einsum(
+        "btf,fd->btd", jax.nn.gelu(h), w2, out_sharding=out(P("data"))
+    )
+
+
+EXPLICIT_SPECS = {
+    "wq": P("data", "model", None),
+    "wk": P("data", "model", None),
+    "wv": P("data", "model", None),
+    "wo": P("model", None, "data"),
+    "w1": P("data", "model"),
+    "w2": P("model", "data"),
+}
+
+
+def explicit_case():
+    """``qbits.quantize`` under explicit mesh axes (``AxisType.Explicit``):
+    loss and gradients equal the unsharded ones, every gradient has its
+    parameter's sharding (as the types say), and the weight dots are int8."""
+    n, h = HEADS, WIDTH // HEADS
+    shapes = {"wq": (WIDTH, n, h), "wk": (WIDTH, n, h), "wv": (WIDTH, n, h),
+              "wo": (n, h, WIDTH), "w1": (WIDTH, MLP), "w2": (MLP, WIDTH)}  # fmt: skip
+    keys = jax.random.split(jax.random.key(4), len(shapes) + 1)
+    params = {
+        name: jax.random.normal(k, shape) / np.sqrt(shape[0])
+        for k, (name, shape) in zip(keys, shapes.items(), strict=False)
+    }
+    x = jax.random.normal(keys[-1], (8, 16, WIDTH))
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    for preset in ("int8", "fp8"):
+
+        def loss(p, x, sharded, preset=preset):
+            block = qbits.quantize(
+                lambda p, x: _explicit_block(p, x, sharded), preset, jax.random.key(5)
+            )
+            return jnp.mean(block(p, x) ** 2)
+
+        want = jax.jit(jax.value_and_grad(lambda p, x: loss(p, x, False)))(params, x)
+        with jax.set_mesh(mesh):
+            sharded = {
+                n: jax.device_put(w, EXPLICIT_SPECS[n]) for n, w in params.items()
+            }
+            batch = jax.device_put(x, P("data"))
+            step = jax.jit(jax.value_and_grad(lambda p, x: loss(p, x, True)))
+            got = step(sharded, batch)
+            dots = qbits.ops.dot_dtypes(step, sharded, batch)
+        _close(got[0], want[0], f"explicit {preset} loss")
+        # A rounding flip that changes a per-tensor amax moves every element
+        # of that tensor's gradient a little (int8 quantizes the gradients
+        # per tensor): here within 1% of the largest element.
+        for name in params:
+            a, b = np.asarray(got[1][name]), np.asarray(want[1][name])
+            if np.abs(a - b).max() > 0.01 * np.abs(b).max():
+                raise AssertionError(f"explicit {preset}: {name} gradient differs")
+        for name, spec in EXPLICIT_SPECS.items():
+            have = got[1][name].sharding.spec
+            if have != spec:
+                raise AssertionError(f"explicit {preset}: {name} grad {have} != {spec}")
+        if preset == "int8" and ("s8", "s8", "s32") not in dots:
+            raise AssertionError(f"explicit int8: dots {sorted(set(dots))}")
+
+
 def main():
     assert jax.device_count() == 8, jax.devices()
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -311,6 +399,7 @@ def main():
         for preset in ("int8", "fp8_delayed"):
             nnx_case(mesh, x, preset)
         serving_case(mesh, tokens)
+    explicit_case()
     print(json.dumps({"layers": LAYERS, "collectives": counts}))
 
 
