@@ -12,7 +12,10 @@ parameter at ``blocks/attn/query/kernel`` makes the site
 where one module multiplies with several parameters). A site whose operands
 are both activations (attention's two einsums) is named after the modules
 whose matmuls produced its operands, plus the einsum's subscripts where the
-jaxpr records them (``blocks/attn/...qhd,...khd->...hqk``).
+jaxpr records them (``blocks/attn/btnh,bsnh->bnts``; Flax's own attention
+einsums are ``blocks/attn/qk`` and ``blocks/attn/pv``). Where JAX hands such
+an einsum's ``dot_general`` its operands in the other order than written,
+the site says so (``flipped``): it is run swapped back.
 
 Sites inside a ``custom_jvp`` or ``custom_vjp`` rule (a model's own
 quantized function, or a hand-written gradient) and inside other
@@ -101,6 +104,10 @@ class Site:
       control: ``"cond"`` or ``"while"`` when the site runs in such a body
         (where scale state cannot be carried), else ``""``.
       contracting: The contracting axes of each operand (``dot_general``).
+      flipped: For an einsum of two activations: JAX hands ``dot_general``
+        its operands in the other order than the einsum is written (the
+        site is run swapped back, so that a config's ``lhs`` is the
+        written first operand).
       path: The site's name for the rules (set by :meth:`Program.name_sites`).
     """
 
@@ -115,6 +122,7 @@ class Site:
     loops: tuple[int, ...] = ()
     control: str = ""
     contracting: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    flipped: bool = False
     path: str = ""
 
     @property
@@ -170,7 +178,7 @@ class Program:
                 site.path = "/".join(parts)
             else:
                 scope = "/".join(site.scope)
-                label = site.label or site.primitive
+                label = _ATTENTION.get(site.label) or site.label or site.primitive
                 site.path = f"{scope}/{label}" if scope else label
 
 
@@ -213,6 +221,56 @@ def _label(name_stack: str) -> str:
     """The einsum subscripts a jaxpr's name stack ends with, or ``""``."""
     last = name_stack.rsplit("/", 1)[-1] if name_stack else ""
     return last if "->" in last else ""
+
+
+# Flax's attention einsums (linen and nnx) by the names the layer tables give
+# them: query . key, and weights . value.
+_ATTENTION = {"...qhd,...khd->...hqk": "qk", "...hqk,...khd->...qhd": "pv"}
+
+
+def _letters(sub: str, ndim: int) -> list[str] | None:
+    """One name per axis of an operand written ``sub`` (``...`` expanded).
+
+    Ellipsis axes are named by their distance from the ellipsis' end, so
+    that broadcast axes of two operands get the same names.
+    """
+    if "..." not in sub:
+        return list(sub) if len(sub) == ndim else None
+    head, tail = sub.split("...", 1)
+    n = ndim - len(head) - len(tail)
+    if n < 0:
+        return None
+    return [*head, *(f"#{n - 1 - i}" for i in range(n)), *tail]
+
+
+def _flipped(label: str, eqn: Any) -> bool:
+    """Whether a two-operand einsum's dot_general has its operands swapped.
+
+    The einsum's subscripts are matched against the equation's dimension
+    numbers both ways; ``True`` only when the swapped reading is the one
+    that fits (an ambiguous einsum keeps JAX's order).
+    """
+    inputs, _, out = label.partition("->")
+    written = inputs.split(",")
+    if len(written) != 2:
+        return False
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    ndims = [len(v.aval.shape) for v in eqn.invars[:2]]
+    kept = set(out.replace("...", ""))
+
+    def fits(a_sub: str, b_sub: str) -> bool:
+        a, b = _letters(a_sub, ndims[0]), _letters(b_sub, ndims[1])
+        if a is None or b is None:
+            return False
+
+        def is_kept(name: str) -> bool:
+            return name.startswith("#") or name in kept
+
+        return all(
+            a[i] == b[j] and not is_kept(a[i]) for i, j in zip(lc, rc, strict=True)
+        ) and all(a[i] == b[j] and is_kept(a[i]) for i, j in zip(lb, rb, strict=True))
+
+    return fits(written[1], written[0]) and not fits(written[0], written[1])
 
 
 def _common(paths: frozenset[tuple[str, ...]]) -> tuple[str, ...]:
@@ -307,13 +365,19 @@ class _Walker:
                 if (lhs.weights or rhs.weights)
                 else _common(lhs.origins | rhs.origins)
             )
+            label = _label(stack) if name == "dot_general" else ""
+            acts = not (lhs.weights or rhs.weights)
+            flipped = bool(label) and acts and _flipped(label, eqn)
             site = Site(
                 ctx=here,
                 primitive=name,
-                operands=" x ".join(_shape(v.aval) for v in eqn.invars[:2]),
+                operands=" x ".join(
+                    _shape(v.aval)
+                    for v in (eqn.invars[1::-1] if flipped else eqn.invars[:2])
+                ),
                 lhs=lhs.weights,
                 rhs=rhs.weights,
-                label=_label(stack) if name == "dot_general" else "",
+                label=label,
                 scope=scope,
                 frozen=frozen,
                 loops=loops,
@@ -323,6 +387,7 @@ class _Walker:
                     if name == "dot_general"
                     else ((), ())
                 ),
+                flipped=flipped,
             )
             self.sites.append(site)
             weights = rhs.weights or lhs.weights

@@ -85,7 +85,8 @@ class _Plan:
                     )
                 self.state_keys[site.ctx] = self._name(site)
             self.configs[site.ctx] = (config, index)
-            if site.primitive == "dot_general" and site.lhs and not site.rhs:
+            weight_left = site.lhs and not site.rhs
+            if site.primitive == "dot_general" and (weight_left or site.flipped):
                 self.swapped.add(site.ctx)
             if config.needs_key:
                 self.needs_key.append(site.path)
@@ -414,7 +415,9 @@ def quantize(
     multiplies with several parameters, the parameter's name is added
     (``mlp/w_in``). Matmuls of two activations (attention) are named after
     the modules that produced their operands plus the einsum subscripts
-    (``attn/...qhd,...khd->...hqk``). :func:`layer_table` lists them all.
+    (``attn/btnh,bsnh->bnts``; Flax's attention einsums are ``attn/qk`` and
+    ``attn/pv``); a config's ``lhs`` is the einsum's written first operand.
+    :func:`layer_table` lists them all.
 
     Args:
       fn: The function, e.g. ``model.apply`` or a loss of ``(params, batch)``.

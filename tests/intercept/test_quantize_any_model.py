@@ -1,5 +1,6 @@
 """qbits.quantize: every matmul of model code written any way, by rules."""
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -470,16 +471,11 @@ def test_flax_conv_einsum_densegeneral_and_attention_match_the_wrappers():
     model = Mixed()
     x = jax.random.normal(jax.random.key(0), (2, 6, 4))
     variables = model.init(jax.random.key(1), x)
-    for preset, exact in (("w4a8", True), ("int8_fwd", False)):
-        # w4a8's sides differ: its attention einsums stay float here (see
-        # the README on operand sides); int8_fwd quantizes them too.
-        ours = qbits.QuantConfig(rules=(qbits.Rule(".*->.*", None),), default=preset)
-        theirs = qbits.QuantConfig(rules=(qbits.Rule("attn/(qk|pv)", None),),
-                                   default=preset)  # fmt: skip
-        if not exact:
-            ours = theirs = preset
-        f = qbits.quantize(model.apply, ours)
-        g = qbits.flax.quantize(model, theirs).apply
+    for preset in ("w4a8", "int8_fwd"):
+        # The same config: Flax's attention einsums are P/qk and P/pv, each
+        # operand on the side the written einsum gives it.
+        f = qbits.quantize(model.apply, preset)
+        g = qbits.flax.quantize(model, preset).apply
         pairs = [("out", f(variables, x), g(variables, x))]
         grads = jax.tree_util.tree_flatten_with_path(
             jax.grad(lambda v, f=f: f(v, x).sum())(variables)
@@ -494,7 +490,33 @@ def test_flax_conv_einsum_densegeneral_and_attention_match_the_wrappers():
             # conv's) go through its einsums, whose float code differs
             # (Flax's vs the wrappers' copy): within float32 rounding there;
             # bit for bit for the output and the layers after it.
-            if exact and "attn" not in where and "conv" not in where:
+            if "attn" not in where and "conv" not in where:
                 np.testing.assert_array_equal(a, b, err_msg=where)
             else:
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=where)
+
+
+@pytest.mark.parametrize(
+    "spec", ["bnts,bsnh->btnh", "btnh,bsnh->bnts", "...hqk,...khd->...qhd"]
+)
+def test_an_activation_einsum_gives_lhs_to_its_written_first_operand(spec):
+    """JAX may hand dot_general the einsum's operands the other way round
+    (values before weights); the config's sides follow the written einsum,
+    as qbits.einsum gives them."""
+    shapes = {
+        "bnts,bsnh->btnh": ((2, 3, 5, 6), (2, 6, 3, 4)),
+        "btnh,bsnh->bnts": ((2, 5, 3, 4), (2, 6, 3, 4)),
+        "...hqk,...khd->...qhd": ((2, 3, 5, 6), (2, 6, 3, 4)),
+    }[spec]
+    a = jax.random.normal(jax.random.key(0), shapes[0])
+    b = jax.random.normal(jax.random.key(1), shapes[1])
+    config = qbits.presets.get("w4a8")  # int8 lhs, int4 rhs: the sides differ
+    ours = qbits.quantize(
+        lambda a, b: jnp.einsum(spec, a, b), config, params_argnum=None
+    )
+    theirs = functools.partial(qbits.einsum(config), spec)
+    np.testing.assert_array_equal(ours(a, b), theirs(a, b))
+    grads = jax.grad(lambda a, b: ours(a, b).sum(), argnums=(0, 1))(a, b)
+    want = jax.grad(lambda a, b: theirs(a, b).sum(), argnums=(0, 1))(a, b)
+    for g, w in zip(grads, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
