@@ -15,6 +15,10 @@ the ``int8`` preset:
 - **qbits.quantize**: the function transformation, which finds every
   matmul in the traced program.
 
+And how many weight matmuls (a parameter times an activation) get their
+weight stored by ``qbits.serving.convert`` with ``int8_fwd`` (linen: the
+model; nnx: the module, and its function through ``nnx.split``).
+
 Run: python benchmarks/coverage.py --json OUT.json [--md OUT.md]
 """
 
@@ -24,6 +28,7 @@ import argparse
 import json
 import pathlib
 import sys
+import warnings
 
 import flax.linen as nn
 import jax
@@ -80,7 +85,20 @@ def _linen(name: str, model: nn.Module) -> dict:
     def via_transform(p, _):
         return transformed({"params": p}, tokens)
 
-    return _row(name, "linen", via_wrapper, via_transform, (params, None))
+    row = _row(name, "linen", via_wrapper, via_transform, (params, None))
+    with warnings.catch_warnings():  # a model with nothing to store says so
+        warnings.simplefilter("ignore")
+        stored = qbits.serving.convert(model, "int8_fwd", variables, tokens)
+    row["stored"] = (
+        f"{len(stored.layers)} of {_weights(model.apply, variables, tokens)}"
+    )
+    return row
+
+
+def _weights(fn, *args) -> int:
+    """How many weight matmuls ``fn`` runs (layer-table rows with a weight)."""
+    table = qbits.layer_table(fn, "int8_fwd", *args)
+    return sum("weight" in row.kind for row in table.rows)
 
 
 def _nnx(name: str, model: nnx.Module, x: jax.Array) -> dict:
@@ -105,6 +123,21 @@ def _nnx(name: str, model: nnx.Module, x: jax.Array) -> dict:
     grad_all = _count(nnx.jit(nnx.grad(loss)), wrapped)
     row["wrappers_fwd"] = fwd
     row["wrappers_bwd"] = (grad_all[0] - fwd[0], grad_all[1] - fwd[1])
+    whole, state = nnx.split(model)
+    pure = nnx.to_pure_dict(state)
+
+    def apply(p, x):
+        return nnx.merge(whole, p)(x)
+
+    total = _weights(apply, pure, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = qbits.serving.size_report(qbits.serving.convert(model, "int8_fwd"))
+        function = qbits.serving.convert(apply, "int8_fwd", pure, x)
+    row["stored"] = (
+        f"module {len(module.layers)} of {total}; "
+        f"function {len(function.layers)} of {total}"
+    )
     return row
 
 
@@ -152,14 +185,15 @@ def main() -> None:
         "parameters)",
         "",
         "| model code | API | wrappers: forward | backward "
-        "| qbits.quantize: forward | backward |",
-        "|---|---|---|---|---|---|",
+        "| qbits.quantize: forward | backward | weights stored by serving.convert |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = [
             f"{r[k][0]} of {r[k][1]}"
             for k in ("wrappers_fwd", "wrappers_bwd", "transform_fwd", "transform_bwd")
         ]
+        cells.append(r["stored"])
         lines.append(f"| {r['model']} | {r['api']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
