@@ -70,10 +70,14 @@ class Weight:
     Attributes:
       path: Its module path for the rules (``('blocks_0', 'mlp', 'w_in')``).
       keys: Its key path inside the parameters argument (to find the leaf).
+      sliced: The scans (by ctx) that slice it per iteration (stacked
+        layers); in the other scans around a use it is the same every
+        iteration.
     """
 
     path: tuple[str, ...]
     keys: tuple[Any, ...] = dataclasses.field(default=(), compare=False)
+    sliced: frozenset[Ctx] = dataclasses.field(default=frozenset(), compare=False)
 
 
 @dataclasses.dataclass
@@ -451,7 +455,16 @@ class _Walker:
         n_consts, n_carry = scan_counts(p)
         length = int(p["length"])
         carry = [self.lose([v]) for v in ins[n_consts : n_consts + n_carry]]
-        inputs = ins[:n_consts] + carry + ins[n_consts + n_carry :]
+        xs = [
+            _Value(
+                frozenset(
+                    dataclasses.replace(w, sliced=w.sliced | {here}) for w in v.weights
+                ),
+                v.origins,
+            )
+            for v in ins[n_consts + n_carry :]
+        ]
+        inputs = ins[:n_consts] + carry + xs
         outs = self.walk(p["jaxpr"].jaxpr, inputs, here, frozen, stack,
                          (*loops, length), control)  # fmt: skip
         return [self.lose([v]) for v in outs]

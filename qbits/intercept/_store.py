@@ -34,8 +34,9 @@ class StoredMatmul:
     Attributes:
       path: The matmul's path (as in :func:`qbits.layer_table`).
       weight: The quantized weight, in the storage dtype (int4 packed two
-        per byte along the last axis), stacked along the scans the matmul
-        runs in (one slice per scanned layer).
+        per byte along the last axis), stacked along the scans that slice
+        the parameter (one slice per scanned layer); a loop that uses the
+        same weight every iteration stores it once.
       keys: The key path of the parameter feeding it, inside the
         parameters argument (``jax.tree_util`` keys).
       shape: The parameter's shape.
@@ -77,8 +78,9 @@ def store_weights(
 
     Returns:
       ``{matmul path: StoredMatmul}`` for each weight matmul whose forward
-      config quantizes the weight; convolutions are left out (served
-      quantizing on the fly). ``{name: s.weight}`` is what
+      config quantizes the weight; convolutions and matmuls inside a
+      ``cond`` or ``while`` body are left out (served quantizing on the
+      fly). ``{name: s.weight}`` is what
       ``qbits.quantize(fn, config, stored=...)`` takes.
 
     Raises:
@@ -132,7 +134,7 @@ def store_weights(
         weight, site = weights[ctx], sites[ctx]
         leaf = params[weight.keys]
         qt = collect[name]
-        ndim = len(qt.shape) - len(site.loops)  # the weight of one iteration
+        ndim = len(qt.shape) - len(weight.sliced)  # the weight of one layer
         lhs_axes, rhs_axes = site.contracting
         axes = lhs_axes if ctx in plan.swapped else rhs_axes
         out[name] = StoredMatmul(

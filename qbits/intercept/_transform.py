@@ -50,6 +50,9 @@ class _Plan:
         # ``store``: weight matmuls whose forward quantizes the weight run on
         # a stored (already quantized) weight, forward only (serving).
         self.stored: dict[Ctx, str] = {}
+        # A stored weight is stacked along the scans that slice it (stacked
+        # layers), and shared by the iterations of the others (a loop).
+        self.sliced: dict[str, frozenset[Ctx]] = {}
         # dot_general sites whose weight is the lhs operand: run with the
         # operands swapped so that the weight gets the config's rhs side.
         self.swapped: set[Ctx] = set()
@@ -59,7 +62,9 @@ class _Plan:
             config = rules.resolve(site.path).config
             if config is None or site.frozen or config.is_identity:
                 continue
-            if store and _stores(config, site):
+            # A weight in a cond or while body is quantized on the fly: the
+            # stored copy could not leave the body (like scale state).
+            if store and _stores(config, site) and not site.control:
                 if ops.needs_state(config) or config.fwd.needs_key:
                     what = ("rounds stochastically" if config.fwd.needs_key
                             else "takes its scales from state")  # fmt: skip
@@ -70,7 +75,8 @@ class _Plan:
                         "to nearest (serving is deterministic and stateless)",
                         why=f"matmul {site.path!r}, in {owner}",
                     )
-                self.stored[site.ctx] = self._name(site)
+                self.stored[site.ctx] = name = self._name(site)
+                self.sliced[name] = next(iter(site.rhs or site.lhs)).sliced
             elif ops.needs_state(config):
                 if site.control:
                     raise InvalidArgumentError(
@@ -291,8 +297,14 @@ class _Runner:
         # The state of the sites inside is stacked along the scan: one slice
         # per iteration (per layer, for a scan over stacked layers).
         names = self.plan.slots_under(here)
+        sliced = self.plan.sliced
+        shared = {n for n in names if n in sliced and here not in sliced[n]}
         initialising = frame.collect is not None
-        stacked = {} if initialising else {n: frame.states[n] for n in names}
+        stacked = (
+            {}
+            if initialising
+            else {n: frame.states[n] for n in names if n not in shared}
+        )
 
         def step(carry: list[Any], x: tuple[Any, list[Any], dict]) -> Any:
             it, x_slice, state_slice = x
@@ -308,8 +320,11 @@ class _Runner:
             step, list(init), (iters, list(xs), stacked), length=length,
             reverse=p["reverse"], unroll=p["unroll"],
         )  # fmt: skip
-        if initialising:
-            frame.collect.update(new)  # type: ignore[union-attr]
+        if initialising:  # a shared weight: every iteration stored the same
+            frame.collect.update(  # type: ignore[union-attr]
+                {n: jax.tree.map(lambda a: a[0], v) if n in shared else v
+                 for n, v in new.items()}
+            )  # fmt: skip
         return list(carry) + list(ys)
 
     def _while(self, eqn: Any, invals: list[Any], here: Ctx, frame: _Frame) -> list:

@@ -77,3 +77,28 @@ def test_missing_or_extra_stored_weights_are_named():
     rules = qbits.QuantConfig(rules=(qbits.Rule("w_t", None),), default="int8_fwd")
     with pytest.raises(qbits.InvalidArgumentError, match=r"with \['w_t'\] extra"):
         qbits.quantize(_fn, rules, stored=weights)(params, x)
+
+
+def test_weights_inside_cond_and_while_are_quantized_on_the_fly():
+    params, x = _params(), jax.random.normal(jax.random.key(1), (3, 16))
+
+    def fn(params, x):
+        h = jax.lax.cond(
+            x.sum() > 0, lambda: x @ params["w_in"], lambda: x @ params["shift"]
+        )
+        return jax.lax.fori_loop(
+            0, 2, lambda i, h: jnp.tanh(h @ params["w_left"].T @ params["w_left"]), h
+        )
+
+    stored = qbits.intercept.store_weights(fn, "int8_fwd", params, x)
+    # fori_loop with a static trip count is a scan: its weight is stored
+    # once (the same every iteration); the cond's are quantized on the fly.
+    assert sorted(stored) == ["w_left", "w_left#2"]
+    weights = {n: s.weight for n, s in stored.items()}
+    # Used twice per iteration (transposed, then not): two stored weights,
+    # neither stacked along the loop.
+    assert sorted(w.shape for w in weights.values()) == [(8, 32), (32, 8)]
+    served = qbits.quantize(fn, "int8_fwd", stored=weights)
+    np.testing.assert_array_equal(
+        jax.jit(served)(params, x), jax.jit(qbits.quantize(fn, "int8_fwd"))(params, x)
+    )
