@@ -20,7 +20,6 @@ quantized matmul quantizing on the fly, as in training. Its output equals
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -142,7 +141,7 @@ def convert_params(
     fwd = forward_only(original)
     variables = _variables(owner, variables)
     stored = intercept.store_weights(fn, fwd, variables, *args, **kwargs)
-    served = copy.deepcopy(jax.tree.map(lambda x: x, variables))  # new dicts
+    served = jax.tree.map(lambda x: x, variables)  # new dicts, the same arrays
     weights: dict[str, Any] = {}
     infos = []
     for name, s in stored.items():
