@@ -520,3 +520,26 @@ def test_an_activation_einsum_gives_lhs_to_its_written_first_operand(spec):
     want = jax.grad(lambda a, b: theirs(a, b).sum(), argnums=(0, 1))(a, b)
     for g, w in zip(grads, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_cond_branches_with_different_equations_each_run_their_own(flag):
+    """Equation i of one branch is not mistaken for equation i of another
+    (before: an IndexError from the runner)."""
+    dn = (((1,), (0,)), ((), ()))
+    dot = qbits.dot_general(qbits.presets.get("int8_fwd"))
+
+    def fn(params, x, flag):
+        return jax.lax.cond(
+            flag,
+            lambda x: x @ params["w"],
+            lambda x: (jnp.tanh(x) * 2.0) @ params["v"],
+            x,
+        )
+
+    params = {"w": jnp.full((8, 4), 0.5), "v": jnp.linspace(-1, 1, 32).reshape(8, 4)}
+    x = jax.random.normal(jax.random.key(0), (3, 8))
+    got = qbits.quantize(fn, "int8_fwd")(params, x, jnp.bool_(flag))
+    lhs, rhs = (x, params["w"]) if flag else (jnp.tanh(x) * 2.0, params["v"])
+    want = dot(lhs, rhs, dn)
+    np.testing.assert_array_equal(got, want)
