@@ -130,6 +130,11 @@ class Site:
     path: str = ""
 
     @property
+    def weights(self) -> frozenset[Weight]:
+        """The parameters feeding the weight side (the rhs, else the lhs)."""
+        return self.rhs or self.lhs
+
+    @property
     def kind(self) -> str:
         """``weight x activation``-style description of the operands."""
         sides = [
@@ -171,10 +176,10 @@ class Program:
         """Gives every site its rule path (module path, or module/parameter)."""
         by_module: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
         for site in self.sites:
-            for w in site.rhs or site.lhs:
+            for w in site.weights:
                 by_module.setdefault(w.path[:-1], set()).add(w.path)
         for site in self.sites:
-            weights = sorted(site.rhs or site.lhs, key=lambda w: w.path)
+            weights = sorted(site.weights, key=lambda w: w.path)
             if weights:
                 w = weights[0]
                 module = w.path[:-1]

@@ -121,17 +121,14 @@ def store_weights(
 
     collect = collect_weights(dyn)
     sites = {site.ctx: site for site in program.sites}
-    weights = {}  # each site's parameter
-    for ctx in plan.stored:
-        site = sites[ctx]
-        weights[ctx] = next(iter(site.rhs or site.lhs))
     # A parameter can be dropped when every matmul reading it is stored.
     others = {w for ctx, site in sites.items() if ctx not in plan.stored
               for w in site.lhs | site.rhs}  # fmt: skip
     params = dict(jax.tree_util.tree_flatten_with_path(args[params_argnum])[0])
     out = {}
     for ctx, name in plan.stored.items():
-        weight, site = weights[ctx], sites[ctx]
+        site = sites[ctx]
+        weight = next(iter(site.weights))
         leaf = params[weight.keys]
         qt = collect[name]
         ndim = len(qt.shape) - len(weight.sliced)  # the weight of one layer

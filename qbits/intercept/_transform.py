@@ -76,7 +76,7 @@ class _Plan:
                         why=f"matmul {site.path!r}, in {owner}",
                     )
                 self.stored[site.ctx] = name = self._name(site)
-                self.sliced[name] = next(iter(site.rhs or site.lhs)).sliced
+                self.sliced[name] = next(iter(site.weights)).sliced
             elif ops.needs_state(config):
                 if site.control:
                     raise InvalidArgumentError(
@@ -119,7 +119,7 @@ class _Plan:
 
 def _stores(config: Any, site: Any) -> bool:
     """Whether serving stores this site's weight (a quantized weight operand)."""
-    if site.primitive != "dot_general" or not (site.rhs or site.lhs):
+    if site.primitive != "dot_general" or not site.weights:
         return False
     return not isinstance(config.fwd.rhs.numerics, NoNumerics)
 
@@ -205,14 +205,12 @@ class _Runner:
 
     def _matmul(self, eqn: Any, invals: list[Any], here: Ctx, frame: _Frame) -> Any:
         config, index = self.plan.configs[here]
-        key = frame.key
-        site_key = derive_key(key, index) if config.needs_key else None
+        site_key = derive_key(frame.key, index) if config.needs_key else None
         p = dict(eqn.params)
-        state_name = self.plan.state_keys.get(here)
         kwargs: dict[str, Any] = {}
         swap = here in self.plan.swapped
         if eqn.primitive.name == "dot_general":
-            op = ops.dot_general(config, site_key)
+            make = ops.dot_general
             lhs, rhs = invals[0], invals[1]
             dn, precision = p["dimension_numbers"], p.get("precision")
             out_sharding = p.get("out_sharding")
@@ -223,7 +221,7 @@ class _Runner:
             if out_sharding is not None:
                 kwargs["out_sharding"] = out_sharding
         else:
-            op = ops.conv_general_dilated(config, site_key)
+            make = ops.conv_general_dilated
             args = (
                 invals[0], invals[1], p["window_strides"], p["padding"],
                 p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"],
@@ -231,27 +229,27 @@ class _Runner:
                 p.get("preferred_element_type"),
             )  # fmt: skip
         stored_name = self.plan.stored.get(here)
+        state_name = self.plan.state_keys.get(here)
         if stored_name is not None:
             dims = ops.Dims.create(args[2], jnp.ndim(args[0]), jnp.ndim(args[1]))
             if frame.collect is not None:  # storing: the forward's rhs, once
-                weight = jnp.asarray(args[1])
                 frame.collect[stored_name] = ops.store_weight(
-                    weight, config.fwd, dims.rhs_contract
+                    args[1], config.fwd, dims.rhs_contract
                 )
                 return bind(eqn, invals)
             qt = frame.states[stored_name].replace(dtype=np.dtype(args[1].dtype))
             out = ops.stored_matmul(
-                args[0], qt, dims, config.fwd, precision=_tuple(args[3]),
+                args[0], qt, dims, config.fwd, precision=args[3],
                 preferred_element_type=args[4], **kwargs,
             )  # fmt: skip
         elif state_name is not None and frame.collect is not None:
             # initialising: the state from the actual operands, float forward
-            frame.collect[state_name] = op.init_state(*args[:5])
+            frame.collect[state_name] = make(config).init_state(*args[:5])
             return bind(eqn, invals)
         else:
             if state_name is not None:
                 kwargs["state"] = frame.states[state_name]
-            out = op(*args, **kwargs)
+            out = make(config, site_key)(*args, **kwargs)
         if swap:  # back to the equation's own output layout
             out = jnp.transpose(out, np.argsort(perm))
         return out
@@ -378,10 +376,6 @@ def _permuted_sharding(sharding: Any, perm: list[int]) -> Any:
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, new)
     return new
-
-
-def _tuple(precision: Any) -> Any:
-    return tuple(precision) if isinstance(precision, list) else precision
 
 
 def _iteration_key(key: Any, iteration: Any) -> Any:

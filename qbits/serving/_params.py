@@ -43,7 +43,7 @@ from qbits.serving._layout import (
     stored_qtensor,
 )
 
-__all__ = ["ServingParams", "convert_params", "serve_params"]
+__all__ = ["ServingParams", "convert_params", "get_path", "serve_params"]
 
 
 class ServingParams(struct.PyTreeNode):
@@ -115,7 +115,8 @@ def _key(node: Mapping[Any, Any], part: str) -> Any:
     return part
 
 
-def _get(tree: Mapping[Any, Any], path: str) -> Any:
+def get_path(tree: Mapping[Any, Any], path: str) -> Any:
+    """The node at ``path`` (``"a/b"``; ``""`` is ``tree`` itself)."""
     for p in path.split("/") if path else ():
         tree = tree[_key(tree, p)]
     return tree
@@ -156,6 +157,13 @@ def convert_params(
             node = node.setdefault(part, {})
         node.update(qvalue=s.weight.qvalue, scale=s.weight.scale)
         cfg = fwd.resolve(rule_path(name)).config.fwd
+        dropped = {}
+        if keys is not None:
+            dropped = dict(
+                param="/".join(map(str, keys)),
+                param_shape=s.shape,
+                param_dtype=np.dtype(s.dtype).name,
+            )
         infos.append(
             LayerInfo(
                 path=name,
@@ -167,9 +175,7 @@ def convert_params(
                 packed=s.weight.packed_axis is not None,
                 config=fingerprint(cfg),
                 name=original.resolve(rule_path(name)).name or "",
-                param="/".join(map(str, keys)) if keys is not None else "",
-                param_shape=s.shape if keys is not None else (),
-                param_dtype=np.dtype(s.dtype).name if keys is not None else "",
+                **dropped,
             )
         )
     served[COLLECTION] = weights
@@ -191,19 +197,19 @@ def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict]:
             why=why,
         )
     check_layers(owner, forward_only(config), config, serving.layers)
-    variables = dict(serving.variables)
-    weights = variables.pop(COLLECTION, {})
-    variables = jax.tree.map(lambda x: x, variables)  # new dicts to fill
+    weights = serving.variables.get(COLLECTION, {})
+    variables = jax.tree.map(  # new dicts to fill
+        lambda x: x, {k: v for k, v in serving.variables.items() if k != COLLECTION}
+    )
     stored = {}
+    filled = set()  # parameters replaced by zeros (several matmuls may share one)
     for info in serving.layers:
-        arrays = _get(weights, info.path)
+        arrays = get_path(weights, info.path)
         check_stored(owner, info, arrays["qvalue"], arrays["scale"])
         stored[info.path] = stored_qtensor(info, arrays["qvalue"], arrays["scale"])
-        if info.param:  # the matmul ignores it: any value of its shape
-            *parents, leaf = info.param.split("/")
-            node = variables
-            for p in parents:
-                node = node[_key(node, p)]
+        if info.param and info.param not in filled:  # any value of its shape
+            parents, _, leaf = info.param.rpartition("/")
+            node = get_path(variables, parents)
             leaf = _key(node, leaf)
             if leaf in node:
                 raise InvalidArgumentError(
@@ -215,6 +221,7 @@ def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict]:
                     f"{info.qdtype} weight in its place",
                 )
             node[leaf] = jnp.zeros(info.param_shape, info.param_dtype)
+            filled.add(info.param)
     return variables, stored
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from qbits._errors import InvalidArgumentError
 from qbits.serving._layout import COLLECTION, LayerInfo
 from qbits.serving._nnx import KernelPlaceholder, StoredWeight, served_layers
-from qbits.serving._params import ServingParams
+from qbits.serving._params import ServingParams, get_path
 
 __all__ = ["LayerSize", "SizeReport", "size_report"]
 
@@ -197,9 +197,7 @@ def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
         stored = serving.variables.get(COLLECTION, {})
         rows = []
         for info in serving.layers:
-            arrays = stored
-            for part in info.path.split("/") if info.path else ():
-                arrays = arrays[part]
+            arrays = get_path(stored, info.path)
             rows.append(_row(info, arrays["qvalue"], arrays["scale"]))
         others = _arrays(
             {k: v for k, v in serving.variables.items() if k != COLLECTION}

@@ -454,3 +454,16 @@ def test_custom_layers_einsum_weights_and_scanned_layers_are_stored(scan, preset
     if preset == "int8_fwd":
         dots = qbits.ops.dot_dtypes(serving.serve(model, preset).apply, sp, tokens)
         assert set(dots) == {("s8", "s8", "s32")}
+
+
+def test_a_parameter_read_by_two_stored_matmuls_is_dropped_once():
+    def fn(params, x):
+        return jnp.tanh(x @ params["w"]) @ params["w"].T
+
+    params = {"w": jax.random.normal(jax.random.key(0), (16, 8))}
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    sp = serving.convert(fn, "int8_fwd", params, x)
+    assert [info.param for info in sp.layers] == ["w", "w"]
+    assert "w" not in sp.variables
+    served = jax.jit(serving.serve(fn, "int8_fwd"))(sp, x)
+    np.testing.assert_array_equal(served, qbits.quantize(fn, "int8_fwd")(params, x))
