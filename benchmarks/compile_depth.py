@@ -192,10 +192,13 @@ def run_child(variant: str, model: str, depth: int) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _slope(depths: list[int], seconds: list[float]) -> float:
+def _slope(depths: list[int], seconds: list[float]) -> float | None:
+    """Least-squares seconds per layer; ``None`` with fewer than two depths."""
     n = len(depths)
     mx, my = sum(depths) / n, sum(seconds) / n
     den = sum((d - mx) ** 2 for d in depths)
+    if not den:
+        return None
     return sum((d - mx) * (s - my) for d, s in zip(depths, seconds, strict=True)) / den
 
 
@@ -231,9 +234,8 @@ def main() -> None:
             }
             entry[case]["ratio"] = round(median(v, case) / median("float32", case), 3)
         deep = [f"deep{d}" for d in args.depths]
-        entry["slope_s_per_layer"] = round(
-            _slope(args.depths, [median(v, c) for c in deep]), 4
-        )
+        slope = _slope(args.depths, [median(v, c) for c in deep])
+        entry["slope_s_per_layer"] = None if slope is None else round(slope, 4)
         results[v] = entry
     import jax
 
@@ -263,8 +265,10 @@ def main() -> None:
             for d in args.depths
         ]
         mlp = e["mlp2"]
+        slope = e["slope_s_per_layer"]
         lines.append(
-            f"| {v} | {' | '.join(cells)} | {e['slope_s_per_layer']:.3f} | "
+            f"| {v} | {' | '.join(cells)} | "
+            f"{'—' if slope is None else f'{slope:.3f}'} | "
             f"{mlp['total_s']:.2f} ({mlp['ratio']:.2f}) |"
         )
     table = "\n".join(lines) + "\n"
