@@ -466,4 +466,5 @@ def test_a_parameter_read_by_two_stored_matmuls_is_dropped_once():
     assert [info.param for info in sp.layers] == ["w", "w"]
     assert "w" not in sp.variables
     served = jax.jit(serving.serve(fn, "int8_fwd"))(sp, x)
-    np.testing.assert_array_equal(served, qbits.quantize(fn, "int8_fwd")(params, x))
+    qat = jax.jit(qbits.quantize(fn, "int8_fwd"))(params, x)
+    np.testing.assert_array_equal(served, qat)
