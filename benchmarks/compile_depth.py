@@ -4,7 +4,9 @@ Every measurement runs in a fresh process (as a user meets it after a
 restart): trace, lower and XLA-compile the first call of one SGD training
 step of N Dense layers (width 256, batch 128, ReLU, MSE loss), on one core
 with single-threaded XLA:CPU. Variants: float32, qbits ``int8`` (forward
-and both backward matmuls, stochastic rounding of the gradients),
+and both backward matmuls, stochastic rounding of the gradients, each
+layer's key from ``qbits.numerics.derive_key(key, i)``), ``int8_fold_in``
+(the same with ``jax.random.fold_in(key, i)``),
 ``int8_nearest`` (the same with rounding to nearest, like Qwix's),
 ``int8_fwd``, ``fp8``, ``int8_quantize`` (the float loss quantized by
 ``qbits.quantize``), and Qwix's quantized training (QT) int8 when the
@@ -36,6 +38,7 @@ import time
 VARIANTS = (
     "float32",
     "int8",
+    "int8_fold_in",
     "int8_nearest",
     "int8_fwd",
     "fp8",
@@ -86,13 +89,20 @@ def child(variant: str, model: str, depth: int) -> dict[str, float]:
         elif variant == "int8_quantize":  # the float loss, transformed
             config = None
         else:
-            config = None if variant == "float32" else qbits.presets.get(variant)
+            preset = "int8" if variant == "int8_fold_in" else variant
+            config = None if variant == "float32" else qbits.presets.get(preset)
 
         def dot(i: int, key: jax.Array):
             if config is None:
                 return jax.lax.dot_general
-            k = jax.random.fold_in(key, i) if config.needs_key else None
-            return qbits.dot_general(config, k)
+            # A key per layer from qbits' cheap derivation (derive_key);
+            # jax.random.fold_in is a threefry loop of several kernels per
+            # layer on CPU (the int8_fold_in variant).
+            if not config.needs_key:
+                return qbits.dot_general(config)
+            fold_in = variant == "int8_fold_in"
+            derive = jax.random.fold_in if fold_in else qbits.numerics.derive_key
+            return qbits.dot_general(config, derive(key, i))
 
         def loss(params, x, y, key):
             h = x

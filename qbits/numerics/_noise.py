@@ -9,6 +9,16 @@ by the finalizer of MurmurHash3 (a bijection on 32-bit words, so for one key
 the bits are a permutation of the indices: exactly uniform over any 2**32
 elements). It is a few integer operations that XLA fuses into the
 quantization that consumes the noise.
+
+Compile time: XLA:CPU compiles one kernel per *distinct* fused computation,
+and a constant that differs between layers (a layer index folded into each
+layer's key) makes each layer's kernels distinct ones. The key therefore
+enters the quantization only as one ``uint32`` seed, reduced from the key's
+words in a small kernel of its own: whatever derived the key stays in that
+kernel, and the quantization kernels of equal-shaped layers are one kernel,
+compiled once. Derive per-layer keys with :func:`derive_key` (one small
+kernel per key) rather than ``jax.random.fold_in`` (a threefry loop of
+several kernels per key on CPU).
 """
 
 from __future__ import annotations
@@ -47,8 +57,8 @@ def derive_key(key: jax.Array, stream: int) -> jax.Array:
     """A key for stream ``stream`` of ``key``: its words hashed with the stream.
 
     Stands in for ``jax.random.fold_in`` where many keys are derived (six per
-    quantized matmul): elementwise integer operations instead of a threefry
-    hash, the same kind of key (typed or legacy) as ``key``.
+    quantized matmul, one per layer): elementwise integer operations instead
+    of a threefry hash, the same kind of key (typed or legacy) as ``key``.
 
     Example:
       >>> k = jax.random.key(0)
@@ -63,6 +73,18 @@ def derive_key(key: jax.Array, stream: int) -> jax.Array:
     return words.astype(key.dtype)
 
 
+def _mixed_sum(words: jax.Array) -> jax.Array:
+    """One ``uint32`` from a vector of words, each hashed with its position.
+
+    A reduction, so that XLA computes it in a kernel of its own and hands its
+    consumers a scalar: an elementwise scalar would be copied, with the
+    constants that produced it, into every kernel that uses it.
+    """
+    words = words.reshape(-1)
+    position = jax.lax.iota(jnp.uint32, words.shape[0]) + np.uint32(1)
+    return jnp.sum(_fmix32(words + position * _GOLDEN), dtype=jnp.uint32)
+
+
 def hash_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """32 random bits per element of ``shape`` from ``key`` (counter-based hash).
 
@@ -70,10 +92,7 @@ def hash_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     seed mixed from all of the key's words: the same key gives the same bits;
     shapes beyond 2**32 elements repeat.
     """
-    words = _key_words(key).reshape(-1)
-    seed = _fmix32(words[0] + _GOLDEN)
-    for i in range(1, words.shape[0]):
-        seed = _fmix32(seed ^ words[i])
+    seed = _fmix32(_mixed_sum(_key_words(key)))
     index = jax.lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64)))
     return _fmix32(index * _GOLDEN ^ seed).reshape(shape)
 

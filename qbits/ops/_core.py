@@ -168,6 +168,27 @@ def _key(key: jax.Array | None, stream: int) -> jax.Array | None:
     return None if key is None else derive_key(key, stream)
 
 
+def _settled(key: jax.Array) -> jax.Array:
+    """``key`` itself, computed by a kernel of its own (a reduction).
+
+    XLA:CPU compiles one kernel per distinct fused computation. A key derived
+    per layer carries a per-layer constant, which XLA would copy into each of
+    the key streams this matmul derives from it (a distinct kernel per layer
+    and stream). Summed with zeros along a new axis, the key comes out of a
+    reduction that XLA keeps apart: one small kernel per layer, and the
+    streams' kernels are the same for every layer.
+    """
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    words = jax.random.key_data(key) if typed else key
+    padded = jnp.stack([words, jnp.zeros_like(words)], axis=-1)
+    words = jnp.sum(padded, axis=-1, dtype=words.dtype)
+    return (
+        jax.random.wrap_key_data(words, impl=jax.random.key_impl(key))
+        if typed
+        else words
+    )
+
+
 def quantize(
     quantizer: Quantizer,
     x: jax.Array,
@@ -235,6 +256,8 @@ def apply(
       InvalidArgumentError: Under forward-mode differentiation
         (``jax.jvp``, ``jax.jacfwd``), which a custom VJP does not have.
     """
+    if key is not None:
+        key = _settled(key)
     try:
         return _jit_core(plan, lhs, rhs, key, scales)
     except TypeError as e:

@@ -301,7 +301,9 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
       key: A PRNG key, required when any operand rounds stochastically.
         The six operands draw from ``qbits.numerics.derive_key(key, i)``,
         i = 0..5. Pass a new key each step (and per layer) for independent
-        noise.
+        noise; per-layer keys from ``qbits.numerics.derive_key(key, layer)``
+        compile faster than from ``jax.random.fold_in`` (a threefry loop of
+        several XLA:CPU kernels per layer).
 
     Returns:
       A :class:`DotGeneral`, usable as ``dot_general=`` in ``flax.linen.Dense``
