@@ -115,3 +115,47 @@ def test_one_program_for_cpu_and_gpu_exports():
     x = jnp.ones((8, 16))
     text = f.trace(x, x.T).lower(lowering_platforms=("cpu", "cuda")).as_text()
     assert "stablehlo.case" in text
+
+
+def _normalized(body: str) -> str:
+    """A fused computation's instructions without names or metadata."""
+    names: dict[str, str] = {}
+    lines = []
+    for line in body.splitlines():
+        line = re.sub(r", metadata=\{[^}]*\}", "", line)
+        lhs, _, rhs = line.partition(" = ")
+        names[lhs.split()[-1]] = f"v{len(names)}"
+        lines.append(re.sub(r"%[\w.\-]+", lambda m: names.get(m[0], "?"), rhs))
+    return "\n".join(sorted(lines))
+
+
+def _noise_kernels(depth: int) -> int:
+    """Distinct fused computations that draw noise, in an int8 step of ``depth``."""
+    config = qbits.presets.get("int8")
+
+    def loss(ws, x, key):
+        for i, w in enumerate(ws):
+            k = qbits.numerics.derive_key(key, i)
+            x = jax.nn.relu(qbits.dot_general(config, k)(x, w, DN))
+        return jnp.sum(x**2)
+
+    ws = [jnp.full((32, 32), 0.1 + i) for i in range(depth)]
+    x = jnp.ones((16, 32))
+    step = jax.jit(jax.grad(loss))
+    hlo = step.trace(ws, x, jax.random.key(0)).lower().compile().as_text()
+    kernels = set()
+    for body in re.findall(r"\n%fused[^\n]*\{\n(.*?)\n\}", hlo, re.S):
+        if " iota(" not in body:  # only the noise hash uses iota here
+            continue
+        kernels.add(_normalized(body))
+    return len(kernels)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU fusions")
+def test_noise_kernels_are_shared_by_equal_layers_with_their_own_keys():
+    # XLA:CPU compiles each distinct fused computation once (a kernel of its
+    # own, ~20 ms). The layer's key (derive_key(key, i): a per-layer constant)
+    # must stay out of the noise kernels, or each layer compiles its own.
+    shallow, deep = _noise_kernels(3), _noise_kernels(6)
+    assert shallow > 0
+    assert deep == shallow
