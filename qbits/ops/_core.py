@@ -178,15 +178,11 @@ def _settled(key: jax.Array) -> jax.Array:
     reduction that XLA keeps apart: one small kernel per layer, and the
     streams' kernels are the same for every layer.
     """
-    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    words = jax.random.key_data(key) if typed else key
-    padded = jnp.stack([words, jnp.zeros_like(words)], axis=-1)
-    words = jnp.sum(padded, axis=-1, dtype=words.dtype)
-    return (
-        jax.random.wrap_key_data(words, impl=jax.random.key_impl(key))
-        if typed
-        else words
-    )
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        words = _settled(jax.random.key_data(key))
+        return jax.random.wrap_key_data(words, impl=jax.random.key_impl(key))
+    padded = jnp.stack([key, jnp.zeros_like(key)], axis=-1)
+    return jnp.sum(padded, axis=-1, dtype=key.dtype)
 
 
 def quantize(
@@ -256,7 +252,7 @@ def apply(
       InvalidArgumentError: Under forward-mode differentiation
         (``jax.jvp``, ``jax.jacfwd``), which a custom VJP does not have.
     """
-    if key is not None:
+    if key is not None and plan.config.needs_key:
         key = _settled(key)
     try:
         return _jit_core(plan, lhs, rhs, key, scales)
