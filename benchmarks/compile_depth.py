@@ -4,15 +4,17 @@ Every measurement runs in a fresh process (as a user meets it after a
 restart): trace, lower and XLA-compile the first call of one SGD training
 step of N Dense layers (width 256, batch 128, ReLU, MSE loss), on one core
 with single-threaded XLA:CPU. Variants: float32, qbits ``int8`` (forward
-and both backward matmuls, stochastic rounding of the gradients, each
-layer's key from ``qbits.numerics.derive_key(key, i)``), ``int8_fold_in``
-(the same with ``jax.random.fold_in(key, i)``),
-``int8_nearest`` (the same with rounding to nearest, like Qwix's),
-``int8_fwd``, ``fp8``, ``int8_quantize`` (the float loss quantized by
-``qbits.quantize``), and Qwix's quantized training (QT) int8 when the
-``qwix`` package is installed (``pip install -e ".[compare]"``: a
-benchmark-only extra, never a dependency of qbits). Also the 2-layer MLP
-of ``train_step.py`` (512 -> 2048 -> 512, batch 256).
+and both backward matmuls, stochastic rounding of the gradients, the layers'
+keys a chain of ``qbits.numerics.next_key``), ``int8_derive_key`` (the same
+with each layer's key ``qbits.numerics.derive_key(key, i)``),
+``int8_nearest`` (int8 everywhere, rounding to nearest), ``int8_reuse``
+(the same, with the backward matmuls reusing the forward's quantized
+operands: the work Qwix's QT does), ``int8_fwd``, ``fp8``,
+``int8_quantize`` (the float loss quantized by ``qbits.quantize``), and
+Qwix's quantized training (QT) int8 when the ``qwix`` package is installed
+(``pip install -e ".[compare]"``: a benchmark-only extra, never a
+dependency of qbits). Also the 2-layer MLP of ``train_step.py``
+(512 -> 2048 -> 512, batch 256).
 
 Reports, per variant and depth, the median seconds over ``--repeats``
 fresh processes (split into trace, lower and XLA compile), the ratio to
@@ -38,8 +40,9 @@ import time
 VARIANTS = (
     "float32",
     "int8",
-    "int8_fold_in",
+    "int8_derive_key",
     "int8_nearest",
+    "int8_reuse",
     "int8_fwd",
     "fp8",
     "int8_quantize",
@@ -80,34 +83,40 @@ def child(variant: str, model: str, depth: int) -> dict[str, float]:
     else:
         import qbits
 
-        if variant == "int8_nearest":  # int8 everywhere, no stochastic rounding
+        if variant in ("int8_nearest", "int8_reuse"):  # no stochastic rounding
             q = qbits.Quantizer(
                 qbits.IntNumerics(bits=8), granularity=qbits.PerChannel()
             )
             mm = qbits.MatmulConfig(lhs=q, rhs=q)
-            config = qbits.DotGeneralConfig(mm, mm, mm)
+            bwd = mm.replace(use_fwd_quant=variant == "int8_reuse")
+            config = qbits.DotGeneralConfig(mm, bwd, bwd)
         elif variant == "int8_quantize":  # the float loss, transformed
             config = None
         else:
-            preset = "int8" if variant == "int8_fold_in" else variant
+            preset = "int8" if variant == "int8_derive_key" else variant
             config = None if variant == "float32" else qbits.presets.get(preset)
 
-        def dot(i: int, key: jax.Array):
+        def layer_keys(key: jax.Array) -> list[jax.Array]:
+            if variant == "int8_derive_key":  # a layer index in each key
+                return [qbits.numerics.derive_key(key, i) for i in range(len(params))]
+            keys = []  # a chain: the same kernel for every layer's key
+            for _ in params:
+                key = qbits.numerics.next_key(key)
+                keys.append(key)
+            return keys
+
+        def dot(key: jax.Array | None):
             if config is None:
                 return jax.lax.dot_general
-            # A key per layer from qbits' cheap derivation (derive_key);
-            # jax.random.fold_in is a threefry loop of several kernels per
-            # layer on CPU (the int8_fold_in variant).
             if not config.needs_key:
                 return qbits.dot_general(config)
-            fold_in = variant == "int8_fold_in"
-            derive = jax.random.fold_in if fold_in else qbits.numerics.derive_key
-            return qbits.dot_general(config, derive(key, i))
+            return qbits.dot_general(config, key)
 
         def loss(params, x, y, key):
             h = x
+            keys = layer_keys(key) if config is not None and config.needs_key else None
             for i, w in enumerate(params):
-                h = dot(i, key)(h, w, dn)
+                h = dot(None if keys is None else keys[i])(h, w, dn)
                 if i + 1 < len(params):
                     h = jax.nn.relu(h)
             return jnp.mean((h - y) ** 2)

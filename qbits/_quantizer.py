@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,7 @@ from qbits.numerics import (
 from qbits.providers import ScaleProvider
 from qbits.tensor import QTensor, storage_dtype
 
-__all__ = ["Quantizer", "mx_quantizer"]
+__all__ = ["Quantizer", "Request", "mx_quantizer", "quantize_all"]
 
 
 class Quantizer(struct.PyTreeNode):
@@ -207,48 +209,142 @@ class Quantizer(struct.PyTreeNode):
         vjp: bool,
         given: jax.Array | None = None,
     ) -> tuple[QTensor, jax.tree_util.Partial | None]:
-        x = check_float_input("Quantizer.quant", x)
-        if given is None and isinstance(self.calibration, ScaleProvider):
-            raise InvalidArgumentError(
-                "Quantizer.quant",
-                "scale",
-                None,
-                "a given scale: this quantizer's scale comes from state "
-                f"({type(self.calibration).__name__}); quantize with "
-                "qbits.dot_general(config)(..., state=...) or through "
-                "qbits.flax.quantize / qbits.nnx.quantize, which keep it",
-            )
-        qdtype = self.numerics.get_dtype()
-        if store and qdtype is None and not isinstance(self.numerics, NoNumerics):
-            raise InvalidArgumentError(
-                "Quantizer.quant",
-                "store",
-                True,
-                "False for these numerics",
-                why=f"{self.numerics!r} has no storage dtype",
-            )
-        if isinstance(self.numerics, NoNumerics):
-            qt = QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
-            return qt, (jax.tree_util.Partial(_identity) if vjp else None)
+        request = Request(self, x, context, store, contracting_axes, given)
+        (out,) = quantize_all([request], vjp=vjp)
+        return out
 
-        blocks = self.granularity.block_sizes(x.shape, contracting_axes)
-        layout = BlockLayout.create(x.shape, blocks)
-        xb = x.astype(compute_dtype(x.dtype)).reshape(layout.blocked_shape)
-        mapped = self.numerics.abs_val_mapped_to()
 
-        def scale_of(bound: jax.Array) -> jax.Array:
-            return make_scale(bound, mapped, self.scale_rounding, x.dtype)
+class Request(NamedTuple):
+    """One tensor for :func:`quantize_all`: what :meth:`Quantizer.quant` takes.
 
-        def quantize(v: jax.Array, bound: jax.Array) -> jax.Array:
-            s = scale_of(bound)
-            return self.numerics.fwd(v / s, context) * s
+    Attributes:
+      quantizer: How to quantize it.
+      x: The tensor.
+      context: Carries the PRNG key for stochastic rounding.
+      store: Return the values in the storage dtype.
+      contracting_axes: The axes a matmul contracts, or ``None``.
+      scale: The given scale of a quantizer with a scale provider, or ``None``.
+    """
 
-        # quant_vjp is never differentiated (it runs inside custom VJPs), so
-        # only quant needs the gradient stops (and the storage-cast guard).
-        no_grad = (lambda v: v) if vjp else lax.stop_gradient
-        if given is not None:
-            bound = None
-        elif x.size:
+    quantizer: Quantizer
+    x: jax.Array
+    context: Context | None = None
+    store: bool = False
+    contracting_axes: tuple[int, ...] | None = None
+    scale: jax.Array | None = None
+
+
+def quantize_all(
+    requests: Sequence[Request], *, vjp: bool
+) -> list[tuple[QTensor, jax.tree_util.Partial | None]]:
+    """Quantizes several tensors, as :meth:`Quantizer.quant` (``quant_vjp``).
+
+    Each tensor is calibrated on its own; then the per-block arithmetic
+    that turns bounds into scales and their inverses runs once for every
+    group of tensors whose quantizers do the same arithmetic, on their
+    bounds laid end to end. The numbers are those of quantizing each tensor
+    alone; XLA compiles one small kernel per group instead of one per
+    tensor (a quantized matmul quantizes four tensors in its forward pass
+    and two in its backward).
+
+    Returns:
+      ``(qtensor, grad)`` per request; ``grad`` is ``None`` unless ``vjp``.
+    """
+    out: list[Any] = [None] * len(requests)
+    groups: dict[Any, list[tuple[int, _Pending]]] = {}
+    for i, request in enumerate(requests):
+        pending = _calibrate(request, vjp)
+        if isinstance(pending, _Pending):
+            groups.setdefault(pending.group, []).append((i, pending))
+        else:
+            out[i] = pending
+    for members in groups.values():
+        first = members[0][1]
+        make = first.scale_of if first.bound is not None else None
+        scales = _scales_and_inverses([p.flat for _, p in members], make, first.split)
+        for (i, p), (scale, inverse, pre) in zip(members, scales, strict=True):
+            out[i] = _encode(p, scale, inverse, pre, vjp)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A tensor calibrated, waiting for its scale (see :func:`quantize_all`)."""
+
+    request: Request
+    x: jax.Array
+    xb: jax.Array
+    layout: BlockLayout
+    bound: jax.Array | None
+    flat: jax.Array
+    blocks: tuple[int, ...]
+    qdtype: Any
+    split: bool
+    scale_of: Any
+    group: Any
+
+
+def _calibrate(
+    request: Request, vjp: bool
+) -> _Pending | tuple[QTensor, jax.tree_util.Partial | None]:
+    """A request's checks and bound (or given scale): the work before its scale."""
+    self, context, store, given = (
+        request.quantizer,
+        request.context,
+        request.store,
+        request.scale,
+    )
+    x = check_float_input("Quantizer.quant", request.x)
+    if given is None and isinstance(self.calibration, ScaleProvider):
+        raise InvalidArgumentError(
+            "Quantizer.quant",
+            "scale",
+            None,
+            "a given scale: this quantizer's scale comes from state "
+            f"({type(self.calibration).__name__}); quantize with "
+            "qbits.dot_general(config)(..., state=...) or through "
+            "qbits.flax.quantize / qbits.nnx.quantize, which keep it",
+        )
+    qdtype = self.numerics.get_dtype()
+    if store and qdtype is None and not isinstance(self.numerics, NoNumerics):
+        raise InvalidArgumentError(
+            "Quantizer.quant",
+            "store",
+            True,
+            "False for these numerics",
+            why=f"{self.numerics!r} has no storage dtype",
+        )
+    if isinstance(self.numerics, NoNumerics):
+        qt = QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
+        return qt, (jax.tree_util.Partial(_identity) if vjp else None)
+
+    blocks = self.granularity.block_sizes(x.shape, request.contracting_axes)
+    layout = BlockLayout.create(x.shape, blocks)
+    xb = x.astype(compute_dtype(x.dtype)).reshape(layout.blocked_shape)
+    mapped = self.numerics.abs_val_mapped_to()
+    scale_of = functools.partial(
+        make_scale,
+        abs_val_mapped_to=mapped,
+        rounding=self.scale_rounding,
+        dtype=x.dtype,
+    )
+
+    def quantize(v: jax.Array, bound: jax.Array) -> jax.Array:
+        s = scale_of(bound)
+        return self.numerics.fwd(v / s, context) * s
+
+    # quant_vjp is never differentiated (it runs inside custom VJPs), so
+    # only quant needs the gradient stops (and the storage-cast guard).
+    no_grad = (lambda v: v) if vjp else lax.stop_gradient
+    if given is not None:
+        bound = None
+        blocks = tuple(
+            1 if a in layout.reduce_axes else n
+            for a, n in enumerate(layout.blocked_shape)
+        )
+        flat = _flat(_given_scale(given, layout.scale_shape))
+    else:
+        if x.size:
             bound = self.calibration(no_grad(xb), layout.reduce_axes, quantize)
         else:  # nothing to calibrate: every (empty) block gets scale 1
             reduced = [
@@ -256,51 +352,71 @@ class Quantizer(struct.PyTreeNode):
                 for a, n in enumerate(layout.blocked_shape)
             ]
             bound = jnp.zeros(reduced, xb.dtype)
-        # Per-block arithmetic on a flat vector: XLA compiles one kernel for
-        # every distinct computation, and flat vectors of the same length are
-        # the same computation whichever axes the blocks span (not where the
-        # scales are sharded along mesh axes in their type: see _flat).
-        if bound is None:  # a given scale
-            blocks = tuple(
-                1 if a in layout.reduce_axes else n
-                for a, n in enumerate(layout.blocked_shape)
-            )
-            scale = _flat(_given_scale(given, layout.scale_shape))
-        else:
-            blocks = bound.shape
-            scale = no_grad(scale_of(_flat(bound)))
-        # A scale above 2**126 has a subnormal inverse, which XLA:CPU flushes
-        # to zero (grids whose top is below 4: int1..int3). Such blocks are
-        # divided in two exact steps, a power of two first.
-        split = scale_limits(mapped, self.scale_rounding, x.dtype)[1] > 2.0**126
-        pre = _pre_factor(scale) if split else None
-        scale, inverse = _scale_and_inverse(scale, pre)
-        scale, inverse = scale.reshape(blocks), inverse.reshape(blocks)
-        y = xb * inverse if pre is None else (xb * pre.reshape(blocks)) * inverse
-        grad = None
-        if vjp:
-            q, residuals = self.numerics.vjp_fwd(y, context)
-            grad = jax.tree_util.Partial(
-                functools.partial(_numerics_grad, self.numerics, layout.blocked_shape),
-                residuals,
-            )
-        else:
-            q = self.numerics(y, context)
-        if bound is not None and not (
-            _keeps_zero(self.numerics)
-            and isinstance(self.calibration, _ZERO_BOUND_MEANS_ZEROS)
-        ):
-            # A block whose bound is 0 dequantizes to exact zeros, also on a
-            # grid without a zero (binary's 0 -> +0.5). The subtracted copy
-            # carries no gradient: the codes keep the numerics' gradient.
-            zero = (bound == 0).astype(q.dtype)
-            q = q - lax.stop_gradient(q) * zero
-        q = q.reshape(x.shape)
-        if store:
-            clipped = isinstance(self.numerics, IntNumerics) and self.numerics.clip
-            q = _to_storage(q, qdtype, saturate=not clipped, guard=not vjp)
-        scale = scale.reshape(layout.scale_shape).astype(jnp.float32)
-        return QTensor(q, scale, qdtype=qdtype, dtype=x.dtype), grad
+        blocks = bound.shape
+        flat = _flat(no_grad(bound))
+    # A scale above 2**126 has a subnormal inverse, which XLA:CPU flushes
+    # to zero (grids whose top is below 4: int1..int3). Such blocks are
+    # divided in two exact steps, a power of two first.
+    split = scale_limits(mapped, self.scale_rounding, x.dtype)[1] > 2.0**126
+    # The scale arithmetic of tensors in one group runs on their bounds laid
+    # end to end: same arithmetic (given or made from a bound with the same
+    # mapping, rounding and dtype), flat vectors of one dtype. Scales that
+    # keep their shape (sharded along explicit mesh axes, see _flat) run alone.
+    group: Any = (
+        bound is None,
+        None if bound is None else (mapped, self.scale_rounding, np.dtype(x.dtype)),
+        split,
+        np.dtype(flat.dtype),
+    )
+    if flat.ndim != 1:
+        group = (group, id(flat))
+    return _Pending(
+        request, x, xb, layout, bound, flat, blocks, qdtype, split, scale_of, group
+    )
+
+
+def _encode(
+    p: _Pending,
+    scale: jax.Array,
+    inverse: jax.Array,
+    pre: jax.Array | None,
+    vjp: bool,
+) -> tuple[QTensor, jax.tree_util.Partial | None]:
+    """Puts a calibrated tensor on its grid with its scale and inverse."""
+    self, context, x, layout, blocks = (
+        p.request.quantizer,
+        p.request.context,
+        p.x,
+        p.layout,
+        p.blocks,
+    )
+    scale, inverse = scale.reshape(blocks), inverse.reshape(blocks)
+    xb = p.xb
+    y = xb * inverse if pre is None else (xb * pre.reshape(blocks)) * inverse
+    grad = None
+    if vjp:
+        q, residuals = self.numerics.vjp_fwd(y, context)
+        grad = jax.tree_util.Partial(
+            functools.partial(_numerics_grad, self.numerics, layout.blocked_shape),
+            residuals,
+        )
+    else:
+        q = self.numerics(y, context)
+    if p.bound is not None and not (
+        _keeps_zero(self.numerics)
+        and isinstance(self.calibration, _ZERO_BOUND_MEANS_ZEROS)
+    ):
+        # A block whose bound is 0 dequantizes to exact zeros, also on a
+        # grid without a zero (binary's 0 -> +0.5). The subtracted copy
+        # carries no gradient: the codes keep the numerics' gradient.
+        zero = (p.bound == 0).astype(q.dtype)
+        q = q - lax.stop_gradient(q) * zero
+    q = q.reshape(x.shape)
+    if p.request.store:
+        clipped = isinstance(self.numerics, IntNumerics) and self.numerics.clip
+        q = _to_storage(q, p.qdtype, saturate=not clipped, guard=not vjp)
+    scale = scale.reshape(layout.scale_shape).astype(jnp.float32)
+    return QTensor(q, scale, qdtype=p.qdtype, dtype=x.dtype), grad
 
 
 # Calibrations whose bound is 0 only for a block of zeros (or of values so
@@ -354,32 +470,58 @@ def _identity(g: jax.Array) -> jax.Array:
     return g
 
 
-def _scale_and_inverse(
-    scale: jax.Array, pre: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """``scale`` and ``1 / (scale * pre)`` (flat vectors), computed once.
+def _scales_and_inverses(
+    flats: list[jax.Array], make: Any, split: bool
+) -> list[tuple[jax.Array, jax.Array, jax.Array | None]]:
+    """``(scale, 1 / (scale * pre), pre)`` of each flat bound (or given scale).
+
+    ``make`` turns bounds into scales (``None`` for given scales); ``pre``
+    is the exact power-of-two first step of a division by a huge scale
+    (``None`` unless ``split``).
 
     On CPU, left to itself, XLA copies the small per-block arithmetic that
     makes a scale into every element of each large consumer (the
     quantization, the rescaled matmul output), and compiles one more kernel
     for the reciprocal it uses to divide by the scale. Stacked and divided by
     a 1 that XLA cannot see (exact), both come from one small kernel that runs
-    once per block. Elsewhere the plain form is kept: the barrier would split
-    the fusions that GPU and TPU compilers make of it (same numbers).
+    once per block; the bounds of all the tensors are laid end to end first,
+    so that the tensors quantized together share that kernel (XLA:CPU's
+    compile time grows with every kernel and every operation in one). On
+    several devices each tensor runs alone: its scale's sharding is its own
+    (laid end to end, the vectors would get one sharding, which XLA's
+    propagation would carry back into the tensors). Elsewhere the plain
+    form is kept: the barrier would split the fusions that GPU and TPU
+    compilers make of it. The numbers are the same in every form.
     """
 
-    def inverse_of(scale: jax.Array) -> jax.Array:
-        return 1.0 / (scale if pre is None else scale * pre)
+    def arithmetic(flat: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+        scale = flat if make is None else make(flat)
+        pre = _pre_factor(scale) if split else None
+        inverse = 1.0 / (scale if pre is None else scale * pre)
+        return scale, inverse, pre
 
-    def cpu(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def default(*flats: jax.Array) -> list[Any]:
+        return [arithmetic(f) for f in flats]
+
+    def cpu_one(flat: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+        scale, inverse, pre = arithmetic(flat)
         n = scale.shape[0]
-        both = lax.concatenate([scale, inverse_of(scale)], 0)
+        both = lax.concatenate([scale, inverse], 0)
         both = both / lax.optimization_barrier(jnp.ones_like(both))
-        return both[:n], both[n:]
+        return both[:n], both[n:], pre
 
-    return lax.platform_dependent(
-        scale, cpu=cpu, default=lambda scale: (scale, inverse_of(scale))
-    )
+    def cpu(*flats: jax.Array) -> list[Any]:
+        if len(flats) == 1 or jax.device_count() > 1:
+            return [cpu_one(f) for f in flats]
+        scale, inverse, pre = cpu_one(lax.concatenate(flats, 0))
+        out, start = [], 0
+        for f in flats:
+            part = slice(start, start + f.shape[0])
+            start = part.stop
+            out.append((scale[part], inverse[part], None if pre is None else pre[part]))
+        return out
+
+    return lax.platform_dependent(*flats, cpu=cpu, default=default)
 
 
 def _numerics_grad(

@@ -104,8 +104,8 @@ class Calibration(struct.PyTreeNode, metaclass=abc.ABCMeta):
             calibrations use it.
         """
 
-    #: Whether :meth:`bound` is itself non-finite for every block holding a
-    #: NaN or an inf, so that no separate pass over ``x`` has to find them.
+    #: Whether :meth:`bound` is already NaN for every block holding a NaN or
+    #: an inf (and finite elsewhere), so that no separate check is needed.
     bound_flags_non_finite: ClassVar[bool] = False
 
     def __call__(
@@ -113,9 +113,9 @@ class Calibration(struct.PyTreeNode, metaclass=abc.ABCMeta):
     ) -> jax.Array:
         """The bound of each block; NaN for blocks holding a NaN or inf."""
         bound = self.bound(x, axes, quantize).astype(x.dtype)
-        finite = jnp.isfinite(bound) if self.bound_flags_non_finite else None
-        if finite is None:
-            finite = _all_finite(x, axes)
+        if self.bound_flags_non_finite:
+            return bound
+        finite = _all_finite(x, axes)
         return lax.select(finite, bound, jnp.full_like(bound, jnp.nan))
 
 
@@ -136,33 +136,33 @@ def _max_pair(
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _absmax_nan_as_inf(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """``max(|x|)`` over ``axes`` (kept), inf where a NaN is among the values.
+def _absmax_nan_if_non_finite(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """``max(|x|)`` over ``axes`` (kept), NaN where a NaN or inf is among them.
 
-    One variadic reduction (the largest magnitude and whether a NaN was
-    seen) straight over ``x``: XLA:CPU fuses ``|x|`` into it instead of first
-    writing ``|x|`` out for a library reduction kernel, which is faster and
-    compiles one kernel fewer. The NaN flag is needed because XLA:CPU's
-    vectorized max reductions drop NaN.
+    One variadic reduction (the largest magnitude and whether a non-finite
+    value was seen) straight over ``x``: XLA:CPU fuses ``|x|`` into it
+    instead of first writing ``|x|`` out for a library reduction kernel,
+    which is faster and compiles one kernel fewer. The flag is needed
+    because XLA:CPU's vectorized max reductions drop NaN.
     """
     low = np.array(-np.inf, x.dtype)
-    magnitude, nan = lax.reduce(
-        (jnp.abs(x), jnp.isnan(x).astype(x.dtype)),
+    magnitude, non_finite = lax.reduce(
+        (jnp.abs(x), (~jnp.isfinite(x)).astype(x.dtype)),
         (low, np.zeros((), x.dtype)),
         _max_pair,
         axes,
     )
-    out = lax.select(nan > 0, jnp.full_like(magnitude, jnp.inf), magnitude)
+    out = lax.select(non_finite > 0, jnp.full_like(magnitude, jnp.nan), magnitude)
     return jnp.expand_dims(out, axes)
 
 
-@_absmax_nan_as_inf.defjvp
-def _absmax_nan_as_inf_jvp(
+@_absmax_nan_if_non_finite.defjvp
+def _absmax_nan_if_non_finite_jvp(
     axes: tuple[int, ...], primals: tuple[jax.Array], tangents: tuple[jax.Array]
 ) -> tuple[jax.Array, jax.Array]:
     (x,), (t,) = primals, tangents
     _, dt = jax.jvp(lambda v: jnp.max(jnp.abs(v), axes, keepdims=True), (x,), (t,))
-    return _absmax_nan_as_inf(x, axes), dt
+    return _absmax_nan_if_non_finite(x, axes), dt
 
 
 def _absmax(x: jax.Array, axes: Axes) -> jax.Array:
@@ -201,34 +201,38 @@ class AbsMax(Calibration):
     def bound(
         self, x: jax.Array, axes: Axes, quantize: QuantizeFn | None = None
     ) -> jax.Array:
-        """``clip_factor * max(|x|)`` over ``axes``; inf where ``x`` holds NaN.
+        """``clip_factor * max(|x|)`` over ``axes``; NaN where a block is not finite.
 
-        NaN is mapped to inf before the reduction, because XLA:CPU's
-        vectorized max reductions drop NaN. On CPU, over trailing axes, one
-        variadic reduction of ``(|x|, isnan(x))`` does the same in a single
-        pass that XLA:CPU fuses with the producer of ``x`` (faster there);
-        elsewhere the mapped ``max`` is the form GPU and TPU compilers fuse
-        best. Both are right on every backend.
+        On CPU, over trailing axes, one variadic reduction of ``(|x|,
+        not isfinite(x))`` finds both in a single pass that XLA:CPU fuses
+        with the producer of ``x`` (faster there); elsewhere non-finite
+        values are mapped to inf before a plain ``max`` (XLA:CPU's
+        vectorized max reductions drop NaN), the form GPU and TPU compilers
+        fuse best, and an inf bound becomes NaN. Both are right on every
+        backend.
         """
         axes = tuple(a % x.ndim for a in axes)
 
         def mapped(x: jax.Array) -> jax.Array:
-            magnitude = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
-            return jnp.max(magnitude, axis=axes, keepdims=True)
+            magnitude = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf)
+            bound = jnp.max(magnitude, axis=axes, keepdims=True)
+            return jnp.where(bound < jnp.inf, bound, jnp.nan)
 
         if axes == tuple(range(x.ndim - len(axes), x.ndim)):
             bound = lax.platform_dependent(
-                x, cpu=functools.partial(_absmax_nan_as_inf, axes=axes), default=mapped
+                x,
+                cpu=functools.partial(_absmax_nan_if_non_finite, axes=axes),
+                default=mapped,
             )
         else:  # across rows XLA:CPU runs a variadic reduction slowly
             bound = mapped(x)
         if self.clip_factor <= 1.0:
             return bound * self.clip_factor
         # A factor above 1 must not turn a finite absmax into inf (which
-        # would read as non-finite input): saturate at the largest finite.
+        # would read as non-finite input): saturate at the largest finite
+        # (NaN stays NaN).
         largest = np.asarray(jnp.finfo(bound.dtype).max, bound.dtype)
-        scaled = jnp.minimum(bound * self.clip_factor, largest)
-        return lax.select(jnp.isinf(bound), bound, scaled)
+        return jnp.minimum(bound * self.clip_factor, largest)
 
 
 class Percentile(Calibration):
@@ -494,8 +498,8 @@ def make_scale(
     """
     lo, hi = scale_limits(abs_val_mapped_to, "none", np.float32)
     scale = bound / abs_val_mapped_to
-    # NaN-preserving clamp (maximum and minimum propagate NaN).
-    scale = jnp.minimum(jnp.maximum(scale, lo), hi)
+    # NaN-preserving clamp (XLA's clamp propagates NaN), with scalar limits.
+    scale = lax.clamp(np.asarray(lo, scale.dtype), scale, np.asarray(hi, scale.dtype))
     if rounding != "none":
         _, hi = scale_limits(abs_val_mapped_to, rounding, np.float32)
         scale = jnp.minimum(round_scale(scale, rounding), hi)

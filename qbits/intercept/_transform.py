@@ -29,7 +29,7 @@ from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._jaxpr import bind, scan_counts
 from qbits.config import LayerRow, LayerTable, QuantConfig, as_quant_config
 from qbits.intercept._program import Ctx, Program, trace
-from qbits.numerics import NoNumerics, derive_key
+from qbits.numerics import NoNumerics, next_key
 from qbits.tensor import QTensor
 
 __all__ = ["init_state", "layer_table", "quantize"]
@@ -161,14 +161,38 @@ class _Frame:
 
     ``collect`` is set when the runner initialises state (:func:`init_state`):
     stateful sites then record their initial state there and run in float.
+
+    Keys: the sites of a frame that round stochastically take the links of
+    a chain started at ``key`` (:func:`~qbits.numerics.next_key`), in the
+    order they run: each link is the same computation, so XLA compiles one
+    kernel for all of them (a site index in the key would make a distinct
+    kernel per site). A body traced on its own (a loop, a ``cond`` branch, a
+    rematerialised function) starts a chain of its own from the next link
+    (:meth:`body`), so nothing traced inside it leaks into this frame.
     """
 
     key: Any
     states: dict[str, Any]
     collect: dict[str, Any] | None = None
+    last: Any = None
 
     def with_(self, **changes: Any) -> _Frame:
         return dataclasses.replace(self, **changes)
+
+    def next_key(self) -> Any:
+        """The next link of this frame's key chain (``None`` without a key)."""
+        if self.key is None:
+            return None
+        self.last = next_key(self.key if self.last is None else self.last)
+        return self.last
+
+    def body(self) -> _Frame:
+        """The frame of a body traced on its own: a chain from the next link.
+
+        Copy it (:meth:`with_`) inside the traced function, so that each
+        trace of the body starts from the same link.
+        """
+        return self.with_(key=self.next_key(), last=None)
 
 
 class _Runner:
@@ -204,8 +228,8 @@ class _Runner:
         return [read(v) for v in jaxpr.outvars]
 
     def _matmul(self, eqn: Any, invals: list[Any], here: Ctx, frame: _Frame) -> Any:
-        config, index = self.plan.configs[here]
-        site_key = derive_key(frame.key, index) if config.needs_key else None
+        config, _ = self.plan.configs[here]
+        site_key = frame.next_key() if config.needs_key else None
         p = dict(eqn.params)
         kwargs: dict[str, Any] = {}
         swap = here in self.plan.swapped
@@ -263,17 +287,19 @@ class _Runner:
         if name in ("remat2", "checkpoint"):
             if frame.collect is not None:  # initialising: nothing to save
                 return run(p["jaxpr"], [], invals, here, frame)
+            base = frame.body()
             fn = jax.checkpoint(
-                lambda *a: run(p["jaxpr"], [], list(a), here, frame),
+                lambda *a: run(p["jaxpr"], [], list(a), here, base.with_()),
                 prevent_cse=p["prevent_cse"],
                 policy=p["policy"],
             )
             return fn(*invals)
         if name == "cond":
+            base = frame.body()
             branches = [
                 functools.partial(
                     lambda j, b, *a: run(b.jaxpr, b.consts, list(a), (*here, j),
-                                         frame), j, b,
+                                         base.with_()), j, b,
                 )
                 for j, b in enumerate(p["branches"])
             ]  # fmt: skip
@@ -304,11 +330,13 @@ class _Runner:
             else {n: frame.states[n] for n in names if n not in shared}
         )
 
+        base = frame.body()
+
         def step(carry: list[Any], x: tuple[Any, list[Any], dict]) -> Any:
             it, x_slice, state_slice = x
-            key = _iteration_key(frame.key, it)
-            inner = frame.with_(key=key, states={**frame.states, **state_slice},
-                                collect={} if initialising else None)  # fmt: skip
+            key = _iteration_key(base.key, it)
+            inner = base.with_(key=key, states={**frame.states, **state_slice},
+                               collect={} if initialising else None)  # fmt: skip
             out = self.run(body.jaxpr, body.consts, [*consts, *carry, *x_slice],
                            here, inner)  # fmt: skip
             return out[:n_carry], (out[n_carry:], inner.collect or {})
@@ -334,10 +362,11 @@ class _Runner:
         def cond_fn(c: tuple[Any, list[Any]]) -> Any:
             return bind_closed(cond, [*cond_consts, *c[1]])[0]
 
+        base = frame.body()
+
         def body_fn(c: tuple[Any, list[Any]]) -> Any:
             it, carry = c
-            key = _iteration_key(frame.key, it)
-            inner = frame.with_(key=key)
+            inner = base.with_(key=_iteration_key(base.key, it))
             out = self.run(body.jaxpr, body.consts, [*body_consts, *carry], here,
                            inner)  # fmt: skip
             return it + 1, out

@@ -12,13 +12,13 @@ quantization that consumes the noise.
 
 Compile time: XLA:CPU compiles one kernel per *distinct* fused computation,
 and a constant that differs between layers (a layer index folded into each
-layer's key) makes each layer's kernels distinct ones. The key therefore
-enters the quantization only as one ``uint32`` seed, reduced from the key's
-words in a small kernel of its own: whatever derived the key stays in that
-kernel, and the quantization kernels of equal-shaped layers are one kernel,
-compiled once. Derive per-layer keys with :func:`derive_key` (one small
-kernel per key) rather than ``jax.random.fold_in`` (a threefry loop of
-several kernels per key on CPU).
+layer's key) makes each layer's kernels distinct ones. A quantized matmul
+therefore draws its noise from :func:`next_key` of its key, computed by a
+small kernel of its own: whatever derived the layer's key stays there, and
+the quantization kernels of equal-shaped layers are one kernel, compiled
+once. Per-layer keys cost least as a chain of :func:`next_key` (one kernel
+for every link); :func:`derive_key` with a layer index costs one distinct
+small kernel per layer, ``jax.random.fold_in`` a threefry loop of several.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from flax import struct
 
 from qbits._errors import InvalidArgumentError
 
-__all__ = ["UniformNoise", "derive_key", "hash_bits"]
+__all__ = ["UniformNoise", "derive_key", "hash_bits", "next_key"]
 
 _GOLDEN = np.uint32(0x9E3779B9)
 
@@ -73,26 +73,70 @@ def derive_key(key: jax.Array, stream: int) -> jax.Array:
     return words.astype(key.dtype)
 
 
-def _mixed_sum(words: jax.Array) -> jax.Array:
-    """One ``uint32`` from a vector of words, each hashed with its position.
+def next_key(key: jax.Array) -> jax.Array:
+    """The key after ``key`` in a chain: ``derive_key(key, -1)``, settled.
 
-    A reduction, so that XLA computes it in a kernel of its own and hands its
-    consumers a scalar: an elementwise scalar would be copied, with the
-    constants that produced it, into every kernel that uses it.
+    For one key per layer, chain them (``k = next_key(k)`` before each
+    layer) rather than deriving them with a layer index
+    (``derive_key(key, i)``): every link of the chain is the same
+    computation, so XLA compiles one kernel for all of them, while a layer
+    index is a constant that makes each layer's key kernel a distinct one
+    (about as much XLA:CPU compile time as the rest of a quantized layer's
+    stochastic rounding).
+
+    The key comes out of a reduction (the key's words summed with zeros
+    along a new axis), which XLA keeps as a kernel of its own: whatever
+    computed ``key`` stays in that kernel instead of being copied into each
+    kernel that draws noise from the result. The quantized matmuls take
+    ``next_key`` of the key they are given.
+
+    Example:
+      >>> k1 = qbits.numerics.next_key(jax.random.key(0))
+      >>> k2 = qbits.numerics.next_key(k1)
+      >>> bool((jax.random.key_data(k1) != jax.random.key_data(k2)).any())
+      True
     """
-    words = words.reshape(-1)
-    position = jax.lax.iota(jnp.uint32, words.shape[0]) + np.uint32(1)
-    return jnp.sum(_fmix32(words + position * _GOLDEN), dtype=jnp.uint32)
+    derived = derive_key(key, -1)
+    if jnp.issubdtype(derived.dtype, jax.dtypes.prng_key):
+        words = jax.random.key_data(derived)
+        settled = _settle(words)
+        return jax.random.wrap_key_data(settled, impl=jax.random.key_impl(derived))
+    return _settle(derived)
+
+
+def _settle(words: jax.Array) -> jax.Array:
+    padded = jnp.stack([words, jnp.zeros_like(words)], axis=-1)
+    return jnp.sum(padded, axis=-1, dtype=words.dtype)
+
+
+def _seed(key: jax.Array) -> jax.Array:
+    """One ``uint32`` from the key's words, elementwise (a few scalar ops).
+
+    Each word is multiplied by an odd constant of its position (a bijection)
+    and the products are xor-ed: keys that differ in one word give different
+    seeds. The element hash of :func:`hash_bits` mixes the seed's bits.
+    """
+    words = _key_words(key).reshape(-1)
+    seed = words[0]
+    for i in range(1, words.shape[0]):
+        seed = seed ^ (words[i] * np.uint32(int(_GOLDEN) * (2 * i + 1) % 2**32))
+    return seed
 
 
 def hash_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """32 random bits per element of ``shape`` from ``key`` (counter-based hash).
 
     Element ``i`` (in row-major order) gets ``fmix32(i * φ ^ seed)``, with the
-    seed mixed from all of the key's words: the same key gives the same bits;
-    shapes beyond 2**32 elements repeat.
+    seed combined from all of the key's words: the same key gives the same
+    bits; shapes beyond 2**32 elements repeat.
+
+    Compile time: everything here is elementwise and fuses into the kernel
+    that uses the bits. A key computed per call with constants of its own
+    (a layer index) would make that kernel distinct per call; the quantized
+    matmuls therefore draw from :func:`next_key` of their key, which is
+    computed by a small kernel of its own.
     """
-    seed = _fmix32(_mixed_sum(_key_words(key)))
+    seed = _seed(key)
     index = jax.lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64)))
     return _fmix32(index * _GOLDEN ^ seed).reshape(shape)
 

@@ -39,19 +39,19 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qbits._context import Context
 from qbits._errors import InvalidArgumentError
-from qbits._quantizer import Quantizer
+from qbits._quantizer import Quantizer, Request, quantize_all
 from qbits.calibration import AbsMax
 from qbits.granularity import BlockLayout
-from qbits.numerics import derive_key
-from qbits.ops import _matmul as matmul
+from qbits.numerics import derive_key, next_key
 from qbits.ops._config import IDENTITY, DotGeneralConfig, MatmulConfig
 from qbits.providers import ScaleProvider
 from qbits.tensor import QTensor
@@ -60,6 +60,7 @@ __all__ = [
     "SLOTS",
     "TENSORS",
     "Contraction",
+    "Operand",
     "Plan",
     "apply",
     "block_amax",
@@ -77,7 +78,7 @@ TENSORS: tuple[str, ...] = ("lhs", "rhs", "grad")
 
 #: The six quantized operands: ``(matmul, side, tensor, key stream)``. A
 #: stochastic-rounding key for operand ``i`` is
-#: :func:`qbits.numerics.derive_key` ``(key, i)``.
+#: :func:`qbits.numerics.derive_key` ``(next_key(key), i)``.
 SLOTS: tuple[tuple[str, str, str, int], ...] = (
     ("fwd", "lhs", "lhs", 0),
     ("fwd", "rhs", "rhs", 1),
@@ -164,45 +165,54 @@ def varying(x: Any) -> frozenset:
     return frozenset(getattr(mat, "varying", ()) or ())
 
 
-def _key(key: jax.Array | None, stream: int) -> jax.Array | None:
-    return None if key is None else derive_key(key, stream)
+def _key(key: jax.Array | None, slot: int) -> jax.Array | None:
+    """The key of operand ``SLOTS[slot]``."""
+    return None if key is None else derive_key(key, slot)
 
 
-def _settled(key: jax.Array) -> jax.Array:
-    """``key`` itself, computed by a kernel of its own (a reduction).
+class Operand(NamedTuple):
+    """One of the six quantized operands of a call, to quantize.
 
-    XLA:CPU compiles one kernel per distinct fused computation. A key derived
-    per layer carries a per-layer constant, which XLA would copy into each of
-    the key streams this matmul derives from it (a distinct kernel per layer
-    and stream). Summed with zeros along a new axis, the key comes out of a
-    reduction that XLA keeps apart: one small kernel per layer, and the
-    streams' kernels are the same for every layer.
+    Attributes:
+      quantizer: Its quantizer.
+      x: The tensor.
+      contracting: The axes its matmul contracts.
+      slot: Its index in :data:`SLOTS` (its key stream).
+      store: Store the values in the low-precision dtype (real mode).
+      scale: Its tensor's given scale, used where the quantizer has a scale
+        provider (a calibrating quantizer computes its own).
     """
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        words = _settled(jax.random.key_data(key))
-        return jax.random.wrap_key_data(words, impl=jax.random.key_impl(key))
-    padded = jnp.stack([key, jnp.zeros_like(key)], axis=-1)
-    return jnp.sum(padded, axis=-1, dtype=key.dtype)
+
+    quantizer: Quantizer
+    x: jax.Array
+    contracting: Axes
+    slot: int
+    store: bool
+    scale: jax.Array | None
 
 
 def quantize(
-    quantizer: Quantizer,
-    x: jax.Array,
-    contracting: Axes,
-    key: jax.Array | None,
-    *,
-    store: bool,
-    scale: jax.Array | None = None,
-) -> tuple[QTensor, Grad]:
-    """:func:`qbits.ops.quantize_operand` of one of the six operands.
+    operands: dict[str, Operand], key: jax.Array | None
+) -> dict[str, tuple[QTensor, Grad]]:
+    """Quantizes the operands of one pass together (:func:`quantize_all`).
 
-    ``scale`` is used where the quantizer has a scale provider; a
-    calibrating quantizer computes its own.
+    The forward pass quantizes up to four tensors (both forward operands,
+    and the two that the backward matmuls keep), the backward pass the
+    output gradient for each of its matmuls: their scale arithmetic then
+    compiles to one small kernel per pass.
     """
-    given = scale if provider(quantizer) is not None else None
-    return matmul.quantize_operand(
-        quantizer, x, contracting, key, store=store, scale=given
-    )
+    requests = [
+        Request(
+            o.quantizer,
+            o.x,
+            Context(_key(key, o.slot)),
+            o.store and o.quantizer.numerics.get_dtype() is not None,
+            o.contracting,
+            o.scale if provider(o.quantizer) is not None else None,
+        )
+        for o in operands.values()
+    ]
+    return dict(zip(operands, quantize_all(requests, vjp=True), strict=True))
 
 
 def block_amax(quantizer: Quantizer, x: jax.Array, contracting: Axes) -> jax.Array:
@@ -240,8 +250,12 @@ def apply(
       plan: What to compute and how to quantize.
       lhs: The left operand, floating point.
       rhs: The right operand.
-      key: PRNG key for stochastic rounding (``derive_key(key, i)`` for the
-        operand ``SLOTS[i]``), or ``None``.
+      key: PRNG key for stochastic rounding, or ``None``; ignored by a
+        config that rounds to nearest everywhere. Operand ``SLOTS[i]`` draws
+        from ``derive_key(next_key(key), i)``: :func:`~qbits.numerics.next_key`
+        computes the key in a small kernel of its own, so the kernels that
+        draw noise are the same for every layer whatever constants derived
+        the layer's key.
       scales: The given scale of each tensor with a scale provider, shaped
         like the scale its quantizers compute (one entry per block).
 
@@ -252,8 +266,7 @@ def apply(
       InvalidArgumentError: Under forward-mode differentiation
         (``jax.jvp``, ``jax.jacfwd``), which a custom VJP does not have.
     """
-    if key is not None and plan.config.needs_key:
-        key = _settled(key)
+    key = next_key(key) if key is not None and plan.config.needs_key else None
     try:
         return _jit_core(plan, lhs, rhs, key, scales)
     except TypeError as e:
@@ -289,22 +302,49 @@ def _forward(
     rhs: jax.Array,
     key: jax.Array | None,
     scales: dict[str, jax.Array],
-) -> tuple[jax.Array, QTensor, QTensor, Grad, Grad]:
-    """The forward matmul and its quantized operands."""
-    fwd, c = plan.config.fwd, plan.contraction
-    if fwd.is_identity:
-        lq, lgrad = _unquantized(lhs), Grad(_identity)
-        rq, rgrad = _unquantized(rhs), Grad(_identity)
-        return c.plain(lhs, rhs), lq, rq, lgrad, rgrad
-    real = fwd.mode == "real"
+    *,
+    residuals: bool = False,
+) -> tuple[jax.Array, dict[str, Any]]:
+    """The forward matmul, and its operands quantized.
+
+    Returns the output and ``{"lhs", "rhs"}`` (the forward operands as
+    ``(QTensor, grad)``), with ``residuals`` also ``"dlhs"`` and ``"drhs"``:
+    the forward operand each backward matmul keeps (see
+    :func:`_for_backward`).
+    """
+    config, c = plan.config, plan.contraction
+    fwd = config.fwd
     lc, rc = c.contracting
-    lq, lgrad = quantize(
-        fwd.lhs, lhs, lc, _key(key, 0), store=real, scale=scales.get("lhs")
-    )
-    rq, rgrad = quantize(
-        fwd.rhs, rhs, rc, _key(key, 1), store=real, scale=scales.get("rhs")
-    )
-    return c(lq, rq, fwd), lq, rq, lgrad, rgrad
+    operands: dict[str, Operand] = {}
+    if not fwd.is_identity:
+        real = fwd.mode == "real"
+        operands["lhs"] = Operand(fwd.lhs, lhs, lc, 0, real, scales.get("lhs"))
+        operands["rhs"] = Operand(fwd.rhs, rhs, rc, 1, real, scales.get("rhs"))
+    kept = {"dlhs": (config.dlhs, "lhs", rhs, 3), "drhs": (config.drhs, "rhs", lhs, 5)}
+    if residuals:
+        for name, (cfg, side, x, slot) in kept.items():
+            if not cfg.use_fwd_quant and cfg.rhs != IDENTITY:
+                tensor = "rhs" if side == "lhs" else "lhs"
+                operands[name] = Operand(
+                    cfg.rhs,
+                    x,
+                    c.gradient(side).contracting[1],
+                    slot,
+                    cfg.mode == "real",
+                    scales.get(tensor),
+                )
+    done = quantize(operands, key)
+    if fwd.is_identity:
+        done["lhs"] = (_unquantized(lhs), Grad(_identity))
+        done["rhs"] = (_unquantized(rhs), Grad(_identity))
+        out = c.plain(lhs, rhs)
+    else:
+        out = c(done["lhs"][0], done["rhs"][0], fwd)
+    if residuals:
+        for name, (cfg, side, x, _) in kept.items():
+            forward = done["rhs" if side == "lhs" else "lhs"][0]
+            done[name] = _for_backward(cfg, x, forward, done.get(name))
+    return out, done
 
 
 def _fwd(
@@ -314,9 +354,8 @@ def _fwd(
     key: jax.Array | None,
     scales: dict[str, jax.Array],
 ) -> tuple[jax.Array, tuple[Any, ...]]:
-    config, c = plan.config, plan.contraction
-    fwd = config.fwd
-    out, lq, rq, lgrad, rgrad = _forward(plan, lhs, rhs, key, scales)
+    fwd, c = plan.config.fwd, plan.contraction
+    out, done = _forward(plan, lhs, rhs, key, scales, residuals=True)
     lc, rc = c.contracting
     amax = {
         t: block_amax(q, x, axes)
@@ -324,14 +363,10 @@ def _fwd(
         if t in plan.observe
     }
     residuals = (
-        _for_backward(
-            config.dlhs, c.gradient("lhs"), rhs, rq, key, 3, scales.get("rhs")
-        ),
-        _for_backward(
-            config.drhs, c.gradient("rhs"), lhs, lq, key, 5, scales.get("lhs")
-        ),
-        lgrad,
-        rgrad,
+        done["dlhs"],
+        done["drhs"],
+        done["lhs"][1],
+        done["rhs"][1],
         key,
         scales.get("grad"),
         amax,
@@ -342,27 +377,21 @@ def _fwd(
 
 def _for_backward(
     cfg: MatmulConfig,
-    c: Contraction,
     x: jax.Array,
     forward: QTensor,
-    key: jax.Array | None,
-    stream: int,
-    scale: jax.Array | None,
+    quantized: tuple[QTensor, Grad] | None,
 ) -> jax.Array | QTensor | _Reused:
-    """A forward operand as the backward matmul ``cfg`` (its rhs) will use it."""
+    """A forward operand as the backward matmul ``cfg`` (its rhs) will use it.
+
+    The forward's own quantized operand (``use_fwd_quant``), the operand
+    quantized for this matmul, or the float operand (``cfg.rhs`` is the
+    identity).
+    """
     if cfg.use_fwd_quant:
         return _Reused(forward)
-    if cfg.rhs == IDENTITY:
+    if quantized is None:
         return x
-    qt, _ = quantize(
-        cfg.rhs,
-        x,
-        c.contracting[1],
-        _key(key, stream),
-        store=cfg.mode == "real",
-        scale=scale,
-    )
-    return qt
+    return quantized[0]
 
 
 def _bwd(
@@ -370,9 +399,28 @@ def _bwd(
 ) -> tuple[jax.Array, jax.Array, None, dict[str, jax.Array]]:
     rhs_b, lhs_b, lgrad, rgrad, key, gscale, amax, zeros = residuals
     config, c = plan.config, plan.contraction
-    shared: dict[Any, tuple[QTensor, Any]] = {}
-    dl = _gradient(config.dlhs, c.gradient("lhs"), g, rhs_b, key, 2, gscale, shared)
-    dr = _gradient(config.drhs, c.gradient("rhs"), g, lhs_b, key, 4, gscale, shared)
+    matmuls = {
+        "dlhs": _Gradient.create(config.dlhs, c.gradient("lhs"), g, rhs_b, 2, gscale),
+        "drhs": _Gradient.create(config.drhs, c.gradient("rhs"), g, lhs_b, 4, gscale),
+    }
+    # The output gradient quantized once for both backward matmuls when they
+    # quantize it alike (same quantizer, same blocks, no noise).
+    operands: dict[str, Operand] = {}
+    same: dict[Any, str] = {}
+    for name, m in matmuls.items():
+        if m.operand is None:
+            continue
+        if m.shareable in same:
+            m.uses = same[m.shareable]
+            continue
+        operands[name] = m.operand
+        if m.shareable is not None:
+            same[m.shareable] = name
+    done = quantize(operands, key)
+    dl, dr = (
+        m.contract(done[m.uses or name][0] if m.operand is not None else None)
+        for name, m in matmuls.items()
+    )
     dl = lgrad(dl.astype(plan.dtypes[0]))
     dr = rgrad(dr.astype(plan.dtypes[1]))
     vma = dict(plan.vma)
@@ -393,44 +441,72 @@ def _bwd(
     return dl, dr, None, observed
 
 
-def _gradient(
-    cfg: MatmulConfig,
-    c: Contraction,
-    g: jax.Array,
-    other: jax.Array | QTensor | _Reused,
-    key: jax.Array | None,
-    stream: int,
-    gscale: jax.Array | None,
-    shared: dict[Any, tuple[QTensor, Any]],
-) -> jax.Array:
-    """One gradient matmul: ``g`` against a forward operand, as ``cfg`` says."""
-    if cfg.is_identity and not isinstance(other, QTensor | _Reused):
-        return c.plain(g, other)
-    real = cfg.mode == "real"
-    folded = False
-    if isinstance(other, _Reused):
-        oq = c.reuse(other.qtensor)
-        if oq is None:  # its scale varies along axes this matmul contracts
-            g = c.fold(g, other.qtensor)
-            ones = jnp.ones((1,) * other.qtensor.ndim, jnp.float32)
-            oq = other.qtensor.replace(scale=ones)
-            folded = True
-    elif isinstance(other, QTensor):
-        oq = other
-    else:
-        oq = _unquantized(other)
-    lc = c.contracting[0]
-    # The output gradient quantized once for both backward matmuls when they
-    # quantize it alike (same quantizer, same blocks, no noise).
-    blocks = cfg.lhs.granularity.block_sizes(g.shape, lc) if cfg.lhs != IDENTITY else ()
-    same = (cfg.lhs, blocks, real)
-    if not folded and not cfg.needs_key and same in shared:
-        gq = shared[same][0]
-    else:
-        gq, _ = quantize(cfg.lhs, g, lc, _key(key, stream), store=real, scale=gscale)
-        if not folded:
-            shared[same] = (gq, None)
-    return c(gq, oq, cfg)
+@dataclasses.dataclass
+class _Gradient:
+    """One gradient matmul: ``g`` against a forward operand, as ``cfg`` says.
+
+    Attributes:
+      cfg: The matmul's config.
+      contraction: The gradient contraction.
+      g: The output gradient (times the reused operand's scale where it was
+        folded in).
+      other: The forward operand, quantized for this matmul already.
+      operand: ``g`` to quantize, or ``None`` (a float matmul).
+      shareable: What makes ``g``'s quantization the same as another
+        matmul's (``None``: never shared).
+      uses: The matmul whose quantized ``g`` this one takes.
+    """
+
+    cfg: MatmulConfig
+    contraction: Contraction
+    g: jax.Array
+    other: Any
+    operand: Operand | None
+    shareable: Any
+    uses: str | None = None
+
+    @classmethod
+    def create(
+        cls,
+        cfg: MatmulConfig,
+        c: Contraction,
+        g: jax.Array,
+        other: jax.Array | QTensor | _Reused,
+        slot: int,
+        gscale: jax.Array | None,
+    ) -> _Gradient:
+        if cfg.is_identity and not isinstance(other, QTensor | _Reused):
+            return cls(cfg, c, g, other, None, None)
+        real = cfg.mode == "real"
+        folded = False
+        if isinstance(other, _Reused):
+            oq = c.reuse(other.qtensor)
+            if oq is None:  # its scale varies along axes this matmul contracts
+                g = c.fold(g, other.qtensor)
+                ones = jnp.ones((1,) * other.qtensor.ndim, jnp.float32)
+                oq = other.qtensor.replace(scale=ones)
+                folded = True
+        elif isinstance(other, QTensor):
+            oq = other
+        else:
+            oq = _unquantized(other)
+        lc = c.contracting[0]
+        operand = Operand(cfg.lhs, g, lc, slot, real, gscale)
+        shareable = None
+        if not folded and not cfg.needs_key:
+            blocks = (
+                cfg.lhs.granularity.block_sizes(g.shape, lc)
+                if cfg.lhs != IDENTITY
+                else ()
+            )
+            shareable = (cfg.lhs, blocks, real)
+        return cls(cfg, c, g, oq, operand, shareable)
+
+    def contract(self, gq: QTensor | None) -> jax.Array:
+        """The gradient, from ``g`` quantized (``None`` for a float matmul)."""
+        if self.operand is None:
+            return self.contraction.plain(self.g, self.other)
+        return self.contraction(gq, self.other, self.cfg)
 
 
 def _identity(g: jax.Array) -> jax.Array:

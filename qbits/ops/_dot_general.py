@@ -299,11 +299,13 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
     Args:
       config: The forward matmul and the two gradient matmuls.
       key: A PRNG key, required when any operand rounds stochastically.
-        The six operands draw from ``qbits.numerics.derive_key(key, i)``,
+        The six operands draw from
+        ``qbits.numerics.derive_key(qbits.numerics.next_key(key), i)``,
         i = 0..5. Pass a new key each step (and per layer) for independent
-        noise; per-layer keys from ``qbits.numerics.derive_key(key, layer)``
-        compile faster than from ``jax.random.fold_in`` (a threefry loop of
-        several XLA:CPU kernels per layer).
+        noise; per-layer keys chained with ``k = qbits.numerics.next_key(k)``
+        compile fastest (one kernel for every layer's key; a layer index in
+        ``derive_key(key, layer)`` makes a distinct small kernel per layer,
+        ``jax.random.fold_in`` a threefry loop of several).
 
     Returns:
       A :class:`DotGeneral`, usable as ``dot_general=`` in ``flax.linen.Dense``
