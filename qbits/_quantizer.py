@@ -252,7 +252,14 @@ def quantize_all(
     """
     out: list[Any] = [None] * len(requests)
     groups: dict[Any, list[tuple[int, _Pending]]] = {}
+    seen: dict[Any, int] = {}
+    copies: list[tuple[int, int]] = []
     for i, request in enumerate(requests):
+        same = _identity_of(request)
+        if same in seen:  # the same tensor quantized the same way: once
+            copies.append((i, seen[same]))
+            continue
+        seen[same] = i
         pending = _calibrate(request, vjp)
         if isinstance(pending, _Pending):
             groups.setdefault(pending.group, []).append((i, pending))
@@ -264,7 +271,23 @@ def quantize_all(
         scales = _scales_and_inverses([p.flat for _, p in members], make, first.split)
         for (i, p), (scale, inverse, pre) in zip(members, scales, strict=True):
             out[i] = _encode(p, scale, inverse, pre, vjp)
+    for i, first in copies:
+        out[i] = out[first]
     return out
+
+
+def _identity_of(request: Request) -> Any:
+    """What makes two requests one quantization.
+
+    The same quantizer, tensor, scale blocks, storage and given scale, and
+    the same key where noise is drawn. (XLA's CSE would merge them otherwise, but not
+    once their scale arithmetic shares a kernel with other tensors'.)
+    """
+    q, x = request.quantizer, request.x
+    noisy = getattr(q.numerics, "noise_fn", None) is not None
+    key = request.context.key if noisy and request.context is not None else None
+    blocks = q.granularity.block_sizes(jnp.shape(x), request.contracting_axes)
+    return (q, id(x), blocks, request.store, id(request.scale), id(key))
 
 
 @dataclasses.dataclass(frozen=True)

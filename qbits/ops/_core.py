@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError
@@ -303,13 +304,13 @@ def _forward(
     key: jax.Array | None,
     scales: dict[str, jax.Array],
     *,
-    residuals: bool = False,
+    kept: tuple[str, ...] = (),
 ) -> tuple[jax.Array, dict[str, Any]]:
     """The forward matmul, and its operands quantized.
 
     Returns the output and ``{"lhs", "rhs"}`` (the forward operands as
-    ``(QTensor, grad)``), with ``residuals`` also ``"dlhs"`` and ``"drhs"``:
-    the forward operand each backward matmul keeps (see
+    ``(QTensor, grad)``), and for each backward matmul named in ``kept``
+    (``"dlhs"``, ``"drhs"``) the forward operand it keeps (see
     :func:`_for_backward`).
     """
     config, c = plan.config, plan.contraction
@@ -320,19 +321,21 @@ def _forward(
         real = fwd.mode == "real"
         operands["lhs"] = Operand(fwd.lhs, lhs, lc, 0, real, scales.get("lhs"))
         operands["rhs"] = Operand(fwd.rhs, rhs, rc, 1, real, scales.get("rhs"))
-    kept = {"dlhs": (config.dlhs, "lhs", rhs, 3), "drhs": (config.drhs, "rhs", lhs, 5)}
-    if residuals:
-        for name, (cfg, side, x, slot) in kept.items():
-            if not cfg.use_fwd_quant and cfg.rhs != IDENTITY:
-                tensor = "rhs" if side == "lhs" else "lhs"
-                operands[name] = Operand(
-                    cfg.rhs,
-                    x,
-                    c.gradient(side).contracting[1],
-                    slot,
-                    cfg.mode == "real",
-                    scales.get(tensor),
-                )
+    backward = {
+        "dlhs": (config.dlhs, "lhs", rhs, "rhs", 3),
+        "drhs": (config.drhs, "rhs", lhs, "lhs", 5),
+    }
+    for name in kept:
+        cfg, side, x, tensor, slot = backward[name]
+        if not cfg.use_fwd_quant and cfg.rhs != IDENTITY:
+            operands[name] = Operand(
+                cfg.rhs,
+                x,
+                c.gradient(side).contracting[1],
+                slot,
+                cfg.mode == "real",
+                scales.get(tensor),
+            )
     done = quantize(operands, key)
     if fwd.is_identity:
         done["lhs"] = (_unquantized(lhs), Grad(_identity))
@@ -340,31 +343,54 @@ def _forward(
         out = c.plain(lhs, rhs)
     else:
         out = c(done["lhs"][0], done["rhs"][0], fwd)
-    if residuals:
-        for name, (cfg, side, x, _) in kept.items():
-            forward = done["rhs" if side == "lhs" else "lhs"][0]
-            done[name] = _for_backward(cfg, x, forward, done.get(name))
+    for name in kept:
+        cfg, _, x, tensor, _ = backward[name]
+        done[name] = _for_backward(cfg, x, done[tensor][0], done.get(name))
     return out, done
 
 
 def _fwd(
     plan: Plan,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    key: jax.Array | None,
-    scales: dict[str, jax.Array],
+    lhs: Any,
+    rhs: Any,
+    key: Any,
+    scales: dict[str, Any],
 ) -> tuple[jax.Array, tuple[Any, ...]]:
+    # Symbolic zeros: each argument comes with whether it is differentiated
+    # (``perturbed``). A backward matmul whose gradient nobody needs (the
+    # first layer's input gradient, a frozen weight's) is never traced: its
+    # operand is not quantized here, nor the output gradient for it in the
+    # backward pass (which XLA could not drop once its scale arithmetic
+    # shares a kernel with the needed ones').
+    needed = tuple(
+        name for name, arg in (("dlhs", lhs), ("drhs", rhs)) if arg.perturbed
+    )
+    lhs, rhs = lhs.value, rhs.value
+    key = jax.tree.map(lambda k: k.value, key)
+    scales = {t: s.value for t, s in scales.items()}
     fwd, c = plan.config.fwd, plan.contraction
-    out, done = _forward(plan, lhs, rhs, key, scales, residuals=True)
+    out, done = _forward(plan, lhs, rhs, key, scales, kept=needed)
     lc, rc = c.contracting
     amax = {
         t: block_amax(q, x, axes)
         for t, q, x, axes in (("lhs", fwd.lhs, lhs, lc), ("rhs", fwd.rhs, rhs, rc))
         if t in plan.observe
     }
+    # JAX keeps the residuals' structure from the first linearization of this
+    # (cached) core for every later one, whatever is perturbed there: an
+    # unneeded matmul's slot holds a stand-in of the same structure, and
+    # which matmuls are needed is in the shape of ``needs`` (static in _bwd).
+    kept = {"dlhs": (rhs, "rhs"), "drhs": (lhs, "lhs")}
+    slots = [
+        done[name]
+        if name in done
+        else _stand_in(getattr(plan.config, name), x, done[tensor][0])
+        for name, (x, tensor) in kept.items()
+    ]
+    needs = jnp.zeros(tuple(int(n in needed) for n in kept), jnp.bool_)
     residuals = (
-        done["dlhs"],
-        done["drhs"],
+        *slots,
+        needs,
         done["lhs"][1],
         done["rhs"][1],
         key,
@@ -373,6 +399,20 @@ def _fwd(
         {t: jnp.zeros_like(s) for t, s in scales.items()},
     )
     return out, residuals
+
+
+def _stand_in(cfg: MatmulConfig, x: jax.Array, forward: QTensor) -> Any:
+    """What a backward matmul nobody needs keeps: its residual's structure.
+
+    The structure :func:`_for_backward` gives (a forward operand, or the
+    float operand, cost nothing; a quantized one is a QTensor of the same
+    static fields with empty values).
+    """
+    if cfg.use_fwd_quant or cfg.rhs == IDENTITY:
+        return _for_backward(cfg, x, forward, None)
+    empty = jnp.zeros((0,), jnp.float32)
+    qdtype = cfg.rhs.numerics.get_dtype()
+    return QTensor(empty, empty, qdtype=qdtype, dtype=np.dtype(x.dtype))
 
 
 def _for_backward(
@@ -395,14 +435,22 @@ def _for_backward(
 
 
 def _bwd(
-    plan: Plan, residuals: tuple[Any, ...], g: jax.Array
-) -> tuple[jax.Array, jax.Array, None, dict[str, jax.Array]]:
-    rhs_b, lhs_b, lgrad, rgrad, key, gscale, amax, zeros = residuals
+    plan: Plan, residuals: tuple[Any, ...], g: Any
+) -> tuple[jax.Array | None, jax.Array | None, None, dict[str, Any]]:
+    rhs_b, lhs_b, needs, lgrad, rgrad, key, gscale, amax, zeros = residuals
     config, c = plan.config, plan.contraction
-    matmuls = {
-        "dlhs": _Gradient.create(config.dlhs, c.gradient("lhs"), g, rhs_b, 2, gscale),
-        "drhs": _Gradient.create(config.drhs, c.gradient("rhs"), g, lhs_b, 4, gscale),
-    }
+    if isinstance(g, SymbolicZero):  # nothing flows back
+        return None, None, None, {t: None for t in zeros}
+    need_dlhs, need_drhs = (bool(n) for n in needs.shape)
+    matmuls = {}
+    if need_dlhs:
+        matmuls["dlhs"] = _Gradient.create(
+            config.dlhs, c.gradient("lhs"), g, rhs_b, 2, gscale
+        )
+    if need_drhs:
+        matmuls["drhs"] = _Gradient.create(
+            config.drhs, c.gradient("rhs"), g, lhs_b, 4, gscale
+        )
     # The output gradient quantized once for both backward matmuls when they
     # quantize it alike (same quantizer, same blocks, no noise).
     operands: dict[str, Operand] = {}
@@ -417,15 +465,18 @@ def _bwd(
         if m.shareable is not None:
             same[m.shareable] = name
     done = quantize(operands, key)
-    dl, dr = (
-        m.contract(done[m.uses or name][0] if m.operand is not None else None)
+    grads = {
+        name: m.contract(done[m.uses or name][0] if m.operand is not None else None)
         for name, m in matmuls.items()
-    )
-    dl = lgrad(dl.astype(plan.dtypes[0]))
-    dr = rgrad(dr.astype(plan.dtypes[1]))
+    }
     vma = dict(plan.vma)
-    dl = _match_vma(dl, vma.get("lhs", frozenset()), lax.psum)
-    dr = _match_vma(dr, vma.get("rhs", frozenset()), lax.psum)
+    dl = dr = None
+    if "dlhs" in grads:
+        dl = lgrad(grads["dlhs"].astype(plan.dtypes[0]))
+        dl = _match_vma(dl, vma.get("lhs", frozenset()), lax.psum)
+    if "drhs" in grads:
+        dr = rgrad(grads["drhs"].astype(plan.dtypes[1]))
+        dr = _match_vma(dr, vma.get("rhs", frozenset()), lax.psum)
     observed = dict(zeros)
     observed.update(amax)
     if "grad" in plan.observe:
@@ -525,7 +576,7 @@ def _match_vma(ct: jax.Array, want: frozenset, combine: Any) -> jax.Array:
     return ct
 
 
-_core.defvjp(_fwd, _bwd)
+_core.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
 _jit_core = jax.jit(_core, static_argnums=0)

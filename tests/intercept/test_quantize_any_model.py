@@ -289,15 +289,22 @@ def test_convolutions_are_reached():
         ("Conv_0", "conv"), ("Dense_0", "dot_general")
     ]  # fmt: skip
     apply = qbits.quantize(model.apply, "int8", jax.random.key(0))
-    jaxpr = jax.make_jaxpr(jax.grad(lambda v: apply(v, x).sum()))(variables)
-    convs = [
-        tuple(str(v.aval.dtype) for v in e.invars)
-        for e in _equations(jaxpr.jaxpr)
-        if e.primitive.name == "conv_general_dilated"
-    ]
+
+    def convs(argnums):
+        loss = jax.grad(lambda v, x: apply(v, x).sum(), argnums)
+        jaxpr = jax.make_jaxpr(loss)(variables, x)
+        return [
+            tuple(str(v.aval.dtype) for v in e.invars)
+            for e in _equations(jaxpr.jaxpr)
+            if e.primitive.name == "conv_general_dilated"
+        ]
+
     # The forward on the stored int8 values; the two gradient convolutions
     # run in float on quantized values (as qbits.conv_general_dilated does).
-    assert len(convs) == 3 and convs[0] == ("int8", "int8")
+    both = convs((0, 1))
+    assert len(both) == 3 and both[0] == ("int8", "int8")
+    # Without the input's gradient its convolution is not even traced.
+    assert len(convs(0)) == 2
 
 
 def _equations(jaxpr):
