@@ -219,7 +219,9 @@ class Request(NamedTuple):
 
     Attributes:
       quantizer: How to quantize it.
-      x: The tensor.
+      x: The tensor, or a ``jax.ShapeDtypeStruct``: a placeholder that keeps
+        its place in the batched scale arithmetic (as zeros) without being
+        quantized, so that a program without it keeps the same kernels.
       context: Carries the PRNG key for stochastic rounding.
       store: Return the values in the storage dtype.
       contracting_axes: The axes a matmul contracts, or ``None``.
@@ -227,7 +229,7 @@ class Request(NamedTuple):
     """
 
     quantizer: Quantizer
-    x: jax.Array
+    x: jax.Array | jax.ShapeDtypeStruct
     context: Context | None = None
     store: bool = False
     contracting_axes: tuple[int, ...] | None = None
@@ -248,7 +250,8 @@ def quantize_all(
     and two in its backward).
 
     Returns:
-      ``(qtensor, grad)`` per request; ``grad`` is ``None`` unless ``vjp``.
+      ``(qtensor, grad)`` per request (``None`` for a placeholder); ``grad``
+      is ``None`` unless ``vjp``.
     """
     out: list[Any] = [None] * len(requests)
     groups: dict[Any, list[tuple[int, _Pending]]] = {}
@@ -270,7 +273,8 @@ def quantize_all(
         make = first.scale_of if first.bound is not None else None
         scales = _scales_and_inverses([p.flat for _, p in members], make, first.split)
         for (i, p), (scale, inverse, pre) in zip(members, scales, strict=True):
-            out[i] = _encode(p, scale, inverse, pre, vjp)
+            placeholder = isinstance(p.x, jax.ShapeDtypeStruct)
+            out[i] = None if placeholder else _encode(p, scale, inverse, pre, vjp)
     for i, first in copies:
         out[i] = out[first]
     return out
@@ -317,7 +321,8 @@ def _calibrate(
         request.store,
         request.scale,
     )
-    x = check_float_input("Quantizer.quant", request.x)
+    placeholder = isinstance(request.x, jax.ShapeDtypeStruct)
+    x = request.x if placeholder else check_float_input("Quantizer.quant", request.x)
     if given is None and isinstance(self.calibration, ScaleProvider):
         raise InvalidArgumentError(
             "Quantizer.quant",
@@ -343,7 +348,8 @@ def _calibrate(
 
     blocks = self.granularity.block_sizes(x.shape, request.contracting_axes)
     layout = BlockLayout.create(x.shape, blocks)
-    xb = x.astype(compute_dtype(x.dtype)).reshape(layout.blocked_shape)
+    compute = compute_dtype(x.dtype)
+    xb = None if placeholder else x.astype(compute).reshape(layout.blocked_shape)
     mapped = self.numerics.abs_val_mapped_to()
     scale_of = functools.partial(
         make_scale,
@@ -359,7 +365,11 @@ def _calibrate(
     # quant_vjp is never differentiated (it runs inside custom VJPs), so
     # only quant needs the gradient stops (and the storage-cast guard).
     no_grad = (lambda v: v) if vjp else lax.stop_gradient
-    if given is not None:
+    if placeholder:  # a place in its group's scale kernel, zeros
+        bound = None if given is not None else jnp.zeros(layout.scale_shape, compute)
+        blocks = layout.scale_shape
+        flat = jnp.zeros(layout.scale_shape, compute).reshape(-1)
+    elif given is not None:
         bound = None
         blocks = tuple(
             1 if a in layout.reduce_axes else n

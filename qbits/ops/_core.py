@@ -304,14 +304,17 @@ def _forward(
     key: jax.Array | None,
     scales: dict[str, jax.Array],
     *,
-    kept: tuple[str, ...] = (),
+    kept: tuple[str, ...] | None = None,
 ) -> tuple[jax.Array, dict[str, Any]]:
     """The forward matmul, and its operands quantized.
 
     Returns the output and ``{"lhs", "rhs"}`` (the forward operands as
-    ``(QTensor, grad)``), and for each backward matmul named in ``kept``
-    (``"dlhs"``, ``"drhs"``) the forward operand it keeps (see
-    :func:`_for_backward`).
+    ``(QTensor, grad)``). Differentiated (``kept`` not ``None``), also for
+    each backward matmul named in ``kept`` (``"dlhs"``, ``"drhs"``) the
+    forward operand it keeps (see :func:`_for_backward`); one not kept still
+    takes its place in the scale kernel (a placeholder, see
+    :class:`~qbits._quantizer.Request`), so that the kernels are those of a
+    call that keeps both.
     """
     config, c = plan.config, plan.contraction
     fwd = config.fwd
@@ -325,25 +328,26 @@ def _forward(
         "dlhs": (config.dlhs, "lhs", rhs, "rhs", 3),
         "drhs": (config.drhs, "rhs", lhs, "lhs", 5),
     }
-    for name in kept:
+    for name in () if kept is None else ("dlhs", "drhs"):
         cfg, side, x, tensor, slot = backward[name]
-        if not cfg.use_fwd_quant and cfg.rhs != IDENTITY:
-            operands[name] = Operand(
-                cfg.rhs,
-                x,
-                c.gradient(side).contracting[1],
-                slot,
-                cfg.mode == "real",
-                scales.get(tensor),
-            )
-    done = quantize(operands, key)
+        axes = c.gradient(side).contracting[1]
+        if cfg.use_fwd_quant or cfg.rhs == IDENTITY:
+            continue
+        if name not in kept:
+            if not _fits(cfg.rhs, x, axes):  # no place to keep
+                continue
+            x = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        operands[name] = Operand(
+            cfg.rhs, x, axes, slot, cfg.mode == "real", scales.get(tensor)
+        )
+    done = {n: v for n, v in quantize(operands, key).items() if v is not None}
     if fwd.is_identity:
         done["lhs"] = (_unquantized(lhs), Grad(_identity))
         done["rhs"] = (_unquantized(rhs), Grad(_identity))
         out = c.plain(lhs, rhs)
     else:
         out = c(done["lhs"][0], done["rhs"][0], fwd)
-    for name in kept:
+    for name in kept or ():
         cfg, _, x, tensor, _ = backward[name]
         done[name] = _for_backward(cfg, x, done[tensor][0], done.get(name))
     return out, done
@@ -415,6 +419,15 @@ def _stand_in(cfg: MatmulConfig, x: jax.Array, forward: QTensor) -> Any:
     return QTensor(empty, empty, qdtype=qdtype, dtype=np.dtype(x.dtype))
 
 
+def _fits(quantizer: Quantizer, x: jax.Array, axes: Axes) -> bool:
+    """Whether ``quantizer``'s blocks fit ``x`` (a matmul nobody needs may not)."""
+    try:
+        quantizer.granularity.block_sizes(x.shape, axes)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
 def _for_backward(
     cfg: MatmulConfig,
     x: jax.Array,
@@ -441,21 +454,36 @@ def _bwd(
     config, c = plan.config, plan.contraction
     if isinstance(g, SymbolicZero):  # nothing flows back
         return None, None, None, {t: None for t in zeros}
-    need_dlhs, need_drhs = (bool(n) for n in needs.shape)
-    matmuls = {}
-    if need_dlhs:
-        matmuls["dlhs"] = _Gradient.create(
-            config.dlhs, c.gradient("lhs"), g, rhs_b, 2, gscale
-        )
-    if need_drhs:
-        matmuls["drhs"] = _Gradient.create(
-            config.drhs, c.gradient("rhs"), g, lhs_b, 4, gscale
-        )
+    needed = {n for n, k in zip(("dlhs", "drhs"), needs.shape, strict=True) if k}
+    specs = {
+        "dlhs": (config.dlhs, c.gradient("lhs"), rhs_b, 2),
+        "drhs": (config.drhs, c.gradient("rhs"), lhs_b, 4),
+    }
+    matmuls = {
+        name: _Gradient.create(cfg, cg, g, other, slot, gscale)
+        for name, (cfg, cg, other, slot) in specs.items()
+        if name in needed
+    }
     # The output gradient quantized once for both backward matmuls when they
-    # quantize it alike (same quantizer, same blocks, no noise).
+    # quantize it alike (same quantizer, same blocks, no noise). A matmul
+    # nobody needs keeps its place in the scale kernel (a placeholder) unless
+    # the other one's quantization stands for it, so that the kernels are
+    # those of a call that needs both.
     operands: dict[str, Operand] = {}
     same: dict[Any, str] = {}
-    for name, m in matmuls.items():
+    for name, (cfg, cg, _, slot) in specs.items():
+        if name not in needed:
+            lc = cg.contracting[0]
+            if cfg.lhs == IDENTITY or not _fits(cfg.lhs, g, lc):
+                continue
+            shareable = _Gradient.shareable_of(cfg, g.shape, lc)
+            if shareable is None or all(
+                m.shareable != shareable for m in matmuls.values()
+            ):
+                spec = jax.ShapeDtypeStruct(g.shape, g.dtype)
+                operands[name] = Operand(cfg.lhs, spec, lc, slot, False, gscale)
+            continue
+        m = matmuls[name]
         if m.operand is None:
             continue
         if m.shareable in same:
@@ -543,15 +571,17 @@ class _Gradient:
             oq = _unquantized(other)
         lc = c.contracting[0]
         operand = Operand(cfg.lhs, g, lc, slot, real, gscale)
-        shareable = None
-        if not folded and not cfg.needs_key:
-            blocks = (
-                cfg.lhs.granularity.block_sizes(g.shape, lc)
-                if cfg.lhs != IDENTITY
-                else ()
-            )
-            shareable = (cfg.lhs, blocks, real)
+        shareable = None if folded else cls.shareable_of(cfg, g.shape, lc)
         return cls(cfg, c, g, oq, operand, shareable)
+
+    @staticmethod
+    def shareable_of(cfg: MatmulConfig, shape: tuple[int, ...], lc: Axes) -> Any:
+        """What makes ``g``'s quantization for ``cfg`` shareable (or ``None``)."""
+        if cfg.needs_key:
+            return None
+        q = cfg.lhs
+        blocks = q.granularity.block_sizes(shape, lc) if q != IDENTITY else ()
+        return (q, blocks, cfg.mode == "real")
 
     def contract(self, gq: QTensor | None) -> jax.Array:
         """The gradient, from ``g`` quantized (``None`` for a float matmul)."""
