@@ -563,3 +563,73 @@ def int_numerics(draw):
 def test_edge_blocks_on_every_grid(numerics, rounding, dtype, seed):
     q = Quantizer(numerics, granularity=PerChannel((1,)), scale_rounding=rounding)
     check_edge_blocks(q, edge_blocks(seed, dtype))
+
+
+def _mixed_requests(x, w, key):
+    """Requests of every kind quantize_all groups: per-channel int8 along two
+    axes of one tensor, a tiled MX quantizer, int3 (its huge-scale division
+    in two steps), stochastic rounding, a given scale, float16 input,
+    NoNumerics, a zero-size tensor, and a repeat of the first request."""
+    from qbits._quantizer import Request
+
+    int8 = Quantizer(IntNumerics(bits=8), granularity=PerChannel())
+    noisy = Quantizer(
+        IntNumerics(bits=8, noise_fn=qbits.UniformNoise()), granularity=PerChannel()
+    )
+    provided = Quantizer(IntNumerics(bits=8), qbits.DelayedScaling(), PerChannel())
+    return [
+        Request(int8, x, None, True, (1,)),
+        Request(int8, x, None, True, (0,)),
+        Request(int8, w.astype(jnp.float16), None, False, (0,)),
+        Request(qbits.mx_quantizer("float8_e4m3fn"), w, None, True, (0,)),
+        Request(Quantizer(IntNumerics(bits=3)), x, None, False, (1,)),
+        Request(noisy, w, qbits.Context(key), True, (1,)),
+        Request(provided, w, None, True, (0,), jnp.full((1, 32), 0.01)),
+        Request(Quantizer(qbits.NoNumerics()), x, None, False, (1,)),
+        Request(int8, jnp.zeros((0, 32)), None, True, (1,)),
+        Request(int8, x, None, True, (1,)),
+    ]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_quantizing_together_equals_quantizing_alone(jit):
+    # quantize_all runs the scale arithmetic of tensors with the same
+    # arithmetic in one kernel, on their bounds laid end to end: the numbers
+    # are exactly those of quantizing each tensor on its own.
+    from qbits._quantizer import quantize_all
+
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (16, 64)) * jnp.linspace(1e-3, 1e3, 64)
+    w = jax.random.normal(k[1], (64, 32))
+
+    def together(x, w, key):
+        out = quantize_all(_mixed_requests(x, w, key), vjp=False)
+        return [qt for qt, _ in out]
+
+    def alone(x, w, key):
+        return [quantize_all([r], vjp=False)[0][0] for r in _mixed_requests(x, w, key)]
+
+    if jit:
+        together, alone = jax.jit(together), jax.jit(alone)
+    got, want = together(x, w, k[2]), alone(x, w, k[2])
+    assert len(got) == len(want) == 10
+    for a, b in zip(got, want, strict=True):
+        assert a.qvalue.dtype == b.qvalue.dtype and a.dtype == b.dtype
+        assert bits_equal(a.qvalue, b.qvalue) and bits_equal(a.scale, b.scale)
+
+
+def test_a_placeholder_takes_no_part_but_its_place():
+    from qbits._quantizer import Request, quantize_all
+
+    int8 = Quantizer(IntNumerics(bits=8), granularity=PerChannel())
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    spec = jax.ShapeDtypeStruct((16, 4), jnp.float32)
+    out = quantize_all(
+        [Request(int8, spec, None, True, (0,)), Request(int8, x, None, True, (1,))],
+        vjp=True,
+    )
+    assert out[0] is None
+    qt, _ = out[1]
+    want = int8.quant(x, store=True, contracting_axes=(1,))
+    np.testing.assert_array_equal(qt.qvalue, want.qvalue)
+    np.testing.assert_array_equal(qt.scale, want.scale)

@@ -550,3 +550,21 @@ def test_cond_branches_with_different_equations_each_run_their_own(flag):
     lhs, rhs = (x, params["w"]) if flag else (jnp.tanh(x) * 2.0, params["v"])
     want = dot(lhs, rhs, dn)
     np.testing.assert_array_equal(got, want)
+
+
+def test_each_site_draws_its_own_noise():
+    # Sites take the links of a key chain: two matmuls with equal operands
+    # round their gradients differently (the same key for both would round
+    # them alike), and the same key gives the same numbers again.
+    def fn(ws, x):
+        return sum(jnp.sum(jnp.tanh(x @ w) ** 2) for w in ws)
+
+    w = jax.random.normal(jax.random.key(0), (32, 16)) / 4
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    key = jax.random.key(2)
+    grads = jax.grad(qbits.quantize(fn, "int8", key))([w, w], x)
+    assert not np.array_equal(grads[0], grads[1])
+    scale = float(jnp.abs(grads[0]).max())
+    np.testing.assert_allclose(grads[0], grads[1], atol=0.05 * scale)
+    again = jax.grad(qbits.quantize(fn, "int8", key))([w, w], x)
+    np.testing.assert_array_equal(grads[0], again[0])

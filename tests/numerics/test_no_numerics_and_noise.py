@@ -33,3 +33,31 @@ def test_context_is_a_pytree():
     ctx = qbits.Context(jax.random.key(0))
     assert len(jax.tree_util.tree_leaves(ctx)) == 1
     assert jax.tree_util.tree_leaves(qbits.Context()) == []
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+def test_next_key_chains_distinct_keys_of_the_same_kind(make_key):
+    key = make_key(0)
+    chain = [key]
+    for _ in range(64):
+        chain.append(qbits.numerics.next_key(chain[-1]))
+
+    def words(k):
+        return np.asarray(jax.random.key_data(k) if k.dtype != jnp.uint32 else k)
+
+    assert len({words(k).tobytes() for k in chain}) == len(chain)
+    assert all(k.dtype == key.dtype and k.shape == key.shape for k in chain)
+    again = qbits.numerics.next_key(make_key(0))
+    np.testing.assert_array_equal(words(chain[1]), words(again))
+    # Noise from neighbouring links is unrelated.
+    noise = qbits.UniformNoise()
+    a, b = noise((20000,), chain[1]), noise((20000,), chain[2])
+    assert abs(float(jnp.corrcoef(a, b)[0, 1])) < 0.03
+
+
+def test_hash_bits_depend_on_every_word_of_the_key():
+    base = jnp.array([7, 11], jnp.uint32)
+    bits = qbits.numerics.hash_bits(base, (256,))
+    for other in ([8, 11], [7, 12], [11, 7]):
+        changed = qbits.numerics.hash_bits(jnp.array(other, jnp.uint32), (256,))
+        assert float(jnp.mean(bits == changed)) < 0.05

@@ -611,3 +611,56 @@ def test_mixed_precision_keeps_the_dtypes_lax_gives(dtype, pet, preset):
         ref = np.asarray(want, np.float32)
         err = np.abs(np.asarray(out, np.float32) - ref).max() / np.abs(ref).max()
         assert err < 0.1, err
+
+
+@pytest.mark.parametrize("preset", ["int8", "fp8", "fp8_delayed", "int8_fwd"])
+def test_a_gradient_nobody_needs_is_not_computed(preset):
+    # The first layer's input gradient (or a frozen weight's) is never
+    # traced: the same core, differentiated with respect to different
+    # arguments (and first in a scan where everything is differentiated),
+    # gives the same gradients, and only the dots it needs.
+    config = qbits.presets.get(preset)
+    dg = qbits.dot_general(config, jax.random.key(2) if config.needs_key else None)
+    k = jax.random.split(jax.random.key(0), 3)
+    ws = jax.random.normal(k[0], (3, 32, 32)) / 6
+    x = jax.random.normal(k[1], (16, 32))
+    state = dg.init_state(x, ws[0], MM) if qbits.ops.needs_state(config) else None
+
+    def layer(h, w):
+        return jnp.tanh(dg(h, w, MM, state=state)), None
+
+    def scanned(ws, x):
+        return jnp.sum(lax.scan(layer, x, ws)[0] ** 2)
+
+    def unrolled(ws, x):
+        for w in ws:
+            x = layer(x, w)[0]
+        return jnp.sum(x**2)
+
+    jax.jit(jax.grad(scanned, (0, 1)))(ws, x)
+    both = jax.jit(jax.grad(unrolled, (0, 1)))(ws, x)
+    only_ws = jax.jit(jax.grad(unrolled))(ws, x)
+    np.testing.assert_array_equal(only_ws, both[0])
+
+    def count(argnums, prefix):
+        jaxpr = jax.make_jaxpr(jax.grad(unrolled, argnums))(ws, x)
+        return sum(e.primitive.name.startswith(prefix) for e in _eqns(jaxpr.jaxpr))
+
+    # Neither the dots of a gradient nobody needs nor the quantization of
+    # their operands (a reduction each for its scale) are traced.
+    for unneeded in (0, 1):  # the first input gradient; all weight gradients
+        assert count(unneeded, "dot_general") < count((0, 1), "dot_general")
+        assert count(unneeded, "reduce") <= count((0, 1), "reduce")
+    if preset == "int8":  # its residuals are quantized along their own axes
+        assert count(0, "reduce") < count((0, 1), "reduce")
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it, per call site."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, tuple | list) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)

@@ -159,3 +159,40 @@ def test_noise_kernels_are_shared_by_equal_layers_with_their_own_keys():
     shallow, deep = _noise_kernels(3), _noise_kernels(6)
     assert shallow > 0
     assert deep == shallow
+
+
+def _kernels(depth: int, keys: str) -> tuple[int, int]:
+    """(distinct, all) fused computations of an int8 training step of
+    ``depth`` equal layers, whose keys are ``"chained"`` (next_key) or
+    ``"indexed"`` (derive_key with the layer index)."""
+    config = qbits.presets.get("int8")
+
+    def loss(ws, x, key):
+        for i, w in enumerate(ws):
+            if keys == "chained":
+                key = qbits.numerics.next_key(key)
+                k = key
+            else:
+                k = qbits.numerics.derive_key(key, i)
+            x = jax.nn.relu(qbits.dot_general(config, k)(x, w, DN))
+        return jnp.sum(x**2)
+
+    ws = [jnp.full((32, 32), 0.1 + i) for i in range(depth)]
+    x = jnp.ones((16, 32))
+    step = jax.jit(jax.grad(loss))
+    hlo = step.trace(ws, x, jax.random.key(0)).lower().compile().as_text()
+    bodies = re.findall(r"\n%fused[^\n]*\{\n(.*?)\n\}", hlo, re.S)
+    return len({_normalized(b) for b in bodies}), len(bodies)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU fusions")
+def test_equal_layers_compile_to_the_same_kernels():
+    # XLA:CPU compiles each distinct fused computation once (~10 ms each);
+    # with chained keys a deeper model adds no kernel of its own (the first
+    # layer, which computes no input gradient, included), only instances.
+    shallow, deep = _kernels(3, "chained"), _kernels(6, "chained")
+    assert deep[0] == shallow[0]
+    assert deep[1] > shallow[1]
+    # A layer index in the key costs one small kernel per layer.
+    indexed = _kernels(3, "indexed"), _kernels(6, "indexed")
+    assert indexed[1][0] - indexed[0][0] == 3
