@@ -591,8 +591,7 @@ def _mixed_requests(x, w, key):
     ]
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_quantizing_together_equals_quantizing_alone(jit):
+def test_quantizing_together_equals_quantizing_alone():
     # quantize_all runs the scale arithmetic of tensors with the same
     # arithmetic in one kernel, on their bounds laid end to end: the numbers
     # are exactly those of quantizing each tensor on its own.
@@ -609,9 +608,7 @@ def test_quantizing_together_equals_quantizing_alone(jit):
     def alone(x, w, key):
         return [quantize_all([r], vjp=False)[0][0] for r in _mixed_requests(x, w, key)]
 
-    if jit:
-        together, alone = jax.jit(together), jax.jit(alone)
-    got, want = together(x, w, k[2]), alone(x, w, k[2])
+    got, want = jax.jit(together)(x, w, k[2]), jax.jit(alone)(x, w, k[2])
     assert len(got) == len(want) == 10
     for a, b in zip(got, want, strict=True):
         assert a.qvalue.dtype == b.qvalue.dtype and a.dtype == b.dtype

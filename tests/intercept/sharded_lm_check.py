@@ -365,8 +365,9 @@ def explicit_case():
             }
             batch = jax.device_put(x, P("data"))
             step = jax.jit(jax.value_and_grad(lambda p, x: loss(p, x, True)))
-            got = step(sharded, batch)
-            dots = qbits.ops.dot_dtypes(step, sharded, batch)
+            compiled = step.lower(sharded, batch).compile()  # once
+            got = compiled(sharded, batch)
+            dots = qbits.ops.dot_dtypes(compiled.as_text())
         _close(got[0], want[0], f"explicit {preset} loss")
         # A rounding flip that changes a per-tensor amax moves every element
         # of that tensor's gradient a little (int8 quantizes the gradients
