@@ -112,10 +112,54 @@ def cpu_variants() -> tuple[str, dict[str, tuple[Callable, tuple]]]:
     x = jax.random.normal(k[2], (BATCH, IN))
     y = jax.random.normal(k[3], (BATCH, OUT))
     model = f"MLP {IN}->{HIDDEN}->{OUT}, batch {BATCH}, SGD, jit"
-    return model, {
+    out = {
         name: (functools.partial(cpu_step, config), (params, x, y))
         for name, config in cpu_configs().items()
     }
+    try:
+        import qwix  # noqa: F401  (benchmark-only extra: pip install -e '.[compare]')
+    except ImportError:
+        return model, out
+    out["Qwix QT int8 (for comparison)"] = (qwix_step, (_qwix_params(params), x, y))
+    return model, out
+
+
+def _qwix_params(params: dict[str, jax.Array]) -> dict[str, Any]:
+    return {
+        "params": {
+            "fc1": {"kernel": params["w1"], "bias": params["b1"]},
+            "fc2": {"kernel": params["w2"], "bias": params["b2"]},
+        }
+    }
+
+
+def qwix_step(lr: float = 1e-3):
+    """The same MLP step under Qwix's QT int8 rule (forward and both backward
+    matmuls int8, rounding to nearest, the backward reusing the forward's
+    quantized operands)."""
+    import flax.linen as nn
+    import qwix
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.Dense(HIDDEN, name="fc1")(x))
+            return nn.Dense(OUT, name="fc2")(h)
+
+    rule = qwix.QtRule(
+        module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8, bwd_qtype=jnp.int8
+    )
+    model = qwix.quantize_model(Mlp(), qwix.QtProvider([rule]))
+
+    def loss(variables, x, y):
+        return jnp.mean((model.apply(variables, x) - y) ** 2)
+
+    @jax.jit
+    def step(variables, x, y):
+        grads = jax.grad(loss)(variables, x, y)
+        return jax.tree_util.tree_map(lambda p, g: p - lr * g, variables, grads)
+
+    return step
 
 
 # --------------------------------------------------------------------- GPU --
@@ -132,9 +176,9 @@ def gpu_step(preset: str | None, lr: float = 1e-3):
     def dot(i, state, key):
         if config is None:
             return jax.lax.dot_general
-        dg = qbits.dot_general(
-            config, jax.random.fold_in(key, i) if config.needs_key else None
-        )
+        for _ in range(i):  # the i-th link of a key chain (one kernel for all)
+            key = qbits.numerics.next_key(key)
+        dg = qbits.dot_general(config, key if config.needs_key else None)
         return functools.partial(dg, state=state[f"w{i}"]) if stateful else dg
 
     def loss(params, state, key, x, y):

@@ -24,7 +24,17 @@ Residuals:
   use them: quantized already (a stored int8/fp8 array is a quarter of a
   float32 one, and quantizing next to the forward pass reads the operand
   while it is still in cache), or the forward's own quantized operand when
-  a backward matmul reuses it (``use_fwd_quant``).
+  a backward matmul reuses it (``use_fwd_quant``). Only for the backward
+  matmuls that are needed: the custom VJP sees which arguments are
+  differentiated (symbolic zeros), and the input gradient of a first layer
+  or the gradient of a frozen weight is never traced.
+
+Passes:
+  The tensors a pass quantizes (four in the forward, the output gradient
+  for each backward matmul) are quantized together
+  (:func:`qbits._quantizer.quantize_all`): their scale arithmetic compiles
+  to one small kernel per pass. XLA:CPU's compile time grows with every
+  kernel instance and every instruction; a deep model pays it per layer.
 
 ``shard_map``:
   Inside ``jax.shard_map`` (with its default ``check_vma=True``) every
@@ -384,14 +394,14 @@ def _fwd(
     # (cached) core for every later one, whatever is perturbed there: an
     # unneeded matmul's slot holds a stand-in of the same structure, and
     # which matmuls are needed is in the shape of ``needs`` (static in _bwd).
-    kept = {"dlhs": (rhs, "rhs"), "drhs": (lhs, "lhs")}
+    sources = {"dlhs": (rhs, "rhs"), "drhs": (lhs, "lhs")}
     slots = [
         done[name]
         if name in done
         else _stand_in(getattr(plan.config, name), x, done[tensor][0])
-        for name, (x, tensor) in kept.items()
+        for name, (x, tensor) in sources.items()
     ]
-    needs = jnp.zeros(tuple(int(n in needed) for n in kept), jnp.bool_)
+    needs = jnp.zeros(tuple(int(n in needed) for n in sources), jnp.bool_)
     residuals = (
         *slots,
         needs,
