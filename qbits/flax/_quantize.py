@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -45,6 +45,7 @@ import numpy as np
 from qbits._errors import InvalidArgumentError
 from qbits.config import LayerTable, QuantConfig, as_quant_config
 from qbits.flax._layers import Session
+from qbits.numerics import hash_key
 
 __all__ = ["Quantized", "layer_table", "quantize"]
 
@@ -115,13 +116,29 @@ class Quantized(nn.Module):
 
     @nn.nowrap
     def apply(self, variables: Any, *args: Any, method: Any = None, **kwargs: Any):
-        """``flax.linen.Module.apply``; ``method`` refers to the wrapped model."""
+        """``flax.linen.Module.apply``; ``method`` refers to the wrapped model.
+
+        The ``'quant'`` key becomes a :func:`qbits.numerics.hash_key`, so that
+        the layers' ``make_rng`` (a ``fold_in`` each) compile to a few integer
+        operations instead of a threefry loop per layer.
+        """
+        if "rngs" in kwargs:
+            kwargs["rngs"] = _hashed(kwargs["rngs"])
         return super().apply(variables, *args, method=_method(method), **kwargs)
 
     @nn.nowrap
     def init_with_output(self, rngs: Any, *args: Any, method: Any = None, **kwargs):
         """``Module.init_with_output``; ``method`` refers to the wrapped model."""
-        return super().init_with_output(rngs, *args, method=_method(method), **kwargs)
+        return super().init_with_output(
+            _hashed(rngs), *args, method=_method(method), **kwargs
+        )
+
+
+def _hashed(rngs: Any) -> Any:
+    """``rngs`` with its ``'quant'`` key as a hash key (see ``Quantized.apply``)."""
+    if isinstance(rngs, Mapping) and rngs.get("quant") is not None:
+        return {**rngs, "quant": hash_key(rngs["quant"])}
+    return rngs
 
 
 def _method(method: Any) -> Callable[..., Any] | None:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from qbits._errors import InvalidArgumentError
 from qbits.config import CheckedConv, CheckedDotGeneral, as_dot_general_config
 from qbits.nnx._stateful import DelayedState
+from qbits.numerics import hash_key
 from qbits.ops import (
     DotGeneralConfig,
     Einsum,
@@ -60,7 +61,10 @@ def fork_stream(
 ) -> nnx.RngStream:
     """A new RngStream forked from ``rngs``' ``quant`` (or default) stream.
 
-    With ``stack``, one stream per stacked layer (split along those axes).
+    Its key is a :func:`qbits.numerics.hash_key`: each call's ``fold_in``
+    (and ``split`` for ``stack``) is a few integer operations, not a
+    threefry loop per layer. With ``stack``, one stream per stacked layer
+    (split along those axes).
     """
     stream = None
     if isinstance(rngs, nnx.RngStream):
@@ -68,6 +72,7 @@ def fork_stream(
     elif has_stream(rngs):
         stream = rngs[STREAM].fork()
     if stream is not None:
+        stream = type(stream)(hash_key(stream.key[...]), tag=stream.tag)
         return stream.split(stack) if stack else stream
     raise InvalidArgumentError(
         owner,

@@ -195,8 +195,10 @@ def quantize(
       rngs: Keys for stochastic rounding, needed when some layer's config
         rounds stochastically (the ``int8`` preset): an ``nnx.Rngs`` with a
         ``quant`` (or ``default``) stream, or an ``nnx.RngStream``. Each such
-        layer forks its own stream from it (advancing it), and draws a new
-        key on every call. The same seed gives the same keys.
+        layer forks its own stream from it (advancing it), with a
+        :func:`qbits.numerics.hash_key` (no threefry loop per layer in the
+        compiled step), and draws a new key on every call. The same seed
+        gives the same keys.
 
     Returns:
       The quantized copy: new ``Variable`` objects holding the original's

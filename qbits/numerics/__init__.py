@@ -11,7 +11,13 @@ from qbits.numerics._formats import (
 from qbits.numerics._fp_numerics import Fp8Numerics, FpNumerics
 from qbits.numerics._int_numerics import IntNumerics
 from qbits.numerics._no_numerics import NoNumerics
-from qbits.numerics._noise import UniformNoise, derive_key, hash_bits, next_key
+from qbits.numerics._noise import (
+    UniformNoise,
+    derive_key,
+    hash_bits,
+    hash_key,
+    next_key,
+)
 
 __all__ = [
     "FLOAT_FORMATS",
@@ -28,6 +34,7 @@ __all__ = [
     "derive_key",
     "float_format",
     "hash_bits",
+    "hash_key",
     "next_key",
     "round_to_format",
     "stochastic_round_to_format",

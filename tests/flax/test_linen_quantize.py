@@ -402,6 +402,29 @@ def test_bad_arguments(model, config):
         qbits.flax.quantize(model, config)
 
 
+def test_layer_keys_compile_without_threefry_loops():
+    # make_rng folds each layer's path into the 'quant' key; on a threefry
+    # key that is a rolled loop per layer in the compiled step.
+    x = jax.random.normal(jax.random.key(0), (4, D))
+    qmodel = qbits.flax.quantize(MLP(), "int8")
+    params = MLP().init(jax.random.key(1), x)
+
+    def step(params, key):
+        def loss(p):
+            return jnp.sum(qmodel.apply(p, x, rngs={"quant": key}) ** 2)
+
+        return jax.grad(loss)(params)
+
+    for key in (jax.random.key(2), jax.random.PRNGKey(2)):
+        hlo = jax.jit(step).trace(params, key).lower().compile().as_text()
+        assert " while(" not in hlo
+    # Each layer still rounds with its own noise: the two layers' noise
+    # streams differ (fc1's gradient changes with the key, as fc2's does).
+    g = [jax.jit(step)(params, jax.random.key(k))["params"] for k in (2, 3)]
+    for name in ("fc1", "fc2"):
+        assert not np.array_equal(g[0][name]["kernel"], g[1][name]["kernel"])
+
+
 def test_missing_quant_key_inside_scan_says_to_split_it():
     class Block(nn.Module):
         @nn.compact

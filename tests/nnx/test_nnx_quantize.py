@@ -226,6 +226,21 @@ def test_stochastic_rounding_keys_advance_and_reproduce():
     assert not np.array_equal(kernel_grads(other_seed)[1], g1)
 
 
+def test_layer_streams_compile_without_threefry_loops():
+    # Each layer draws fold_in(stream key, count) per call; on a threefry
+    # key that is a rolled loop per layer in the compiled step.
+    qmodel = qbits.nnx.quantize(make_transformer(), "int8", rngs=nnx.Rngs(quant=0))
+    graph, state = nnx.split(qmodel)
+
+    def step(state):
+        return nnx.grad(loss_fn)(nnx.merge(graph, state))
+
+    hlo = jax.jit(step).trace(state).lower().compile().as_text()
+    assert " while(" not in hlo
+    keys = [v[...] for _, v in nnx.to_flat_state(nnx.state(qmodel, nnx.RngKey))]
+    assert keys and all(str(k.dtype) == "key<qh>" for k in keys)
+
+
 def test_jit_cache_keeps_float_and_quantized_apart():
     model = make_transformer()
     qmodel = qbits.nnx.quantize(model, "int8_fwd")

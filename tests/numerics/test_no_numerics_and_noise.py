@@ -61,3 +61,65 @@ def test_hash_bits_depend_on_every_word_of_the_key():
     for other in ([8, 11], [7, 12], [11, 7]):
         changed = qbits.numerics.hash_bits(jnp.array(other, jnp.uint32), (256,))
         assert float(jnp.mean(bits == changed)) < 0.05
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        jax.random.key(0),
+        jax.random.PRNGKey(3),
+        jax.random.key(0, impl="rbg"),
+        jax.random.split(jax.random.key(5), 3),
+    ],
+    ids=["key", "legacy", "rbg", "batch"],
+)
+def test_hash_key_is_a_typed_key_that_jax_random_uses(key):
+    k = qbits.numerics.hash_key(key)
+    assert jnp.issubdtype(k.dtype, jax.dtypes.prng_key)
+    assert k.shape == (key.shape[:-1] if key.dtype == jnp.uint32 else key.shape)
+    assert qbits.numerics.hash_key(k) is k
+    one = k if k.ndim == 0 else k[0]
+    u = jax.random.uniform(one, (100000,))
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    assert abs(float(u.var()) - 1 / 12) < 0.002
+    n = jax.random.normal(one, (100000,))
+    assert abs(float(n.mean())) < 0.02 and abs(float(n.std()) - 1) < 0.02
+    for dtype in (jnp.uint8, jnp.uint16, jnp.uint32):
+        bits = jax.random.bits(one, (4096,), dtype)
+        assert bits.dtype == dtype
+        assert len(np.unique(np.asarray(bits))) > min(
+            200, 2 ** (8 * bits.itemsize) // 2
+        )
+    # Deterministic: the same key gives the same hash key and bits.
+    np.testing.assert_array_equal(
+        jax.random.key_data(qbits.numerics.hash_key(key)), jax.random.key_data(k)
+    )
+
+
+def test_hash_key_fold_in_and_split_give_distinct_unrelated_keys():
+    k = qbits.numerics.hash_key(jax.random.key(0))
+    folded = jax.vmap(lambda i: jax.random.fold_in(k, i))(jnp.arange(4096))
+    split = jax.random.split(k, 4096)
+    for keys in (folded, split):
+        words = np.asarray(jax.random.key_data(keys))
+        assert len({w.tobytes() for w in words}) == len(words)
+        u = jax.vmap(lambda kk: jax.random.uniform(kk))(keys)
+        assert abs(float(u.mean()) - 0.5) < 0.02
+        assert abs(float(jnp.corrcoef(u[:-1], u[1:])[0, 1])) < 0.05
+    # split and fold_in are different derivations
+    assert not np.array_equal(
+        jax.random.key_data(folded[1]), jax.random.key_data(split[1])
+    )
+    # Different source keys give different hash keys, for every PRNG.
+    sources = [jax.random.key(i) for i in range(64)]
+    sources += [jax.random.key(i, impl="rbg") for i in range(64)]
+    words = {
+        np.asarray(jax.random.key_data(qbits.numerics.hash_key(s))).tobytes()
+        for s in sources
+    }
+    assert len(words) == len(sources)
+
+
+def test_hash_key_rejects_what_is_not_a_key():
+    with pytest.raises(qbits.InvalidArgumentError, match=r"hash_key.*key.*PRNGKey"):
+        qbits.numerics.hash_key(jnp.zeros((2,), jnp.float32))
