@@ -425,7 +425,16 @@ def _encode(
     )
     scale, inverse = scale.reshape(blocks), inverse.reshape(blocks)
     xb = p.xb
-    y = xb * inverse if pre is None else (xb * pre.reshape(blocks)) * inverse
+
+    def times(v: jax.Array, per_block: jax.Array) -> jax.Array:
+        # lax, not jnp: jnp's broadcasting multiply is a small jitted
+        # function, traced anew for every shape (trace time per layer).
+        dims = tuple(range(v.ndim))
+        return lax.mul(
+            v, lax.broadcast_in_dim(per_block.reshape(blocks), v.shape, dims)
+        )
+
+    y = times(xb, inverse) if pre is None else times(times(xb, pre), inverse)
     grad = None
     if vjp:
         q, residuals = self.numerics.vjp_fwd(y, context)
@@ -442,8 +451,10 @@ def _encode(
         # A block whose bound is 0 dequantizes to exact zeros, also on a
         # grid without a zero (binary's 0 -> +0.5). The subtracted copy
         # carries no gradient: the codes keep the numerics' gradient.
-        zero = (p.bound == 0).astype(q.dtype)
-        q = q - lax.stop_gradient(q) * zero
+        zero = lax.convert_element_type(
+            lax.eq(p.bound, lax.full_like(p.bound, 0)), q.dtype
+        )
+        q = q - times(lax.stop_gradient(q), zero)
     q = q.reshape(x.shape)
     if p.request.store:
         clipped = isinstance(self.numerics, IntNumerics) and self.numerics.clip
@@ -495,8 +506,8 @@ def _keeps_zero(numerics: QNumerics) -> bool:
 
 def _pre_factor(scale: jax.Array) -> jax.Array:
     """``2**-64`` for scales above ``2**64``, else 1 (exact, per block)."""
-    big = scale > np.asarray(2.0**64, scale.dtype)
-    return lax.select(big, jnp.full_like(scale, 2.0**-64), jnp.ones_like(scale))
+    big = lax.gt(scale, lax.full_like(scale, 2.0**64))
+    return lax.select(big, lax.full_like(scale, 2.0**-64), lax.full_like(scale, 1))
 
 
 def _identity(g: jax.Array) -> jax.Array:
@@ -530,7 +541,9 @@ def _scales_and_inverses(
     def arithmetic(flat: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
         scale = flat if make is None else make(flat)
         pre = _pre_factor(scale) if split else None
-        inverse = 1.0 / (scale if pre is None else scale * pre)
+        inverse = lax.div(
+            lax.full_like(scale, 1), scale if pre is None else lax.mul(scale, pre)
+        )
         return scale, inverse, pre
 
     def default(*flats: jax.Array) -> list[Any]:
@@ -540,8 +553,8 @@ def _scales_and_inverses(
         scale, inverse, pre = arithmetic(flat)
         n = scale.shape[0]
         both = lax.concatenate([scale, inverse], 0)
-        both = both / lax.optimization_barrier(jnp.ones_like(both))
-        return both[:n], both[n:], pre
+        both = lax.div(both, lax.optimization_barrier(lax.full_like(both, 1)))
+        return lax.slice_in_dim(both, 0, n), lax.slice_in_dim(both, n, 2 * n), pre
 
     def cpu(*flats: jax.Array) -> list[Any]:
         if len(flats) == 1 or jax.device_count() > 1:
@@ -549,9 +562,13 @@ def _scales_and_inverses(
         scale, inverse, pre = cpu_one(lax.concatenate(flats, 0))
         out, start = [], 0
         for f in flats:
-            part = slice(start, start + f.shape[0])
-            start = part.stop
-            out.append((scale[part], inverse[part], None if pre is None else pre[part]))
+            stop = start + f.shape[0]
+            scale_f, inverse_f = (
+                lax.slice_in_dim(v, start, stop) for v in (scale, inverse)
+            )
+            pre_f = None if pre is None else lax.slice_in_dim(pre, start, stop)
+            out.append((scale_f, inverse_f, pre_f))
+            start = stop
         return out
 
     return lax.platform_dependent(*flats, cpu=cpu, default=default)

@@ -145,15 +145,16 @@ def _absmax_nan_if_non_finite(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     which is faster and compiles one kernel fewer. The flag is needed
     because XLA:CPU's vectorized max reductions drop NaN.
     """
+    # lax, not jnp, here and in AbsMax.bound: jnp's functions are small jitted
+    # functions, each traced anew for every new shape (trace time per layer).
     low = np.array(-np.inf, x.dtype)
+    non_finite = lax.convert_element_type(lax.bitwise_not(lax.is_finite(x)), x.dtype)
     magnitude, non_finite = lax.reduce(
-        (jnp.abs(x), (~jnp.isfinite(x)).astype(x.dtype)),
-        (low, np.zeros((), x.dtype)),
-        _max_pair,
-        axes,
+        (lax.abs(x), non_finite), (low, np.zeros((), x.dtype)), _max_pair, axes
     )
-    out = lax.select(non_finite > 0, jnp.full_like(magnitude, jnp.nan), magnitude)
-    return jnp.expand_dims(out, axes)
+    nan = lax.full_like(magnitude, np.nan)
+    out = lax.select(lax.gt(non_finite, lax.full_like(non_finite, 0)), nan, magnitude)
+    return lax.expand_dims(out, axes)
 
 
 @_absmax_nan_if_non_finite.defjvp
@@ -214,9 +215,11 @@ class AbsMax(Calibration):
         axes = tuple(a % x.ndim for a in axes)
 
         def mapped(x: jax.Array) -> jax.Array:
-            magnitude = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf)
-            bound = jnp.max(magnitude, axis=axes, keepdims=True)
-            return jnp.where(bound < jnp.inf, bound, jnp.nan)
+            inf = lax.full_like(x, np.inf)
+            magnitude = lax.select(lax.is_finite(x), lax.abs(x), inf)
+            bound = lax.expand_dims(lax.reduce_max(magnitude, axes), axes)
+            nan = lax.full_like(bound, np.nan)
+            return lax.select(lax.lt(bound, lax.full_like(bound, np.inf)), bound, nan)
 
         if axes == tuple(range(x.ndim - len(axes), x.ndim)):
             bound = lax.platform_dependent(
@@ -227,7 +230,7 @@ class AbsMax(Calibration):
         else:  # across rows XLA:CPU runs a variadic reduction slowly
             bound = mapped(x)
         if self.clip_factor <= 1.0:
-            return bound * self.clip_factor
+            return lax.mul(bound, np.asarray(self.clip_factor, bound.dtype))
         # A factor above 1 must not turn a finite absmax into inf (which
         # would read as non-finite input): saturate at the largest finite
         # (NaN stays NaN).
@@ -497,7 +500,10 @@ def make_scale(
       Array([1.1754944e-38, 6.6461400e+35], dtype=float32)
     """
     lo, hi = scale_limits(abs_val_mapped_to, "none", np.float32)
-    scale = bound / abs_val_mapped_to
+    bound = jnp.asarray(bound)
+    if not jnp.issubdtype(bound.dtype, jnp.floating):
+        bound = bound.astype(jnp.float32)
+    scale = lax.div(bound, np.asarray(abs_val_mapped_to, bound.dtype))
     # NaN-preserving clamp (XLA's clamp propagates NaN), with scalar limits.
     scale = lax.clamp(np.asarray(lo, scale.dtype), scale, np.asarray(hi, scale.dtype))
     if rounding != "none":
@@ -508,4 +514,5 @@ def make_scale(
         scale = fit_scale_to_dtype(scale, fit)
     # Compare the bound, not the scale: bound / mapped underflows for tiny
     # positive bounds.
-    return lax.select(bound == 0, jnp.ones_like(scale), scale)
+    zero = lax.eq(bound, lax.full_like(bound, 0))
+    return lax.select(zero, lax.full_like(scale, 1), scale)

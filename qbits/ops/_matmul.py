@@ -648,18 +648,29 @@ def _real_dot(
         preferred_element_type=acc,
         out_sharding=out_sharding,
     ).astype(jnp.float32)
+    # lax, not jnp, for the elementwise rescaling: jnp's functions are small
+    # jitted functions, each traced anew for every new shape.
     if sl.size == 1 and sr.size == 1:
         a, b = sl.reshape(()).astype(jnp.float32), sr.reshape(()).astype(jnp.float32)
-        both = a * b
+        both = lax.mul(a, b)
         if one_scalar:
-            out = out * both
+            out = lax.mul(out, both)
         else:  # the product, unless it left float32's normal range
-            normal = jnp.isfinite(both) & (jnp.abs(both) >= _TINY)
-            out = (out * jnp.where(normal, both, a)) * jnp.where(normal, 1, b)
+            normal = lax.bitwise_and(lax.is_finite(both), lax.ge(lax.abs(both), _TINY))
+            first = lax.select(normal, both, a)
+            second = lax.select(normal, np.float32(1), b)
+            out = lax.mul(lax.mul(out, first), second)
     else:
-        left = _scale_to_output(sl, dims, "lhs")
-        right = _scale_to_output(sr, dims, "rhs")
-        out = _unless_lost((out * left) * right, out, lambda o: o * (left * right))
+        dims_out = tuple(range(out.ndim))
+        left, right = (
+            lax.broadcast_in_dim(_scale_to_output(s, dims, side), out.shape, dims_out)
+            for s, side in ((sl, "lhs"), (sr, "rhs"))
+        )
+        out = _unless_lost(
+            lax.mul(lax.mul(out, left), right),
+            out,
+            lambda o: lax.mul(o, lax.mul(left, right)),
+        )
     if tiled is not None:
         out = jnp.sum(out, axis=len(dims.lhs_batch) - 1)
     return out
@@ -674,8 +685,12 @@ def _unless_lost(scaled: jax.Array, out: jax.Array, other: Any) -> jax.Array:
     Two orders of the same two multiplies: where the first loses a result
     (an intermediate beyond float32's range), the other keeps it.
     """
-    lost = ~jnp.isfinite(scaled) | ((scaled == 0) & (out != 0))
-    return jnp.where(lost & jnp.isfinite(out), other(out), scaled)
+    zero = lax.full_like(out, 0)
+    lost = lax.bitwise_or(
+        lax.bitwise_not(lax.is_finite(scaled)),
+        lax.bitwise_and(lax.eq(scaled, zero), lax.ne(out, zero)),
+    )
+    return lax.select(lax.bitwise_and(lost, lax.is_finite(out)), other(out), scaled)
 
 
 def _scale_to_output(scale: jax.Array, dims: Dims, side: str) -> jax.Array:
