@@ -10,7 +10,10 @@ with each layer's key ``qbits.numerics.derive_key(key, i)``),
 ``int8_nearest`` (int8 everywhere, rounding to nearest), ``int8_reuse``
 (the same, with the backward matmuls reusing the forward's quantized
 operands: the work Qwix's QT does), ``int8_fwd``, ``fp8``,
-``int8_quantize`` (the float loss quantized by ``qbits.quantize``), and
+``int8_quantize`` (the float loss quantized by ``qbits.quantize``),
+``int8_linen`` and ``int8_nnx`` (the same layers as Flax ``Dense`` /
+``nnx.Linear`` quantized by ``qbits.flax.quantize`` / ``qbits.nnx.quantize``,
+each layer's key from Flax's own per-layer streams), and
 Qwix's quantized training (QT) int8 when the ``qwix`` package is installed
 (``pip install -e ".[compare]"``: a benchmark-only extra, never a
 dependency of qbits). Also the 2-layer MLP of ``train_step.py``
@@ -46,6 +49,8 @@ VARIANTS = (
     "int8_fwd",
     "fp8",
     "int8_quantize",
+    "int8_linen",
+    "int8_nnx",
     "qwix_int8",
 )
 WIDTH, BATCH = 256, 128
@@ -80,6 +85,9 @@ def child(variant: str, model: str, depth: int) -> dict[str, float]:
 
     if variant == "qwix_int8":
         step = _qwix_step(params, x, y)
+    elif variant in ("int8_linen", "int8_nnx"):
+        flax_step = _linen_step if variant == "int8_linen" else _nnx_step
+        step = flax_step(params, x, y, key)
     else:
         import qbits
 
@@ -130,7 +138,7 @@ def child(variant: str, model: str, depth: int) -> dict[str, float]:
 
         step = jax.jit(step)
         args = (params, x, y, key)
-    if variant == "qwix_int8":
+    if variant in ("qwix_int8", "int8_linen", "int8_nnx"):
         step, args = step
     t1 = time.perf_counter()
     traced = step.trace(*args)
@@ -186,6 +194,75 @@ def _qwix_step(params, x, y):
         return jax.tree.map(lambda p, g: p - 1e-3 * g, v, grads)
 
     return jax.jit(step), (variables, x, y)
+
+
+def _linen_step(params, x, y, key):
+    """qbits.flax.quantize int8 on Dense layers; keys from the 'quant' stream."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    import qbits
+    import qbits.flax
+
+    sizes = [w.shape[1] for w in params]
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            for i, n in enumerate(sizes):
+                h = nn.Dense(n, use_bias=False, name=f"fc{i}")(h)
+                if i + 1 < len(sizes):
+                    h = nn.relu(h)
+            return h
+
+    model = qbits.flax.quantize(Net(), "int8")
+    variables = Net().init(jax.random.key(0), x)
+
+    def loss(v, x, y, key):
+        return jnp.mean((model.apply(v, x, rngs={"quant": key}) - y) ** 2)
+
+    def step(v, x, y, key):
+        grads = jax.grad(loss)(v, x, y, key)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, v, grads)
+
+    return jax.jit(step), (variables, x, y, key)
+
+
+def _nnx_step(params, x, y, key):
+    """qbits.nnx.quantize int8 on nnx.Linear layers; a key stream per layer."""
+    import flax.nnx as nnx
+    import jax
+    import jax.numpy as jnp
+
+    import qbits
+    import qbits.nnx
+
+    shapes = [w.shape for w in params]
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List(
+                [nnx.Linear(i, o, use_bias=False, rngs=rngs) for i, o in shapes]
+            )
+
+        def __call__(self, h):
+            for i, layer in enumerate(self.layers):
+                h = layer(h)
+                if i + 1 < len(self.layers):
+                    h = jax.nn.relu(h)
+            return h
+
+    model = qbits.nnx.quantize(Net(nnx.Rngs(0)), "int8", rngs=nnx.Rngs(quant=key))
+    graph, params_state, rest = nnx.split(model, nnx.Param, ...)
+
+    def step(params_state, rest, x, y):
+        m = nnx.merge(graph, params_state, rest)
+        grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(m)
+        new = jax.tree.map(lambda p, g: p - 1e-3 * g, params_state, grads)
+        return new, nnx.state(m, nnx.Not(nnx.Param))
+
+    return jax.jit(step), (params_state, rest, x, y)
 
 
 def _has_qwix() -> bool:
