@@ -132,9 +132,8 @@ def child(variant: str, model: str, depth: int) -> dict[str, float]:
         def step(params, x, y, key):
             if variant == "int8_quantize":
                 grads = jax.grad(qbits.quantize(loss, "int8", key))(params, x, y, key)
-                return [p - 1e-3 * g for p, g in zip(params, grads, strict=True)]
-            grads = jax.grad(loss)(params, x, y, key)
-            return [p - 1e-3 * g for p, g in zip(params, grads, strict=True)]
+                return _sgd(params, grads)
+            return _sgd(params, jax.grad(loss)(params, x, y, key))
 
         step = jax.jit(step)
         args = (params, x, y, key)
@@ -157,12 +156,16 @@ def child(variant: str, model: str, depth: int) -> dict[str, float]:
     }
 
 
-def _qwix_step(params, x, y):
-    """Qwix QT int8 (weights and activations, forward and backward)."""
-    import flax.linen as nn
+def _sgd(params, grads):
+    """One SGD step, the update every variant's step ends with."""
     import jax
-    import jax.numpy as jnp
-    import qwix
+
+    return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+
+
+def _linen_net(params):
+    """The stack of ``params`` as a linen model of bias-free Dense layers."""
+    import flax.linen as nn
 
     sizes = [w.shape[1] for w in params]
 
@@ -174,6 +177,15 @@ def _qwix_step(params, x, y):
                 if i + 1 < len(sizes):
                     h = nn.relu(h)
             return h
+
+    return Net()
+
+
+def _qwix_step(params, x, y):
+    """Qwix QT int8 (weights and activations, forward and backward)."""
+    import jax
+    import jax.numpy as jnp
+    import qwix
 
     rules = [
         qwix.QtRule(
@@ -183,48 +195,35 @@ def _qwix_step(params, x, y):
             bwd_qtype=jnp.int8,
         )
     ]
-    model = qwix.quantize_model(Net(), qwix.QtProvider(rules))
+    model = qwix.quantize_model(_linen_net(params), qwix.QtProvider(rules))
     variables = model.init(jax.random.key(0), x)
 
     def loss(v, x, y):
         return jnp.mean((model.apply(v, x) - y) ** 2)
 
     def step(v, x, y):
-        grads = jax.grad(loss)(v, x, y)
-        return jax.tree.map(lambda p, g: p - 1e-3 * g, v, grads)
+        return _sgd(v, jax.grad(loss)(v, x, y))
 
     return jax.jit(step), (variables, x, y)
 
 
 def _linen_step(params, x, y, key):
     """qbits.flax.quantize int8 on Dense layers; keys from the 'quant' stream."""
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
 
     import qbits
     import qbits.flax
 
-    sizes = [w.shape[1] for w in params]
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, h):
-            for i, n in enumerate(sizes):
-                h = nn.Dense(n, use_bias=False, name=f"fc{i}")(h)
-                if i + 1 < len(sizes):
-                    h = nn.relu(h)
-            return h
-
-    model = qbits.flax.quantize(Net(), "int8")
-    variables = Net().init(jax.random.key(0), x)
+    net = _linen_net(params)
+    model = qbits.flax.quantize(net, "int8")
+    variables = net.init(jax.random.key(0), x)
 
     def loss(v, x, y, key):
         return jnp.mean((model.apply(v, x, rngs={"quant": key}) - y) ** 2)
 
     def step(v, x, y, key):
-        grads = jax.grad(loss)(v, x, y, key)
-        return jax.tree.map(lambda p, g: p - 1e-3 * g, v, grads)
+        return _sgd(v, jax.grad(loss)(v, x, y, key))
 
     return jax.jit(step), (variables, x, y, key)
 
@@ -259,8 +258,7 @@ def _nnx_step(params, x, y, key):
     def step(params_state, rest, x, y):
         m = nnx.merge(graph, params_state, rest)
         grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(m)
-        new = jax.tree.map(lambda p, g: p - 1e-3 * g, params_state, grads)
-        return new, nnx.state(m, nnx.Not(nnx.Param))
+        return _sgd(params_state, grads), nnx.state(m, nnx.Not(nnx.Param))
 
     return jax.jit(step), (params_state, rest, x, y)
 
