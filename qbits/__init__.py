@@ -21,12 +21,14 @@ in this file):
    (:class:`QuantConfig`, :class:`Rule`); bad configs raise
    :class:`ConfigError`; :func:`freeze_ranges` (:mod:`ranges`) turns
    collected activation ranges into static bounds.
-6. :func:`quantize` (:mod:`qbits.intercept`): every matmul of any function
-   or model (custom layers, raw einsums and ``@``, scanned blocks),
-   quantized by per-layer rules as a function transformation;
-   :func:`layer_table` lists them.
+6. :func:`quantize` (:mod:`qbits.transform`, the engine): every matmul of
+   any function or model (custom layers, raw einsums and ``@``, scanned
+   blocks), quantized by per-layer rules as a function transformation;
+   :func:`layer_table` lists them, :func:`init_state` gives their scale
+   state, :func:`collect_ranges` their activation ranges.
 7. Flax: :mod:`qbits.flax` (linen) and :mod:`qbits.nnx` quantize unmodified
-   models by per-layer rules (``quantize``, ``layer_table``).
+   models by per-layer rules (``quantize``, ``layer_table``), through the
+   engine.
 8. :mod:`qbits.serving`: convert trained params to stored int8/int4/fp8
    weights, serve them, save/restore, size report.
 """
@@ -74,17 +76,15 @@ from qbits.ops import (
     DotGeneralConfig,
     Einsum,
     MatmulConfig,
-    conv_general_dilated,
-    dot_general,
-    einsum,
 )
 from qbits.providers import DelayedScaling, LearnedScale, ScaleProvider
 from qbits.tensor import QTensor
 
 from qbits import lsq  # isort: skip  (layer 2)
+from qbits.config._refs import conv_general_dilated, dot_general, einsum  # isort: skip
 from qbits._ranges import freeze_ranges  # isort: skip
-from qbits import intercept  # isort: skip  (layer 6)
-from qbits.intercept import init_state, layer_table, quantize  # isort: skip
+from qbits import transform  # isort: skip  (layer 6)
+from qbits.transform import collect_ranges, init_state, layer_table, quantize  # isort: skip
 from qbits import flax, nnx  # isort: skip  (layer 7 imports everything above)
 from qbits import serving  # isort: skip  (layer 8)
 
@@ -124,6 +124,7 @@ __all__ = [
     "UniformNoise",
     "UnusedRuleWarning",
     "calibration",
+    "collect_ranges",
     "config",
     "conv_general_dilated",
     "dot_general",
@@ -132,7 +133,6 @@ __all__ = [
     "freeze_ranges",
     "granularity",
     "init_state",
-    "intercept",
     "layer_table",
     "load_config",
     "lsq",
@@ -146,4 +146,5 @@ __all__ = [
     "scaled",
     "serving",
     "tensor",
+    "transform",
 ]

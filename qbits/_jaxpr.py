@@ -1,7 +1,7 @@
 """Small helpers for interpreting jaxprs across the supported JAX versions.
 
 Shared by ``scalify`` (:mod:`qbits.scaled`) and the model transformation
-(:mod:`qbits.intercept`), the two places qbits re-runs a traced function
+(:mod:`qbits.transform`), the two places qbits re-runs a traced function
 equation by equation.
 """
 

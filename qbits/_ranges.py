@@ -2,11 +2,12 @@
 
 Post-training calibration in two steps:
 
-1. Collect: run the float model on a few batches and record, per layer, the
-   largest magnitude of the matmul's activation operand (the ``fwd.lhs`` of
-   ``Dense``/``Linear``: the layer input), the max over all batches.
-   :func:`qbits.flax.collect_ranges` (linen) and
-   :func:`qbits.nnx.collect_ranges` (nnx) return ``{layer path: absmax}``.
+1. Collect: run the float model on a few batches and record, per weight
+   matmul, the largest magnitude of its activation operand (the one a
+   config's ``fwd.lhs`` quantizes), the max over all batches:
+   :func:`qbits.collect_ranges` returns ``{matmul path: absmax}`` (for a
+   linen model, of ``model.apply``; for an nnx model, of
+   :func:`qbits.nnx.as_function`).
 2. Freeze: :func:`freeze_ranges` turns the ranges into a
    :class:`~qbits.config.QuantConfig` in which each measured layer's
    ``fwd.lhs`` calibration is ``ConstantBound(range)``: the forward then
@@ -35,7 +36,7 @@ def freeze_ranges(config: Any, ranges: Mapping[str, float]) -> QuantConfig:
     Args:
       config: The per-layer rules (a :class:`~qbits.config.QuantConfig`, a
         :class:`~qbits.DotGeneralConfig` or a preset name for every layer).
-      ranges: ``{layer path: absmax}`` from ``collect_ranges``.
+      ranges: ``{matmul path: absmax}`` from :func:`qbits.collect_ranges`.
 
     Returns:
       A :class:`~qbits.config.QuantConfig` with one rule per measured layer

@@ -216,16 +216,16 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    import flax.nnx as nnx
 
     import qbits
-    from qbits.experiments import build_model, spec
+    from qbits.experiments import build_model, sample_batch, spec
 
     name, config, _ = _config(args.config)
     model_spec = spec(args.model)
-    # Only the graph is needed: shapes, no parameters computed.
-    model = nnx.eval_shape(lambda: build_model(model_spec, 0)[0])
-    table = qbits.nnx.layer_table(model, config if config is not None else "none")
+    model, data = build_model(model_spec, 0)
+    table = qbits.nnx.layer_table(
+        model, config if config is not None else "none", sample_batch(model_spec, data)
+    )
     print(f"{args.model}: {name}\n")
     print(table)
     message = table.unused_message()

@@ -34,14 +34,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from qbits._errors import InvalidArgumentError, check_float, check_int
-from qbits.calibration import make_scale
 from qbits.lsq import LSQ_INITS, grid_max, init_step, lsq_quantize
 from qbits.numerics import QNumerics
 
 __all__ = [
     "AMAX_COMPUTES",
     "MAX_HISTORY_LENGTH",
-    "StaticScale",
     "scale_from_history",
     "update_history",
 ]
@@ -372,42 +370,3 @@ class LearnedScale(ScaleProvider):
         """
         step = state["step"]
         return lsq_quantize(numerics, x, step.reshape(()) if step.size == 1 else step)
-
-
-class StaticScale(ScaleProvider):
-    """Static ranges kept as state: one fixed bound per scale block.
-
-    Post-training (or QAT) calibration with any granularity: the bound of
-    each block (``max(|x|)`` of the calibration data, per channel with
-    ``PerChannel()``) is the state ``bound`` and is never updated by
-    training; the scale is ``bound / numerics.abs_val_mapped_to()``
-    (:func:`~qbits.calibration.make_scale`). ``init_state`` takes the bounds
-    from a first batch (``qbits.nnx.init_state(model, batch)``, linen
-    ``init``); set the state to other values (e.g. the max over several
-    batches) before training or serving. For one bound per tensor written
-    into the config, use :class:`~qbits.ConstantBound` (``freeze_ranges``).
-
-    Example:
-      >>> static = qbits.providers.StaticScale()
-      >>> int8 = qbits.IntNumerics(bits=8)
-      >>> state = static.init_state((2,), None, int8, jnp.array([2.55, 0.0]))
-      >>> static.scale(state, int8)
-      Array([0.02, 1.  ], dtype=float32)
-    """
-
-    def init_state(
-        self,
-        shape: tuple[int, ...],
-        x: jax.Array | None,
-        numerics: QNumerics,
-        amax: jax.Array | None = None,
-    ) -> State:
-        """The bounds from a first batch's amax (NaN without one)."""
-        if amax is None:
-            return {"bound": jnp.full(shape, jnp.nan, jnp.float32)}
-        return {"bound": jnp.reshape(amax, shape).astype(jnp.float32)}
-
-    def scale(self, state: State, numerics: QNumerics) -> jax.Array:
-        """``bound / abs_val_mapped_to`` per block, without gradient."""
-        bound = jax.lax.stop_gradient(state["bound"])
-        return make_scale(bound, _fmt_max(numerics))

@@ -6,17 +6,12 @@
 - :mod:`~qbits.config.presets`: named recipes, also ``configs/<name>.yaml``.
 - :mod:`~qbits.config._rules`: :class:`QuantConfig`, per-layer rules and the
   per-layer table.
-- :mod:`~qbits.config._checks`: whether a config fits a layer's operands.
+- :mod:`~qbits.config._refs`: what every entry point takes as a config (an
+  object, a preset name or a YAML file).
 """
 
 from qbits.config import presets
-from qbits.config._checks import (
-    CheckedConv,
-    CheckedDotGeneral,
-    check_conv_operands,
-    check_operands,
-    show_layer,
-)
+from qbits.config._refs import as_dot_general_config, as_quant_config
 from qbits.config._rules import (
     LayerRow,
     LayerTable,
@@ -24,8 +19,6 @@ from qbits.config._rules import (
     Resolution,
     Rule,
     UnusedRuleWarning,
-    as_dot_general_config,
-    as_quant_config,
 )
 from qbits.config._schema import from_dict, register, to_dict
 from qbits.config._yamlio import (
@@ -40,8 +33,6 @@ from qbits.config._yamlio import (
 )
 
 __all__ = [
-    "CheckedConv",
-    "CheckedDotGeneral",
     "LayerRow",
     "LayerTable",
     "QuantConfig",
@@ -50,8 +41,6 @@ __all__ = [
     "UnusedRuleWarning",
     "as_dot_general_config",
     "as_quant_config",
-    "check_conv_operands",
-    "check_operands",
     "dump",
     "dumps",
     "from_dict",
@@ -62,7 +51,6 @@ __all__ = [
     "presets",
     "read_yaml",
     "register",
-    "show_layer",
     "to_dict",
     "write_presets",
 ]

@@ -1,10 +1,10 @@
 """Per-layer rules: which config each matmul of a model gets.
 
 A :class:`QuantConfig` is an ordered list of :class:`Rule` s plus a default.
-A layer's path (``"blocks_0/attn/query"``) is matched against each rule's
-regex in turn (full match); the first match decides. The injection layers
-(:mod:`qbits.flax`, :mod:`qbits.nnx`) build a :class:`LayerTable` from it:
-the resolved config of every layer, and the rules that matched nothing.
+A matmul's path (``"blocks_0/attn/query"``) is matched against each rule's
+regex in turn (full match); the first match decides. The engine
+(:mod:`qbits.transform`) builds a :class:`LayerTable` from it: the resolved
+config of every matmul, and the rules that matched nothing.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._errors import ConfigError
 from qbits.config import _schema as schema
 from qbits.config import presets
 from qbits.ops import DotGeneralConfig
@@ -27,8 +27,6 @@ __all__ = [
     "Resolution",
     "Rule",
     "UnusedRuleWarning",
-    "as_dot_general_config",
-    "as_quant_config",
 ]
 
 ConfigRef = DotGeneralConfig | str | None
@@ -42,11 +40,14 @@ class UnusedRuleWarning(UserWarning):
 
       >>> import warnings
       >>> qc = qbits.QuantConfig(rules=(qbits.Rule("mlp/.*", "int8_fwd"),))
+      >>> def head(params, x):
+      ...     return x @ params["head"]
+      >>> params = {"head": jnp.ones((4, 2))}
       >>> with warnings.catch_warnings(record=True) as caught:
       ...     warnings.simplefilter("always")
-      ...     qc.table([("head", "Dense")]).warn_unused()
+      ...     _ = qbits.quantize(head, qc)(params, jnp.ones((1, 4)))
       >>> str(caught[0].message)
-      "rules[0] (pattern 'mlp/.*') matched no layer"
+      "rules[0] (pattern 'mlp/.*') matched no matmul"
     """
 
 
@@ -62,56 +63,6 @@ def _check_ref(ref: Any, path: str) -> ConfigRef:
 
 def _resolve_ref(ref: ConfigRef) -> DotGeneralConfig | None:
     return presets.get(ref) if isinstance(ref, str) else ref
-
-
-def as_dot_general_config(owner: str, config: Any) -> DotGeneralConfig:
-    """``config`` as a DotGeneralConfig: itself, or the preset it names.
-
-    Raises:
-      InvalidArgumentError: Naming ``owner``, for anything else.
-    """
-    if isinstance(config, DotGeneralConfig):
-        return config
-    if isinstance(config, str) and config in presets.names():
-        return presets.get(config)
-    raise InvalidArgumentError(
-        owner,
-        "config",
-        config,
-        "a qbits.DotGeneralConfig or a preset name: " + ", ".join(presets.names()),
-    )
-
-
-def as_quant_config(
-    owner: str, config: Any, *, allow_none: bool = False
-) -> QuantConfig:
-    """``config`` as a QuantConfig; one config or preset name becomes the default.
-
-    Args:
-      owner: Who asks, for the error message.
-      config: A :class:`QuantConfig`, a :class:`~qbits.DotGeneralConfig`, a
-        preset name, or (with ``allow_none``) ``None``: every layer float.
-      allow_none: Whether ``None`` is accepted.
-
-    Raises:
-      InvalidArgumentError: Naming ``owner``, for anything else.
-    """
-    if isinstance(config, QuantConfig):
-        return config
-    if (
-        isinstance(config, DotGeneralConfig)
-        or (config is None and allow_none)
-        or (isinstance(config, str) and config in presets.names())
-    ):
-        return QuantConfig(default=config)
-    none = ", None (float)" if allow_none else ""
-    raise InvalidArgumentError(
-        owner,
-        "config",
-        config,
-        f"a qbits.QuantConfig, a qbits.DotGeneralConfig{none} or a preset name: "
-        + ", ".join(presets.names()),
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +132,9 @@ class QuantConfig:
       rules: The rules, tried in order.
       default: What layers matching no rule get (a preset name, a config or
         ``None`` for float).
+      source: The file the rules were read from (named in errors), or
+        ``None``; not part of the config (equal rules from two files are
+        equal).
 
     Raises:
       ConfigError: For rules that are not :class:`Rule` s or a bad default.
@@ -197,6 +151,7 @@ class QuantConfig:
 
     rules: tuple[Rule, ...] = ()
     default: ConfigRef = None
+    source: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rules, Sequence) or isinstance(self.rules, str):
@@ -264,10 +219,27 @@ class QuantConfig:
         default = ref(data.get("default"), join(path, "default"))
         return cls(tuple(rules), default)
 
+    def all_configs(self) -> tuple[DotGeneralConfig, ...]:
+        """Every config the rules and the default can give (float left out).
+
+        Example:
+          >>> qc = qbits.QuantConfig((qbits.Rule("head", None),), default="int8")
+          >>> [c.needs_key for c in qc.all_configs()]
+          [True]
+        """
+        refs = [self.default, *(rule.config for rule in self.rules)]
+        return tuple(_resolve_ref(r) for r in refs if r is not None)
+
     def resolve(self, path: str) -> Resolution:
-        """The config of the layer at ``path`` (module names joined by ``/``)."""
+        """The config of the matmul at ``path`` (module names joined by ``/``).
+
+        The later uses of a name, ``path#2``, ``path#3``..., are matched as
+        themselves and as ``path``: a rule for a layer reaches every call
+        of it, and ``re.escape("fc1#2")`` only the second.
+        """
+        base = path.split("#", 1)[0]
         for i, rule in enumerate(self.rules):
-            if rule.matches(path):
+            if rule.matches(path) or (base != path and rule.matches(base)):
                 return self._resolution(rule.config, i)
         return self._resolution(self.default, None)
 
@@ -276,55 +248,32 @@ class QuantConfig:
         name = ref if isinstance(ref, str) else None
         return Resolution(_resolve_ref(ref), rule, name)
 
-    def table(
-        self, layers: Iterable[tuple[str, str]], explicit: Iterable[str] = ()
-    ) -> LayerTable:
-        """The per-layer table.
-
-        Args:
-          layers: ``(path, kind)`` of every quantizable matmul, in model order.
-          explicit: Paths of layers that already carry their own quantized
-            function (an explicit ``dot_general=``); they keep it, and their
-            rows say ``explicit``.
-
-        Returns:
-          A :class:`LayerTable`.
-        """
-        explicit = frozenset(explicit)
-        rows = tuple(
-            LayerRow(path, kind, self.resolve(path), path in explicit)
-            for path, kind in layers
-        )
-        used = {row.resolution.rule for row in rows}
-        unused = tuple(i for i in range(len(self.rules)) if i not in used)
-        return LayerTable(rows, unused, tuple(r.pattern for r in self.rules))
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerRow:
     """One quantizable matmul of a model and what it gets.
 
     Attributes:
-      path: The module path, e.g. ``"blocks_0/attn/query"``.
-      kind: The layer type, e.g. ``"Dense"`` or ``"MultiHeadAttention.qk"``.
+      path: The matmul's unique path, e.g. ``"blocks_0/attn/query"``.
+      kind: What it is, e.g. ``"einsum (activation x weight), scanned x4"``.
       resolution: The resolved config and where it came from.
-      explicit: The layer keeps the function the model gave it explicitly;
-        ``resolution`` is then not applied.
-      operands: The operand types, e.g. ``"f32[8,16] x f32[16,32]"``, where
-        known (:func:`qbits.layer_table`), else ``""``.
+      kept: Why the matmul runs as it is whatever ``resolution`` says
+        (``"inside custom_vjp"``: the model's own quantized function;
+        ``"integer operands"``...), or ``""``.
+      operands: The operand types, e.g. ``"f32[8,16] x f32[16,32]"``.
     """
 
     path: str
     kind: str
     resolution: Resolution
-    explicit: bool = False
+    kept: str = ""
     operands: str = ""
 
     def describe(self) -> str:
-        """A short name of the config: a preset name, ``float`` or ``inline``."""
+        """A short name: a preset name, ``float``, ``inline`` or ``kept``."""
         res = self.resolution
-        if self.explicit:
-            return "explicit"
+        if self.kept:
+            return "kept"
         if res.config is None:
             return "float"
         return res.name if res.name is not None else "inline"
@@ -338,33 +287,40 @@ class LayerRow:
             "kind": self.kind,
             **operands,
             "config": self.describe(),
-            "source": "model" if self.explicit else res.where,
+            "source": f"kept: {self.kept}" if self.kept else res.where,
             "resolved": None
-            if res.config is None or self.explicit
+            if res.config is None or self.kept
             else schema.to_dict(res.config),
         }
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerTable:
-    """The resolved config of every quantizable layer of a model.
+    """The config of every matmul of a model or function.
+
+    Made by :func:`qbits.layer_table` (and the linen and nnx adapters' own
+    ``layer_table``, which run the same engine).
 
     Attributes:
-      rows: One :class:`LayerRow` per layer, in model order.
-      unused_rules: Indices of rules that matched no layer.
+      rows: One :class:`LayerRow` per matmul, in program order.
+      unused_rules: Indices of rules that matched no matmul.
       patterns: The patterns of all rules (to name the unused ones).
       idle: For unused rules that match modules holding parameters the
         model never multiplies with (an embedding looked up, a norm's
         scale): ``{rule index: those module paths}``.
+      source: The file the rules were read from, or ``None``.
 
     Example:
+      >>> def mlp(params, x):
+      ...     h = jax.nn.relu(jnp.einsum("bi,ih->bh", x, params["fc1"]))
+      ...     return h @ params["head"]
+      >>> params = {"fc1": jnp.ones((4, 8)), "head": jnp.ones((8, 2))}
       >>> qc = qbits.QuantConfig(rules=(qbits.Rule("head", None),), default="int8_fwd")
-      >>> table = qc.table([("fc1", "Dense"), ("head", "Dense")])
-      >>> print(table)
-      | layer | kind | config | from |
-      |---|---|---|---|
-      | fc1 | Dense | int8_fwd | default |
-      | head | Dense | float | rules[0].config |
+      >>> table = qbits.layer_table(mlp, qc, params, jnp.ones((3, 4)))
+      >>> for row in table.rows:
+      ...     print(row.path, row.kind, row.describe(), row.resolution.where, sep=" | ")
+      fc1 | einsum (activation x weight) | int8_fwd | default
+      head | dot_general (activation x weight) | float | rules[0].config
       >>> table.configs()["head"] is None
       True
     """
@@ -373,6 +329,7 @@ class LayerTable:
     unused_rules: tuple[int, ...] = ()
     patterns: tuple[str, ...] = ()
     idle: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    source: str | None = None
 
     def __getitem__(self, path: str) -> LayerRow:
         for row in self.rows:
@@ -381,10 +338,8 @@ class LayerTable:
         raise KeyError(path)
 
     def configs(self) -> dict[str, DotGeneralConfig | None]:
-        """``{path: applied config or None}`` (explicit layers are left out)."""
-        return {
-            row.path: row.resolution.config for row in self.rows if not row.explicit
-        }
+        """``{path: applied config or None}`` (kept matmuls are left out)."""
+        return {row.path: row.resolution.config for row in self.rows if not row.kept}
 
     def as_dicts(self) -> list[dict[str, Any]]:
         """The rows as plain data."""
@@ -402,9 +357,10 @@ class LayerTable:
                 more = " ..." if len(self.idle[i]) > 3 else ""
                 text += f" matches {modules}{more}, which run no matmul"
             else:
-                text += " matched no layer"
+                text += " matched no matmul"
             parts.append(text)
-        return "; ".join(parts)
+        where = f"{self.source}: " if self.source else ""
+        return where + "; ".join(parts)
 
     def warn_unused(self) -> None:
         """Warns with :class:`UnusedRuleWarning` if some rule matched nothing."""
@@ -412,22 +368,15 @@ class LayerTable:
             warnings.warn(self.unused_message(), UnusedRuleWarning, stacklevel=3)
 
     def __str__(self) -> str:
-        if any(r.operands for r in self.rows):
-            lines = [
-                "| layer | kind | operands | config | from |",
-                "|---|---|---|---|---|",
-            ]
-            lines += [
-                f"| {r.path} | {r.kind} | {r.operands} | {r.describe()} | "
-                f"{r.resolution.where} |"
-                for r in self.rows
-            ]
-        else:
-            lines = ["| layer | kind | config | from |", "|---|---|---|---|"]
-            lines += [
-                f"| {r.path} | {r.kind} | {r.describe()} | {r.resolution.where} |"
-                for r in self.rows
-            ]
+        lines = [
+            "| layer | kind | operands | config | from |",
+            "|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            where = f"kept: {r.kept}" if r.kept else r.resolution.where
+            lines.append(
+                f"| {r.path} | {r.kind} | {r.operands} | {r.describe()} | {where} |"
+            )
         if self.unused_rules:
             lines += ["", "Unused: " + self.unused_message() + "."]
         return "\n".join(lines)

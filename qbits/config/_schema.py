@@ -48,7 +48,7 @@ from qbits.numerics import (
     UniformNoise,
 )
 from qbits.ops import DotGeneralConfig, MatmulConfig
-from qbits.providers import DelayedScaling, LearnedScale, ScaleProvider, StaticScale
+from qbits.providers import DelayedScaling, LearnedScale, ScaleProvider
 
 __all__ = ["from_dict", "register", "to_dict"]
 
@@ -67,7 +67,6 @@ _KINDS: dict[str, tuple[type, dict[str, type]]] = {
             "constant": ConstantBound,
             "delayed": DelayedScaling,
             "learned": LearnedScale,
-            "static": StaticScale,
         },
     ),
     "granularity": (

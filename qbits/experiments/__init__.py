@@ -31,7 +31,7 @@ from qbits.experiments._sweep import (
     load_sweep,
     run_sweep,
 )
-from qbits.experiments._train import RunResult, build_model, train
+from qbits.experiments._train import RunResult, build_model, sample_batch, train
 
 __all__ = [
     "MODELS",
@@ -52,6 +52,7 @@ __all__ = [
     "corpus",
     "load_sweep",
     "run_sweep",
+    "sample_batch",
     "spec",
     "summarize",
     "train",

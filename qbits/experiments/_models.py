@@ -136,10 +136,11 @@ class TransformerLM(nnx.Module):
       >>> from qbits.experiments import TransformerLM, spec
       >>> make = lambda: TransformerLM(10, spec("lm", "tiny"), rngs=nnx.Rngs(0))
       >>> lm = nnx.eval_shape(make)  # the graph only, no parameters computed
-      >>> [row.path for row in qbits.nnx.layer_table(lm, "int8").rows]
+      >>> tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+      >>> [row.path for row in qbits.nnx.layer_table(lm, "int8", tokens).rows]
       ... # doctest: +NORMALIZE_WHITESPACE
-      ['blocks/0/attn/key', 'blocks/0/attn/out', 'blocks/0/attn/query',
-       'blocks/0/attn/value', 'blocks/0/attn/qk', 'blocks/0/attn/pv',
+      ['blocks/0/attn/query', 'blocks/0/attn/key', 'blocks/0/attn/value',
+       'blocks/0/attn/qk', 'blocks/0/attn/pv', 'blocks/0/attn/out',
        'blocks/0/mlp/fc1', 'blocks/0/mlp/fc2', 'head']
     """
 
@@ -197,8 +198,9 @@ class Classifier(nnx.Module):
       >>> net = nnx.eval_shape(
       ...     lambda: Classifier(8, 3, spec("mlp", "tiny"), rngs=nnx.Rngs(0))
       ... )
-      >>> [row.path for row in qbits.nnx.layer_table(net, "none").rows]
-      ['head', 'layers/0']
+      >>> x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+      >>> [row.path for row in qbits.nnx.layer_table(net, "none", x).rows]
+      ['layers/0', 'head']
     """
 
     def __init__(self, features: int, classes: int, spec: ModelSpec, *, rngs):

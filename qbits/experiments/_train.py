@@ -81,6 +81,27 @@ def build_model(spec: ModelSpec, seed: int) -> tuple[nnx.Module, Any]:
     return Classifier(data.x.shape[1], data.classes, spec, rngs=rngs), data
 
 
+def sample_batch(spec: ModelSpec, data: Any) -> Any:
+    """Inputs of one training batch: what the model is quantized and traced on.
+
+    Abstract data (from ``nnx.eval_shape``) gives a ``jax.ShapeDtypeStruct``.
+
+    Example:
+      >>> from qbits.experiments import build_model, sample_batch, spec
+      >>> s = spec("lm", "tiny")
+      >>> sample_batch(s, build_model(s, seed=0)[1]).shape == (s.batch, s.context)
+      True
+    """
+    lm = spec.model == "lm"
+    inputs = data.train if lm else data.x
+    shape = (spec.batch, spec.context) if lm else (spec.batch, *inputs.shape[1:])
+    if isinstance(inputs, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, inputs.dtype)
+    if lm:
+        return inputs[: spec.batch * spec.context].reshape(shape)
+    return inputs[: spec.batch]
+
+
 def _compiler_options(spec: ModelSpec) -> dict[str, Any] | None:
     """XLA options: quick, unoptimized compilation for smoke-test sizes."""
     if not spec.fast_compile:
@@ -141,7 +162,9 @@ def train(
     if config is not None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", qbits.UnusedRuleWarning)
-            model = qbits.nnx.quantize(model, config, rngs=nnx.Rngs(quant=seed))
+            model = qbits.nnx.quantize(
+                model, config, sample_batch(spec, data), rngs=nnx.Rngs(quant=seed)
+            )
         unused = "; ".join(
             str(w.message)
             for w in caught
@@ -152,7 +175,7 @@ def train(
     )
     tx = optax.adamw(schedule, weight_decay=0.01)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    wrt = nnx.DiffState(0, (nnx.Param, qbits.nnx.DelayedState))
+    wrt = nnx.DiffState(0, (nnx.Param, qbits.nnx.ScaleState))
 
     if spec.model == "lm":
 

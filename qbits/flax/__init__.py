@@ -1,38 +1,24 @@
-"""Layer 6: quantizing Flax linen models.
+"""Layer 7: quantizing Flax linen models, through the engine.
 
-Explicit injection needs nothing from here: give a layer
-``dot_general=qbits.dot_general(config)`` (or ``conv_general_dilated=``).
-:func:`quantize` applies per-layer rules to an *unmodified* linen model
-without patching JAX globally; :func:`layer_table` shows which config each
-layer gets. Delayed scaling (the ``fp8_delayed`` preset) keeps its state in
-the :data:`STATE` collection (:mod:`qbits.flax._stateful`); :class:`TrainState`
-writes it back each step. :func:`collect_ranges` measures activation ranges
-for :func:`qbits.freeze_ranges` (static post-training ranges).
+:func:`quantize` gives an unmodified linen model's ``init`` and ``apply``
+with every matmul it runs quantized by per-layer rules
+(:func:`qbits.quantize` underneath); :func:`layer_table` lists them. Scale
+state lives in the :data:`STATE` collection; :class:`TrainState` writes it
+back each step. Explicit injection needs nothing from here
+(``nn.Dense(dot_general=qbits.dot_general(config))``), except for configs
+that keep scale state or round stochastically: :class:`Stateful` keeps
+their variables and draws their keys.
 """
 
-from qbits.flax._layers import Session
-from qbits.flax._quantize import Quantized, layer_table, quantize
-from qbits.flax._ranges import RANGES, collect_ranges
-from qbits.flax._stateful import (
-    STATE,
-    StatefulConv,
-    StatefulDotGeneral,
-    StatefulEinsum,
-    TrainState,
-    max_combining,
-)
+from qbits.flax._quantize import LEARNED, STATE, Quantized, layer_table, quantize
+from qbits.flax._stateful import Stateful, TrainState
 
 __all__ = [
-    "RANGES",
+    "LEARNED",
     "STATE",
     "Quantized",
-    "Session",
-    "StatefulConv",
-    "StatefulDotGeneral",
-    "StatefulEinsum",
+    "Stateful",
     "TrainState",
-    "collect_ranges",
     "layer_table",
-    "max_combining",
     "quantize",
 ]

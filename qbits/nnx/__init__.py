@@ -1,37 +1,37 @@
-"""Layer 6: quantization of Flax nnx models.
+"""Layer 7: quantizing Flax nnx models, through the engine.
 
-Explicit injection: give a layer a quantized function, e.g.
-``nnx.Linear(..., dot_general=qbits.dot_general(config))``, or one of the
-Module versions here, which keep PRNG state for stochastic rounding:
-:class:`QuantizedDotGeneral`, :class:`QuantizedEinsum`, :class:`QuantizedConv`
-and :class:`QuantizedAttention` (an ``attention_fn`` for
-``nnx.MultiHeadAttention``).
-
-Rule-based injection into an unmodified model: :func:`quantize` returns a
-copy of the model whose layers matching a :class:`~qbits.config.QuantConfig`
-run quantized; :func:`layer_table` shows which layer gets which config.
-Delayed scaling keeps its state in :class:`DelayedState` Variables of the
-:class:`QuantizedDotGeneral`; :func:`update_state` writes it back each
-step. :func:`collect_ranges` measures activation ranges for
-:func:`qbits.freeze_ranges`.
+:func:`quantize` returns a copy of an unmodified nnx model whose every
+matmul runs quantized by per-layer rules (:func:`qbits.quantize`
+underneath); :func:`layer_table` lists them. Scale state lives in
+:class:`ScaleState` Variables (not parameters); :func:`update_state` writes
+the new state from a gradient. Explicit injection needs nothing from here
+(``nnx.Linear(dot_general=qbits.dot_general(config))``), except for configs
+that round stochastically or keep scale state: :class:`Stateful` holds
+their key stream and state.
 """
 
-from qbits.nnx._attention import QuantizedAttention
-from qbits.nnx._layers import QuantizedConv, QuantizedDotGeneral, QuantizedEinsum
-from qbits.nnx._quantize import layer_table, quantize
-from qbits.nnx._ranges import collect_ranges
-from qbits.nnx._stateful import DelayedState, init_state, max_combining, update_state
+from qbits.nnx._quantize import (
+    Placeholder,
+    ScaleState,
+    StoredWeight,
+    as_function,
+    layer_table,
+    max_combining,
+    quantize,
+    serving_copy,
+    update_state,
+)
+from qbits.nnx._stateful import Stateful
 
 __all__ = [
-    "DelayedState",
-    "QuantizedAttention",
-    "QuantizedConv",
-    "QuantizedDotGeneral",
-    "QuantizedEinsum",
-    "collect_ranges",
-    "init_state",
+    "Placeholder",
+    "ScaleState",
+    "Stateful",
+    "StoredWeight",
+    "as_function",
     "layer_table",
     "max_combining",
     "quantize",
+    "serving_copy",
     "update_state",
 ]

@@ -1,325 +1,559 @@
-"""Rule-based quantization of an unmodified Flax nnx model.
+"""Rule-based quantization of an unmodified nnx model, through the engine.
 
-:func:`quantize` walks the nnx graph of a model (no sample input, no forward
-pass), gives every quantizable matmul a path, resolves its config from a
-:class:`~qbits.config.QuantConfig`, and returns a *copy* of the model in
-which every matched layer computes with a quantized function:
+:func:`quantize` returns a *copy* of the model (``nnx.clone``: new Variable
+objects holding the original's arrays) whose ``__call__`` runs the model's
+own ``__call__`` through :func:`qbits.quantize`, the jaxpr transformation,
+on the model's state: ``graphdef, state = nnx.split(model)``, the forward
+traced as a function of ``state``, every matmul it runs quantized by the
+rules, and the new state (batch statistics, dropout keys) written back.
+So every matmul the model runs is reached however it is written (Flax
+layers, custom layers with ``x @ self.w``, raw ``jnp.einsum``, scanned and
+rematerialised blocks), with the paths and errors of
+:func:`qbits.layer_table`.
 
-============================  ===========================  =====================
-layer                         attribute replaced           with
-============================  ===========================  =====================
-``nnx.Linear``                ``dot_general``              QuantizedDotGeneral
-``nnx.LinearGeneral``         ``dot_general``              QuantizedDotGeneral
-``nnx.Einsum``                ``einsum_op``                QuantizedEinsum
-``nnx.Conv``                  ``conv_general_dilated``     QuantizedConv
-``nnx.MultiHeadAttention``    ``attention_fn``             QuantizedAttention
-============================  ===========================  =====================
+The copy is an instance of a subclass of the model's class (made once per
+class) that only replaces ``__call__``; everything else, attribute access
+and parameter paths included, is the model's. What quantization adds sits
+in one child node, ``qbits``:
 
-A layer's path is its nnx graph path joined by ``/`` (``"blocks/0/attn/query"``).
-The query, key, value and output projections of a ``MultiHeadAttention`` at
-``P`` are its ``LinearGeneral`` children ``P/query`` ... ``P/out``; its two
-attention einsums get the paths ``P/qk`` (``q . k``) and ``P/pv`` (weights
-times values). A layer whose function the model set itself (anything but
-Flax's default: an explicit ``dot_general=qbits.dot_general(...)``, a custom
-``attention_fn``) keeps it; its row in the table says ``explicit``.
+- ``qbits.rngs``: the key stream of stochastic rounding (nnx ``RngState``
+  Variables, forked from the ``rngs`` given to :func:`quantize`; a
+  :func:`qbits.numerics.hash_key`), one key per call;
+- ``qbits.state``: the scale state of delayed and learned scales,
+  ``{matmul path: {entry: Variable}}``, the layout of
+  :func:`qbits.init_state`: :class:`ScaleState` Variables for replaced
+  state (delayed scales, amax histories), ``nnx.Param`` for learned steps;
+- ``qbits.stored``: the stored weights of a serving copy
+  (:func:`qbits.serving.convert`).
 
-Nothing is patched globally: each quantized layer holds its own function, an
-nnx Module (see :mod:`qbits.nnx._layers`), so the float model and the quantized
-copy have different graph definitions and never share a ``jit`` cache entry.
-
-The copy is made with ``nnx.clone``: it has its own ``Variable`` objects,
-which start out holding the original's (immutable) parameter arrays, so no
-memory is copied, and training either model leaves the other unchanged.
-
-Layers whose config rounds stochastically (the ``int8`` preset) draw a fresh
-PRNG key on every call from an ``nnx.RngStream`` forked, one per layer, from
-the ``rngs`` given to :func:`quantize`. The stream's key and counter are nnx
-``RngState`` Variables, not ``nnx.Param`` s: ``nnx.Optimizer(...,
-wrt=nnx.Param)`` and ``nnx.grad`` leave them alone, and ``nnx.jit`` carries
-the advanced counter out of each step. In a pure ``nnx.split`` /
-``nnx.merge`` style, return the new state to keep the keys advancing.
+None of it is an ``nnx.Param`` except learned steps: ``nnx.Optimizer(model,
+tx, wrt=nnx.Param)`` trains the parameters and leaves the rest alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.nnx as nnx
+import jax
 import jax.numpy as jnp
-from jax import lax
+import numpy as np
 
+from qbits import ops, transform
 from qbits._errors import InvalidArgumentError
-from qbits.config import LayerRow, LayerTable, QuantConfig, as_quant_config
-from qbits.nnx._attention import QuantizedAttention
-from qbits.nnx._layers import (
-    STREAM,
-    QuantizedConv,
-    QuantizedDotGeneral,
-    QuantizedEinsum,
-    has_stream,
+from qbits.config import LayerTable, QuantConfig, as_quant_config
+from qbits.numerics import hash_key
+from qbits.tensor import QTensor
+
+__all__ = [
+    "Placeholder",
+    "ScaleState",
+    "StoredWeight",
+    "as_function",
+    "layer_table",
+    "max_combining",
+    "quantize",
+    "serving_copy",
+    "update_state",
+]
+
+STREAM = "quant"
+_ATTR = "qbits"
+_CALLER = transform.Caller(
+    "qbits.nnx.quantize",
+    key="rngs",
+    state="the model's qbits.state",
+    state_fix="qbits.nnx.quantize(model, config, *sample_batch) makes it",
 )
 
-__all__ = ["layer_table", "quantize"]
 
-_OWNER = "qbits.nnx.quantize"
+class ScaleState(nnx.Variable):
+    """A delayed scale or amax history; updated through the backward pass.
 
-
-@dataclasses.dataclass(frozen=True)
-class _Layer:
-    """One quantizable matmul of a model: where it is and what computes it."""
-
-    path: str
-    kind: str
-    module: nnx.Module
-    explicit: bool
-
-
-def _sort_key(path: tuple[Any, ...]) -> tuple[tuple[int, Any], ...]:
-    """Orders paths depth first, list indices numerically."""
-    return tuple((0, p) if isinstance(p, int) else (1, str(p)) for p in path)
-
-
-def _layers(model: nnx.Module) -> list[_Layer]:
-    """The quantizable matmuls of ``model``, in graph order (shared ones once).
-
-    Modules come depth first, their attributes by name, list items by index;
-    the two einsums of an attention come after its projections.
-    """
-    found: list[tuple[tuple[Any, ...], _Layer]] = []
-    for parts, module in nnx.iter_modules(model):
-        path = "/".join(str(p) for p in parts)
-        order = _sort_key(parts)
-        if isinstance(module, nnx.Linear):
-            explicit = module.dot_general is not lax.dot_general
-            found.append((order, _Layer(path, "Linear", module, explicit)))
-        elif isinstance(module, nnx.LinearGeneral):
-            explicit = (
-                module.dot_general is not None or module.dot_general_cls is not None
-            )
-            found.append((order, _Layer(path, "LinearGeneral", module, explicit)))
-        elif isinstance(module, nnx.Einsum):
-            explicit = module.einsum_op is not jnp.einsum
-            found.append((order, _Layer(path, "Einsum", module, explicit)))
-        elif isinstance(module, nnx.Conv):
-            explicit = module.conv_general_dilated is not lax.conv_general_dilated
-            found.append((order, _Layer(path, "Conv", module, explicit)))
-        elif isinstance(module, nnx.MultiHeadAttention):
-            explicit = module.attention_fn is not nnx.dot_product_attention
-            prefix = f"{path}/" if path else ""
-            for i, name in enumerate(("qk", "pv")):
-                kind = f"MultiHeadAttention.{name}"
-                layer = _Layer(prefix + name, kind, module, explicit)
-                found.append(((*order, (2, i)), layer))
-    return [layer for _, layer in sorted(found, key=lambda item: item[0])]
-
-
-def _check_model(model: Any) -> None:
-    if not isinstance(model, nnx.Module):
-        raise InvalidArgumentError(_OWNER, "model", model, "a flax.nnx.Module")
-
-
-def _table(model: nnx.Module, config: QuantConfig) -> tuple[LayerTable, list[_Layer]]:
-    layers = _layers(model)
-    table = config.table(
-        [
-            (layer.path, layer.kind + "".join(f", stacked x{n}" for n in _stack(layer)))
-            for layer in layers
-        ],
-        explicit=[layer.path for layer in layers if layer.explicit],
-    )
-    return table, layers
-
-
-def layer_table(model: nnx.Module, config: Any) -> LayerTable:
-    """Which config each quantizable matmul of ``model`` gets from ``config``.
-
-    Needs no inputs: the layers are found in the model's nnx graph. A
-    layer's path is its graph path joined by ``/`` (``"blocks/0/mlp/fc1"``);
-    its kind is the Flax class (``"Linear"``, ``"LinearGeneral"``,
-    ``"Einsum"``, ``"Conv"``). The two attention einsums of an
-    ``nnx.MultiHeadAttention`` at ``P`` are ``P/qk`` and ``P/pv``, of kinds
-    ``"MultiHeadAttention.qk"`` and ``"MultiHeadAttention.pv"``; its
-    projections are its ``LinearGeneral`` children ``P/query`` ... ``P/out``.
-    Layers stacked by ``nnx.vmap`` (blocks run by ``nnx.scan``) are listed
-    once, their kind saying how many: ``"Linear, stacked x12"``.
-
-    Args:
-      model: A ``flax.nnx.Module``.
-      config: A :class:`~qbits.config.QuantConfig`, or one
-        :class:`~qbits.DotGeneralConfig` or preset name for every layer.
-
-    Returns:
-      A :class:`~qbits.config.LayerTable`: one row per matmul, in graph
-      order, and the rules that matched no layer.
-
-    Raises:
-      InvalidArgumentError: For a model that is not an nnx Module or a config
-        of another type.
+    The gradient of a loss with respect to these Variables is their new
+    value: differentiate with respect to ``(nnx.Param, ScaleState)`` and
+    call :func:`qbits.nnx.update_state`. Not an ``nnx.Param``: an optimizer
+    with ``wrt=nnx.Param`` leaves it alone.
 
     Example:
       >>> import flax.nnx as nnx
-      >>> import qbits.nnx
-      >>> from qbits.config import QuantConfig, Rule
-      >>> model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)),
-      ...                        nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
-      >>> config = QuantConfig(rules=(Rule("layers/1", None),), default="int8_fwd")
-      >>> for row in qbits.nnx.layer_table(model, config).rows:
-      ...     print(row.path, row.kind, row.describe())
-      layers/0 Linear int8_fwd
-      layers/1 Linear float
+      >>> model = qbits.nnx.quantize(nnx.Linear(8, 4, rngs=nnx.Rngs(0)),
+      ...                            "fp8_delayed", jnp.ones((2, 8)))
+      >>> isinstance(model.qbits.state["kernel"]["lhs_scale"], qbits.nnx.ScaleState)
+      True
     """
-    _check_model(model)
-    return _table(model, as_quant_config(_OWNER, config))[0]
+
+
+class StoredWeight(nnx.Variable):
+    """The stored values or scales of a weight of a serving copy.
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> x = jnp.ones((2, 8))
+      >>> served = qbits.serving.convert(nnx.Linear(8, 4, rngs=nnx.Rngs(0)),
+      ...                                "int8_fwd", x)
+      >>> served.qbits.stored["kernel"]["qvalue"][...].dtype
+      dtype('int8')
+    """
+
+
+class Placeholder(nnx.Variable):
+    """The empty stand-in (shape ``(0,)``) for a float weight a copy stores.
+
+    Its dtype is the float weight's; the forward gets zeros of the weight's
+    shape in its place (the stored weight is what the matmul uses).
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> x = jnp.ones((2, 8))
+      >>> served = qbits.serving.convert(nnx.Linear(8, 4, rngs=nnx.Rngs(0)),
+      ...                                "int8_fwd", x)
+      >>> isinstance(served.kernel, qbits.nnx.Placeholder), served.kernel.shape
+      (True, (0,))
+    """
+
+
+class _Quantization(nnx.Module):
+    """The ``qbits`` node of a quantized copy (see the module docstring)."""
+
+    def __init__(self, config: QuantConfig, rngs: nnx.RngStream | None):
+        self.config = config
+        self.rngs = rngs
+        self.state = nnx.data({})
+        self.stored = nnx.data({})
+        # Static layout of the stored weights, and the float weights they
+        # replace: ((path, qdtype, dtype, packed_axis, packed_pad), ...) and
+        # ((key path, shape, dtype), ...).
+        self.layout: tuple[tuple[Any, ...], ...] = ()
+        self.fills: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+        # What serving records of the stored weights (static; its own type).
+        self.info: tuple[Any, ...] = ()
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _quantized_class(cls: type) -> type:
+    """The subclass of ``cls`` whose ``__call__`` runs through the engine."""
+    if cls not in _CLASSES:
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return _run(self, cls.__call__, args, kwargs)
+
+        call.__doc__ = cls.__call__.__doc__
+        _CLASSES[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__call__": call,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "_qbits_model_class": cls,
+            },
+        )
+    return _CLASSES[cls]
+
+
+def _in_node(path: tuple[Any, ...], value: Any) -> bool:
+    del value
+    return bool(path) and path[0] == _ATTR
+
+
+def _model_state(path: tuple[Any, ...], value: Any) -> bool:
+    """The state a forward may change: not parameters, placeholders or ours."""
+    return not (_in_node(path, value) or isinstance(value, nnx.Param | Placeholder))
+
+
+def _function(module: nnx.Module, method: Callable[..., Any]) -> tuple[Any, Any]:
+    """``(fn, state)``: the module's ``method`` as a function of its state."""
+    graphdef, node, state = nnx.split(module, _in_node, ...)
+
+    def fn(state: Any, *args: Any, **kwargs: Any) -> Any:
+        model = nnx.merge(graphdef, node, state)
+        out = method(model, *args, **kwargs)
+        return out, nnx.state(model, _model_state)
+
+    return fn, state
+
+
+def as_function(model: nnx.Module) -> tuple[Callable[..., Any], Any]:
+    """The model's ``__call__`` as a pure function of its state.
+
+    What the engine quantizes, and what :func:`qbits.layer_table`,
+    :func:`qbits.collect_ranges` and :func:`qbits.serving.convert` trace
+    for an nnx model. For a quantized or served copy, it is the original
+    model's ``__call__`` over the copy's state (without its ``qbits`` node).
+
+    Args:
+      model: A ``flax.nnx.Module``.
+
+    Returns:
+      ``(fn, state)``: ``fn(state, *args, **kwargs)`` returns ``(output,
+      new state)`` (the Variables a forward may change: batch statistics,
+      dropout keys), and ``state`` is the model's.
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> fn, state = qbits.nnx.as_function(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+      >>> table = qbits.layer_table(fn, "int8", state, jnp.ones((2, 8)))
+      >>> [row.path for row in table.rows]  # a layer alone: its kernel's path
+      ['kernel']
+    """
+    if not isinstance(model, nnx.Module):
+        raise InvalidArgumentError(
+            "qbits.nnx.as_function", "model", model, "a flax.nnx.Module"
+        )
+    cls = getattr(type(model), "_qbits_model_class", type(model))
+    return _function(model, cls.__call__)
+
+
+def _filled(state: Any, fills: tuple[tuple[str, tuple[int, ...], str], ...]) -> Any:
+    """``state`` with each placeholder given zeros of its weight's shape."""
+    if not fills:
+        return state
+    shapes = {path: (shape, dtype) for path, shape, dtype in fills}
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    out = []
+    for path, leaf in leaves:
+        found = shapes.get(jax.tree_util.keystr(path))
+        out.append(leaf if found is None else jnp.zeros(found[0], found[1]))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _run(module: Any, method: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    node: _Quantization = getattr(module, _ATTR)
+    key = node.rngs() if node.rngs is not None else None
+    fn, state = _function(module, method)
+    scale = {path: {k: v[...] for k, v in entries.items()}
+             for path, entries in node.state.items()}  # fmt: skip
+    stored = None
+    if node.layout:
+        stored = {
+            path: QTensor(
+                node.stored[path]["qvalue"][...],
+                node.stored[path]["scale"][...],
+                qdtype=np.dtype(qdtype),
+                dtype=np.dtype(dtype),
+                packed_axis=packed_axis,
+                packed_pad=packed_pad,
+            )
+            for path, qdtype, dtype, packed_axis, packed_pad in node.layout
+        }
+    run = transform.quantize(
+        fn, node.config, key, state=scale or None, stored=stored, caller=_CALLER
+    )
+    out, new = run(_filled(state, node.fills), *args, **kwargs)
+    nnx.update(module, new)
+    return out
+
+
+def _stream(rngs: Any) -> nnx.RngStream | None:
+    """A stream forked from ``rngs``' ``quant`` (or default) stream, or ``None``.
+
+    Its key is a :func:`qbits.numerics.hash_key`: each call's ``fold_in`` is
+    a few integer operations, not a threefry loop.
+    """
+    if rngs is None:
+        return None
+    stream = None
+    if isinstance(rngs, nnx.RngStream):
+        stream = rngs.fork()
+    elif isinstance(rngs, nnx.Rngs):
+        try:
+            stream = rngs[STREAM].fork()
+        except (AttributeError, KeyError):
+            stream = None
+    if stream is None:
+        raise InvalidArgumentError(
+            _CALLER.owner,
+            "rngs",
+            rngs,
+            f"None, an nnx.Rngs with a {STREAM!r} (or 'default') stream, e.g. "
+            f"rngs=nnx.Rngs({STREAM}=0), or an nnx.RngStream",
+        )
+    return type(stream)(hash_key(stream.key[...]), tag=stream.tag)
+
+
+def _check_model(model: Any) -> None:
+    if hasattr(type(model), "_qbits_model_class"):
+        raise InvalidArgumentError(
+            _CALLER.owner,
+            "model",
+            type(model).__name__,
+            "a model that is not quantized or served yet (quantize the original)",
+        )
+
+
+def _copy(model: nnx.Module, config: QuantConfig, rngs: Any) -> nnx.Module:
+    """The quantized copy of ``model``, without state or stored weights yet.
+
+    A quantized copy gives a copy of its model (its own ``qbits`` node
+    replaced).
+    """
+    if not isinstance(model, nnx.Module):
+        raise InvalidArgumentError(_CALLER.owner, "model", model, "a flax.nnx.Module")
+    new = nnx.clone(model)
+    cls = getattr(type(model), "_qbits_model_class", type(model))
+    new.__class__ = _quantized_class(cls)
+    setattr(new, _ATTR, _Quantization(config, _stream(rngs)))
+    return new
 
 
 def quantize(
     model: nnx.Module,
     config: Any,
-    *,
+    *args: Any,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
+    **kwargs: Any,
 ) -> nnx.Module:
-    """A copy of ``model`` whose matched matmuls run quantized.
+    """A copy of ``model`` whose every matmul runs quantized, as rules say.
 
-    Every ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``
-    and the two attention einsums of every ``nnx.MultiHeadAttention`` whose
-    path resolves to a config (see :func:`layer_table`) computes with that
-    config; the others, and layers with a function of their own, are left as
-    they are. ``model`` itself is not changed. No input and no forward pass
-    is needed, and nothing is patched globally.
+    Every matmul the model's ``__call__`` runs (see :func:`qbits.quantize`:
+    ``nnx.Linear``, ``nnx.Einsum``, attention, custom layers computing
+    ``x @ self.w``, scanned blocks) gets the config of the first rule whose
+    pattern fully matches its path (``"blocks/0/mlp/fc1"``;
+    :func:`qbits.nnx.layer_table` lists them), else the default. ``model``
+    itself is not changed, and nothing is patched globally.
 
     Args:
       model: A ``flax.nnx.Module``.
-      config: A :class:`~qbits.config.QuantConfig`, or one
-        :class:`~qbits.DotGeneralConfig` or preset name for every layer.
-      rngs: Keys for stochastic rounding, needed when some layer's config
-        rounds stochastically (the ``int8`` preset): an ``nnx.Rngs`` with a
-        ``quant`` (or ``default``) stream, or an ``nnx.RngStream``. Each such
-        layer forks its own stream from it (advancing it), with a
-        :func:`qbits.numerics.hash_key` (no threefry loop per layer in the
-        compiled step), and draws a new key on every call. The same seed
-        gives the same keys.
+      config: A :class:`~qbits.QuantConfig`, a
+        :class:`~qbits.DotGeneralConfig`, a preset name or the path of a
+        YAML file.
+      *args: A sample batch for ``model(*args, **kwargs)``: required when a
+        config keeps scale state (its initial state is set from it: learned
+        steps from these operands), optional otherwise (the configs are then
+        checked against the operands at once, and unused rules reported).
+      rngs: Keys for stochastic rounding, needed when a config rounds
+        stochastically (the ``int8`` preset): an ``nnx.Rngs`` with a
+        ``quant`` (or ``default``) stream, or an ``nnx.RngStream``. A stream
+        is forked from it; every call draws a new key. The same seed gives
+        the same keys.
+      **kwargs: Keyword arguments of the sample call.
 
     Returns:
-      The quantized copy: new ``Variable`` objects holding the original's
-      parameter arrays (shared until either model is updated).
+      The quantized copy (see the module docstring): new ``Variable``
+      objects holding the original's arrays, plus a ``qbits`` node.
 
     Raises:
-      InvalidArgumentError: For a model or config of another type, or when
-        some layer needs keys and ``rngs`` is missing or has no stream for
-        them (the message names the layers).
-      ConfigError: At a layer's first call, when its config does not fit its
-        operands (e.g. ``rules[0].config.fwd.rhs.granularity.tile_size``).
-
-    Warns:
-      UnusedRuleWarning: When a rule matches no layer.
+      InvalidArgumentError: For a model or config of another kind, missing
+        ``rngs`` for a stochastic config, or no sample batch for a config
+        with scale state.
+      ConfigError: For a config that does not fit a matmul (at the sample
+        call, or at the first call), naming the rule and the matmul.
 
     Example:
       >>> import flax.nnx as nnx
-      >>> import qbits.nnx
-      >>> from qbits.config import QuantConfig, Rule
-      >>> model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.relu,
-      ...                        nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
-      >>> config = QuantConfig(rules=(Rule("layers/2", None),), default="int8")
-      >>> qmodel = qbits.nnx.quantize(model, config, rngs=nnx.Rngs(quant=0))
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.fc1 = nnx.Linear(8, 16, rngs=rngs)
+      ...         self.w = nnx.Param(jnp.ones((16, 4)))  # a raw weight
+      ...     def __call__(self, x):
+      ...         return nnx.relu(self.fc1(x)) @ self.w
+      >>> config = qbits.QuantConfig(rules=(qbits.Rule("w", None),), default="int8")
+      >>> qnet = qbits.nnx.quantize(Net(nnx.Rngs(0)), config, rngs=nnx.Rngs(quant=0))
       >>> x = jnp.ones((2, 8))
-      >>> graphdef, state = nnx.split(qmodel)
+      >>> graphdef, state = nnx.split(qnet)
       >>> qbits.ops.jaxpr_dot_dtypes(lambda s: nnx.merge(graphdef, s)(x), state)
       [('int8', 'int8', 'int32'), ('float32', 'float32', 'float32')]
-      >>> model.layers[0].dot_general is jax.lax.dot_general  # unchanged
-      True
     """
-    _check_model(model)
-    config = as_quant_config(_OWNER, config)
-    if rngs is not None and not isinstance(rngs, nnx.Rngs | nnx.RngStream):
+    rules = as_quant_config(_CALLER.owner, config, allow_none=True)
+    stochastic = [c for c in rules.all_configs() if c.needs_key]
+    if stochastic and rngs is None:
         raise InvalidArgumentError(
-            _OWNER,
+            _CALLER.owner,
             "rngs",
-            rngs,
-            f"None, an nnx.Rngs (e.g. nnx.Rngs({STREAM}=0)) or an nnx.RngStream",
+            None,
+            f"an nnx.Rngs with a {STREAM!r} (or 'default') stream, e.g. "
+            f"rngs=nnx.Rngs({STREAM}=0)",
+            why="a config of the rules rounds stochastically and needs keys",
         )
-    new = nnx.clone(model)
-    table, layers = _table(new, config)
-    active = [
-        (layer, row)
-        for layer, row in zip(layers, table.rows, strict=True)
-        if not row.explicit and row.resolution.config is not None
-    ]
-    keyed = [row for _, row in active if row.resolution.config.needs_key]
-    if keyed and not has_stream(rngs):
-        _missing_rngs(rngs, keyed)
-    _inject(active, rngs)
-    table.warn_unused()
+    _check_model(model)
+    new = _copy(model, rules, rngs if stochastic else None)
+    if not (args or kwargs):
+        if any(ops.needs_state(c) for c in rules.all_configs()):
+            raise InvalidArgumentError(
+                _CALLER.owner,
+                "*args",
+                "no sample batch",
+                "a sample batch after the config: quantize(model, config, x)",
+                why="a config of the rules keeps scale state, whose initial "
+                "value is set from the operands",
+            )
+        return new
+    fn, state = as_function(new)
+    initial = transform.init_state(fn, rules, state, *args, caller=_CALLER, **kwargs)
+    node: _Quantization = getattr(new, _ATTR)
+    for path, entries in initial.items():
+        kinds = ops.state_kinds(rules.resolve(path).config)
+        node.state[path] = {
+            name: (nnx.Param if kinds[name] == "trained" else ScaleState)(value)
+            for name, value in entries.items()
+        }
+    transform.layer_table(
+        fn, rules, state, *args, caller=_CALLER, **kwargs
+    ).warn_unused()
     return new
 
 
-def _missing_rngs(rngs: Any, keyed: list[LayerRow]) -> None:
-    """Raises: ``rngs`` cannot give keys to the layers that need them."""
-    listed = ", ".join(f"{row.path} ({row.resolution.where})" for row in keyed[:5])
-    if len(keyed) > 5:
-        listed += f" and {len(keyed) - 5} more"
-    shown = rngs if rngs is None else f"an {type(rngs).__name__} without that stream"
-    raise InvalidArgumentError(
-        _OWNER,
-        "rngs",
-        shown,
-        f"an nnx.Rngs with a {STREAM!r} (or 'default') stream, e.g. "
-        f"rngs=nnx.Rngs({STREAM}=0)",
-        why=f"these layers round stochastically and need PRNG keys: {listed}",
-    )
+def serving_copy(
+    model: nnx.Module,
+    config: QuantConfig,
+    stored: dict[str, QTensor],
+    fills: dict[str, tuple[tuple[int, ...], Any]],
+) -> nnx.Module:
+    """A copy of ``model`` that runs on stored weights (for serving).
 
+    Args:
+      model: The float model.
+      config: The forward-only rules it serves with.
+      stored: ``{matmul path: QTensor}`` of the stored weights.
+      fills: ``{key path (jax.tree_util.keystr of the model's state): (shape,
+        dtype)}`` of the float weights the copy drops (a
+        :class:`Placeholder` each).
 
-def _stack(layer: _Layer) -> tuple[int, ...]:
-    """The leading axes a layer's kernel has beyond its own (``nnx.vmap``).
-
-    Layers created under ``nnx.vmap`` (blocks stacked for ``nnx.scan``) hold
-    their parameters with a leading axis per stacked layer; the quantized
-    function they get holds its key stream and scale state stacked alike.
+    Returns:
+      The serving copy: no key stream, no scale state.
     """
-    module = layer.module
-    if layer.kind == "Linear":
-        own, kernel = 2, module.kernel
-    elif layer.kind == "LinearGeneral":
-        own = len(module.in_features) + len(module.out_features)
-        own += len(module.batch_axis)
-        kernel = module.kernel
-    elif layer.kind == "Einsum":
-        own, kernel = len(module.kernel_shape), module.kernel
-    elif layer.kind == "Conv":
-        own, kernel = len(module.kernel_size) + 2, module.kernel
-    else:  # an attention einsum: stacked as the attention's query projection
-        query = module.query
-        own = len(query.in_features) + len(query.out_features)
-        kernel = query.kernel
-    shape = tuple(kernel.get_value().shape)
-    return shape[: max(len(shape) - own, 0)]
-
-
-def _inject(active: list[tuple[_Layer, LayerRow]], rngs: Any) -> None:
-    """Gives each matched layer its quantized function."""
-    attention: dict[int, dict[str, QuantizedEinsum]] = {}
-    modules: dict[int, nnx.Module] = {}
-    for layer, row in active:
-        res = row.resolution
-        kwargs = {
-            "rngs": rngs,
-            "where": res.where,
-            "layer": row.path,
-            "stack": _stack(layer),
+    new = _copy(model, config, None)
+    node: _Quantization = getattr(new, _ATTR)
+    for path, qt in stored.items():
+        node.stored[path] = {
+            "qvalue": StoredWeight(qt.qvalue),
+            "scale": StoredWeight(qt.scale),
         }
-        module = layer.module
-        if layer.kind in ("Linear", "LinearGeneral"):
-            module.dot_general = nnx.data(QuantizedDotGeneral(res.config, **kwargs))
-        elif layer.kind == "Einsum":
-            module.einsum_op = nnx.data(QuantizedEinsum(res.config, **kwargs))
-        elif layer.kind == "Conv":
-            op = QuantizedConv(res.config, **kwargs)
-            module.conv_general_dilated = nnx.data(op)
-        else:
-            name = layer.kind.rsplit(".", 1)[1]
-            attention.setdefault(id(module), {})[name] = QuantizedEinsum(
-                res.config, **kwargs
-            )
-            modules[id(module)] = module
-    for key, ops in attention.items():
-        modules[key].attention_fn = nnx.data(QuantizedAttention(**ops))
+    node.layout = tuple(
+        (path, np.dtype(qt.qdtype).name, np.dtype(qt.dtype).name, qt.packed_axis,
+         qt.packed_pad)
+        for path, qt in stored.items()
+    )  # fmt: skip
+    node.fills = tuple(
+        (path, tuple(shape), np.dtype(dtype).name)
+        for path, (shape, dtype) in fills.items()
+    )
+    _, _, state = nnx.split(new, _in_node, ...)
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    dropped = {jax.tree_util.keystr(p) for p, _ in leaves} & set(fills)
+    for path, _ in leaves:
+        name = jax.tree_util.keystr(path)
+        if name in dropped:
+            _replace(new, path, fills[name][1])
+    return new
+
+
+def _replace(module: nnx.Module, path: tuple[Any, ...], dtype: Any) -> None:
+    """Puts an empty :class:`Placeholder` in the Variable at a state key path."""
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    keys = keys[:-1] if keys and keys[-1] == "value" else keys
+    parent: Any = module
+    for k in keys[:-1]:
+        parent = parent[k] if isinstance(k, int) else getattr(parent, k)
+    empty = Placeholder(jnp.zeros((0,), dtype))
+    if isinstance(keys[-1], int):
+        parent[keys[-1]] = empty
+    else:
+        setattr(parent, keys[-1], empty)
+
+
+def layer_table(
+    model: nnx.Module, config: Any, *args: Any, **kwargs: Any
+) -> LayerTable:
+    """Every matmul the nnx model runs on these inputs, and its config.
+
+    Traces ``model(*args, **kwargs)`` (nothing is computed) as
+    :func:`qbits.layer_table` traces a function; rows, paths and unused
+    rules are the same as there. Works on ``nnx.eval_shape`` models.
+
+    Args:
+      model: A ``flax.nnx.Module`` (a quantized copy lists its own rules'
+        configs only if ``config`` is them).
+      config: As for :func:`quantize`.
+      *args: Sample inputs: arrays or ``jax.ShapeDtypeStruct`` s.
+      **kwargs: Keyword arguments of the call.
+
+    Returns:
+      A :class:`~qbits.LayerTable`.
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)),
+      ...                        nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
+      >>> config = qbits.QuantConfig(rules=(qbits.Rule("layers/1", None),),
+      ...                            default="int8_fwd")
+      >>> for row in qbits.nnx.layer_table(model, config, jnp.ones((2, 8))).rows:
+      ...     print(row.path, row.describe())
+      layers/0 int8_fwd
+      layers/1 float
+    """
+    rules = as_quant_config(_CALLER.owner, config, allow_none=True)
+    fn, state = as_function(model)
+    return transform.layer_table(fn, rules, state, *args, caller=_CALLER, **kwargs)
+
+
+def update_state(model: nnx.Module, grads: Any) -> Any:
+    """Writes the new scale state in ``grads`` into ``model``.
+
+    A loss that runs the model several times (micro-batches) runs them in
+    :func:`max_combining`, so that the new states of the uses combine with
+    max.
+
+    Args:
+      model: The model the gradients were taken of.
+      grads: The ``nnx.State`` from ``nnx.grad`` with respect to
+        ``(nnx.Param, qbits.nnx.ScaleState)``.
+
+    Returns:
+      The gradients without the state: what ``nnx.Optimizer.update`` takes.
+
+    Example:
+      >>> import flax.nnx as nnx, optax
+      >>> x = jnp.full((2, 8), 2.0)
+      >>> model = qbits.nnx.quantize(nnx.Linear(8, 4, rngs=nnx.Rngs(0)),
+      ...                            "fp8_delayed", x)
+      >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> wrt = nnx.DiffState(0, (nnx.Param, qbits.nnx.ScaleState))
+      >>> @nnx.jit
+      ... def step(model, opt, x):
+      ...     grads = nnx.grad(lambda m: m(x).sum(), argnums=wrt)(model)
+      ...     opt.update(model, qbits.nnx.update_state(model, grads))
+      >>> step(model, opt, x)
+      >>> model.qbits.state["kernel"]["lhs_amax_history"][:2]
+      Array([2., 0.], dtype=float32)
+    """
+    state, params = nnx.split_state(grads, ScaleState, ...)
+    nnx.update(model, state)
+    return params
+
+
+@contextlib.contextmanager
+def max_combining(model: nnx.Module) -> Iterator[nnx.Module]:
+    """Makes every use of the model's scale state combine with max.
+
+    For a loss that runs the model more than once (micro-batches in one
+    gradient): inside the ``with`` block each :class:`ScaleState` holds its
+    value converted once by :func:`qbits.ops.max_combining`, so that the new
+    states of all uses combine with max rather than add; the float32 values
+    are put back on exit. Use it inside the differentiated function, under
+    ``nnx.jit``.
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> a, b = jnp.full((2, 8), 3.0), jnp.full((2, 8), 5.0)
+      >>> model = qbits.nnx.quantize(nnx.Linear(8, 4, rngs=nnx.Rngs(0)),
+      ...                            "fp8_delayed", a)
+      >>> wrt = nnx.DiffState(0, (nnx.Param, qbits.nnx.ScaleState))
+      >>> def loss(m):
+      ...     with qbits.nnx.max_combining(m):
+      ...         return m(a).sum() + m(b).sum()
+      >>> grads = nnx.jit(nnx.grad(loss, argnums=wrt))(model)
+      >>> grads["qbits"]["state"]["kernel"]["lhs_amax_history"][...][:2]
+      Array([5., 0.], dtype=float32)
+    """
+    state = jax.tree.map(lambda x: x, nnx.state(model, ScaleState))  # the values
+    nnx.update(model, ops.max_combining(state))
+    try:
+        yield model
+    finally:
+        nnx.update(model, state)

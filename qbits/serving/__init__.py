@@ -1,30 +1,29 @@
-"""Layer 7: serving, from trained float weights to stored low-precision ones.
+"""Layer 8: serving, from trained float weights to stored low-precision ones.
 
 :func:`convert` turns a model's float weights into stored int8, int4 (two
 values per byte) or fp8 weights plus scales, as the training (QAT) forward
-pass quantizes them; the serving model (:func:`serve` for linen, the copy
-:func:`convert` returns for nnx) computes with them and equals the QAT
-forward bit for bit. :func:`save` / :func:`restore` write and read them
-with Orbax (checking the config); :func:`size_report` counts the bytes.
+pass quantizes them, for linen models, nnx models and functions of any
+pytree of parameters alike (one path: the engine's
+:func:`qbits.transform.store_weights`); the serving model (:func:`serve`
+for linen models and functions, the copy :func:`convert` returns for nnx)
+computes with them and equals the QAT forward bit for bit. :func:`save` /
+:func:`restore` write and read them with Orbax (checking the config);
+:func:`size_report` counts the bytes.
 """
 
 from qbits.serving._checkpoint import restore, save
 from qbits.serving._convert import convert
 from qbits.serving._layout import LayerInfo
 from qbits.serving._linen import Served, serve
-from qbits.serving._nnx import KernelPlaceholder, ServedDotGeneral, StoredWeight
 from qbits.serving._params import ServingParams
 from qbits.serving._report import LayerSize, SizeReport, size_report
 
 __all__ = [
-    "KernelPlaceholder",
     "LayerInfo",
     "LayerSize",
     "Served",
-    "ServedDotGeneral",
     "ServingParams",
     "SizeReport",
-    "StoredWeight",
     "convert",
     "restore",
     "save",

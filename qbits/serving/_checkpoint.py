@@ -3,7 +3,8 @@
 A checkpoint is an Orbax composite checkpoint with two items: ``arrays``
 (the serving variables, or the nnx state, stored as they are: int8, packed
 uint8, fp8, float32 scales, biases) and ``meta`` (JSON: format version,
-``"linen"`` or ``"nnx"``, every stored layer's
+``"params"`` (serving params of a linen model or a function) or ``"nnx"``,
+every stored layer's
 :class:`~qbits.serving.LayerInfo`, its forward config included, and every
 array's path, shape, dtype and SHA-256 checksum). Restoring compares the
 metadata with the target's before reading any array, so a checkpoint of
@@ -25,24 +26,54 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qbits import nnx as qnnx
 from qbits._errors import ConfigError, InvalidArgumentError, check_bool
 from qbits.serving import _integrity as integrity
 from qbits.serving._layout import LayerInfo
-from qbits.serving._nnx import KernelPlaceholder, served_layers
-from qbits.serving._params import ServingParams
+from qbits.serving._nnx import served_layers
+from qbits.serving._params import ServingParams, replaced
 
 __all__ = ["restore", "save"]
 
 FORMAT = "qbits.serving"
-# 1: layers only. 2: adds "checksums" (path -> shape, dtype, sha256).
-VERSION = 2
+# 1: layers only. 2: adds "checksums" (path -> shape, dtype, sha256). 3: the
+# stored weights beside the params (kind "params", for any model or
+# function), the nnx copy's weights in its qbits node.
+VERSION = 3
 
 
 def _saved_state(model: nnx.Module) -> Any:
-    # The empty kernel placeholders stay out (Orbax refuses zero-size arrays),
-    # and so do the key streams a quantized copy trained with stochastic
+    # The empty placeholders stay out (Orbax refuses zero-size arrays), and
+    # so do the key streams a quantized copy trained with stochastic
     # rounding keeps (nnx.RngState): serving draws no keys.
-    return nnx.state(model, nnx.Not(nnx.Any(KernelPlaceholder, nnx.RngState)))
+    return nnx.state(model, nnx.Not(nnx.Any(qnnx.Placeholder, nnx.RngState)))
+
+
+def _placeholders(layers: tuple[LayerInfo, ...]) -> dict[str, Any]:
+    return {info.param: (info.param_shape, info.param_dtype)
+            for info in layers if info.param}  # fmt: skip
+
+
+def _saved_params(serving: ServingParams) -> Any:
+    """The params without their empty placeholders (``None`` in their place)."""
+    return replaced(serving.params, _placeholders(serving.layers), lambda *_: None)
+
+
+def _restored_params(target: Any, arrays: Any, layers: tuple[LayerInfo, ...]) -> Any:
+    """The target's params tree with the restored arrays and empty placeholders."""
+    fills = _placeholders(layers)
+    restored = {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]
+    }
+
+    def leaf(path: Any, x: Any) -> Any:
+        name = jax.tree_util.keystr(path)
+        if name in fills:
+            return jnp.zeros((0,), np.dtype(x.dtype))
+        return restored[name]
+
+    return jax.tree_util.tree_map_with_path(leaf, target)
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -62,7 +93,8 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
 def _split(owner: str, serving: Any) -> tuple[str, Any, tuple[LayerInfo, ...]]:
     """``(kind, array tree, layers)`` of serving params or a served nnx model."""
     if isinstance(serving, ServingParams):
-        return "linen", serving.variables, serving.layers
+        tree = {"params": _saved_params(serving), "weights": serving.weights}
+        return "params", tree, serving.layers
     if isinstance(serving, nnx.Module):
         layers = tuple(info for info, _, _ in served_layers(serving))
         if not layers:
@@ -70,7 +102,7 @@ def _split(owner: str, serving: Any) -> tuple[str, Any, tuple[LayerInfo, ...]]:
                 owner,
                 "serving",
                 type(serving).__name__,
-                "a served nnx model from qbits.serving._convert(model, config)",
+                "a served nnx model from qbits.serving.convert(model, config, x)",
                 why="it has no stored layers (a float model?)",
             )
         return "nnx", nnx.to_pure_dict(_saved_state(serving)), layers
@@ -121,8 +153,8 @@ def save(directory: str | os.PathLike[str], serving: Any, *, force: bool = False
       >>> path = tempfile.mkdtemp() + "/ckpt"
       >>> qbits.serving.save(path, sp)
       >>> back = qbits.serving.restore(path, sp)
-      >>> bool((back.variables["qbits_serving"]["kernel"]["qvalue"]
-      ...       == sp.variables["qbits_serving"]["kernel"]["qvalue"]).all())
+      >>> stored = (sp.weights["kernel"], back.weights["kernel"])
+      >>> bool((stored[0]["qvalue"] == stored[1]["qvalue"]).all())
       True
     """
     owner = "qbits.serving.save"
@@ -193,7 +225,14 @@ def _read_meta(owner: str, directory: str, ocp: Any, ckpt: Any) -> dict[str, Any
             f"it has format version {version}; this qbits reads versions "
             f"1..{VERSION} (a newer qbits wrote it?)",
         )
-    if meta.get("kind") not in ("linen", "nnx"):
+    if meta.get("kind") == "linen" or version < 3:
+        raise integrity.bad_directory(
+            owner,
+            directory,
+            f"it was written by an older qbits (format version {version}), "
+            "whose layout this one does not read: convert and save it again",
+        )
+    if meta.get("kind") not in ("params", "nnx"):
         raise integrity.bad_directory(
             owner, directory, f"its meta item has kind={meta.get('kind')!r}"
         )
@@ -276,16 +315,16 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
 
     Example:
       >>> import tempfile, flax.nnx as nnx
-      >>> layer = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
-      >>> served = qbits.serving.convert(layer, "int8_fwd")
+      >>> layer, x = nnx.Linear(8, 4, rngs=nnx.Rngs(0)), jnp.ones((2, 8))
+      >>> served = qbits.serving.convert(layer, "int8_fwd", x)
       >>> path = tempfile.mkdtemp() + "/ckpt"
       >>> qbits.serving.save(path, served)
-      >>> other = qbits.serving.convert(layer, "w4a8")
+      >>> other = qbits.serving.convert(layer, "w4a8", x)
       >>> try:
       ...     qbits.serving.restore(path, other)
       ... except qbits.ConfigError as e:
       ...     print(e.path, "|", e.value, "|", e.allowed)
-      layers[''].config | int8_fwd | w4a8, the target's config
+      layers['kernel'].config | int8_fwd | w4a8, the target's config
     """
     owner = "qbits.serving.restore"
     kind, tree, layers = _split(owner, target)
@@ -310,14 +349,13 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
             raise error from integrity.orbax_cause(e)
     if records is not None:
         integrity.verify(owner, directory, records, arrays)
-    if kind == "linen":
-        return ServingParams(arrays, layers)
+    if kind == "params":
+        params = _restored_params(target.params, arrays["params"], layers)
+        return ServingParams(params, arrays["weights"], layers)
     state = _saved_state(target)
     nnx.replace_by_pure_dict(state, arrays)
     nnx.update(target, state)
-    for _, module in nnx.iter_modules(target):  # an abstract target's placeholders
-        kernel = getattr(module, "kernel", None)
-        if isinstance(kernel, KernelPlaceholder):
-            empty = jnp.zeros((0,), kernel.get_raw_value().dtype)
-            module.kernel = KernelPlaceholder(empty)
+    for _, variable in nnx.iter_graph(target):  # an abstract target's placeholders
+        if isinstance(variable, qnnx.Placeholder):
+            variable.set_value(jnp.zeros((0,), variable.get_raw_value().dtype))
     return target

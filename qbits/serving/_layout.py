@@ -31,11 +31,7 @@ __all__ = [
     "check_stored",
     "fingerprint",
     "forward_only",
-    "rule_path",
 ]
-
-# Name of the linen variable collection that holds the stored weights.
-COLLECTION = "qbits_serving"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +41,8 @@ class LayerInfo:
     Attributes:
       path: The matmul's path (``"block_0/mlp/fc1"``, as in
         :func:`qbits.layer_table`).
-      kind: What it is: the matmul's kind (``"dot_general (activation x
-        weight)"``, ``"einsum (...)"``) or, for nnx layers, the Flax class
-        (``"Linear"``, ``"LinearGeneral"``).
+      kind: The matmul's kind (``"dot_general (activation x weight)"``,
+        ``"einsum (...)"``), as in :func:`qbits.layer_table`.
       shape: Shape of the weight as the matmul sees it (after the model's
         own reshapes and transposes), scanned layers stacked first.
       dtype: Its float dtype as the matmul sees it.
@@ -56,10 +51,11 @@ class LayerInfo:
       packed: Whether 4-bit values are packed two per byte (last axis).
       config: The layer's forward matmul config, as canonical JSON.
       name: The preset the config came from, or ``""``.
-      param: The float parameter the stored weight replaces, as a path into
-        the variables (``"params/block_0/mlp/fc1/kernel"``), or ``""`` where
-        the float parameter is kept (something else reads it too, e.g. the
-        lookup of a tied embedding).
+      param: The float parameter the stored weight replaces, as its key
+        path in the parameters (``jax.tree_util.keystr``:
+        ``"['params']['block_0']['mlp']['fc1']['kernel']"``), or ``""``
+        where the float parameter is kept (something else reads it too,
+        e.g. the lookup of a tied embedding).
       param_shape: That parameter's shape.
       param_dtype: That parameter's dtype.
 
@@ -153,17 +149,6 @@ def stores_weight(config: DotGeneralConfig | None) -> bool:
     return config is not None and not isinstance(config.fwd.rhs.numerics, NoNumerics)
 
 
-def check_servable(owner: str, path: str, cfg: MatmulConfig, where: str) -> None:
-    """Raises for a forward matmul that cannot be served deterministically."""
-    if cfg.needs_key:
-        raise ConfigError(
-            f"{where}.fwd",
-            "a forward matmul that rounds stochastically",
-            "a forward matmul without noise_fn (serving is deterministic)",
-            why=f"layer {path!r}, in {owner}",
-        )
-
-
 def stored_qtensor(info: LayerInfo, qvalue: jax.Array, scale: jax.Array) -> QTensor:
     """The QTensor of a served layer from its two stored arrays."""
     return QTensor(
@@ -230,11 +215,11 @@ def check_layers(
       source: The checkpoint directory, if any.
     """
     for info in layers:
-        res = config.resolve(rule_path(info.path))
+        res = config.resolve(info.path)
         if stores_weight(res.config) and fingerprint(res.config.fwd) == info.config:
             continue
         if stores_weight(res.config):
-            expected = original.resolve(rule_path(info.path)).name or describe_matmul(
+            expected = original.resolve(info.path).name or describe_matmul(
                 fingerprint_dict(res)
             )
         else:
@@ -248,11 +233,6 @@ def check_layers(
             "with the config they were converted with",
             source=source,
         )
-
-
-def rule_path(path: str) -> str:
-    """The path the rules match: ``"mlp/fc1"`` for the second use ``"mlp/fc1#2"``."""
-    return path.split("#", 1)[0]
 
 
 def _show(path: str) -> str:

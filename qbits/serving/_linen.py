@@ -58,9 +58,8 @@ class Served:
     of variables; everything else is as in ``flax.linen.Module.apply``
     (``method=`` names or gives a method of the model; ``rngs=``,
     ``mutable=``). Its output equals, bit for bit, that of
-    ``qbits.quantize(model.apply, config)`` on the float variables (and of
-    ``qbits.flax.quantize(model, config)`` for Flax's Dense, DenseGeneral,
-    Einsum and Conv layers; attention einsums within float32 rounding).
+    ``qbits.flax.quantize(model, config).apply`` (``qbits.quantize(
+    model.apply, config)``) on the float variables.
 
     Attributes:
       model: The float linen model (unmodified).
@@ -129,8 +128,8 @@ def _check_inputs(owner: str, model: nn.Module, method: Any, given: bool) -> Non
         owner,
         "*args",
         "no sample inputs",
-        "sample inputs after the variables, as model.apply takes them: "
-        "convert(model, config, variables, x), with arrays or "
+        "sample inputs after the params, as model.apply takes them: "
+        "convert(model, config, params, x), with arrays or "
         "jax.ShapeDtypeStruct s (keyword arguments and method= as in apply)",
         why=f"convert traces the model on sample inputs to find its matmuls, "
         f"and {call} takes inputs",
@@ -151,7 +150,8 @@ def convert_linen(
         model = model.model
     method = _as_method(method, owner)
     _check_inputs(owner, model, method, bool(args or kwargs))
-    return convert_params(owner, _apply(model, method), config, variables, args, kwargs)
+    rules = as_quant_config(owner, config)
+    return convert_params(owner, _apply(model, method), rules, variables, args, kwargs)
 
 
 def serve(model: nn.Module | Callable[..., Any], config: Any) -> Any:
@@ -193,7 +193,7 @@ def serve(model: nn.Module | Callable[..., Any], config: Any) -> Any:
             "model",
             type(model).__name__,
             "a linen model or a function; an nnx model is served by the copy "
-            "qbits.serving.convert(model, config) returns",
+            "qbits.serving.convert(model, config, *sample_inputs) returns",
         )
     if isinstance(model, nn.Module):
         return Served(model, quant)

@@ -1,21 +1,23 @@
-"""Serving params: a function's (or linen model's) stored low-precision weights.
+"""Serving params: a function's stored low-precision weights, any pytree.
 
 :func:`convert_params` traces the function as :func:`qbits.quantize` does
-(:func:`qbits.intercept.store_weights`) and stores every weight matmul
+(:func:`qbits.transform.store_weights`) and stores every weight matmul
 whose forward config quantizes the weight: custom layers, einsum weights,
 ``x @ w``, tied heads and scanned layers as much as Flax's own ``Dense``.
 Each stored weight is the QTensor the training (QAT) forward pass computes
-at every step, in the ``qbits_serving`` collection at the matmul's path;
-the float parameter it replaces leaves the variables (unless something
-else reads it, as an embedding lookup reads a tied head's table).
-Everything else (biases, norms, embeddings, float matmuls) is unchanged.
-The layout of every stored weight, and its forward config, ride along as
-static metadata (:class:`~qbits.serving.LayerInfo`), also under ``jax.jit``.
+at every step. The float parameter it replaces becomes an empty
+placeholder (shape ``(0,)``, its dtype) wherever it sits in the parameter
+tree (a dict, linen variables, an nnx ``State``, an equinox module, a
+dataclass node), unless something else reads it (an embedding lookup reads
+a tied head's table). The layout of every stored weight, and its forward
+config, ride along as static metadata (:class:`~qbits.serving.LayerInfo`),
+also under ``jax.jit``.
 
 :func:`serve_params` runs the function with ``qbits.quantize(fn, config,
-stored=...)``: the stored matmuls on their stored weights, every other
-quantized matmul quantizing on the fly, as in training. Its output equals
-``qbits.quantize(fn, config)`` on the float parameters bit for bit.
+stored=...)`` on the params with zeros in the placeholders: the stored
+matmuls on their stored weights, every other quantized matmul quantizing on
+the fly, as in training. Its output equals ``qbits.quantize(fn, config)`` on
+the float parameters bit for bit.
 """
 
 from __future__ import annotations
@@ -27,36 +29,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from flax.core import unfreeze
+from flax.core import FrozenDict, unfreeze
 
-from qbits import intercept
+from qbits import transform
 from qbits._errors import InvalidArgumentError
-from qbits.config import QuantConfig, as_quant_config
+from qbits.config import QuantConfig
 from qbits.serving._layout import (
-    COLLECTION,
     LayerInfo,
     check_layers,
     check_stored,
     fingerprint,
     forward_only,
-    rule_path,
     stored_qtensor,
 )
+from qbits.tensor import QTensor
 
-__all__ = ["ServingParams", "convert_params", "get_path", "serve_params"]
+__all__ = ["ServingParams", "convert_params", "replaced", "serve_params", "store"]
 
 
 class ServingParams(struct.PyTreeNode):
-    """The variables of a served model or function, with their stored layout.
+    """The parameters of a served model or function, with their stored weights.
 
-    A pytree: ``variables`` are its leaves (pass it through ``jax.jit``);
-    ``layers`` is static metadata, available while tracing.
+    A pytree: ``params`` and ``weights`` are its leaves (pass it through
+    ``jax.jit``); ``layers`` is static metadata, available while tracing.
 
     Attributes:
-      variables: The float variables (a linen model's ``{"params": ...}``,
-        or a function's parameter dict) without the parameters that stored
-        weights replace, plus a ``"qbits_serving"`` entry: per stored weight
-        ``{"qvalue", "scale"}`` at its matmul's path.
+      params: The float parameters as given to :func:`qbits.serving.convert`
+        (any pytree), each parameter that a stored weight replaces an empty
+        placeholder (shape ``(0,)``, its dtype).
+      weights: ``{matmul path: {"qvalue": array, "scale": array}}``: the
+        stored weights.
       layers: One :class:`~qbits.serving.LayerInfo` per stored weight.
 
     Example:
@@ -64,12 +66,14 @@ class ServingParams(struct.PyTreeNode):
       >>> x = jnp.ones((2, 8))
       >>> params = nn.Dense(4).init(jax.random.key(0), x)
       >>> sp = qbits.serving.convert(nn.Dense(4), "int8_fwd", params, x)
-      >>> jax.tree.map(lambda a: a.dtype.name, sp.variables)
-      {'params': {'bias': 'float32'},
-       'qbits_serving': {'kernel': {'qvalue': 'int8', 'scale': 'float32'}}}
+      >>> jax.tree.map(lambda a: f"{a.dtype.name}{list(a.shape)}", sp.params)
+      {'params': {'bias': 'float32[4]', 'kernel': 'float32[0]'}}
+      >>> sp.weights["kernel"]["qvalue"].dtype  # a Dense alone: its kernel's path
+      dtype('int8')
     """
 
-    variables: Any
+    params: Any
+    weights: dict[str, dict[str, jax.Array]]
     layers: tuple[LayerInfo, ...] = struct.field(pytree_node=False, default=())
 
     def layer(self, path: str) -> LayerInfo:
@@ -84,87 +88,61 @@ class ServingParams(struct.PyTreeNode):
         raise KeyError(path)
 
 
-def _variables(owner: str, variables: Any) -> dict[str, Any]:
-    """The float variables as a plain nested dict, checked."""
-    if not isinstance(variables, Mapping):
+def _params(owner: str, params: Any) -> Any:
+    """The float parameters, checked (linen's FrozenDict as a plain dict)."""
+    if isinstance(params, ServingParams):
         raise InvalidArgumentError(
             owner,
-            "variables",
-            type(variables).__name__,
-            "the float variables as a dict: a linen model's model.init(...), "
-            "or a function's parameters (for nnx: nnx.to_pure_dict(state) from "
-            "graphdef, state = nnx.split(model), with fn = lambda p, x: "
-            "nnx.merge(graphdef, p)(x))",
-        )
-    variables = unfreeze(variables)
-    if COLLECTION in variables:
-        raise InvalidArgumentError(
-            owner,
-            "variables",
-            f"variables with a {COLLECTION!r} entry",
-            "float variables",
+            "params",
+            "serving params",
+            "float parameters",
             why="they are converted already",
         )
-    return variables
+    if isinstance(params, FrozenDict):
+        params = unfreeze(params)
+    if not jax.tree.leaves(params):
+        raise InvalidArgumentError(
+            owner,
+            "params",
+            type(params).__name__,
+            "the float parameters: a pytree of arrays (a linen model's "
+            "model.init(...), a dict, an nnx State, an equinox module)",
+        )
+    return params
 
 
-def _key(node: Mapping[Any, Any], part: str) -> Any:
-    """The key of ``node`` a path segment names (``"0"`` names ``0``)."""
-    if part not in node and part.isdigit() and int(part) in node:
-        return int(part)
-    return part
-
-
-def get_path(tree: Mapping[Any, Any], path: str) -> Any:
-    """The node at ``path`` (``"a/b"``; ``""`` is ``tree`` itself)."""
-    for p in path.split("/") if path else ():
-        tree = tree[_key(tree, p)]
-    return tree
-
-
-def _dict_keys(keys: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """The dict keys of a key path, or ``None`` if it passes anything else."""
-    if not all(isinstance(k, jax.tree_util.DictKey) for k in keys):
-        return None
-    return tuple(k.key for k in keys)
-
-
-def convert_params(
+def store(
     owner: str,
     fn: Callable[..., Any],
-    config: Any,
-    variables: Any,
+    config: QuantConfig,
+    params: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> ServingParams:
-    """Serving params of ``fn(variables, *args, **kwargs)``; see ``convert``."""
-    original = as_quant_config(owner, config)
-    fwd = forward_only(original)
-    variables = _variables(owner, variables)
-    stored = intercept.store_weights(fn, fwd, variables, *args, **kwargs)
-    served = jax.tree.map(lambda x: x, variables)  # new dicts, the same arrays
-    weights: dict[str, Any] = {}
-    infos = []
-    for name, s in stored.items():
-        keys = _dict_keys(s.keys) if s.exclusive else None
-        if keys is not None:
-            parent = served
-            for k in keys[:-1]:
-                parent = parent[k]
-            parent.pop(keys[-1], None)  # another stored matmul may share it
-        node = weights
-        for part in name.split("/"):
-            node = node.setdefault(part, {})
-        node.update(qvalue=s.weight.qvalue, scale=s.weight.scale)
-        cfg = fwd.resolve(rule_path(name)).config.fwd
-        dropped = {}
-        if keys is not None:
+) -> tuple[dict[str, QTensor], dict[str, tuple[tuple[int, ...], Any]], list]:
+    """The stored weights of ``fn(params, *args)``, what they replace, and infos.
+
+    Returns:
+      ``(stored, fills, layers)``: ``{matmul path: QTensor}``; ``{key path
+      (jax.tree_util.keystr) of a dropped parameter: (shape, dtype)}``; one
+      :class:`LayerInfo` per stored weight.
+    """
+    fwd = forward_only(config)
+    caller = transform.Caller(owner)
+    found = transform.store_weights(fn, fwd, params, *args, caller=caller, **kwargs)
+    stored: dict[str, QTensor] = {}
+    fills: dict[str, tuple[tuple[int, ...], Any]] = {}
+    layers = []
+    for name, s in found.items():
+        dropped: dict[str, Any] = {}
+        if s.exclusive:
+            param = jax.tree_util.keystr(s.keys)
+            fills[param] = (s.shape, np.dtype(s.dtype))
             dropped = dict(
-                param="/".join(map(str, keys)),
-                param_shape=s.shape,
-                param_dtype=np.dtype(s.dtype).name,
+                param=param, param_shape=s.shape, param_dtype=np.dtype(s.dtype).name
             )
-        infos.append(
+        stored[name] = s.weight
+        cfg = fwd.resolve(name).config.fwd
+        layers.append(
             LayerInfo(
                 path=name,
                 kind=s.kind,
@@ -174,65 +152,97 @@ def convert_params(
                 qdtype=np.dtype(cfg.rhs.numerics.get_dtype()).name,
                 packed=s.weight.packed_axis is not None,
                 config=fingerprint(cfg),
-                name=original.resolve(rule_path(name)).name or "",
+                name=config.resolve(name).name or "",
                 **dropped,
             )
         )
-    served[COLLECTION] = weights
-    return ServingParams(served, tuple(infos))
+    return stored, fills, layers
+
+
+def replaced(tree: Any, fills: Mapping[str, Any], fill: Callable[..., Any]) -> Any:
+    """``tree`` with each leaf at a key path of ``fills`` replaced by ``fill``."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    out = []
+    for path, leaf in leaves:
+        found = fills.get(jax.tree_util.keystr(path))
+        out.append(leaf if found is None else fill(leaf, *found))
+    return jax.tree.unflatten(treedef, out)
+
+
+def convert_params(
+    owner: str,
+    fn: Callable[..., Any],
+    config: QuantConfig,
+    params: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> ServingParams:
+    """Serving params of ``fn(params, *args, **kwargs)``; see ``convert``."""
+    params = _params(owner, params)
+    stored, fills, layers = store(owner, fn, config, params, args, kwargs)
+    served = replaced(params, fills, lambda leaf, _, dtype: jnp.zeros((0,), dtype))
+    weights = {
+        name: {"qvalue": qt.qvalue, "scale": qt.scale} for name, qt in stored.items()
+    }
+    return ServingParams(served, weights, tuple(layers))
 
 
 def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict]:
-    """The float variables to trace with, and the stored QTensors by path."""
+    """The parameters to trace with (zeros filled in), and the stored QTensors."""
     if not isinstance(serving, ServingParams):
         why = "these are not serving params"
         if isinstance(serving, Mapping):
-            why = "these look like float variables: run convert first"
+            why = "these look like float parameters: run convert first"
         raise InvalidArgumentError(
             owner,
             "serving",
             type(serving).__name__,
             "qbits.serving.ServingParams from qbits.serving.convert(model, "
-            "config, variables, *sample_inputs) or qbits.serving.restore",
+            "config, params, *sample_inputs) or qbits.serving.restore",
             why=why,
         )
     check_layers(owner, forward_only(config), config, serving.layers)
-    weights = serving.variables.get(COLLECTION, {})
-    variables = jax.tree.map(  # new dicts to fill
-        lambda x: x, {k: v for k, v in serving.variables.items() if k != COLLECTION}
-    )
-    stored = {}
-    filled = set()  # parameters replaced by zeros (several matmuls may share one)
+    stored, fills = {}, {}
     for info in serving.layers:
-        arrays = get_path(weights, info.path)
+        arrays = serving.weights.get(info.path)
+        if not isinstance(arrays, Mapping) or set(arrays) != {"qvalue", "scale"}:
+            raise InvalidArgumentError(
+                owner,
+                f"serving.weights[{info.path!r}]",
+                type(arrays).__name__,
+                "{'qvalue': array, 'scale': array}, as convert stores them",
+            )
         check_stored(owner, info, arrays["qvalue"], arrays["scale"])
         stored[info.path] = stored_qtensor(info, arrays["qvalue"], arrays["scale"])
-        if info.param and info.param not in filled:  # any value of its shape
-            parents, _, leaf = info.param.rpartition("/")
-            node = get_path(variables, parents)
-            leaf = _key(node, leaf)
-            if leaf in node:
-                raise InvalidArgumentError(
-                    owner,
-                    "serving",
-                    f"serving params holding a float {info.param!r}",
-                    "the serving params from qbits.serving.convert",
-                    why=f"the matmul {info.path!r} serves a stored "
-                    f"{info.qdtype} weight in its place",
-                )
-            node[leaf] = jnp.zeros(info.param_shape, info.param_dtype)
-            filled.add(info.param)
-    return variables, stored
+        if info.param:
+            fills[info.param] = (info.param_shape, info.param_dtype)
+
+    def fill(leaf: Any, shape: tuple[int, ...], dtype: str) -> jax.Array:
+        if tuple(jnp.shape(leaf)) != (0,):
+            raise InvalidArgumentError(
+                owner,
+                "serving",
+                f"serving params holding a float parameter at {info_of(leaf)}",
+                "the serving params from qbits.serving.convert",
+                why="a stored weight serves in its place",
+            )
+        return jnp.zeros(shape, dtype)
+
+    def info_of(leaf: Any) -> str:
+        return f"a {np.dtype(leaf.dtype).name}{list(jnp.shape(leaf))} leaf"
+
+    return replaced(serving.params, fills, fill), stored
 
 
 def serve_params(
     owner: str, fn: Callable[..., Any], config: QuantConfig
 ) -> Callable[..., Any]:
     """``served(serving_params, *args, **kwargs)`` running ``fn`` on them."""
+    caller = transform.Caller(owner)
 
     def served(serving: Any, *args: Any, **kwargs: Any) -> Any:
-        variables, stored = _unpack(owner, config, serving)
-        run = intercept.quantize(fn, forward_only(config), stored=stored)
-        return run(variables, *args, **kwargs)
+        params, stored = _unpack(owner, config, serving)
+        run = transform.quantize(fn, forward_only(config), stored=stored, caller=caller)
+        return run(params, *args, **kwargs)
 
     return served

@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qbits import nnx as qnnx
 from qbits._errors import InvalidArgumentError
-from qbits.serving._layout import COLLECTION, LayerInfo
-from qbits.serving._nnx import KernelPlaceholder, StoredWeight, served_layers
-from qbits.serving._params import ServingParams, get_path
+from qbits.serving._layout import LayerInfo
+from qbits.serving._nnx import served_layers
+from qbits.serving._params import ServingParams
 
 __all__ = ["LayerSize", "SizeReport", "size_report"]
 
@@ -172,11 +173,15 @@ def _row(info: LayerInfo, qvalue: Any, scale: Any) -> LayerSize:
 def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
     """Bytes of the stored weights, per layer and in total, versus float32.
 
-    Works on shapes only (also on ``jax.eval_shape`` results).
+    Counts what the served object holds, leaf by leaf: each stored weight's
+    values and scales, and every other parameter once (a tied embedding,
+    kept for its lookup, counts once; the empty placeholders of dropped
+    float weights count nothing). Works on shapes only (also on
+    ``jax.eval_shape`` results).
 
     Args:
-      serving: :class:`~qbits.serving.ServingParams` (linen) or a served nnx
-        model, from :func:`qbits.serving.convert`.
+      serving: :class:`~qbits.serving.ServingParams` (linen models and
+        functions) or a served nnx model, from :func:`qbits.serving.convert`.
 
     Returns:
       A :class:`SizeReport`; ``str()`` of it is a markdown table.
@@ -194,29 +199,26 @@ def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
       (0.2520, 8192)
     """
     if isinstance(serving, ServingParams):
-        stored = serving.variables.get(COLLECTION, {})
-        rows = []
-        for info in serving.layers:
-            arrays = get_path(stored, info.path)
-            rows.append(_row(info, arrays["qvalue"], arrays["scale"]))
-        others = _arrays(
-            {k: v for k, v in serving.variables.items() if k != COLLECTION}
-        )
-    elif isinstance(serving, nnx.Module):
+        rows = [
+            _row(info, serving.weights[info.path]["qvalue"],
+                 serving.weights[info.path]["scale"])
+            for info in serving.layers
+        ]  # fmt: skip
+        others = _arrays(serving.params)
+    elif isinstance(serving, nnx.Module) and served_layers(serving):
         rows = [_row(*layer) for layer in served_layers(serving)]
-        # A quantized copy trained with stochastic rounding keeps its layers'
-        # key streams (nnx.RngState: PRNG keys and counters): not weights.
-        skip = nnx.Any(StoredWeight, KernelPlaceholder, nnx.RngState)
+        # The key streams a trained copy may keep (nnx.RngState): not weights.
+        skip = nnx.Any(nnx.PathContains("qbits"), qnnx.Placeholder, nnx.RngState)
         others = _arrays(nnx.state(serving, nnx.Not(skip)))
-        others = [x for x in others if jnp.issubdtype(x.dtype, jnp.inexact)]
     else:
         raise InvalidArgumentError(
             "qbits.serving.size_report",
             "serving",
-            serving,
+            type(serving).__name__,
             "qbits.serving.ServingParams or a served nnx model (from "
             "qbits.serving.convert)",
         )
+    others = [x for x in others if jnp.issubdtype(x.dtype, jnp.inexact)]
     other_bytes = sum(_nbytes(x) for x in others)
     other_f32 = sum(int(np.prod(x.shape)) * 4 for x in others)
     return SizeReport(tuple(rows), other_bytes, other_f32)

@@ -114,17 +114,20 @@ def test_inspect_shows_the_table_and_unused_rules(tmp_path, capsys):
     assert main(["inspect", str(rules)]) == 0
     out = capsys.readouterr().out
     assert (
-        "| blocks/0/attn/qk | MultiHeadAttention.qk | float | rules[0].config |" in out
+        "| blocks/0/attn/qk | einsum (activation x activation) | "
+        "f32[32,64,4,1,32] x f32[32,64,4,32] | float | rules[0].config |" in out
     )
-    assert "| blocks/1/mlp/fc2 | Linear | int8_fwd | default |" in out
-    assert "| head | Linear | int8_fwd | default |" in out
-    assert "unused rules: rules[1] (pattern 'nothing/.*') matched no layer" in out
+    rows = {line.split(" | ")[0][2:]: line for line in out.splitlines() if "|" in line}
+    assert rows["blocks/1/mlp/fc2"].endswith("| int8_fwd | default |")
+    assert rows["head"].endswith("| int8_fwd | default |")
+    assert "unused rules: rules[1] (pattern 'nothing/.*') matched no matmul" in out
 
 
 def test_inspect_preset_on_mlp(capsys):
     assert main(["inspect", "w4a8", "--model", "mlp"]) == 0
     out = capsys.readouterr().out
-    assert "| layers/0 | Linear | w4a8 | default |" in out
+    assert "| layers/0 | dot_general (activation x weight) |" in out
+    assert "| w4a8 | default |" in out
     assert "unused rules: none" in out
 
 

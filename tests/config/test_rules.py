@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 import qbits
-from qbits.config import check_conv_operands, check_operands
+from qbits.transform._checks import check_conv_operands, check_operands
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -33,34 +33,55 @@ def test_first_full_match_wins():
     assert res.config == qbits.presets.get("w4a8")
 
 
-def test_table_lists_each_layer_and_the_rules_that_matched_nothing():
-    layers = [
-        ("blocks_0/attn/query", "DenseGeneral"),
-        ("blocks_0/attn/qk", "MultiHeadDotProductAttention.qk"),
-        ("blocks_0/mlp/fc1", "Dense"),
-        ("head", "Dense"),
-    ]
-    table = _config().table(layers, explicit=["blocks_0/mlp/fc1"])
-    assert [r.describe() for r in table.rows] == [
-        "int8_fwd",
-        "fp8",
-        "explicit",
-        "float",
-    ]
+def test_table_lists_each_matmul_and_the_rules_that_matched_nothing():
+    def model(p, x):
+        own = qbits.dot_general("int8_fwd")  # the model's own: kept
+        x = x @ p["blocks_0"]["attn"]["query"]["kernel"]
+        x = x @ p["blocks_0"]["attn"]["out"]["kernel"]
+        x = own(x, p["blocks_0"]["mlp"]["fc1"]["kernel"], DN)
+        return x @ p["head"]["kernel"]
+
+    w = jnp.ones((4, 4))
+    params = {
+        "blocks_0": {
+            "attn": {"query": {"kernel": w}, "out": {"kernel": w}},
+            "mlp": {"fc1": {"kernel": w}},
+        },
+        "head": {"kernel": w},
+    }
+    table = qbits.layer_table(model, _config(), params, jnp.ones((2, 4)))
+    assert [r.describe() for r in table.rows] == ["int8_fwd", "fp8", "kept", "float"]
     assert table.unused_rules == (3,)
-    assert "rules[3] (pattern 'never/.*') matched no layer" in str(table)
+    assert "rules[3] (pattern 'never/.*') matched no matmul" in str(table)
     assert table.configs() == {
         "blocks_0/attn/query": qbits.presets.get("int8_fwd"),
-        "blocks_0/attn/qk": qbits.presets.get("fp8"),
+        "blocks_0/attn/out": qbits.presets.get("fp8"),
         "head": None,
     }
     data = table.as_dicts()
     assert data[0]["source"] == "rules[0].config"
     assert data[0]["resolved"] == qbits.config.to_dict(qbits.presets.get("int8_fwd"))
-    assert data[2]["source"] == "model" and data[3]["resolved"] is None
-    assert table["head"].kind == "Dense"
+    assert data[2]["source"] == "kept: inside custom_vjp"
+    assert data[3]["resolved"] is None
+    assert table["head"].kind == "dot_general (activation x weight)"
+    assert table["head"].operands == "f32[2,4] x f32[4,4]"
     with pytest.warns(qbits.UnusedRuleWarning, match="never"):
         table.warn_unused()
+
+
+def test_later_uses_of_a_name_are_numbered_and_matched_by_its_rules():
+    def twice(p, x):
+        return (x @ p["fc"]) @ p["fc"].T
+
+    rules = qbits.QuantConfig(
+        rules=(qbits.Rule(r"fc\#2", None), qbits.Rule("fc", "int8_fwd"))
+    )
+    table = qbits.layer_table(twice, rules, {"fc": jnp.ones((4, 4))}, jnp.ones((2, 4)))
+    assert [(r.path, r.describe()) for r in table.rows] == [
+        ("fc", "int8_fwd"),
+        ("fc#2", "float"),
+    ]
+    assert rules.resolve("fc#3").name == "int8_fwd"  # a rule for fc reaches it
 
 
 def test_inline_configs_and_an_empty_config():

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 import qbits
 from qbits import config as qc
-from qbits.config._checks import with_layer
 from qbits.numerics._formats import FLOAT_FORMATS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -516,11 +515,14 @@ def test_read_yaml_is_plain_data_with_the_same_rules(tmp_path):
 
 
 def test_layer_is_a_field_of_config_errors():
-    e = qbits.ConfigError("fwd.rhs.x", 3, "an int", why="operand shape (2, 3)")
-    located = with_layer(e, "blocks/0/mlp").within("rules[1].config", "f")
+    e = qbits.ConfigError(
+        "fwd.rhs.x", 3, "an int", why="operand shape (2, 3)", layer="blocks/0/mlp"
+    )
+    located = e.within("rules[1].config", "f")
     assert located.layer == "blocks/0/mlp"
     assert str(located) == (
         "f: rules[1].config.fwd.rhs.x: expected an int, got 3 "
         "(operand shape (2, 3), in layer 'blocks/0/mlp')."
     )
-    assert str(with_layer(e, "")).endswith("in layer '' (the top-level module)).")
+    top = qbits.ConfigError("x", 3, "an int", layer="")
+    assert str(top).endswith("in layer '' (the top-level module)).")

@@ -23,6 +23,7 @@ from qbits.experiments import (
 from qbits.experiments._data import char_batch, char_eval_batches
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOKENS = jax.ShapeDtypeStruct((2, 16), jnp.int32)
 
 
 def test_shipped_corpus_is_the_generated_text():
@@ -58,7 +59,7 @@ def test_class_data_is_deterministic():
 
 def test_lm_layer_paths():
     model = nnx.eval_shape(lambda: TransformerLM(40, spec("lm"), rngs=nnx.Rngs(0)))
-    paths = [row.path for row in qbits.nnx.layer_table(model, "int8").rows]
+    paths = [row.path for row in qbits.nnx.layer_table(model, "int8", TOKENS).rows]
     assert len(paths) == 2 * 8 + 1
     assert {"blocks/0/attn/qk", "blocks/1/mlp/fc2", "head"} <= set(paths)
 
@@ -73,14 +74,14 @@ def test_unknown_model_and_size():
 def test_example_files_load():
     rules = qbits.load_config(ROOT / "examples" / "transformer_rules.yaml")
     model = nnx.eval_shape(lambda: TransformerLM(40, spec("lm"), rngs=nnx.Rngs(0)))
-    table = qbits.nnx.layer_table(model, rules)
+    table = qbits.nnx.layer_table(model, rules, TOKENS)
     assert not table.unused_rules
     assert table["head"].describe() == "w4a8"
     assert table["blocks/0/attn/qk"].describe() == "float"
     lm = load_sweep(ROOT / "examples" / "sweep_lm.yaml")
     names = [e.name for e in lm.entries]
     assert names == ["none", "int8_fwd", "int8", "fp8", "w4a8", "w4a8_attn8"]
-    w4 = qbits.nnx.layer_table(model, lm.entries[-1].config)
+    w4 = qbits.nnx.layer_table(model, lm.entries[-1].config, TOKENS)
     assert w4["blocks/0/attn/pv"].describe() == "int8_fwd"
     assert w4["blocks/0/mlp/fc1"].describe() == "w4a8" and not w4.unused_rules
     bits = load_sweep(ROOT / "examples" / "sweep_bits.yaml")
@@ -96,10 +97,10 @@ def test_deep_lm_scans_stacked_blocks_and_trains_quantized():
     assert deep.scan and deep.depth == 12
     small = dataclasses.replace(spec("lm", "tiny"), depth=2, scan=True)
     lm = nnx.eval_shape(lambda: TransformerLM(10, small, rngs=nnx.Rngs(0)))
-    rows = qbits.nnx.layer_table(lm, "int8").rows
-    assert [r.path for r in rows][:2] == ["blocks/attn/key", "blocks/attn/out"]
+    rows = qbits.nnx.layer_table(lm, "int8", TOKENS).rows
+    assert [r.path for r in rows][:2] == ["blocks/attn/query", "blocks/attn/key"]
     assert len(rows) == 9
-    assert rows[0].kind == "LinearGeneral, stacked x2"
-    assert rows[-1].kind == "Linear"  # the head
+    assert rows[0].kind == "dot_general (activation x weight), scanned x2"
+    assert rows[-1].kind == "dot_general (activation x weight)"  # the head
     result = train(small, "fp8_delayed", steps=2)
     assert math.isfinite(result.train_loss)

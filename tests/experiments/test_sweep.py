@@ -45,7 +45,8 @@ def finished(tmp_path_factory):
 
 def test_unused_rules_are_a_warning_line(finished):
     lines = (finished / "stderr.txt").read_text().splitlines()
-    assert lines == ["warning: int8_fwd: rules[0] (pattern 'nothing') matched no layer"]
+    want = "warning: int8_fwd: rules[0] (pattern 'nothing') matched no matmul"
+    assert lines == [want]
 
 
 def test_sweep_writes_table_and_plots(finished):

@@ -431,7 +431,8 @@ def test_real_mode_needs_factorable_scales():
             lambda: DotGeneralConfig(dlhs=MatmulConfig(use_fwd_quant=True)),
             r"dlhs.use_fwd_quant=True .*fwd.rhs does not quantize",
         ),
-        (lambda: qbits.dot_general("int8"), r"dot_general: config='int8'"),
+        (lambda: qbits.dot_general("int9"), r"dot_general: config='int9'"),
+        (lambda: qbits.dot_general("int8"), r"dot_general: key=None"),
     ],
 )
 def test_bad_configs(build, pattern):

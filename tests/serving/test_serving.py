@@ -90,12 +90,11 @@ def test_linen_serving_equals_qat_forward_bit_for_bit(linen_setup, name):
     config = _rules(CONFIGS[name])
     sp = serving.convert(model, config, params, x, False)  # non-array arguments
     assert [info.path for info in sp.layers] == ["block/fc1", "proj"]
-    stored = sp.variables["qbits_serving"]
-    assert stored["block"]["fc1"]["qvalue"].dtype == np.dtype(STORED[name])
-    # No float kernel of a stored layer is left anywhere.
-    assert "kernel" not in sp.variables["params"]["block"]["fc1"]
-    assert "kernel" not in sp.variables["params"]["proj"]
-    assert "kernel" in sp.variables["params"]["head"]  # a float layer
+    assert sp.weights["block/fc1"]["qvalue"].dtype == np.dtype(STORED[name])
+    # No float kernel of a stored layer is left: an empty placeholder each.
+    assert sp.params["params"]["block"]["fc1"]["kernel"].shape == (0,)
+    assert sp.params["params"]["proj"]["kernel"].shape == (0,)
+    assert sp.params["params"]["head"]["kernel"].shape == (16, 10)  # a float layer
     served = jax.jit(serving.serve(model, config).apply)(sp, x)
     qat = jax.jit(qbits.flax.quantize(model, config).apply)(params, x)
     np.testing.assert_array_equal(served, qat)
@@ -108,10 +107,11 @@ def test_linen_serving_equals_qat_forward_bit_for_bit(linen_setup, name):
 def test_nnx_serving_equals_qat_forward_bit_for_bit(nnx_setup, name):
     model, x = nnx_setup
     config = _rules(CONFIGS[name])
-    served = serving.convert(model, config)
+    served = serving.convert(model, config, x)
     paths = [info.path for info in serving.size_report(served).layers]
     assert paths == ["layers/0", "layers/2"]
-    assert served.layers[0].dot_general.qvalue[...].dtype == np.dtype(STORED[name])
+    stored = served.qbits.stored["layers/0"]["qvalue"]
+    assert stored[...].dtype == np.dtype(STORED[name])
     assert served.layers[0].kernel[...].shape == (0,)  # no float kernel
     assert model.layers[0].kernel[...].shape == (128, 256)  # original unchanged
     qat = qbits.nnx.quantize(model, config)
@@ -165,7 +165,8 @@ def test_size_report_counts_values_and_scales(linen_setup, nnx_setup):
     assert text.startswith("| layer |") and "| fc1 | uint4" not in text
     assert "int4 (packed)" in text and "**stored weights**" in text
     assert report.as_dicts()[-1]["path"] == "all parameters"
-    nnx_report = serving.size_report(serving.convert(nnx_setup[0], "int8_fwd"))
+    nnx_model, nnx_x = nnx_setup
+    nnx_report = serving.size_report(serving.convert(nnx_model, "int8_fwd", nnx_x))
     assert nnx_report.ratio < 0.26
     # Shapes are enough: eval_shape'd params give the same report.
     abstract = jax.eval_shape(lambda: serving.convert(model, "int8_fwd", params, x))
@@ -182,9 +183,7 @@ def test_linen_checkpoint_round_trips_exactly(tmp_path, linen_setup, name):
     target = jax.eval_shape(lambda: serving.convert(model, config, params, x))
     back = serving.restore(tmp_path / "ckpt", target)
     assert back.layers == sp.layers
-    for a, b in zip(
-        jax.tree.leaves(sp.variables), jax.tree.leaves(back.variables), strict=True
-    ):
+    for a, b in zip(jax.tree.leaves(sp), jax.tree.leaves(back), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(_bits(a), _bits(b))
     run = jax.jit(serving.serve(model, config).apply)
@@ -192,13 +191,13 @@ def test_linen_checkpoint_round_trips_exactly(tmp_path, linen_setup, name):
 
 
 def test_nnx_checkpoint_round_trips_exactly(tmp_path, nnx_setup):
-    model, _ = nnx_setup
-    served = serving.convert(model, "w4a8")
+    model, x = nnx_setup
+    served = serving.convert(model, "w4a8", x)
     serving.save(tmp_path / "ckpt", served)
-    target = serving.convert(nnx_mlp(seed=5), "w4a8")  # other weights, same config
+    target = serving.convert(nnx_mlp(seed=5), "w4a8", x)  # other weights, same config
     restored = serving.restore(tmp_path / "ckpt", target)
     assert restored is target
-    abstract = nnx.eval_shape(lambda: serving.convert(nnx_mlp(), "w4a8"))
+    abstract = nnx.eval_shape(lambda: serving.convert(nnx_mlp(), "w4a8", x))
     from_abstract = serving.restore(tmp_path / "ckpt", abstract)
     assert from_abstract.layers[0].kernel[...].shape == (0,)  # made concrete
     for other in (restored, from_abstract):
@@ -226,9 +225,9 @@ def test_checkpoint_of_the_wrong_config_is_refused(tmp_path, linen_setup, nnx_se
         serving.restore(
             tmp_path / "partly", serving.convert(model, "int8_fwd", params, x)
         )
-    # linen checkpoint into an nnx target.
-    with pytest.raises(qbits.InvalidArgumentError, match="linen"):
-        serving.restore(tmp_path / "w8", serving.convert(nnx_setup[0], "int8_fwd"))
+    # A checkpoint of serving params into an nnx target.
+    with pytest.raises(qbits.InvalidArgumentError, match="params"):
+        serving.restore(tmp_path / "w8", serving.convert(*nnx_setup[:1], "int8_fwd", x))
     with pytest.raises(qbits.InvalidArgumentError, match="directory"):
         serving.restore(tmp_path / "missing", wrong)
 
@@ -250,39 +249,35 @@ def test_linen_serving_model_given_float_params(linen_setup):
     model, params, x = linen_setup
     served = serving.serve(model, "int8_fwd")
     with pytest.raises(
-        qbits.InvalidArgumentError, match="float variables: run convert"
+        qbits.InvalidArgumentError, match="float parameters: run convert"
     ):
         served.apply(params, x)
     sp = serving.convert(model, "int8_fwd", params, x)
     # Float values where the stored weight should be.
-    floats = jax.tree.map(lambda a: a, sp.variables)
-    floats["qbits_serving"]["block"]["fc1"]["qvalue"] = jnp.zeros((128, 256))
+    floats = jax.tree.map(lambda a: a, sp.weights)
+    floats["block/fc1"]["qvalue"] = jnp.zeros((128, 256))
     with pytest.raises(
         qbits.InvalidArgumentError, match=r"fc1.*run qbits.serving.convert"
     ):
-        served.apply(serving.ServingParams(floats, sp.layers), x)
+        served.apply(sp.replace(weights=floats), x)
     # A float kernel beside the stored one.
-    both = jax.tree.map(lambda a: a, sp.variables)
+    both = jax.tree.map(lambda a: a, sp.params)
     both["params"]["block"]["fc1"]["kernel"] = params["params"]["block"]["fc1"][
         "kernel"
     ]
-    with pytest.raises(
-        qbits.InvalidArgumentError, match="float 'params/block/fc1/kernel'"
-    ):
-        served.apply(serving.ServingParams(both, sp.layers), x)
+    with pytest.raises(qbits.InvalidArgumentError, match=r"a float32\[128, 256\] leaf"):
+        served.apply(sp.replace(params=both), x)
 
 
-def test_nnx_serving_model_given_float_params(nnx_setup):
+def test_nnx_serving_copy_given_other_weights(nnx_setup):
     model, x = nnx_setup
-    served = serving.convert(model, "int8_fwd")
-    nnx.update(served, nnx.state(model))  # the float model's params
-    with pytest.raises(
-        qbits.InvalidArgumentError, match=r"layers/0.*given float params"
-    ):
-        served(x)
-    served = serving.convert(model, "int8_fwd")
-    served.layers[2].dot_general.qvalue.set_value(jnp.zeros((256, 2, 8)))
-    with pytest.raises(qbits.InvalidArgumentError, match=r"layers/2.*float values"):
+    served = serving.convert(model, "int8_fwd", x)
+    # The float model's params in its placeholders: the stored weights serve.
+    nnx.update(served, nnx.state(model, nnx.Param))
+    np.testing.assert_array_equal(served(x), serving.convert(model, "int8_fwd", x)(x))
+    served = serving.convert(model, "int8_fwd", x)
+    served.qbits.stored["layers/2"]["qvalue"].set_value(jnp.zeros((256, 2, 8)))
+    with pytest.raises(qbits.InvalidArgumentError, match=r"stored\['layers/2'\]"):
         served(x)
 
 
@@ -309,12 +304,11 @@ def test_nnx_trained_quantized_copy_with_a_conv_serves_reports_and_saves(tmp_pat
         opt.update(model, nnx.grad(lambda m: (m(x) ** 2).sum())(model))
 
     step(qmodel, opt)
-    served = serving.convert(qmodel, "int8")
-    assert jax.tree.leaves(nnx.state(served, nnx.RngKey))  # the key is still there
+    served = serving.convert(qmodel, "int8", x)
     # The same trained weights in a float model serve and report the same.
     trained = ConvNet(nnx.Rngs(5))
     nnx.update(trained, nnx.state(qmodel, nnx.Param))
-    reference = serving.convert(trained, "int8")
+    reference = serving.convert(trained, "int8", x)
     report = serving.size_report(served)
     assert report == serving.size_report(reference)
     assert [r.path for r in report.layers] == ["fc"]
@@ -323,7 +317,7 @@ def test_nnx_trained_quantized_copy_with_a_conv_serves_reports_and_saves(tmp_pat
     # Saved without the key stream: it restores into a target converted from
     # a float model.
     serving.save(tmp_path / "ckpt", served)
-    target = nnx.eval_shape(lambda: serving.convert(ConvNet(nnx.Rngs(6)), "int8"))
+    target = nnx.eval_shape(lambda: serving.convert(ConvNet(nnx.Rngs(6)), "int8", x))
     restored = serving.restore(tmp_path / "ckpt", target)
     np.testing.assert_array_equal(restored(x), served(x))
 
@@ -347,7 +341,7 @@ def test_linen_convert_without_sample_inputs_says_they_are_needed():
     message = str(info.value)
     assert message.startswith("qbits.serving.convert: *args='no sample inputs'")
     assert "Dense.__call__(inputs)" in message
-    assert "convert(model, config, variables, x)" in message
+    assert "convert(model, config, params, x)" in message
     assert info.value.argument == "*args"
     quantized = qbits.flax.quantize(Probe(), "int8_fwd")  # unwrapped: the same
     params = Probe().init(jax.random.key(0), x)
@@ -363,15 +357,15 @@ def test_bad_arguments(linen_setup, nnx_setup, tmp_path):
     model, params, x = linen_setup
     with pytest.raises(qbits.InvalidArgumentError, match="model"):
         serving.convert("model", "int8_fwd")
-    with pytest.raises(qbits.InvalidArgumentError, match="variables=None"):
+    with pytest.raises(qbits.InvalidArgumentError, match="params=None"):
         serving.convert(model, "int8_fwd")
     with pytest.raises(qbits.InvalidArgumentError, match="config"):
         serving.convert(model, 8, params, x)
     with pytest.raises(qbits.InvalidArgumentError, match="converted already"):
         sp = serving.convert(model, "int8_fwd", params, x)
-        serving.convert(model, "int8_fwd", sp.variables, x)
-    with pytest.raises(qbits.InvalidArgumentError, match="nnx model"):
-        serving.convert(nnx_setup[0], "int8_fwd", params)
+        serving.convert(model, "int8_fwd", sp, x)
+    with pytest.raises(qbits.InvalidArgumentError, match="sample inputs"):
+        serving.convert(nnx_setup[0], "int8_fwd")
     with pytest.raises(qbits.InvalidArgumentError, match="serving"):
         serving.size_report(params)
     with pytest.raises(qbits.InvalidArgumentError, match="no stored layers"):
@@ -383,7 +377,7 @@ def test_bad_arguments(linen_setup, nnx_setup, tmp_path):
     with pytest.raises(qbits.ConfigError, match="stochastically"):
         serving.convert(model, config, params, x)
     with pytest.raises(qbits.ConfigError, match="stochastically"):
-        serving.convert(nnx_setup[0], config)
+        serving.convert(nnx_setup[0], config, nnx_setup[1])
 
 
 def test_serving_dots_are_int8_on_xla_cpu(linen_setup):
@@ -395,31 +389,27 @@ def test_serving_dots_are_int8_on_xla_cpu(linen_setup):
 
 
 def test_convert_warns_when_it_stores_no_weights():
-    """Nothing to store (only a convolution; an nnx model's own layer): said so."""
+    """Nothing to store (only a convolution): said so."""
     x = jnp.ones((2, 6, 3))
     conv = nn.Conv(4, (3,))
     with pytest.warns(UserWarning, match="stored no low-precision weights"):
         qbits.serving.convert(conv, "int8_fwd", conv.init(jax.random.key(0), x), x)
 
-    class RawMatmul(nnx.Module):
+    class RawMatmul(nnx.Module):  # an nnx model's own layer is stored too
         def __init__(self):
             self.w = nnx.Param(jnp.ones((16, 4)))
 
         def __call__(self, x):
             return x @ self.w[...]
 
-    with pytest.warns(UserWarning, match="stored no low-precision weights"):
-        qbits.serving.convert(RawMatmul(), "int8_fwd")
-    # Its function stores it (the recipe the docstring gives for nnx).
-    graphdef, state = nnx.split(RawMatmul())
-    sp = qbits.serving.convert(
-        lambda p, x: nnx.merge(graphdef, p)(x), "int8_fwd", nnx.to_pure_dict(state),
-        jnp.ones((2, 16)),
-    )  # fmt: skip
-    assert [info.path for info in sp.layers] == ["w"]
+    served = qbits.serving.convert(RawMatmul(), "int8_fwd", jnp.ones((2, 16)))
+    assert [r.path for r in qbits.serving.size_report(served).layers] == ["w"]
+    assert served.w.shape == (0,)
     with warnings.catch_warnings():  # all float on purpose: nothing to say
         warnings.simplefilter("error")
-        qbits.serving.convert(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), "none")
+        qbits.serving.convert(
+            nnx.Linear(16, 4, rngs=nnx.Rngs(0)), "none", jnp.ones((2, 16))
+        )
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -440,7 +430,7 @@ def test_custom_layers_einsum_weights_and_scanned_layers_are_stored(scan, preset
     assert sorted(info.path for info in sp.layers) == sorted(weights)
     head = sp.layer("embed")
     assert head.param == ""  # the lookup reads the table too: it stays float
-    assert "embedding" in sp.variables["params"]["embed"]
+    assert sp.params["params"]["embed"]["embedding"].shape == (32, 16)
     dropped = [info for info in sp.layers if info.param]
     assert len(dropped) == len(sp.layers) - 1
     if scan:  # one stored weight per scanned layer, stacked
@@ -463,8 +453,8 @@ def test_a_parameter_read_by_two_stored_matmuls_is_dropped_once():
     params = {"w": jax.random.normal(jax.random.key(0), (16, 8))}
     x = jax.random.normal(jax.random.key(1), (4, 16))
     sp = serving.convert(fn, "int8_fwd", params, x)
-    assert [info.param for info in sp.layers] == ["w", "w"]
-    assert "w" not in sp.variables
+    assert [info.param for info in sp.layers] == ["['w']", "['w']"]
+    assert sp.params["w"].shape == (0,)
     served = jax.jit(serving.serve(fn, "int8_fwd"))(sp, x)
     qat = jax.jit(qbits.quantize(fn, "int8_fwd"))(params, x)
     np.testing.assert_array_equal(served, qat)

@@ -109,23 +109,23 @@ def test_linen_rule_puts_steps_in_params():
     model = qbits.flax.quantize(Mlp(), _lsq_config())
     x = jax.random.normal(jax.random.key(0), (8, 16))
     v = model.init(jax.random.key(1), x)
-    steps = v["params"]["fc"]["StatefulDotGeneral_0"]
+    steps = v["params"][qbits.flax.LEARNED]["fc"]  # trained: parameters
     np.testing.assert_allclose(steps["lhs_step"], init_step(x, INT4), rtol=1e-6)
     assert qbits.flax.STATE not in v  # no delayed state
     grads = jax.jit(jax.grad(lambda v: (model.apply(v, x) ** 2).sum()))(v)
-    assert grads["params"]["fc"]["StatefulDotGeneral_0"]["rhs_step"] != 0
+    assert grads["params"][qbits.flax.LEARNED]["fc"]["rhs_step"] != 0
 
 
 def test_nnx_steps_are_params_initialised_from_a_batch_and_trained():
     import flax.nnx as nnx
 
-    model = qbits.nnx.quantize(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), _lsq_config())
-    dot = model.dot_general
-    assert bool(jnp.isnan(dot.lhs_step[...]))  # until init_state
     x = jax.random.normal(jax.random.key(0), (8, 16))
-    qbits.nnx.init_state(model, x)
-    np.testing.assert_allclose(dot.lhs_step[...], init_step(x, INT4), rtol=1e-6)
+    linear = nnx.Linear(16, 4, rngs=nnx.Rngs(0))
+    model = qbits.nnx.quantize(linear, _lsq_config(), x)  # steps from the batch
+    steps = model.qbits.state["kernel"]
+    assert isinstance(steps["lhs_step"], nnx.Param)  # trained by the optimizer
+    np.testing.assert_allclose(steps["lhs_step"][...], init_step(x, INT4), rtol=1e-6)
     grads = nnx.jit(nnx.grad(lambda m: (m(x) ** 2).sum()))(model)
-    assert grads["dot_general"]["rhs_step"][...] != 0
-    with pytest.raises(qbits.InvalidArgumentError, match="init_state"):
-        qbits.nnx.init_state(model, x, call=lambda m, b: None)
+    assert grads["qbits"]["state"]["kernel"]["rhs_step"][...] != 0
+    with pytest.raises(qbits.InvalidArgumentError, match="sample batch"):
+        qbits.nnx.quantize(linear, _lsq_config())

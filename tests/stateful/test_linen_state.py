@@ -13,8 +13,6 @@ from flax.training import train_state as flax_train_state
 import qbits
 from qbits.flax import STATE
 
-DOT = "StatefulDotGeneral_0"
-
 
 class Mlp(nn.Module):
     @nn.compact
@@ -34,7 +32,7 @@ def test_quantize_puts_state_in_the_collection_and_trainstate_overwrites_it():
     model = qbits.flax.quantize(Mlp(), rules)
     variables = model.init(jax.random.key(1), x)
     assert list(variables[STATE]) == ["fc1"]  # head stays float, holds no state
-    assert variables[STATE]["fc1"][DOT]["lhs_amax_history"].shape == (1024,)
+    assert variables[STATE]["fc1"]["lhs_amax_history"].shape == (1024,)
     # The float model's params work, and the other way round.
     assert jax.tree.structure(variables["params"]) == jax.tree.structure(
         Mlp().init(jax.random.key(1), x)["params"]
@@ -52,7 +50,7 @@ def test_quantize_puts_state_in_the_collection_and_trainstate_overwrites_it():
         return state.apply_gradients(grads=grads), grads
 
     first, grads = step(state, x, y)
-    dot = first.params[STATE]["fc1"][DOT]
+    dot = first.params[STATE]["fc1"]
     np.testing.assert_array_equal(dot["lhs_amax_history"][0], jnp.max(jnp.abs(x)))
     assert dot["lhs_scale"] == 1.0  # step one used the initial scale
     assert dot["grad_amax_history"][0] > 0
@@ -61,7 +59,7 @@ def test_quantize_puts_state_in_the_collection_and_trainstate_overwrites_it():
         first.params["params"]["fc1"]["kernel"], variables["params"]["fc1"]["kernel"]
     )
     second, _ = step(first, x, y)
-    dot2 = second.params[STATE]["fc1"][DOT]
+    dot2 = second.params[STATE]["fc1"]
     np.testing.assert_allclose(dot2["lhs_scale"], jnp.max(jnp.abs(x)) / 448, rtol=1e-6)
     # Flax's own TrainState handles the collection the same way.
     flax_state = flax_train_state.TrainState.create(
@@ -89,17 +87,31 @@ def test_trainstate_refuses_grads_without_the_collection():
         state.apply_gradients(grads={"params": v["params"]})
 
 
-def test_explicit_dot_general_cls_and_bad_config():
-    cls = functools.partial(qbits.flax.StatefulDotGeneral, "fp8_delayed")
+def test_explicit_stateful_ops_and_bad_config():
+    cls = functools.partial(qbits.flax.Stateful, "fp8_delayed")
     dense = nn.Dense(4, dot_general_cls=cls)
     x = jnp.ones((2, 8))
     v = dense.init(jax.random.key(0), x)
-    assert set(v[STATE][DOT]) == {
+    assert set(v[STATE]["Stateful_0"]) == {
         f"{t}_{k}" for t in ("lhs", "rhs", "grad") for k in ("scale", "amax_history")
     }
-    bad = nn.Dense(
-        4, dot_general_cls=functools.partial(qbits.flax.StatefulDotGeneral, "nope")
+    grads = jax.jit(jax.grad(lambda v: dense.apply(v, 3 * x).sum()))(v)
+    assert grads[STATE]["Stateful_0"]["lhs_amax_history"][0] == 3.0
+    conv = nn.Conv(
+        4,
+        (3,),
+        conv_general_dilated_cls=functools.partial(
+            qbits.flax.Stateful, "fp8_delayed", op="conv_general_dilated"
+        ),
     )
+    v = conv.init(jax.random.key(0), jnp.ones((1, 5, 8)))
+    assert v[STATE]["Stateful_0"]["rhs_scale"].shape == (1,)
+    keyed = nn.Dense(4, dot_general_cls=functools.partial(qbits.flax.Stateful, "int8"))
+    v = keyed.init(jax.random.key(0), x)
+    with pytest.raises(Exception, match="quant"):  # its keys come from 'quant'
+        keyed.apply(v, x)
+    keyed.apply(v, x, rngs={"quant": jax.random.key(1)})
+    bad = nn.Dense(4, dot_general_cls=functools.partial(qbits.flax.Stateful, "nope"))
     with pytest.raises(qbits.InvalidArgumentError, match="config='nope'"):
         bad.init(jax.random.key(0), x)
 
@@ -115,20 +127,10 @@ def test_delayed_scaling_on_einsum_conv_and_attention_einsums():
     model = qbits.flax.quantize(Net(), "fp8_delayed")
     x = jax.random.normal(jax.random.key(0), (2, 5, 8))
     v = model.init(jax.random.key(1), x)
-    owners = {
-        "/".join(str(getattr(k, "key", k)) for k in path[:-1])
-        for path, _ in jax.tree_util.tree_flatten_with_path(v[STATE])[0]
-    }
-    assert owners == {
-        "mix/StatefulEinsum_0",
-        "attn/query/StatefulDotGeneral_0",
-        "attn/key/StatefulDotGeneral_0",
-        "attn/value/StatefulDotGeneral_0",
-        "attn/qk",
-        "attn/pv",
-        "attn/out/StatefulDotGeneral_0",
-        "conv/StatefulConv_0",
-    }
+    assert sorted(v[STATE]) == sorted(
+        ["mix", "attn/query", "attn/key", "attn/value", "attn/qk", "attn/pv",
+         "attn/out", "conv"]
+    )  # fmt: skip
     # Every matmul of the forward pass runs on E4M3 operands.
     fn = functools.partial(model.apply, x=x)
     dtypes = qbits.ops.jaxpr_dot_dtypes(fn, v) + qbits.ops.jaxpr_dot_dtypes(
@@ -141,8 +143,7 @@ def test_delayed_scaling_on_einsum_conv_and_attention_einsums():
         if "amax_history" in str(path[-1]):
             assert hist[0] > 0 and bool(jnp.isfinite(hist[0])), path
     np.testing.assert_allclose(
-        grads[STATE]["mix"]["StatefulEinsum_0"]["lhs_amax_history"][0],
-        jnp.max(jnp.abs(x)),
+        grads[STATE]["mix"]["lhs_amax_history"][0], jnp.max(jnp.abs(x))
     )
 
 
@@ -162,10 +163,10 @@ def test_scan_over_layers_keeps_one_state_per_layer():
     model = qbits.flax.quantize(scanned(), "fp8_delayed")
     x, _ = _data()
     variables = model.init(jax.random.key(0), x, None)
-    hist = variables[STATE]["fc"][DOT]["lhs_amax_history"]
+    hist = variables[STATE]["fc"]["lhs_amax_history"]
     assert hist.shape == (3, 1024)
     grads = jax.jit(jax.grad(lambda v: model.apply(v, x, None)[0].sum()))(variables)
-    new = grads[STATE]["fc"][DOT]["lhs_amax_history"][:, 0]
+    new = grads[STATE]["fc"]["lhs_amax_history"][:, 0]
     # Each layer recorded its own input's amax: layer 0 sees x, the others tanh.
     assert new[0] == jnp.max(jnp.abs(x))
     assert bool(jnp.all(new[1:] <= 1.0)) and new[1] != new[2]
@@ -192,16 +193,27 @@ def test_state_shared_across_scan_steps_combines_with_max():
         * jnp.array([1.0, 6.0, 2.0])[:, None, None]
     )
     variables = model.init(jax.random.key(0), xs)
-
-    def loss(v):
-        return model.apply(qbits.flax.max_combining(v), xs)
-
-    new = jax.jit(jax.grad(loss))(variables)[STATE]["fc"][DOT]
+    # One weight in every step of the loop: one state, not one per step.
+    assert variables[STATE]["fc"]["lhs_amax_history"].shape == (1024,)
+    new = jax.jit(jax.grad(lambda v: model.apply(v, xs)))(variables)[STATE]["fc"]
     flat = xs.reshape(1, 12, 16)
-    ref = jax.jit(jax.grad(lambda v: model.apply(v, flat)))(variables)[STATE]["fc"][DOT]
+    ref = jax.jit(jax.grad(lambda v: model.apply(v, flat)))(variables)[STATE]["fc"]
     for k in ref:
         np.testing.assert_array_equal(new[k], ref[k], err_msg=k)
     assert new["lhs_amax_history"][0] == jnp.max(jnp.abs(xs))
+
+
+def test_micro_batches_in_one_loss_combine_with_max_once_converted():
+    model = qbits.flax.quantize(nn.Dense(4, name="fc"), "fp8_delayed")
+    a, b = jnp.full((2, 8), 3.0), jnp.full((2, 8), 5.0)
+    variables = model.init(jax.random.key(0), a)
+
+    def loss(v):  # two uses of one state in one gradient
+        v = {**v, STATE: qbits.ops.max_combining(v[STATE])}
+        return model.apply(v, a).sum() + model.apply(v, b).sum()
+
+    new = jax.jit(jax.grad(loss))(variables)[STATE]["kernel"]  # a Dense alone
+    assert float(new["lhs_amax_history"][0]) == 5.0  # the max, not 3 + 5
 
 
 def test_gradient_accumulation_keeps_the_largest_microbatch_amax():
@@ -224,7 +236,7 @@ def test_gradient_accumulation_keeps_the_largest_microbatch_amax():
     scales = (50.0, 1.0, 1.0)  # the largest micro-batch comes first
     for s in scales:
         state = micro_step(state, s * x)
-    hist = state.params[STATE][DOT]["lhs_amax_history"]
+    hist = state.params[STATE]["kernel"]["lhs_amax_history"]
     # Each micro-batch's amax is in the history (index 0 the newest, the
     # older ones behind it, as Flax's ring buffer); the largest sets the scale.
     amax = float(jnp.max(jnp.abs(x)))
@@ -234,7 +246,7 @@ def test_gradient_accumulation_keeps_the_largest_microbatch_amax():
     )
     state = micro_step(state, x)
     np.testing.assert_allclose(
-        state.params[STATE][DOT]["lhs_scale"],
+        state.params[STATE]["kernel"]["lhs_scale"],
         [50 * float(jnp.max(jnp.abs(x))) / 448],
         rtol=1e-6,
     )

@@ -1,18 +1,17 @@
-"""Checks that a config fits a layer's operands, and ops that check first.
+"""Checks that a config fits a matmul's operands.
 
 A granularity can only be checked against a shape (a tile size must divide
-the axis it tiles), so configs are checked when a layer is first traced,
-and a failure names the config's path inside its file, the layer and the
-operand: ``rules[0].config.fwd.rhs.granularity.tile_size: expected a divisor
-of 200 ... (axis 0 has size 200, in layer 'mlp/fc1')``.
+the axis it tiles), so the engine checks each matmul's config when the
+matmul is traced, and a failure names the file, the config's path inside
+it, the matmul and the operand: ``rules.yaml:
+rules[0].config.fwd.rhs.granularity.tile_size: expected a divisor of 200
+... (axis 0 has size 200, in layer 'mlp/fc1')``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import inspect
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -20,127 +19,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from qbits._errors import ConfigError, InvalidArgumentError
-from qbits.ops import ConvGeneralDilated, Dims, DotGeneral, DotGeneralConfig
+from qbits.ops import Dims, DotGeneralConfig
 
-__all__ = [
-    "CheckedConv",
-    "CheckedDotGeneral",
-    "check_conv_operands",
-    "check_operands",
-    "show_layer",
-    "with_layer",
-]
-
-
-def show_layer(path: str) -> str:
-    """A layer path for messages (the root module's path is empty)."""
-    return repr(path) if path else "'' (the top-level module)"
-
-
-@contextlib.contextmanager
-def _in_layer(layer: str | None) -> Iterator[None]:
-    """Adds the layer's path to a ConfigError raised inside."""
-    try:
-        yield
-    except ConfigError as e:
-        if layer is None or e.layer is not None:
-            raise
-        raise with_layer(e, layer) from None
-
-
-def with_layer(error: ConfigError, layer: str) -> ConfigError:
-    """``error`` naming the layer it was found in (its ``layer`` attribute).
-
-    Args:
-      error: An error found when a config was checked against a layer.
-      layer: The layer's path (``""`` for the top-level module).
-
-    Returns:
-      The same error with ``layer`` set; its message ends ``in layer '...'``.
-
-    Example:
-      >>> e = qbits.ConfigError("fwd.rhs.numerics.bits", 48, "an int in 1..16")
-      >>> print(qbits.config._checks.with_layer(e, "mlp/fc1"))
-      fwd.rhs.numerics.bits: expected an int in 1..16, got 48 (in layer 'mlp/fc1').
-    """
-    return ConfigError(
-        error.path,
-        error.value,
-        error.allowed,
-        why=error.why,
-        source=error.source,
-        layer=layer,
-    )
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class CheckedDotGeneral:
-    """A quantized ``dot_general`` that checks its config against the operands.
-
-    Attributes:
-      op: The quantized function.
-      where: The config's path inside its file (``"rules[0].config"``).
-      layer: The layer's path, named in errors, or ``None``.
-    """
-
-    op: DotGeneral
-    where: str
-    layer: str | None = None
-
-    def __call__(
-        self,
-        lhs: Any,
-        rhs: Any,
-        dimension_numbers: Any,
-        precision: Any = None,
-        preferred_element_type: Any = None,
-        *,
-        out_sharding: Any = None,
-        state: Any = None,
-    ) -> jax.Array:
-        """Checks, then computes ``lax.dot_general(lhs, rhs, ...)`` quantized."""
-        with _in_layer(self.layer):
-            check_operands(
-                self.op.config,
-                jnp.shape(lhs),
-                jnp.shape(rhs),
-                dimension_numbers,
-                self.where,
-            )
-        return self.op(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision,
-            preferred_element_type,
-            out_sharding=out_sharding,
-            **({} if state is None else {"state": state}),
-        )
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class CheckedConv:
-    """A quantized ``conv_general_dilated`` that checks its config first.
-
-    Attributes: as :class:`CheckedDotGeneral`.
-    """
-
-    op: ConvGeneralDilated
-    where: str
-    layer: str | None = None
-
-    def __call__(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> jax.Array:
-        """Checks, then computes ``lax.conv_general_dilated(...)`` quantized."""
-        with _in_layer(self.layer):
-            check_conv_operands(
-                self.op.config,
-                lhs,
-                rhs,
-                *args,
-                where=self.where,
-                **{k: v for k, v in kwargs.items() if k != "state"},
-            )
-        return self.op(lhs, rhs, *args, **kwargs)
+__all__ = ["check_conv_operands", "check_operands"]
 
 
 def _out_shape(dims: Dims, lhs: Sequence[int], rhs: Sequence[int]) -> tuple[int, ...]:
@@ -157,21 +38,33 @@ def check_operands(
     rhs_shape: Sequence[int],
     dimension_numbers: Any,
     where: str = "",
+    *,
+    layer: str | None = None,
+    source: str | None = None,
 ) -> None:
     """Checks that every quantizer of ``config`` fits a dot_general's operands.
 
-    Used by the injection layers when a layer is first traced, so that a tile
-    size that does not divide an axis is reported with its place in the file.
-
     Args:
-      config: The layer's config.
+      config: The matmul's config.
       lhs_shape: Shape of the forward lhs.
       rhs_shape: Shape of the forward rhs.
       dimension_numbers: As for ``lax.dot_general``.
       where: Path of ``config`` inside its file, e.g. ``"rules[1].config"``.
+      layer: The matmul's path, named in the error.
+      source: The file the config came from, named in the error.
 
     Raises:
       ConfigError: Naming e.g. ``rules[1].config.fwd.rhs.granularity.tile_size``.
+
+    Example:
+      >>> cfg = qbits.presets.get("mxfp8")
+      >>> try:
+      ...     qbits.transform._checks.check_operands(cfg, (2, 48), (48, 4),
+      ...                                 (((1,), (0,)), ((), ())), "default",
+      ...                                 layer="fc1")
+      ... except qbits.ConfigError as e:
+      ...     print(str(e)[:62])
+      default.fwd.lhs.granularity.tile_size: expected a divisor of 4
     """
     fwd = Dims.create(dimension_numbers, len(lhs_shape), len(rhs_shape))
     g = _out_shape(fwd, lhs_shape, rhs_shape)
@@ -187,6 +80,8 @@ def check_operands(
             ("drhs", "rhs", lhs_shape, drhs.rhs_contract),
         ),
         where,
+        layer,
+        source,
     )
 
 
@@ -196,6 +91,8 @@ def check_conv_operands(
     rhs: Any,
     *args: Any,
     where: str = "",
+    layer: str | None = None,
+    source: str | None = None,
     **kwargs: Any,
 ) -> None:
     """:func:`check_operands` for a ``lax.conv_general_dilated`` call.
@@ -210,6 +107,8 @@ def check_conv_operands(
       rhs: The kernel.
       *args: The remaining arguments of ``lax.conv_general_dilated``.
       where: Path of ``config`` inside its file.
+      layer: The matmul's path, named in the error.
+      source: The file the config came from, named in the error.
       **kwargs: Keyword arguments of ``lax.conv_general_dilated``.
 
     Raises:
@@ -236,6 +135,8 @@ def check_conv_operands(
             ("drhs", "rhs", lhs.shape, (ls[0], *ls[2:])),
         ),
         where,
+        layer,
+        source,
     )
 
 
@@ -243,6 +144,8 @@ def _check_quantizers(
     config: DotGeneralConfig,
     operands: Iterable[tuple[str, str, Sequence[int], Sequence[int]]],
     where: str,
+    layer: str | None,
+    source: str | None,
 ) -> None:
     """Checks each ``(matmul, side, shape, contracting axes)`` operand."""
     for matmul, side, shape, contracting in operands:
@@ -255,4 +158,6 @@ def _check_quantizers(
                 e.value,
                 e.allowed,
                 why=e.why or f"operand shape {tuple(shape)}",
+                layer=layer,
+                source=source,
             ) from None

@@ -18,18 +18,28 @@ an einsum's ``dot_general`` its operands in the other order than written,
 the site says so (``flipped``): it is run swapped back.
 
 Sites inside a ``custom_jvp`` or ``custom_vjp`` rule (a model's own
-quantized function, or a hand-written gradient) and inside other
-primitives whose bodies cannot be re-run (``shard_map`` and the like) are
-listed but kept as they are.
+quantized function, or a hand-written gradient), inside other primitives
+whose bodies cannot be re-run (``shard_map`` and the like) and inside a
+``while_loop``'s condition are listed but kept as they are; so are
+``ragged_dot`` s (grouped matmuls) and matmuls of integer operands (exact,
+as ``lax`` computes them). A ``dot_general`` that contracts no axis (an
+elementwise product, such as a norm's scale) is not a matmul: it is
+neither listed nor quantized.
+
+Names are unique: where several matmuls get the same name (a layer called
+twice, two uses of one weight), the later ones are ``name#2``,
+``name#3``... in program order; rules that match ``name`` match them too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -56,6 +66,8 @@ _CUSTOM = frozenset(
     ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
 )
 MATMULS = frozenset(("dot_general", "conv_general_dilated"))
+# Grouped matmuls: listed, not quantized (yet).
+_RAGGED = frozenset(("ragged_dot_general", "ragged_dot"))
 # At most this many producing modules are remembered per value: the scope of
 # an activation x activation matmul is their common path prefix.
 _MAX_ORIGINS = 8
@@ -112,7 +124,10 @@ class Site:
         its operands in the other order than the einsum is written (the
         site is run swapped back, so that a config's ``lhs`` is the
         written first operand).
-      path: The site's name for the rules (set by :meth:`Program.name_sites`).
+      integer: Whether an operand is not floating point (an integer
+        matmul: exact, kept as it is).
+      path: The site's unique name (set by :meth:`Program.name_sites`).
+      eqn: The jaxpr equation (its operand types and parameters).
     """
 
     ctx: Ctx
@@ -127,7 +142,23 @@ class Site:
     control: str = ""
     contracting: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     flipped: bool = False
+    integer: bool = False
     path: str = ""
+    eqn: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def base(self) -> str:
+        """The name the rules match: ``fc1`` for the second use ``fc1#2``."""
+        return base_name(self.path)
+
+    @property
+    def kept(self) -> str:
+        """Why the site runs as it is whatever the rules say, or ``""``."""
+        if self.frozen:
+            return f"inside {self.frozen}"
+        if self.primitive == "ragged_dot":
+            return "grouped matmuls are not quantized yet"
+        return "integer operands" if self.integer else ""
 
     @property
     def weights(self) -> frozenset[Weight]:
@@ -141,7 +172,7 @@ class Site:
             "weight" if self.lhs else "activation",
             "weight" if self.rhs else "activation",
         ]
-        name = "conv" if self.primitive == "conv_general_dilated" else "dot_general"
+        name = {"conv_general_dilated": "conv"}.get(self.primitive, self.primitive)
         if self.label:
             name = "einsum"
         return f"{name} ({sides[0]} x {sides[1]})"
@@ -189,6 +220,24 @@ class Program:
                 scope = "/".join(site.scope)
                 label = _ATTENTION.get(site.label) or site.label or site.primitive
                 site.path = f"{scope}/{label}" if scope else label
+        seen: dict[str, int] = {}
+        kept: set[tuple[str, str, str]] = set()
+        for site in self.sites:
+            # A model's own function may hold one matmul several times (its
+            # per-platform branches): one kept matmul, one name.
+            if site.frozen:
+                key = (site.path, site.frozen, site.operands)
+                if key in kept:
+                    continue
+                kept.add(key)
+            n = seen[site.path] = seen.get(site.path, 0) + 1
+            if n > 1:
+                site.path = f"{site.path}#{n}"
+
+
+def base_name(name: str) -> str:
+    """The name rules match: ``"mlp/fc1"`` for the second use ``"mlp/fc1#2"``."""
+    return name.split("#", 1)[0]
 
 
 def _is_array(x: Any) -> bool:
@@ -212,8 +261,18 @@ def _key_name(key: Any) -> str | None:
 
 
 def param_path(keys: Sequence[Any]) -> tuple[str, ...]:
-    """``('Dense_0', 'kernel')`` for linen's ``['params']['Dense_0']['kernel']``."""
-    names = [n for n in (_key_name(k) for k in keys) if n is not None]
+    """``('Dense_0', 'kernel')`` for linen's ``['params']['Dense_0']['kernel']``.
+
+    Keys that are paths themselves (haiku's and penzai's flat
+    ``"block_0/mlp"``) are split at their ``/``.
+    """
+    names = [
+        part
+        for n in (_key_name(k) for k in keys)
+        if n is not None
+        for part in n.split("/")
+        if part
+    ]
     if len(names) > 1 and names[0] == "params":  # linen's variables dict
         names = names[1:]
     return tuple(names)
@@ -227,14 +286,25 @@ def _shape(aval: Any) -> str:
 
 
 def _label(name_stack: str) -> str:
-    """The einsum subscripts a jaxpr's name stack ends with, or ``""``."""
+    """The einsum subscripts a jaxpr's name stack ends with, or ``""``.
+
+    A transformation's wrapper (``vmap(...)``) around them is dropped.
+    """
     last = name_stack.rsplit("/", 1)[-1] if name_stack else ""
+    while (found := re.fullmatch(r"\w+\((.*)\)", last)) is not None:
+        last = found.group(1)
     return last if "->" in last else ""
 
 
-# Flax's attention einsums (linen and nnx) by the names the layer tables give
-# them: query . key, and weights . value.
-_ATTENTION = {"...qhd,...khd->...hqk": "qk", "...hqk,...khd->...qhd": "pv"}
+# Flax's attention einsums (linen and nnx) and those of
+# ``jax.nn.dot_product_attention`` (nnx's attention with a mask) by the names
+# the layer tables give them: query . key, and weights . value.
+_ATTENTION = {
+    "...qhd,...khd->...hqk": "qk",
+    "...hqk,...khd->...qhd": "pv",
+    "BTNH,BSNH->BNTS": "qk",
+    "BNTS,BSNH->BTNH": "pv",
+}
 
 
 def _letters(sub: str, ndim: int) -> list[str] | None:
@@ -365,7 +435,9 @@ class _Walker:
         control: str,
     ) -> list[_Value]:
         n_out = len(eqn.outvars)
-        if name in MATMULS:
+        if name == "dot_general" and not eqn.params["dimension_numbers"][0][0]:
+            return [self.lose(ins)] * n_out  # an elementwise product, no matmul
+        if name in MATMULS or name in _RAGGED:
             lhs, rhs = ins[0], ins[1]
             if frozen and not (lhs.weights or rhs.weights) and self.region:
                 rhs = _Value(self.region, rhs.origins)
@@ -374,6 +446,8 @@ class _Walker:
                 if (lhs.weights or rhs.weights)
                 else _common(lhs.origins | rhs.origins)
             )
+            if name in _RAGGED:
+                name = "ragged_dot"
             label = _label(stack) if name == "dot_general" else ""
             acts = not (lhs.weights or rhs.weights)
             flipped = bool(label) and acts and _flipped(label, eqn)
@@ -397,13 +471,17 @@ class _Walker:
                     else ((), ())
                 ),
                 flipped=flipped,
+                integer=not all(
+                    jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars[:2]
+                ),
+                eqn=eqn,
             )
             self.sites.append(site)
             weights = rhs.weights or lhs.weights
             if weights:
                 origin = frozenset(w.path[:-1] for w in weights)
-            else:
-                origin = frozenset((scope,)) if scope else frozenset()
+            else:  # the root's scope too: a later matmul's scope is within it
+                origin = frozenset((scope,))
             return [_Value(frozenset(), origin)]
         if name in _MOVES and ins:
             return [ins[0]] + [_ACTIVATION] * (n_out - 1)
@@ -430,6 +508,10 @@ class _Walker:
             carry = [self.lose([v]) for v in ins[nc + nb :]]
             self.walk(p["body_jaxpr"].jaxpr, ins[nc : nc + nb] + carry, here,
                       frozen, stack, loops, "while")  # fmt: skip
+            # The condition runs as it is (ctx -1: not a body of the runner).
+            self.walk(p["cond_jaxpr"].jaxpr, ins[:nc] + carry, (*here, -1),
+                      frozen or "a while_loop condition", stack, loops,
+                      "while")  # fmt: skip
             return [_union(ins[nc + nb :])] * n_out
         subs = list(_sub_jaxprs(eqn.params))
         if subs:
@@ -493,6 +575,7 @@ def trace(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     params_argnum: int | None,
+    owner: str = "qbits.quantize",
 ) -> Program:
     """Traces ``fn(*args, **kwargs)`` and finds its matmuls.
 
@@ -508,7 +591,7 @@ def trace(
         isinstance(params_argnum, int) and 0 <= params_argnum < len(args)
     ):
         raise InvalidArgumentError(
-            "qbits.quantize",
+            owner,
             "params_argnum",
             params_argnum,
             f"the index of the positional argument holding the parameters "

@@ -1,4 +1,4 @@
-"""qbits.intercept.store_weights and qbits.quantize(..., stored=): serving."""
+"""qbits.transform.store_weights and qbits.quantize(..., stored=): serving."""
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ def _fn(params, x):
 @pytest.mark.parametrize("preset", ["int8_fwd", "w4a8", "fp8"])
 def test_stored_weights_serve_the_quantized_forward_bit_for_bit(preset):
     params, x = _params(), jax.random.normal(jax.random.key(1), (3, 16))
-    stored = qbits.intercept.store_weights(_fn, preset, params, x)
+    stored = qbits.transform.store_weights(_fn, preset, params, x)
     assert sorted(stored) == ["shift", "w_in", "w_left", "w_t"]
     # The weight on the left is stored as the rhs it becomes; the transposed
     # one in the layout its matmul sees.
@@ -51,8 +51,8 @@ def test_stored_weights_serve_the_quantized_forward_bit_for_bit(preset):
 def test_sample_inputs_may_be_shapes():
     params = _params()
     spec = jax.ShapeDtypeStruct((3, 16), jnp.float32)
-    by_spec = qbits.intercept.store_weights(_fn, "int8_fwd", params, spec)
-    by_value = qbits.intercept.store_weights(_fn, "int8_fwd", params, jnp.ones((3, 16)))
+    by_spec = qbits.transform.store_weights(_fn, "int8_fwd", params, spec)
+    by_value = qbits.transform.store_weights(_fn, "int8_fwd", params, jnp.ones((3, 16)))
     for name, s in by_spec.items():
         np.testing.assert_array_equal(s.weight.qvalue, by_value[name].weight.qvalue)
 
@@ -60,16 +60,16 @@ def test_sample_inputs_may_be_shapes():
 def test_stateful_and_stochastic_forward_configs_are_refused():
     params, x = _params(), jnp.ones((3, 16))
     with pytest.raises(qbits.ConfigError, match="takes its scales from state"):
-        qbits.intercept.store_weights(_fn, "fp8_delayed", params, x)
+        qbits.transform.store_weights(_fn, "fp8_delayed", params, x)
     noisy = qbits.Quantizer(qbits.IntNumerics(bits=8, noise_fn=qbits.UniformNoise()))
     config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(lhs=noisy, rhs=noisy))
     with pytest.raises(qbits.ConfigError, match="rounds stochastically"):
-        qbits.intercept.store_weights(_fn, config, params, x)
+        qbits.transform.store_weights(_fn, config, params, x)
 
 
 def test_missing_or_extra_stored_weights_are_named():
     params, x = _params(), jnp.ones((3, 16))
-    stored = qbits.intercept.store_weights(_fn, "int8_fwd", params, x)
+    stored = qbits.transform.store_weights(_fn, "int8_fwd", params, x)
     weights = {n: s.weight for n, s in stored.items()}
     fewer = {n: w for n, w in weights.items() if n != "w_t"}
     with pytest.raises(qbits.InvalidArgumentError, match=r"missing \['w_t'\]"):
@@ -90,7 +90,7 @@ def test_weights_inside_cond_and_while_are_quantized_on_the_fly():
             0, 2, lambda i, h: jnp.tanh(h @ params["w_left"].T @ params["w_left"]), h
         )
 
-    stored = qbits.intercept.store_weights(fn, "int8_fwd", params, x)
+    stored = qbits.transform.store_weights(fn, "int8_fwd", params, x)
     # fori_loop with a static trip count is a scan: its weight is stored
     # once (the same every iteration); the cond's are quantized on the fly.
     assert sorted(stored) == ["w_left", "w_left#2"]

@@ -20,11 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from qbits.config import as_quant_config
-from qbits.intercept._program import merge, trace
-from qbits.intercept._transform import _Frame, _Plan, _run
 from qbits.tensor import QTensor
+from qbits.transform._program import merge, trace
+from qbits.transform._runner import Caller, Frame, Plan, run_program
 
 __all__ = ["StoredMatmul", "store_weights"]
+
+_STORE = Caller("qbits.transform.store_weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,7 @@ def store_weights(
     config: Any,
     *args: Any,
     params_argnum: int = 0,
+    caller: Caller = _STORE,
     **kwargs: Any,
 ) -> dict[str, StoredMatmul]:
     """Every weight matmul's weight, quantized once as its forward does.
@@ -74,14 +77,14 @@ def store_weights(
         parameters (concrete arrays); other arrays may be
         ``jax.ShapeDtypeStruct`` s (only their shapes matter).
       params_argnum: Which positional argument holds the parameters.
+      caller: As for :func:`qbits.quantize`.
       **kwargs: Keyword arguments for ``fn``.
 
     Returns:
       ``{matmul path: StoredMatmul}`` for each weight matmul whose forward
       config quantizes the weight; convolutions and matmuls inside a
       ``cond`` or ``while`` body are left out (served quantizing on the
-      fly). ``{name: s.weight}`` is what
-      ``qbits.quantize(fn, config, stored=...)`` takes.
+      fly). ``qbits.quantize(fn, config, stored=...)`` takes it as it is.
 
     Raises:
       ConfigError: For a weight matmul whose forward config keeps scale
@@ -92,18 +95,16 @@ def store_weights(
       ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
       >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
       >>> x = jnp.ones((3, 4))
-      >>> stored = qbits.intercept.store_weights(mlp, "w4a8", params, x)
+      >>> stored = qbits.transform.store_weights(mlp, "w4a8", params, x)
       >>> {n: s.weight.qvalue.dtype.name for n, s in stored.items()}
       {'w1': 'uint8', 'w2': 'uint8'}
-      >>> served = qbits.quantize(mlp, "w4a8",
-      ...                         stored={n: s.weight for n, s in stored.items()})
+      >>> served = qbits.quantize(mlp, "w4a8", stored=stored)
       >>> bool((served(params, x) == qbits.quantize(mlp, "w4a8")(params, x)).all())
       True
     """
-    owner = "qbits.intercept.store_weights"
-    quant = as_quant_config(owner, config, allow_none=True)
-    program = trace(fn, args, kwargs, params_argnum)
-    plan = _Plan(program, quant, owner, store=True)
+    quant = as_quant_config(caller.owner, config, allow_none=True)
+    program = trace(fn, args, kwargs, params_argnum, caller.owner)
+    plan = Plan(program, quant, caller, store=True)
     leaves = [
         jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
         for x in jax.tree.leaves((args, kwargs))
@@ -116,7 +117,7 @@ def store_weights(
         full = merge(program.dynamic, dyn, program.statics)
         a, k = jax.tree.unflatten(program.in_tree, full)
         collect: dict[str, Any] = {}
-        _run(program, plan, _Frame(None, {}, collect), a, k)
+        run_program(program, plan, Frame(None, {}, collect), a, k)
         return collect
 
     collect = collect_weights(dyn)

@@ -226,7 +226,7 @@ def nnx_case(mesh, x, preset):
     def run(sharded: bool, preset=preset):
         model = NnxNet(nnx.Rngs(0))
         if preset is not None:
-            model = qbits.nnx.quantize(model, preset, rngs=nnx.Rngs(quant=0))
+            model = qbits.nnx.quantize(model, preset, x, rngs=nnx.Rngs(quant=0))
         graphdef, state = nnx.split(model)
         if sharded:
             specs = nnx.get_partition_spec(state)
@@ -268,7 +268,7 @@ def serving_case(mesh, tokens):
         nn.unbox(model.init(jax.random.key(0), tokens)), shardings
     )
     served = qbits.serving.convert(model, "int8_fwd", variables, tokens)
-    stored = served.variables["qbits_serving"]["blocks_0"]["fc1"]
+    stored = served.weights["blocks_0/fc1"]
     if stored["qvalue"].dtype != jnp.int8 or stored["qvalue"].sharding.spec != P(
         "data", "model"
     ):
@@ -278,17 +278,21 @@ def serving_case(mesh, tokens):
     server = qbits.serving.serve(model, "int8_fwd")
     out = jax.jit(server.apply)(served, tokens)
     other = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=NamedSharding(other, x.sharding.spec)
-        ),
-        served,
-    )
+
+    def on_other(x):
+        if not isinstance(x.sharding, NamedSharding):  # an empty placeholder
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        sharding = NamedSharding(other, x.sharding.spec)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    target = jax.tree.map(on_other, served)
     with tempfile.TemporaryDirectory() as tmp:
         qbits.serving.save(f"{tmp}/ckpt", served)
         restored = qbits.serving.restore(f"{tmp}/ckpt", target)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(served), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if a.size == 0:  # an empty placeholder
+            continue
         if a.sharding.mesh.shape != other.shape or a.sharding.spec != b.sharding.spec:
             raise AssertionError(f"restore: {a.sharding} (saved {b.sharding})")
     with jax.set_mesh(other):
