@@ -29,12 +29,14 @@ from qbits._errors import ConfigError, InvalidArgumentError, check_bool
 from qbits.serving import _integrity as integrity
 from qbits.serving._layout import LayerInfo
 from qbits.serving._nnx import KernelPlaceholder, served_layers
+from qbits.serving._orbax import quietly
 from qbits.serving._params import ServingParams
 
 __all__ = ["restore", "save"]
 
-FORMAT = "qbits.serving"
-# 1: layers only. 2: adds "checksums" (path -> shape, dtype, sha256).
+FORMAT = integrity.FORMAT
+# 1: layers only (no longer read: unverifiable). 2: adds "checksums" (path ->
+# shape, dtype, sha256), one for every array.
 VERSION = 2
 
 
@@ -97,21 +99,26 @@ def save(directory: str | os.PathLike[str], serving: Any, *, force: bool = False
     shape, dtype and SHA-256 checksum (of its bytes, computed on the host),
     which :func:`restore` checks. Orbax writes to a temporary directory and
     renames it when complete, so a save that fails leaves nothing at
-    ``directory``; with ``force=True`` the new checkpoint is written beside
-    the old one, which is replaced only once the new one is complete.
+    ``directory`` (and its temporary directory is removed); with
+    ``force=True`` the new checkpoint is written beside the old one, which is
+    replaced only once the new one is complete. ``force=True`` replaces only
+    an empty directory or a checkpoint that qbits wrote, recognised exactly
+    (Orbax's files of its ``meta`` and ``arrays`` items, and nothing else):
+    a directory holding anything else is refused, and nothing in it removed.
 
     Args:
       directory: A new directory (absolute, or made absolute); missing parent
         directories are made.
       serving: :class:`~qbits.serving.ServingParams` or a served nnx model.
-      force: Replace an existing checkpoint (or an empty directory).
+      force: Replace an existing checkpoint written by qbits (or an empty
+        directory).
 
     Raises:
       InvalidArgumentError: For anything but serving params or a served model,
         or a ``directory`` that cannot be written: it exists (without
-        ``force``), it is a file or a directory of other files (with
-        ``force``), its parent is a file or not writable, or writing fails
-        (the Orbax error is chained).
+        ``force``), it is a file or a directory that is not a checkpoint qbits
+        wrote (with ``force``, naming what it holds), its parent is a file or
+        not writable, or writing fails (the Orbax error is chained).
 
     Example:
       >>> import tempfile, flax.linen as nn
@@ -141,7 +148,7 @@ def save(directory: str | os.PathLike[str], serving: Any, *, force: bool = False
     target = directory + integrity.NEW if replace else directory
     ocp, ckpt = _checkpointer()
     try:
-        with ckpt:
+        with quietly(), ckpt:
             ckpt.save(
                 target,
                 args=ocp.args.Composite(
@@ -152,6 +159,8 @@ def save(directory: str | os.PathLike[str], serving: Any, *, force: bool = False
         if replace and primary:
             integrity.swap(target, directory)
     except Exception as e:
+        if primary:
+            integrity.remove_unfinished(target)
         why = f"writing the checkpoint failed: {integrity.cause(e)}"
         error = integrity.bad_directory(owner, directory, why, "a writable path")
         raise error from integrity.orbax_cause(e)
@@ -186,12 +195,21 @@ def _read_meta(owner: str, directory: str, ocp: Any, ckpt: Any) -> dict[str, Any
         raise integrity.bad_directory(
             owner, directory, f"its meta item has version={version!r}"
         )
-    if not 1 <= version <= VERSION:
+    if version == 1:
         raise integrity.bad_directory(
             owner,
             directory,
-            f"it has format version {version}; this qbits reads versions "
-            f"1..{VERSION} (a newer qbits wrote it?)",
+            "it has format version 1, written before qbits stored checksums, so "
+            f"its arrays cannot be verified; this qbits reads version {VERSION}: "
+            "convert the float model and save it again",
+        )
+    if version != VERSION:
+        newer = " (a newer qbits wrote it?)" if version > VERSION else ""
+        raise integrity.bad_directory(
+            owner,
+            directory,
+            f"it has format version {version}; this qbits reads version "
+            f"{VERSION}{newer}",
         )
     if meta.get("kind") not in ("linen", "nnx"):
         raise integrity.bad_directory(
@@ -247,8 +265,9 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
     The arrays come back exactly as saved (same dtypes and bits). The
     checkpoint's config, and its arrays' shapes and dtypes, are checked
     against ``target``'s first; every array read is then checked against the
-    SHA-256 checksum saved with it. A checkpoint written before checksums
-    existed (format version 1) restores unverified, with a ``UserWarning``.
+    SHA-256 checksum saved with it. Metadata without a checksum for every
+    array (edited after saving, or format version 1, written before
+    checksums existed) is refused: nothing is restored unverified.
 
     Args:
       directory: A checkpoint written by :func:`save`.
@@ -270,9 +289,10 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
         the first layer or array that differs); or a ``directory`` that is
         not an intact serving checkpoint: it does not exist, is a file or an
         empty directory, lacks its ``meta`` or ``arrays`` item, has unreadable
-        or invalid metadata, has array files Orbax cannot read (the Orbax
-        error is chained), or holds an array whose bytes do not match their
-        checksum (naming the array). The target is left unchanged then.
+        or invalid metadata (an array without its checksum included), has
+        array files Orbax cannot read (the Orbax error is chained), or holds
+        an array whose bytes do not match their checksum (naming the array).
+        The target is left unchanged then.
 
     Example:
       >>> import tempfile, flax.nnx as nnx
@@ -293,12 +313,11 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
     integrity.check_directory(owner, directory)
     abstract = jax.tree.map(_abstract, tree)
     ocp, ckpt = _checkpointer()
-    with ckpt:
+    with quietly(), ckpt:
         meta = _read_meta(owner, directory, ocp, ckpt)
         _check(directory, meta, kind, layers)
         records = integrity.read_checksums(owner, directory, meta)
-        if records is not None:
-            integrity.check_arrays(owner, directory, records, abstract)
+        integrity.check_arrays(owner, directory, records, abstract)
         try:
             arrays = ckpt.restore(
                 directory,
@@ -308,8 +327,7 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
             why = f"its arrays cannot be read ({integrity.cause(e)})"
             error = integrity.bad_directory(owner, directory, why)
             raise error from integrity.orbax_cause(e)
-    if records is not None:
-        integrity.verify(owner, directory, records, arrays)
+    integrity.verify(owner, directory, records, arrays)
     if kind == "linen":
         return ServingParams(arrays, layers)
     state = _saved_state(target)
