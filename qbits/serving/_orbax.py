@@ -26,18 +26,24 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["drains", "quietly"]
+__all__ = ["DRAIN_SECONDS", "drains", "quietly"]
 
 _lock = threading.Lock()
 _users = 0
 _previous: asyncio.AbstractEventLoopPolicy | None = None
 
 
+#: Longest wait for a closing loop's pending tasks; those left are cancelled.
+DRAIN_SECONDS = 60.0
+
+
 def drains(loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
     """``loop``, made to finish its pending tasks when it is closed.
 
-    A loop that cannot be changed (a compiled one, e.g. uvloop's) is given
-    back as it is.
+    The tasks get :data:`DRAIN_SECONDS` (they wait for reads or writes
+    already under way); any still pending then are cancelled, so closing
+    never hangs. A loop that cannot be changed (a compiled one, e.g.
+    uvloop's) is given back as it is.
     """
     close = loop.close
 
@@ -45,8 +51,13 @@ def drains(loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
         if not loop.is_closed() and not loop.is_running():
             pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
             if pending:
+                _, late = loop.run_until_complete(
+                    asyncio.wait(pending, timeout=DRAIN_SECONDS)
+                )
+                for task in late:
+                    task.cancel()
                 done = asyncio.gather(*pending, return_exceptions=True)
-                loop.run_until_complete(done)
+                loop.run_until_complete(done)  # retrieves every exception
         close()
 
     with contextlib.suppress(AttributeError):
