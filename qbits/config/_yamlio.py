@@ -195,11 +195,21 @@ def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
 
 
 _StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings :class:`_StrictLoader` reads as floats."""
+
+
 # YAML 1.1 wants a dot and a signed exponent (1.0e-3); 1e-3 was a string.
+_EXPONENT = re.compile(
+    r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+\Z"
+)
 _StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+\Z"),
-    list("-+0123456789."),
+    "tag:yaml.org,2002:float", _EXPONENT, list("-+0123456789.")
+)
+_Dumper.add_implicit_resolver(
+    "tag:yaml.org,2002:float", _EXPONENT, list("-+0123456789.")
 )
 
 
@@ -391,7 +401,9 @@ def dumps(config: Any, comment: str = "") -> str:
       <BLANKLINE>
     """
     header = "".join(f"# {line}".rstrip() + "\n" for line in comment.splitlines())
-    body = yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=False)
+    body = yaml.dump(
+        to_dict(config), Dumper=_Dumper, sort_keys=False, default_flow_style=False
+    )
     return header + (body if body.strip() != "{}" else "{}\n")
 
 

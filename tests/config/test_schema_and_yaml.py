@@ -558,10 +558,14 @@ fwd:
     assert cfg.fwd.rhs.calibration.clip_factors == (0.5, 2.5, 0.75)
     assert cfg.fwd.lhs.calibration.value == 300.0
     assert qc.loads(qc.dumps(cfg)) == cfg
-    # Words and version-like strings stay strings.
+    # Words and version-like strings stay strings; a string that looks like
+    # such a number is quoted when written.
     assert qc._yamlio.parse_yaml("a: [e3, 1e, 1.2.3, 3e2x]") == {
         "a": ["e3", "1e", "1.2.3", "3e2x"]
     }
+    rules = qbits.QuantConfig(rules=(qbits.Rule("1e3", None),))
+    assert "'1e3'" in qc.dumps(rules)
+    assert qc.loads(qc.dumps(rules)) == rules
 
 
 def test_a_fifo_is_refused_not_waited_for(tmp_path):
