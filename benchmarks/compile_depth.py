@@ -13,7 +13,8 @@ operands: the work Qwix's QT does), ``int8_fwd``, ``fp8``,
 ``int8_quantize`` (the float loss quantized by ``qbits.quantize``),
 ``int8_linen`` and ``int8_nnx`` (the same layers as Flax ``Dense`` /
 ``nnx.Linear`` quantized by ``qbits.flax.quantize`` / ``qbits.nnx.quantize``,
-each layer's key from Flax's own per-layer streams), and
+the adapters over ``qbits.quantize``: one key per step, from linen's
+``'quant'`` rng or nnx's stream, chained through the layers), and
 Qwix's quantized training (QT) int8 when the ``qwix`` package is installed
 (``pip install -e ".[compare]"``: a benchmark-only extra, never a
 dependency of qbits). Also the 2-layer MLP of ``train_step.py``
@@ -229,7 +230,7 @@ def _linen_step(params, x, y, key):
 
 
 def _nnx_step(params, x, y, key):
-    """qbits.nnx.quantize int8 on nnx.Linear layers; a key stream per layer."""
+    """qbits.nnx.quantize int8 on nnx.Linear layers; one key stream."""
     import flax.nnx as nnx
     import jax
     import jax.numpy as jnp

@@ -10,14 +10,15 @@ convolution equations) of the forward pass and of the gradient with
 respect to the parameters, and how many of them take int8 operands with
 the ``int8`` preset:
 
-- **wrappers**: ``qbits.flax.quantize`` / ``qbits.nnx.quantize``, which
-  replace the ``dot_general`` of Flax's own layer classes;
+- **wrappers**: ``qbits.flax.quantize`` / ``qbits.nnx.quantize``, the
+  linen and nnx adapters (since "One engine", thin adapters over the
+  transformation: the two columns must agree on every model);
 - **qbits.quantize**: the function transformation, which finds every
   matmul in the traced program.
 
 And how many weight matmuls (a parameter times an activation) get their
 weight stored by ``qbits.serving.convert`` with ``int8_fwd`` (linen: the
-model; nnx: the module, and its function through ``nnx.split``).
+model; nnx: the module, and its function from ``qbits.nnx.as_function``).
 
 Run: python benchmarks/coverage.py --json OUT.json [--md OUT.md]
 """
@@ -130,10 +131,12 @@ def _nnx(name: str, model: nnx.Module, x: jax.Array) -> dict:
         return nnx.merge(whole, p)(x)
 
     total = _weights(apply, pure, x)
+    fn, state = qbits.nnx.as_function(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        module = qbits.serving.size_report(qbits.serving.convert(model, "int8_fwd"))
-        function = qbits.serving.convert(apply, "int8_fwd", pure, x)
+        served = qbits.serving.convert(model, "int8_fwd", x)
+        module = qbits.serving.size_report(served)
+        function = qbits.serving.convert(fn, "int8_fwd", state, x)
     row["stored"] = (
         f"module {len(module.layers)} of {total}; "
         f"function {len(function.layers)} of {total}"

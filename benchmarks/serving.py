@@ -119,7 +119,7 @@ def main() -> None:
 
     add("float32", model.apply, (params, x), 1.0)
     batches = [jax.random.normal(jax.random.key(10 + i), (BATCH, IN)) for i in range(8)]
-    ranges = qbits.flax.collect_ranges(model, params, batches)
+    ranges = qbits.collect_ranges(model.apply, params, batches)
     static = qbits.freeze_ranges("int8_fwd", ranges)
     for name, config in configs(static).items():
         sp = qbits.serving.convert(model, config, params, x)

@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import qbits
 from qbits.experiments import TransformerLM, spec
 
-rules = qbits.load_config(pathlib.Path(__file__).with_name("transformer_rules.yaml"))
+rules = pathlib.Path(__file__).with_name("transformer_rules.yaml")  # a YAML path
 model = TransformerLM(vocab=64, spec=spec("lm"), rngs=nnx.Rngs(0))
+tokens = jnp.zeros((2, 64), jnp.int32)
 
-print(qbits.nnx.layer_table(model, rules))  # path -> config, and unused rules
+print(qbits.nnx.layer_table(model, rules, tokens))  # path -> config, unused rules
 
 # int8 rounds gradients stochastically: its keys come from the 'quant' stream.
 qmodel = qbits.nnx.quantize(model, rules, rngs=nnx.Rngs(quant=0))
-tokens = jnp.zeros((2, 64), jnp.int32)
 logits = nnx.jit(lambda m, t: m(t))(qmodel, tokens)
 difference = float(jnp.abs(model(tokens) - logits).max())
 print(f"logits {logits.shape}; largest difference to the float model {difference:.3f}")

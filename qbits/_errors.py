@@ -93,7 +93,10 @@ def check_float(
     """Raises InvalidArgumentError unless ``value`` is a finite real in range."""
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if ok:
-        v = float(value)
+        try:
+            v = float(value)
+        except OverflowError:  # an int beyond float's range
+            v = float("inf")
         ok = v == v and v not in (float("inf"), float("-inf"))
         ok = ok and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
     if not ok:

@@ -2,7 +2,7 @@
 
 ::
 
-    qbits train [CONFIG] [--model lm|mlp] [--steps N] [--seed S] [--out DIR]
+    qbits train [CONFIG] [--model lm|mlp] [--steps N] [--seed S] [--out DIR] [--rerun]
     qbits sweep SWEEP.yaml [--out DIR] [--rerun]
     qbits inspect CONFIG [--model lm|mlp]
     qbits presets
@@ -33,6 +33,7 @@ __all__ = [
 
 _PROG = "qbits"
 _MAX_SEED = 2**32 - 1  # JAX keys of larger seeds repeat those of smaller ones
+_MAX_STEPS = 2**31 - 1  # the step counter is an int32
 
 
 class UsageError(Exception):
@@ -166,7 +167,7 @@ def _train(args: argparse.Namespace) -> int:
         )
     with _progress(args.quiet, steps) as progress:
         runs = run_sweep(
-            sweep, out, resume=False, progress=progress, log=_log(args.quiet)
+            sweep, out, resume=not args.rerun, progress=progress, log=_log(args.quiet)
         )
     from qbits.experiments import summarize
 
@@ -269,7 +270,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Train an example model with every matmul quantized as CONFIG "
         "says, and the same model, data and seed in float32; print the final "
         "train/eval metrics of both and write results.{md,csv,json} and "
-        "loss_curves.png to --out.",
+        "loss_curves.png to --out. A run finished before in --out with the same "
+        "settings is kept, not retrained (so an interrupted command continues "
+        "where it stopped); --rerun trains it again.",
     )
     train.add_argument(
         "config",
@@ -279,7 +282,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a preset name or a YAML config file (default: %(default)s)",
     )
     train.add_argument("--model", choices=("lm", "mlp"), default="lm", help=model_help)
-    train.add_argument("--steps", type=_positive, help="training steps")
+    train.add_argument("--steps", type=_steps, help=f"training steps, 1..{_MAX_STEPS}")
     train.add_argument(
         "--seed", type=_seed, default=0, help="seed, 0..2**32-1 (default: 0)"
     )
@@ -292,6 +295,9 @@ def _parser() -> argparse.ArgumentParser:
         default="default",
         help="model size; tiny is for smoke tests, deep (lm) is 12 scanned blocks "
         "(default: %(default)s)",
+    )
+    train.add_argument(
+        "--rerun", action="store_true", help="rerun runs that are already finished"
     )
     train.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
@@ -334,15 +340,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(text: str) -> int:
+def _shown(text: str) -> str:
+    """An argument as the error shows it: quoted, cut after 40 characters."""
+    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
+
+
+def _steps(text: str) -> int:
     try:
         value = int(text)
-    except ValueError:
+    except ValueError:  # not an int, or more than 4300 digits
+        value = 0
+    if not 1 <= value <= _MAX_STEPS:
         raise argparse.ArgumentTypeError(
-            f"expected a positive int, got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+            f"expected a positive int of at most {_MAX_STEPS} (the step counter "
+            f"is an int32), got {_shown(text)}"
+        )
     return value
 
 
@@ -353,7 +365,7 @@ def _seed(text: str) -> int:
         value = -1
     if not 0 <= value <= _MAX_SEED:
         raise argparse.ArgumentTypeError(
-            f"expected an int in 0..{_MAX_SEED}, got {text!r}"
+            f"expected an int in 0..{_MAX_SEED}, got {_shown(text)}"
         )
     return value
 
@@ -401,10 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except KeyboardInterrupt:
-        print(
-            f"{_PROG}: interrupted; finished runs are kept, rerun to continue",
-            file=sys.stderr,
+        kept = (
+            "; finished runs are kept, rerun the command to continue"
+            if args.command in ("train", "sweep")
+            else ""
         )
+        print(f"{_PROG}: interrupted{kept}", file=sys.stderr)
         if argv is None:
             _exit_now(130)
         return 130

@@ -5,7 +5,8 @@
 - :mod:`~qbits.config._yamlio`: YAML files (safe loading only).
 - :mod:`~qbits.config.presets`: named recipes, also ``configs/<name>.yaml``.
 - :mod:`~qbits.config._rules`: :class:`QuantConfig`, per-layer rules and the
-  per-layer table.
+  per-layer table; :mod:`~qbits.config._patterns`: rule patterns that match
+  in bounded time.
 - :mod:`~qbits.config._refs`: what every entry point takes as a config (an
   object, a preset name or a YAML file).
 """

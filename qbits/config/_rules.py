@@ -18,6 +18,7 @@ from typing import Any
 from qbits._errors import ConfigError
 from qbits.config import _schema as schema
 from qbits.config import presets
+from qbits.config._patterns import backtracking
 from qbits.ops import DotGeneralConfig
 
 __all__ = [
@@ -71,12 +72,16 @@ class Rule:
 
     Attributes:
       pattern: A regular expression, matched against the whole module path
-        (``re.fullmatch``), e.g. ``".*/attn/.*"``.
+        (``re.fullmatch``), e.g. ``".*/attn/.*"``. Patterns whose matching
+        could take exponential time are refused (a quantifier over a group
+        holding a quantifier or ``|``, as in ``(a+)+``; more than 4 of
+        ``*``, ``+``, ``{m,}``; more than 16 of ``?``, ``{m,n}``).
       config: A preset name (``"int8"``), a :class:`~qbits.DotGeneralConfig`,
         or ``None`` to keep the matched layers float.
 
     Raises:
-      ConfigError: For an invalid regex or an unknown preset.
+      ConfigError: For an invalid regex, one whose matching could take
+        exponential time, or an unknown preset.
 
     Example:
       >>> rule = qbits.Rule(r"head", None)
@@ -96,6 +101,17 @@ class Rule:
             raise ConfigError(
                 "pattern", self.pattern, "a valid regular expression", why=str(e)
             ) from None
+        why = backtracking(self.pattern)
+        if why:
+            raise ConfigError(
+                "pattern",
+                self.pattern,
+                "a regular expression that matches in bounded time (write it "
+                "without a quantifier over a group holding a quantifier or '|', "
+                "e.g. 'a+b' for '(a+)+b' or '(.*/)?head' for '(\\w+/)*head', or "
+                "split it into several rules)",
+                why=f"{why}: matching it could take exponential time",
+            )
         object.__setattr__(self, "_regex", compiled)
         _check_ref(self.config, "config")
 

@@ -318,6 +318,16 @@ def _build(cls: type, data: Any, path: str) -> Any:
         ) from None
     except ConfigError as e:
         raise e.within(path) from None
+    except (TypeError, ValueError, ArithmeticError) as e:
+        # A constructor that fails without naming its argument (a custom class,
+        # or a check that overflows): still one error naming the place.
+        lines = str(e).strip().splitlines() or [""]
+        raise ConfigError(
+            path,
+            dict(kwargs),
+            f"arguments that {cls.__name__} accepts",
+            why=f"{cls.__name__}(...) raised {type(e).__name__}: {lines[0][:200]}",
+        ) from e
 
 
 def _value_from_data(name: str, value: Any, path: str) -> Any:

@@ -14,6 +14,15 @@ most :data:`MAX_DEPTH` deep, at most :data:`MAX_ITEMS` entries in one list or
 mapping, and at most :data:`MAX_VALUES` values in the whole document once
 anchors and aliases (``&name``/``*name``) are expanded; aliases are allowed
 within that budget, so a nested "billion laughs" file is refused at once.
+An integer is at most :data:`MAX_INT_CHARS` characters long (Python refuses
+to read one of more than 4300 digits, and no config value comes near).
+Only regular files are read: a FIFO, a device or a directory is refused
+before it is opened for reading, so reading never waits for a writer.
+
+Numbers in exponent notation without a dot or a signed exponent (``1e-3``,
+``2.5e3``), which YAML 1.1 reads as strings, are read as floats, as YAML 1.2
+and JSON read them.
+
 Sweep files (:func:`qbits.experiments.load_sweep`) are read the same way,
 with :func:`read_yaml`.
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from typing import Any
 
 import yaml
@@ -35,6 +45,7 @@ from qbits.ops import DotGeneralConfig
 __all__ = [
     "MAX_BYTES",
     "MAX_DEPTH",
+    "MAX_INT_CHARS",
     "MAX_ITEMS",
     "MAX_VALUES",
     "dump",
@@ -59,6 +70,8 @@ MAX_DEPTH = 32
 MAX_ITEMS = 10_000
 #: Most values (scalars, lists, mappings) in a document, aliases expanded.
 MAX_VALUES = 100_000
+#: Longest integer, in characters (sign and ``_`` included).
+MAX_INT_CHARS = 100
 
 _LIMIT = "a limit of qbits' YAML reader"
 
@@ -169,6 +182,37 @@ _StrictLoader.add_constructor(
 )
 
 
+def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
+    text = node.value
+    if len(text) > MAX_INT_CHARS:
+        raise ConfigError(
+            "",
+            f"an integer of {len(text)} characters ({text[:12]}...)",
+            f"an integer of at most {MAX_INT_CHARS} characters",
+            why=f"{_at(node.start_mark)}: {_LIMIT}; no config value comes near",
+        )
+    return loader.construct_yaml_int(node)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings :class:`_StrictLoader` reads as floats."""
+
+
+# YAML 1.1 wants a dot and a signed exponent (1.0e-3); 1e-3 was a string.
+_EXPONENT = re.compile(
+    r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+\Z"
+)
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", _EXPONENT, list("-+0123456789.")
+)
+_Dumper.add_implicit_resolver(
+    "tag:yaml.org,2002:float", _EXPONENT, list("-+0123456789.")
+)
+
+
 def _too_big(size: int) -> ConfigError:
     return ConfigError(
         "",
@@ -272,7 +316,9 @@ def read_yaml(path: str | os.PathLike) -> Any:
     r"""Reads a YAML file into plain data (see :func:`parse_yaml`).
 
     Only the first :data:`MAX_BYTES` bytes are ever read: a larger file is
-    refused without reading the rest.
+    refused without reading the rest. Only a regular file is read: a FIFO
+    (which would wait for a writer forever), a device or a directory is
+    refused.
 
     Args:
       path: The file.
@@ -296,15 +342,38 @@ def read_yaml(path: str | os.PathLike) -> Any:
     """
     source = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        # Opening a FIFO for reading waits for a writer: not without O_NONBLOCK.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            data = f.read(MAX_BYTES + 1) if stat.S_ISREG(mode) else b""
     except OSError as e:
         raise ConfigError(
             "", source, "a readable file", why=e.strerror or str(e)
         ) from None
     except ValueError as e:  # e.g. a NUL byte in the path
         raise ConfigError("", source, "a readable file", why=str(e)) from None
+    if not stat.S_ISREG(mode):
+        raise ConfigError(
+            "",
+            source,
+            "a regular file",
+            why=f"it is {_kind(mode)}; a config is read from a file",
+            source=source,
+        )
     return parse_yaml(data, source)
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular file is, e.g. ``"a FIFO (named pipe)"``."""
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ]
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
 def dumps(config: Any, comment: str = "") -> str:
@@ -332,7 +401,9 @@ def dumps(config: Any, comment: str = "") -> str:
       <BLANKLINE>
     """
     header = "".join(f"# {line}".rstrip() + "\n" for line in comment.splitlines())
-    body = yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=False)
+    body = yaml.dump(
+        to_dict(config), Dumper=_Dumper, sort_keys=False, default_flow_style=False
+    )
     return header + (body if body.strip() != "{}" else "{}\n")
 
 

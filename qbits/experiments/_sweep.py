@@ -276,6 +276,7 @@ def _grid_entries(grid: Any, source: str) -> list[Entry]:
     count = math.prod(len(values) for values in axes.values())
     if count > MAX_RUNS:
         raise _fail(source, "grid", f"at most {MAX_RUNS} combinations", f"{count:,}")
+    _check_grid_values(grid, source)
     entries = []
     for combo in itertools.product(*axes.values()):
         fwd, bwd, gran, cal, rounding = combo
@@ -301,10 +302,6 @@ def _grid_entries(grid: Any, source: str) -> list[Entry]:
         if fwd is not None:
             doc["fwd"] = {"lhs": quantizer(fwd), "rhs": quantizer(fwd)}
         if bwd is not None:
-            if rounding not in (None, "nearest", "stochastic"):
-                raise _fail(
-                    source, "grid.grad_rounding", "nearest or stochastic", rounding
-                )
             g = quantizer(bwd, noise=rounding == "stochastic")
             doc["dlhs"] = doc["drhs"] = {"lhs": g, "rhs": quantizer(bwd)}
         config, origin = _as_config(doc, source, f"grid ({name})", pathlib.Path("."))
@@ -313,8 +310,55 @@ def _grid_entries(grid: Any, source: str) -> list[Entry]:
     return entries
 
 
+def _check_grid_values(grid: dict[str, Any], source: str) -> None:
+    """Checks every value of every grid axis, also those no combination uses.
+
+    (A grid whose backward matmuls are all float never uses ``grad_rounding``,
+    and one that is float throughout never uses ``granularity``: a typo there
+    would otherwise pass unnoticed.)
+    """
+    for key, values in grid.items():
+        for i, value in enumerate(values):
+            where = f"grid.{key}[{i}]"
+            if key in ("fwd_bits", "bwd_bits"):
+                ok = value is None or (
+                    isinstance(value, int) and not isinstance(value, bool)
+                )
+                if not ok:
+                    raise _fail(source, where, "an int (bits) or null (float)", value)
+            elif key == "grad_rounding":
+                if value not in ("nearest", "stochastic"):
+                    raise _fail(source, where, "nearest or stochastic", value)
+            else:  # granularity, calibration: as a quantizer's field
+                data = {"numerics": {"type": "int", "bits": 8}, key: value}
+                try:
+                    qbits.config.from_dict(data, qbits.Quantizer)
+                except qbits.ConfigError as e:
+                    message = str(e).removeprefix(f"{e.path}: ")
+                    place = where + e.path.removeprefix(key)
+                    raise SweepError(f"{source}: {place}: {message}") from None
+
+
+def _check_text(value: Any, source: str, path: str) -> str:
+    """A non-empty name without control characters (it names files and rows)."""
+    if not isinstance(value, str) or not value:
+        raise _fail(source, path, "a non-empty string", value)
+    bad = re.search(r"[\x00-\x1f\x7f]", value)
+    if bad:
+        raise _fail(
+            source,
+            path,
+            f"a name without control characters (it names files, table rows "
+            f"and plot labels; found {bad.group()!r})",
+            value,
+        )
+    return value
+
+
 def _check_name(name: Any, source: str) -> str:
     """The sweep's name: a plain file name, so ``runs/<name>`` stays in ``runs``."""
+    if isinstance(name, str) and name:
+        _check_text(name, source, "name")
     plain = (
         isinstance(name, str)
         and name not in ("", ".", "..")
@@ -431,8 +475,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
         entry_name = item.get(
             "name", item["config"] if isinstance(item["config"], str) else f"config{i}"
         )
-        if not isinstance(entry_name, str) or not entry_name:
-            raise _fail(source, f"{where}.name", "a non-empty string", entry_name)
+        _check_text(entry_name, source, f"{where}.name")
         bits = item.get("bits", config_bits(config))
         if (
             not isinstance(bits, int | float)

@@ -143,7 +143,8 @@ def train(
 
     Raises:
       InvalidArgumentError: For a seed outside ``0..2**32 - 1`` (JAX keys of
-        larger seeds repeat those of smaller ones) or a negative ``steps``.
+        larger seeds repeat those of smaller ones) or ``steps`` outside
+        ``0..2**31 - 1`` (the step counter is an int32).
       ConfigError: For a config that does not fit a layer (e.g. a tile size
         that does not divide its axis), naming the layer.
 
@@ -156,7 +157,7 @@ def train(
     start = time.perf_counter()
     check_int("train", "seed", seed, 0, 2**32 - 1)
     steps = spec.steps if steps is None else steps
-    check_int("train", "steps", steps, 0)
+    check_int("train", "steps", steps, 0, 2**31 - 1)  # the step counter is int32
     model, data = build_model(spec, seed)
     unused = ""
     if config is not None:

@@ -31,14 +31,16 @@ from qbits._errors import ConfigError, InvalidArgumentError, check_bool
 from qbits.serving import _integrity as integrity
 from qbits.serving._layout import LayerInfo
 from qbits.serving._nnx import served_layers
+from qbits.serving._orbax import quietly
 from qbits.serving._params import ServingParams, replaced
 
 __all__ = ["restore", "save"]
 
-FORMAT = "qbits.serving"
-# 1: layers only. 2: adds "checksums" (path -> shape, dtype, sha256). 3: the
-# stored weights beside the params (kind "params", for any model or
-# function), the nnx copy's weights in its qbits node.
+FORMAT = integrity.FORMAT
+# 1: layers only (no longer read: unverifiable). 2: adds "checksums" (path ->
+# shape, dtype, sha256), one for every array. 3: the stored weights beside
+# the params (kind "params", for linen models and functions of any pytree),
+# an nnx copy's in its qbits node.
 VERSION = 3
 
 
@@ -129,21 +131,26 @@ def save(directory: str | os.PathLike[str], serving: Any, *, force: bool = False
     shape, dtype and SHA-256 checksum (of its bytes, computed on the host),
     which :func:`restore` checks. Orbax writes to a temporary directory and
     renames it when complete, so a save that fails leaves nothing at
-    ``directory``; with ``force=True`` the new checkpoint is written beside
-    the old one, which is replaced only once the new one is complete.
+    ``directory`` (and its temporary directory is removed); with
+    ``force=True`` the new checkpoint is written beside the old one, which is
+    replaced only once the new one is complete. ``force=True`` replaces only
+    an empty directory or a checkpoint that qbits wrote, recognised exactly
+    (Orbax's files of its ``meta`` and ``arrays`` items, and nothing else):
+    a directory holding anything else is refused, and nothing in it removed.
 
     Args:
       directory: A new directory (absolute, or made absolute); missing parent
         directories are made.
       serving: :class:`~qbits.serving.ServingParams` or a served nnx model.
-      force: Replace an existing checkpoint (or an empty directory).
+      force: Replace an existing checkpoint written by qbits (or an empty
+        directory).
 
     Raises:
       InvalidArgumentError: For anything but serving params or a served model,
         or a ``directory`` that cannot be written: it exists (without
-        ``force``), it is a file or a directory of other files (with
-        ``force``), its parent is a file or not writable, or writing fails
-        (the Orbax error is chained).
+        ``force``), it is a file or a directory that is not a checkpoint qbits
+        wrote (with ``force``, naming what it holds), its parent is a file or
+        not writable, or writing fails (the Orbax error is chained).
 
     Example:
       >>> import tempfile, flax.linen as nn
@@ -173,7 +180,7 @@ def save(directory: str | os.PathLike[str], serving: Any, *, force: bool = False
     target = directory + integrity.NEW if replace else directory
     ocp, ckpt = _checkpointer()
     try:
-        with ckpt:
+        with quietly(), ckpt:
             ckpt.save(
                 target,
                 args=ocp.args.Composite(
@@ -184,6 +191,8 @@ def save(directory: str | os.PathLike[str], serving: Any, *, force: bool = False
         if replace and primary:
             integrity.swap(target, directory)
     except Exception as e:
+        if primary:
+            integrity.remove_unfinished(target)
         why = f"writing the checkpoint failed: {integrity.cause(e)}"
         error = integrity.bad_directory(owner, directory, why, "a writable path")
         raise error from integrity.orbax_cause(e)
@@ -218,19 +227,29 @@ def _read_meta(owner: str, directory: str, ocp: Any, ckpt: Any) -> dict[str, Any
         raise integrity.bad_directory(
             owner, directory, f"its meta item has version={version!r}"
         )
-    if not 1 <= version <= VERSION:
+    if version == 1:
         raise integrity.bad_directory(
             owner,
             directory,
-            f"it has format version {version}; this qbits reads versions "
-            f"1..{VERSION} (a newer qbits wrote it?)",
+            "it has format version 1, written before qbits stored checksums, so "
+            f"its arrays cannot be verified; this qbits reads version {VERSION}: "
+            "convert the float model and save it again",
         )
-    if meta.get("kind") == "linen" or version < 3:
+    if version == 2:
         raise integrity.bad_directory(
             owner,
             directory,
-            f"it was written by an older qbits (format version {version}), "
-            "whose layout this one does not read: convert and save it again",
+            "it has format version 2, written by an older qbits whose layout "
+            f"this one does not read (it reads version {VERSION}): convert the "
+            "float model and save it again",
+        )
+    if version != VERSION:
+        newer = " (a newer qbits wrote it?)" if version > VERSION else ""
+        raise integrity.bad_directory(
+            owner,
+            directory,
+            f"it has format version {version}; this qbits reads version "
+            f"{VERSION}{newer}",
         )
     if meta.get("kind") not in ("params", "nnx"):
         raise integrity.bad_directory(
@@ -286,8 +305,9 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
     The arrays come back exactly as saved (same dtypes and bits). The
     checkpoint's config, and its arrays' shapes and dtypes, are checked
     against ``target``'s first; every array read is then checked against the
-    SHA-256 checksum saved with it. A checkpoint written before checksums
-    existed (format version 1) restores unverified, with a ``UserWarning``.
+    SHA-256 checksum saved with it. Metadata without a checksum for every
+    array (edited after saving, or format version 1, written before
+    checksums existed) is refused: nothing is restored unverified.
 
     Args:
       directory: A checkpoint written by :func:`save`.
@@ -309,9 +329,10 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
         the first layer or array that differs); or a ``directory`` that is
         not an intact serving checkpoint: it does not exist, is a file or an
         empty directory, lacks its ``meta`` or ``arrays`` item, has unreadable
-        or invalid metadata, has array files Orbax cannot read (the Orbax
-        error is chained), or holds an array whose bytes do not match their
-        checksum (naming the array). The target is left unchanged then.
+        or invalid metadata (an array without its checksum included), has
+        array files Orbax cannot read (the Orbax error is chained), or holds
+        an array whose bytes do not match their checksum (naming the array).
+        The target is left unchanged then.
 
     Example:
       >>> import tempfile, flax.nnx as nnx
@@ -332,12 +353,11 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
     integrity.check_directory(owner, directory)
     abstract = jax.tree.map(_abstract, tree)
     ocp, ckpt = _checkpointer()
-    with ckpt:
+    with quietly(), ckpt:
         meta = _read_meta(owner, directory, ocp, ckpt)
         _check(directory, meta, kind, layers)
         records = integrity.read_checksums(owner, directory, meta)
-        if records is not None:
-            integrity.check_arrays(owner, directory, records, abstract)
+        integrity.check_arrays(owner, directory, records, abstract)
         try:
             arrays = ckpt.restore(
                 directory,
@@ -347,8 +367,7 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
             why = f"its arrays cannot be read ({integrity.cause(e)})"
             error = integrity.bad_directory(owner, directory, why)
             raise error from integrity.orbax_cause(e)
-    if records is not None:
-        integrity.verify(owner, directory, records, arrays)
+    integrity.verify(owner, directory, records, arrays)
     if kind == "params":
         params = _restored_params(target.params, arrays["params"], layers)
         return ServingParams(params, arrays["weights"], layers)

@@ -1,22 +1,29 @@
 """What makes a serving checkpoint trustworthy: checksums and path checks.
 
 :func:`~qbits.serving.save` records every array's path, shape, dtype and the
-SHA-256 of its bytes (computed on the host) in the checkpoint's ``meta``
-item; :func:`~qbits.serving.restore` refuses a target whose arrays have other
+SHA-256 of its bytes (computed on the host; an array sharded over several
+hosts is gathered, one array at a time) in the checkpoint's ``meta`` item;
+:func:`~qbits.serving.restore` refuses a target whose arrays have other
 shapes or dtypes before reading, and arrays whose bytes do not match after.
+Every array must have its checksum: metadata without one (edited, or of
+another format version) is refused, never read unverified.
+
 The path checks turn what Orbax would report as a raw ``KeyError``,
 ``FileNotFoundError`` or TensorStore dump into one
-:class:`~qbits.InvalidArgumentError` that names the checkpoint's path.
+:class:`~qbits.InvalidArgumentError` that names the checkpoint's path; and
+they recognise a checkpoint qbits wrote exactly (:func:`not_a_checkpoint`), so
+that ``save(..., force=True)`` never deletes anything else.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import os
+import re
 import shutil
 import sys
-import warnings
 from typing import Any
 
 import jax
@@ -33,15 +40,20 @@ __all__ = [
     "check_destination",
     "check_directory",
     "checksums",
+    "not_a_checkpoint",
     "orbax_cause",
     "read_checksums",
+    "remove_unfinished",
     "swap",
     "verify",
 ]
 
 CHECKPOINT = "a checkpoint written by qbits.serving.save"
+FORMAT = "qbits.serving"
 # Where save(..., force=True) writes the new checkpoint, and moves the old one.
 NEW, OLD = ".qbits-new", ".qbits-old"
+# Where Orbax writes a checkpoint before renaming it (it removes what is there).
+TMP = ".orbax-checkpoint-tmp"
 
 
 def bad_directory(
@@ -117,15 +129,25 @@ def _leaves(tree: Any) -> dict[str, Any]:
     return {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _sha256(x: Any) -> str | None:
-    """SHA-256 of an array's bytes, on the host; None unless all are here."""
+def _sha256(x: Any) -> str:
+    """SHA-256 of an array's bytes, on the host.
+
+    An array sharded over several hosts is gathered onto each (every process
+    calls this for the same arrays, in the same order, as ``save`` and
+    ``restore`` do).
+    """
     if isinstance(x, jax.Array):
-        if not x.is_fully_addressable:  # sharded over hosts: not checksummed
-            return None
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
+        if not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            x = multihost_utils.process_allgather(x, tiled=True)
     a = np.ascontiguousarray(np.asarray(x))
     return hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest()
+
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def _record(x: Any, digest: bool) -> dict[str, Any]:
@@ -147,29 +169,35 @@ def checksums(tree: Any) -> dict[str, dict[str, Any]]:
     return {p: _record(x, True) for p, x in _leaves(tree).items()}
 
 
-def read_checksums(owner: str, directory: str, meta: dict[str, Any]) -> dict | None:
-    """The checkpoint's array records; None (with a warning) for version 1."""
-    if meta["version"] == 1:
-        warnings.warn(
-            f"qbits.serving.restore: the checkpoint at {directory} was written "
-            "before qbits stored checksums (format version 1), so its arrays "
-            "are restored unverified; save it again to add checksums.",
-            UserWarning,
-            stacklevel=3,
-        )
-        return None
+def read_checksums(owner: str, directory: str, meta: dict[str, Any]) -> dict:
+    """The checkpoint's array records, each with its SHA-256, checked."""
     records = meta.get("checksums")
-    ok = isinstance(records, dict) and all(
-        isinstance(r, dict)
-        and isinstance(r.get("shape"), list)
-        and isinstance(r.get("dtype"), str)
-        and (r.get("sha256") is None or isinstance(r.get("sha256"), str))
-        for r in records.values()
-    )
-    if not ok:
+    if not isinstance(records, dict):
         raise bad_directory(
             owner, directory, "its meta item has no valid 'checksums' entry"
         )
+    for path, r in records.items():
+        ok = (
+            isinstance(r, dict)
+            and isinstance(r.get("shape"), list)
+            and isinstance(r.get("dtype"), str)
+        )
+        if not ok:
+            raise bad_directory(
+                owner,
+                directory,
+                f"its meta item has no valid 'checksums' entry (array {path!r})",
+            )
+        digest = r.get("sha256")
+        if not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+            raise bad_directory(
+                owner,
+                directory,
+                f"array {path!r} has no valid SHA-256 checksum in the meta item "
+                f"(sha256={digest!r}): its metadata was changed after saving, so "
+                "its arrays cannot be verified",
+                allowed=f"an intact {CHECKPOINT.removeprefix('a ')}",
+            )
     return records
 
 
@@ -193,22 +221,78 @@ def check_arrays(owner: str, directory: str, records: dict, abstract: Any) -> No
 def verify(owner: str, directory: str, records: dict, arrays: Any) -> None:
     """Refuses restored arrays whose bytes do not match their saved checksum."""
     for path, x in _leaves(arrays).items():
-        saved = records[path]["sha256"]
-        if saved is not None and _sha256(x) not in (None, saved):
+        if _sha256(x) != records[path]["sha256"]:
             raise bad_directory(
                 owner,
                 directory,
                 f"array {path!r} does not match the SHA-256 checksum saved with "
                 "it: the checkpoint is damaged or was changed after saving",
-                allowed=f"an intact {CHECKPOINT}",
+                allowed=f"an intact {CHECKPOINT.removeprefix('a ')}",
             )
 
 
 # --- paths ------------------------------------------------------------------
 
 
+# What Orbax writes for a checkpoint of qbits' two items, ``meta`` and ``arrays``.
+_TOP = frozenset({"meta", "arrays", "_CHECKPOINT_METADATA", "commit_success.txt"})
+_META = frozenset({"metadata", "commit_success.txt"})
+_ARRAYS = re.compile(
+    r"_METADATA|_CHECKPOINT_METADATA|_sharding|commit_success\.txt|manifest\.ocdbt"
+    r"|array_metadatas|d|ocdbt\.process_[0-9]+"
+)
+_MAX_META = 1 << 26  # bytes of meta/metadata read to recognise a checkpoint
+
+
+def not_a_checkpoint(directory: str) -> str:
+    """Why ``directory`` is not a checkpoint qbits wrote; ``""`` if it is one.
+
+    A checkpoint qbits wrote is a directory (not a link) holding only what
+    Orbax writes for its two items: ``meta/`` (whose ``metadata`` is JSON with
+    ``"format": "qbits.serving"``) and ``arrays/`` (Orbax's array files), plus
+    Orbax's ``_CHECKPOINT_METADATA`` (and ``commit_success.txt``).
+    """
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        return "it is not a directory"
+    entries = sorted(os.listdir(directory))
+    for name in entries:
+        if name not in _TOP:
+            return f"it holds {name!r}, which qbits does not write"
+    for name in ("meta", "arrays"):
+        if name not in entries:
+            return f"it has no {name!r} item"
+    for name in entries:
+        path = os.path.join(directory, name)
+        is_dir = name in ("meta", "arrays")
+        if os.path.islink(path) or os.path.isdir(path) != is_dir:
+            kind = "a directory" if is_dir else "a file"
+            return f"its {name!r} is not {kind} as qbits writes it"
+    for name in sorted(os.listdir(os.path.join(directory, "arrays"))):
+        if not _ARRAYS.fullmatch(name):
+            return f"it holds 'arrays/{name}', which qbits does not write"
+    meta = os.path.join(directory, "meta")
+    for name in sorted(os.listdir(meta)):
+        if name not in _META:
+            return f"it holds 'meta/{name}', which qbits does not write"
+    try:
+        with open(os.path.join(meta, "metadata"), "rb") as f:
+            data = json.loads(f.read(_MAX_META))
+    except (OSError, ValueError):
+        data = None
+    if not (isinstance(data, dict) and data.get("format") == FORMAT):
+        return f"its 'meta/metadata' is not qbits' (no format {FORMAT!r})"
+    return ""
+
+
 def check_destination(owner: str, directory: str, force: bool) -> bool:
-    """Checks where ``save`` writes; True if a checkpoint there is replaced."""
+    """Checks where ``save`` writes; True if a checkpoint there is replaced.
+
+    With ``force``, only an empty directory or a checkpoint qbits wrote (see
+    :func:`not_a_checkpoint`) is replaced, and only such checkpoints may lie
+    where the replacement passes (``<directory>.qbits-new``,
+    ``<directory>.qbits-old``, left by an interrupted save); anything else is
+    refused before anything is written or removed.
+    """
     if os.path.lexists(directory):
         if not force:
             raise bad_directory(
@@ -221,14 +305,25 @@ def check_destination(owner: str, directory: str, force: bool) -> bool:
             raise bad_directory(
                 owner, directory, "it is not a directory", "a checkpoint to replace"
             )
-        entries = set(os.listdir(directory))
-        if entries and not entries & {"meta", "arrays", "_CHECKPOINT_METADATA"}:
+        why = not_a_checkpoint(directory) if os.listdir(directory) else ""
+        if why:
             raise bad_directory(
                 owner,
                 directory,
-                "it holds other files, and force=True replaces only a checkpoint",
-                "a checkpoint (or an empty directory) to replace",
+                f"force=True replaces only a checkpoint qbits wrote, and {why}",
+                "a checkpoint written by qbits.serving.save (or an empty "
+                "directory) to replace, or a new path",
             )
+        for leftover in (directory + NEW, directory + OLD):
+            why = not_a_checkpoint(leftover) if os.path.lexists(leftover) else ""
+            if why:
+                raise bad_directory(
+                    owner,
+                    directory,
+                    f"force=True would first remove {leftover}, which is not a "
+                    f"checkpoint qbits wrote ({why})",
+                    f"a path without {os.path.basename(leftover)} beside it",
+                )
         return True
     parent = os.path.dirname(directory)
     while not os.path.lexists(parent):
@@ -245,11 +340,20 @@ def check_destination(owner: str, directory: str, force: bool) -> bool:
 def swap(new: str, directory: str) -> None:
     """Puts the complete checkpoint ``new`` at ``directory``, removing the old."""
     old = directory + OLD
-    if os.path.lexists(old):  # left by an interrupted save
+    if os.path.lexists(old):  # left by an interrupted save (checked before)
         shutil.rmtree(old)
     os.rename(directory, old)
     os.rename(new, directory)
     shutil.rmtree(old)
+
+
+def remove_unfinished(target: str) -> None:
+    """Removes what a failed save of ``target`` left: Orbax's temporary directory.
+
+    Orbax writes ``<target>.orbax-checkpoint-tmp`` and removes whatever is there
+    before each save, so nothing but its own unfinished writes is removed.
+    """
+    shutil.rmtree(target + TMP, ignore_errors=True)
 
 
 def check_directory(owner: str, directory: str) -> None:
@@ -258,7 +362,7 @@ def check_directory(owner: str, directory: str) -> None:
         raise bad_directory(owner, directory, "it does not exist")
     if not os.path.isdir(directory):
         raise bad_directory(owner, directory, "it is a file, not a directory")
-    if ".orbax-checkpoint-tmp" in os.path.basename(directory):
+    if TMP in os.path.basename(directory):
         raise bad_directory(
             owner, directory, "it is the temporary directory of an unfinished save"
         )

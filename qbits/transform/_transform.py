@@ -98,7 +98,15 @@ def quantize(
     the modules that produced their operands plus the einsum subscripts
     (``attn/btnh,bsnh->bnts``; Flax's attention einsums are ``attn/qk`` and
     ``attn/pv``); a config's ``lhs`` is the einsum's written first operand.
-    :func:`layer_table` lists them all.
+    :func:`layer_table` lists them all. Integer matmuls stay exact (as
+    ``lax`` computes them), and grouped matmuls (``ragged_dot``) and those
+    in a ``while_loop``'s condition run as they are: listed as kept.
+
+    Batching: ``jax.vmap(quantize(f))`` quantizes each example's tensors on
+    their own (what vmap promises: each example as if ``f`` ran on it
+    alone), so a per-tensor scale is per example; ``quantize(jax.vmap(f))``
+    quantizes the batched program, whose tensors span the batch: one
+    per-tensor scale for the batch. Choose by what the scale should cover.
 
     Args:
       fn: The function, e.g. ``model.apply`` or a loss of ``(params, batch)``.

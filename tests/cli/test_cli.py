@@ -1,5 +1,6 @@
 """The qbits command: help, errors as one line, inspect, the default train."""
 
+import contextlib
 import json
 import math
 import os
@@ -7,10 +8,12 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+import qbits
 from qbits.cli import main
 
 RULES = """\
@@ -64,7 +67,8 @@ def _run(argv):
     [
         (["train", "nosuch"], "unknown config 'nosuch'"),
         (["train", "--model", "cnn"], "invalid choice: 'cnn'"),
-        (["train", "--steps", "many"], "expected a positive int, got 'many'"),
+        (["train", "--steps", "many"], "expected a positive int of at most"),
+        (["train", "--steps", "0"], "int32), got '0'"),
         (["train", "--seed", "1.5"], "--seed"),
         (["sweep", "missing.yaml"], "missing.yaml: cannot read"),
         (["inspect", "missing.yaml"], "missing.yaml"),
@@ -196,6 +200,11 @@ BAD_BYTES = [
     ("deep nesting", b"[" * 20_000, "nested at most 32 deep"),
     ("alias bomb", _bomb(9).encode(), "aliases (*name) expanded"),
     ("huge list", b"[" + b"1, " * 600_000 + b"1]", "at most 1048576 bytes"),
+    (
+        "integer of 4400 digits",  # Python reads at most 4300
+        b"fwd: {rhs: {granularity: {type: tiled, tile_size: " + b"3" * 4400 + b"}}}",
+        "an integer of at most 100 characters",
+    ),
 ]
 
 
@@ -215,6 +224,16 @@ def test_hostile_config_files_are_one_line(tmp_path, capsys, command, data, need
     assert line.startswith(f"qbits: error: {bad}: "), line
     assert needle in line
     assert time.perf_counter() - start < 20  # refused, never expanded
+
+
+@pytest.mark.parametrize("steps", ["30000000000", "-5", "9" * 5000])
+def test_step_counts_beyond_int32_are_one_line(tmp_path, steps, capsys):
+    # The step counter is an int32: 3e10 steps raised OverflowError from optax.
+    argv = ["train", "none", "--model", "mlp", "--size", "tiny", "-q"]
+    assert _run([*argv, "--steps", steps, "--out", str(tmp_path / "o")]) == 2
+    line = _one_error_line(capsys)
+    assert "--steps: expected a positive int of at most 2147483647" in line
+    assert len(line) < 200
 
 
 @pytest.mark.parametrize("seed", ["18446744073709551616", "-1", "4294967296"])
@@ -305,3 +324,81 @@ def test_ctrl_c_exits_130_every_time(tmp_path):
         assert "Traceback" not in err, err
         assert proc.returncode == 130, (proc.returncode, err)
         assert err.strip().splitlines()[-1].startswith("qbits: interrupted")
+
+
+def _overflowing_margin(self):
+    2.0**self.margin  # what the scale computed from margin: 100000 (OverflowError)
+
+
+def test_config_constructor_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    """Any error of a config class' constructor: one line naming file and place."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("fwd: {accumulator: '1e-3'}\n")  # numpy's own ValueError
+    assert main(["inspect", str(bad), "--model", "mlp"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"qbits: error: {bad}: fwd: expected arguments that ")
+    assert "MatmulConfig(...) raised ValueError" in line
+    # A scale provider whose constructor overflows on a huge margin.
+    monkeypatch.setattr(qbits.DelayedScaling, "__post_init__", _overflowing_margin)
+    bad.write_text(
+        "fwd: {rhs: {numerics: {type: fp8, dtype: float8_e4m3fn}, calibration: "
+        "{type: delayed, margin: 20000}}}\n"
+    )
+    argv = ["train", str(bad), "--model", "mlp", "--size", "tiny", "--steps", "1"]
+    assert main([*argv, "-q", "--out", str(tmp_path / "o")]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"qbits: error: {bad}: fwd.rhs.calibration: expected ")
+    assert "DelayedScaling(...) raised OverflowError" in line
+
+
+def test_a_fifo_as_config_is_one_line_not_a_hang(tmp_path, capsys):
+    fifo = tmp_path / "rules.yaml"
+    os.mkfifo(fifo)
+
+    def writer():  # gives a reader that waits what it waits for
+        with contextlib.suppress(OSError), open(fifo, "w") as f:
+            f.write("default: int8\n")
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        status = main(["inspect", str(fifo), "--model", "mlp"])
+    finally:
+        release = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        thread.join()
+        os.close(release)
+    assert status == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"qbits: error: {fifo}: expected a regular file")
+    assert "FIFO" in line
+
+
+def test_rerun_after_ctrl_c_keeps_the_finished_float32_run(
+    tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C says "finished runs are kept, rerun to continue": a rerun does so."""
+    from qbits.experiments import _sweep as sweep_lib
+    from qbits.experiments._train import RunResult
+
+    trained = []
+
+    def fake_train(spec, config, *, seed, steps, progress=None):
+        trained.append("float32" if config is None else "int8_fwd")
+        if len(trained) == 2 and interrupt:
+            raise KeyboardInterrupt
+        return RunResult(1.0, 1.0, 0.5, [1.0] * steps, [(steps, 1.0)], 0.0)
+
+    monkeypatch.setattr(sweep_lib, "train", fake_train)
+    argv = ["train", "int8_fwd", "--model", "mlp", "--size", "tiny", "--steps", "2"]
+    argv += ["-q", "--out", str(tmp_path / "o")]
+    interrupt = True
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "finished runs are kept, rerun the command to continue" in err
+    interrupt = False
+    trained.clear()
+    assert main(argv) == 0
+    assert trained == ["int8_fwd"]  # float32 finished before the interrupt
+    trained.clear()
+    assert main([*argv, "--rerun"]) == 0
+    assert trained == ["float32", "int8_fwd"]

@@ -128,3 +128,42 @@ def test_check_conv_operands_uses_the_axes_each_convolution_contracts():
     with pytest.raises(qbits.ConfigError) as info:
         check_conv_operands(mx, x32[..., :16], k32[:, :, :16], *conv, where="d")
     assert info.value.path == "d.fwd.lhs.granularity.tile_size"
+
+
+# Patterns Python's backtracking `re` could take exponential (or high
+# polynomial) time to match: refused when the rule is made.
+SLOW_PATTERNS = [
+    r"(h+)*x",  # a quantifier over a quantifier
+    r"(fc|fc1)+/kernel",  # over an alternation whose branches overlap
+    r"(blocks/.*){3}",  # a fixed count of a variable group
+    r"(x)\1+y",  # over a backreference
+    r".*/.*/.*/.*/.*/head",  # five unbounded quantifiers
+    "".join(f"(l{i}/)?" for i in range(17)),  # seventeen optional groups
+]
+
+
+@pytest.mark.parametrize("pattern", SLOW_PATTERNS)
+def test_patterns_that_could_match_in_exponential_time_are_refused(pattern):
+    with pytest.raises(qbits.ConfigError) as info:
+        qbits.Rule(pattern, "int8")
+    e = info.value
+    assert e.path == "pattern" and e.value == pattern
+    assert "matches in bounded time" in e.allowed
+    assert "exponential time" in e.why
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r".*attn/(query|key|value)",
+        r"blocks/[0-9]+/mlp/fc[12]",
+        r"(encoder|decoder)/layers_\d+/.*",
+        r"(.*/)?head",
+        r"([0-9]{2}/)+x",  # a fixed-length group repeated
+        r"(\w|_)+/head",  # the parser makes one character class of it
+        r"(?:ab|ac)*",  # the parser factors the common prefix out: no '|' left
+        r".*/.*/.*/.*",
+    ],
+)
+def test_usual_patterns_are_accepted(pattern):
+    assert qbits.Rule(pattern, None).pattern == pattern

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import threading
 import time
 
 import pytest
@@ -345,6 +346,18 @@ BAD_FILES = [
     ("unknown default preset", "default: int3\n", "default", "a preset name"),
     ("default wrong type", "default: 8\n", "default", "null"),
     ("non-string key", "fwd: {1: 2}\n", "fwd", "string keys"),
+    (
+        "rule regex that backtracks exponentially",
+        "rules:\n- {pattern: '(blocks/\\d+)*/head', config: int8}\n",
+        "rules[0].pattern",
+        "matches in bounded time",
+    ),
+    (
+        "a constructor's own error",  # numpy's ValueError for this dtype name
+        "fwd: {accumulator: '1e-3'}\n",
+        "fwd",
+        "MatmulConfig(...) raised ValueError",
+    ),
 ]
 
 
@@ -458,6 +471,11 @@ HOSTILE = [
     ("binary", bytes(range(128, 256)), "not UTF-8"),
     ("nul bytes", b"fwd: {}\x00", "printable characters only"),
     ("unhashable key", b"? [a, b]\n: 1\n", "a string, number, bool or null as a key"),
+    (
+        "integer of 4500 digits",  # Python refuses to read more than 4300
+        b"fwd: {rhs: {granularity: {type: tiled, tile_size: -" + b"7" * 4500 + b"}}}",
+        "an integer of at most 100 characters",
+    ),
 ]
 
 
@@ -526,3 +544,72 @@ def test_layer_is_a_field_of_config_errors():
     )
     top = qbits.ConfigError("x", 3, "an int", layer="")
     assert str(top).endswith("in layer '' (the top-level module)).")
+
+
+def test_exponent_notation_without_a_dot_is_a_number():
+    # YAML 1.1 read 5E-1 or 2.5e0 as strings ("expected a finite number, got
+    # '5E-1'"); YAML 1.2 and JSON read them as numbers, and so does qbits.
+    text = """\
+fwd:
+  rhs:
+    numerics: int
+    calibration: {type: mse, clip_factors: [5E-1, 2.5e0, +7.5e-1]}
+  lhs: {numerics: int, calibration: {type: constant, value: 3e2}}
+"""
+    cfg = qc.loads(text)
+    assert cfg.fwd.rhs.calibration.clip_factors == (0.5, 2.5, 0.75)
+    assert cfg.fwd.lhs.calibration.value == 300.0
+    assert qc.loads(qc.dumps(cfg)) == cfg
+    # Words and version-like strings stay strings; a string that looks like
+    # such a number is quoted when written.
+    assert qc._yamlio.parse_yaml("a: [e3, 1e, 1.2.3, 3e2x]") == {
+        "a": ["e3", "1e", "1.2.3", "3e2x"]
+    }
+    rules = qbits.QuantConfig(rules=(qbits.Rule("1e3", None),))
+    assert "'1e3'" in qc.dumps(rules)
+    assert qc.loads(qc.dumps(rules)) == rules
+
+
+def test_a_fifo_is_refused_not_waited_for(tmp_path):
+    # Opening a FIFO for reading waits for a writer: load_config hung forever.
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    errors = []
+
+    def writer():  # gives a reader that waits what it waits for
+        try:
+            with open(fifo, "w") as f:
+                f.write("default: int8\n")
+        except OSError as e:  # the reader went away
+            errors.append(e)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(qbits.ConfigError) as info:
+            qbits.load_config(fifo)
+    finally:
+        release = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        thread.join()
+        os.close(release)
+    message = str(info.value)
+    assert message.startswith(f"{fifo}: expected a regular file, got ")
+    assert message.endswith(
+        "(it is a FIFO (named pipe); a config is read from a file)."
+    )
+
+
+def test_constructor_errors_become_config_errors_naming_the_place():
+    # float(10**400) overflows: the bound checks raised OverflowError.
+    data = {
+        "fwd": {
+            "rhs": {
+                "numerics": "int",
+                "calibration": {"type": "absmax", "clip_factor": 10**400},
+            }
+        }
+    }
+    with pytest.raises(qbits.ConfigError) as info:
+        qc.from_dict(data)
+    assert info.value.path == "fwd.rhs.calibration.clip_factor"
+    assert "a finite number" in str(info.value)

@@ -267,6 +267,37 @@ MISREAD = [
         "grid: expected at most 10000 combinations",
     ),
     ("unhashable key", "? [a]\n: 1\nconfigs: [none]", "as a key"),
+    (
+        "grad_rounding typo, backward float",  # no combination used it
+        "grid: {fwd_bits: [4], bwd_bits: [null], grad_rounding: [up]}",
+        "grid.grad_rounding[0]: expected nearest or stochastic, got 'up'",
+    ),
+    (
+        "granularity typo, all float",
+        "grid: {fwd_bits: [null], granularity: [per_row]}",
+        "grid.granularity[0]: expected one of per_tensor",
+    ),
+    (
+        "bad tile size, all float",
+        "grid: {fwd_bits: [null], granularity: [{type: tiled, tile_size: -2}]}",
+        "grid.granularity[0].tile_size: expected an int >= 1, got -2",
+    ),
+    ("bits a word", "grid: {fwd_bits: [four]}", "grid.fwd_bits[0]: expected an int"),
+    (
+        "tab in a config name",
+        'configs: [{name: "w4\\tx", config: int8}]',
+        "configs[0].name: expected a name without control characters",
+    ),
+    (
+        "carriage return in the name",
+        'name: "ablation\\r"\nconfigs: [none]',
+        "name: expected a name without control characters",
+    ),
+    (
+        "steps of 5000 digits",
+        "configs: [none]\nsteps: " + "9" * 5000,
+        "expected an integer of at most 100 characters",
+    ),
     ("deep nesting", "configs: " + "[" * 20_000, "nested at most 32 deep"),
     (
         "alias bomb",

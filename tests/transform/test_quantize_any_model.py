@@ -577,3 +577,70 @@ def test_each_site_draws_its_own_noise():
     np.testing.assert_allclose(grads[0], grads[1], atol=0.05 * scale)
     again = jax.grad(qbits.quantize(fn, "int8", key))([w, w], x)
     np.testing.assert_array_equal(grads[0], again[0])
+
+
+def test_kept_matmuls_are_listed_with_the_reason():
+    """Integer matmuls stay exact (a rule that quantizes one is an error
+    naming it); grouped matmuls and a while_loop's condition are listed and
+    run as they are."""
+
+    def f(p, x, ids, groups):
+        counts = ids @ p["table"]  # integer: exact
+        moe = jax.lax.ragged_dot(x, p["experts"], groups)
+        i = jax.lax.while_loop(
+            lambda c: jnp.sum(c[1] @ p["probe"]) < 10.0,
+            lambda c: (c[0] + 1, c[1] + 1.0),
+            (0, x),
+        )[0]
+        return moe.sum() + counts.sum().astype(jnp.float32) + i
+
+    p = {
+        "table": jnp.ones((4, 3), jnp.int32),
+        "experts": jnp.ones((2, 4, 5)),
+        "probe": jnp.ones((4, 1)),
+    }
+    args = (p, jnp.ones((6, 4)), jnp.ones((6, 4), jnp.int32), jnp.array([3, 3]))
+    table = qbits.layer_table(f, "int8_fwd", *args)
+    assert [(r.path, r.kept) for r in table.rows] == [
+        ("table", "integer operands"),
+        ("experts", "grouped matmuls are not quantized yet"),
+        ("probe", "inside a while_loop condition"),
+    ]
+    out = qbits.quantize(f, "int8_fwd")(*args)
+    np.testing.assert_array_equal(out, f(*args))
+    rules = qbits.QuantConfig(rules=(qbits.Rule("table", "int8_fwd"),))
+    with pytest.raises(qbits.ConfigError, match=r"rules\[0\].*'table'.*integer"):
+        qbits.layer_table(f, rules, *args)
+
+
+def test_config_errors_from_quantize_and_convert_name_the_rule_and_the_matmul():
+    def f(p, x):
+        return x @ p["fc"]
+
+    p, x = {"fc": jnp.ones((48, 4))}, jnp.ones((2, 48))
+    rules = qbits.QuantConfig(rules=(qbits.Rule("fc", "int4_weight_only"),))
+    where = r"rules\[0\]\.config\.fwd\.rhs\.granularity\.tile_size"
+    with pytest.raises(qbits.ConfigError, match=where + r".*in layer 'fc'"):
+        qbits.quantize(f, rules)(p, x)
+    with pytest.raises(qbits.ConfigError, match=where + r".*in layer 'fc'"):
+        qbits.serving.convert(f, rules, p, x)
+
+
+def test_vmap_of_a_quantized_function_scales_each_example_on_its_own():
+    """Per-tensor scales: ``vmap(quantize(f))`` quantizes each example's
+    tensors alone (vmap's contract: each example as if called alone);
+    ``quantize(vmap(f))`` quantizes the batched function, whose tensors span
+    the batch, with one scale."""
+
+    def f(w, x):
+        return x @ w
+
+    w = jnp.ones((4, 2))
+    xs = jnp.stack([jnp.full((3, 4), 0.01), jnp.linspace(-8.0, 8.0, 12).reshape(3, 4)])
+    xs = xs.at[0, 0, 0].set(0.013)  # a value the shared scale cannot resolve
+    per_example = jax.vmap(qbits.quantize(f, "fp8"), in_axes=(None, 0))(w, xs)
+    alone = jnp.stack([qbits.quantize(f, "fp8")(w, x) for x in xs])
+    np.testing.assert_array_equal(per_example, alone)
+    shared = qbits.quantize(jax.vmap(f, in_axes=(None, 0)), "fp8")(w, xs)
+    assert not np.array_equal(shared[0], alone[0])
+    np.testing.assert_array_equal(shared[1], alone[1])

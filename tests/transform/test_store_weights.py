@@ -102,3 +102,23 @@ def test_weights_inside_cond_and_while_are_quantized_on_the_fly():
     np.testing.assert_array_equal(
         jax.jit(served)(params, x), jax.jit(qbits.quantize(fn, "int8_fwd"))(params, x)
     )
+
+
+def test_stored_weights_are_checked_against_their_matmul_and_config():
+    params, x = _params(), jnp.ones((3, 16))
+    stored = qbits.transform.store_weights(_fn, "int8_fwd", params, x)
+    # What store_weights returns goes in as it is.
+    jax.eval_shape(qbits.quantize(_fn, "int8_fwd", stored=stored), params, x)
+    # int8 weights served under w4a8 (int4 packed): refused, not misread.
+    with pytest.raises(qbits.InvalidArgumentError, match=r"stored\['w_in'\]=.*int8"):
+        qbits.quantize(_fn, "w4a8", stored=stored)(params, x)
+    # A weight of another shape (another model): refused, naming its shape.
+    other = qbits.transform.store_weights(
+        _fn, "int8_fwd", {**params, "w_t": jnp.ones((2, 8))}, x
+    )
+    with pytest.raises(qbits.InvalidArgumentError, match=r"stored\['w_t'\]=.*\[8, 2\]"):
+        qbits.quantize(_fn, "int8_fwd", stored={**stored, "w_t": other["w_t"]})(
+            params, x
+        )
+    with pytest.raises(qbits.InvalidArgumentError, match="stored="):
+        qbits.quantize(_fn, "int8_fwd", stored=[1, 2])
