@@ -23,13 +23,13 @@ from qbits.experiments._models import (
 )
 from qbits.experiments._report import summarize, write_report
 from qbits.experiments._scalify_mlp import PRECISIONS, train_scalify_mlp
-from qbits.experiments._sweep import (
+from qbits.experiments._sweep import run_sweep
+from qbits.experiments._sweep_file import (
     Entry,
     Sweep,
     SweepError,
     config_bits,
     load_sweep,
-    run_sweep,
 )
 from qbits.experiments._train import RunResult, build_model, sample_batch, train
 

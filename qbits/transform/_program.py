@@ -34,7 +34,6 @@ twice, two uses of one weight), the later ones are ``name#2``,
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +44,14 @@ from jax.extend import core as jcore
 
 from qbits._errors import InvalidArgumentError
 from qbits._jaxpr import scan_counts
+from qbits.transform._names import (
+    base_name,
+    common,
+    flipped,
+    name_sites,
+    param_path,
+)
+from qbits.transform._names import label as einsum_label
 
 __all__ = ["Program", "Site", "trace"]
 
@@ -126,7 +133,7 @@ class Site:
         written first operand).
       integer: Whether an operand is not floating point (an integer
         matmul: exact, kept as it is).
-      path: The site's unique name (set by :meth:`Program.name_sites`).
+      path: The site's unique name (set by :func:`~._names.name_sites`).
       eqn: The jaxpr equation (its operand types and parameters).
     """
 
@@ -203,42 +210,6 @@ class Program:
     statics: tuple[Any, ...]
     escaped: frozenset[Weight] = frozenset()
 
-    def name_sites(self) -> None:
-        """Gives every site its rule path (module path, or module/parameter)."""
-        by_module: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
-        for site in self.sites:
-            for w in site.weights:
-                by_module.setdefault(w.path[:-1], set()).add(w.path)
-        for site in self.sites:
-            weights = sorted(site.weights, key=lambda w: w.path)
-            if weights:
-                w = weights[0]
-                module = w.path[:-1]
-                parts = w.path if len(by_module[module]) > 1 or not module else module
-                site.path = "/".join(parts)
-            else:
-                scope = "/".join(site.scope)
-                label = _ATTENTION.get(site.label) or site.label or site.primitive
-                site.path = f"{scope}/{label}" if scope else label
-        seen: dict[str, int] = {}
-        kept: set[tuple[str, str, str]] = set()
-        for site in self.sites:
-            # A model's own function may hold one matmul several times (its
-            # per-platform branches): one kept matmul, one name.
-            if site.frozen:
-                key = (site.path, site.frozen, site.operands)
-                if key in kept:
-                    continue
-                kept.add(key)
-            n = seen[site.path] = seen.get(site.path, 0) + 1
-            if n > 1:
-                site.path = f"{site.path}#{n}"
-
-
-def base_name(name: str) -> str:
-    """The name rules match: ``"mlp/fc1"`` for the second use ``"mlp/fc1#2"``."""
-    return name.split("#", 1)[0]
-
 
 def _is_array(x: Any) -> bool:
     """Whether a leaf is traced (arrays and their specs) rather than static."""
@@ -247,123 +218,11 @@ def _is_array(x: Any) -> bool:
     ) or hasattr(x, "__jax_array__")
 
 
-def _key_name(key: Any) -> str | None:
-    """A path entry's name; ``None`` for entries that name no module."""
-    if isinstance(key, jax.tree_util.DictKey):
-        return str(key.key)
-    if isinstance(key, jax.tree_util.GetAttrKey):
-        return None if key.name == "value" else key.name  # nnx Variable.value
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jax.tree_util.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
-
-
-def param_path(keys: Sequence[Any]) -> tuple[str, ...]:
-    """``('Dense_0', 'kernel')`` for linen's ``['params']['Dense_0']['kernel']``.
-
-    Keys that are paths themselves (haiku's and penzai's flat
-    ``"block_0/mlp"``) are split at their ``/``.
-    """
-    names = [
-        part
-        for n in (_key_name(k) for k in keys)
-        if n is not None
-        for part in n.split("/")
-        if part
-    ]
-    if len(names) > 1 and names[0] == "params":  # linen's variables dict
-        names = names[1:]
-    return tuple(names)
-
-
 def _shape(aval: Any) -> str:
     dtype = aval.dtype
     short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
              "float64": "f64"}.get(str(dtype), str(dtype))  # fmt: skip
     return f"{short}[{','.join(str(d) for d in aval.shape)}]"
-
-
-def _label(name_stack: str) -> str:
-    """The einsum subscripts a jaxpr's name stack ends with, or ``""``.
-
-    A transformation's wrapper (``vmap(...)``) around them is dropped.
-    """
-    last = name_stack.rsplit("/", 1)[-1] if name_stack else ""
-    while (found := re.fullmatch(r"\w+\((.*)\)", last)) is not None:
-        last = found.group(1)
-    return last if "->" in last else ""
-
-
-# Flax's attention einsums (linen and nnx) and those of
-# ``jax.nn.dot_product_attention`` (nnx's attention with a mask) by the names
-# the layer tables give them: query . key, and weights . value.
-_ATTENTION = {
-    "...qhd,...khd->...hqk": "qk",
-    "...hqk,...khd->...qhd": "pv",
-    "BTNH,BSNH->BNTS": "qk",
-    "BNTS,BSNH->BTNH": "pv",
-}
-
-
-def _letters(sub: str, ndim: int) -> list[str] | None:
-    """One name per axis of an operand written ``sub`` (``...`` expanded).
-
-    Ellipsis axes are named by their distance from the ellipsis' end, so
-    that broadcast axes of two operands get the same names.
-    """
-    if "..." not in sub:
-        return list(sub) if len(sub) == ndim else None
-    head, tail = sub.split("...", 1)
-    n = ndim - len(head) - len(tail)
-    if n < 0:
-        return None
-    return [*head, *(f"#{n - 1 - i}" for i in range(n)), *tail]
-
-
-def _flipped(label: str, eqn: Any) -> bool:
-    """Whether a two-operand einsum's dot_general has its operands swapped.
-
-    The einsum's subscripts are matched against the equation's dimension
-    numbers both ways; ``True`` only when the swapped reading is the one
-    that fits (an ambiguous einsum keeps JAX's order).
-    """
-    inputs, _, out = label.partition("->")
-    written = inputs.split(",")
-    if len(written) != 2:
-        return False
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    ndims = [len(v.aval.shape) for v in eqn.invars[:2]]
-    kept = set(out.replace("...", ""))
-
-    def fits(a_sub: str, b_sub: str) -> bool:
-        a, b = _letters(a_sub, ndims[0]), _letters(b_sub, ndims[1])
-        if a is None or b is None:
-            return False
-
-        def is_kept(name: str) -> bool:
-            return name.startswith("#") or name in kept
-
-        return all(
-            a[i] == b[j] and not is_kept(a[i]) for i, j in zip(lc, rc, strict=True)
-        ) and all(a[i] == b[j] and is_kept(a[i]) for i, j in zip(lb, rb, strict=True))
-
-    return fits(written[1], written[0]) and not fits(written[0], written[1])
-
-
-def _common(paths: frozenset[tuple[str, ...]]) -> tuple[str, ...]:
-    """The longest common prefix of module paths."""
-    if not paths:
-        return ()
-    items = list(paths)
-    prefix = items[0]
-    for p in items[1:]:
-        n = 0
-        while n < min(len(prefix), len(p)) and prefix[n] == p[n]:
-            n += 1
-        prefix = prefix[:n]
-    return prefix
 
 
 def _union(values: list[_Value]) -> _Value:
@@ -444,19 +303,19 @@ class _Walker:
             scope = (
                 ()
                 if (lhs.weights or rhs.weights)
-                else _common(lhs.origins | rhs.origins)
+                else common(lhs.origins | rhs.origins)
             )
             if name in _RAGGED:
                 name = "ragged_dot"
-            label = _label(stack) if name == "dot_general" else ""
+            label = einsum_label(stack) if name == "dot_general" else ""
             acts = not (lhs.weights or rhs.weights)
-            flipped = bool(label) and acts and _flipped(label, eqn)
+            swapped = bool(label) and acts and flipped(label, eqn)
             site = Site(
                 ctx=here,
                 primitive=name,
                 operands=" x ".join(
                     _shape(v.aval)
-                    for v in (eqn.invars[1::-1] if flipped else eqn.invars[:2])
+                    for v in (eqn.invars[1::-1] if swapped else eqn.invars[:2])
                 ),
                 lhs=lhs.weights,
                 rhs=rhs.weights,
@@ -470,7 +329,7 @@ class _Walker:
                     if name == "dot_general"
                     else ((), ())
                 ),
-                flipped=flipped,
+                flipped=swapped,
                 integer=not all(
                     jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars[:2]
                 ),
@@ -637,7 +496,7 @@ def trace(
         statics=statics,
         escaped=frozenset(walker.escaped),
     )
-    program.name_sites()
+    name_sites(program.sites)
     return program
 
 

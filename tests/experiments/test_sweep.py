@@ -13,8 +13,8 @@ import pytest
 
 import qbits
 from qbits.cli import main
+from qbits.experiments import SweepError, load_sweep, run_sweep
 from qbits.experiments import _sweep as sweep_lib
-from qbits.experiments._sweep import SweepError, load_sweep, run_sweep
 from qbits.experiments._train import RunResult
 
 SWEEP = """\
