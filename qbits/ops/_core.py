@@ -49,7 +49,6 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from qbits._errors import InvalidArgumentError
 from qbits.numerics import next_key
 from qbits.ops._backward import backward_matmuls
 from qbits.ops._config import IDENTITY, DotGeneralConfig, MatmulConfig
@@ -67,6 +66,7 @@ from qbits.ops._operands import (
     unquantized,
     varying,
 )
+from qbits.ops._reverse_only import forward_mode_error, reverse_mode_only
 from qbits.tensor import QTensor
 
 __all__ = [
@@ -131,24 +131,19 @@ def apply(
       The output, in the dtype the unquantized operation gives.
 
     Raises:
-      InvalidArgumentError: Under forward-mode differentiation
-        (``jax.jvp``, ``jax.jacfwd``), which a custom VJP does not have.
+      InvalidArgumentError: Under forward-mode differentiation of the matmul
+        itself (``jax.jvp``, ``jax.jacfwd``, applying ``jax.linearize``'s
+        function), which a custom VJP does not have
+        (:mod:`qbits.ops._reverse_only`).
     """
     key = next_key(key) if key is not None and plan.config.needs_key else None
+    lhs, rhs, scales = reverse_mode_only((lhs, rhs, scales))
     try:
         return _jit_core(plan, lhs, rhs, key, scales)
-    except TypeError as e:
+    except TypeError as e:  # JAX's own, where it meets the forward mode first
         if "forward-mode" not in str(e):
             raise
-        raise InvalidArgumentError(
-            "qbits quantized matmul",
-            "differentiation",
-            "forward-mode (jax.jvp, jax.jacfwd, jax.linearize of a jvp)",
-            "reverse mode: jax.grad, jax.vjp, jax.jacrev (the quantized "
-            "backward matmuls are a custom VJP, which has no forward mode); "
-            "for a JVP of the forward quantization use fake mode outside "
-            "qbits.dot_general, e.g. Quantizer.quant(x).dequant()",
-        ) from None
+        raise forward_mode_error() from None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -514,11 +514,22 @@ def test_non_integer_dimension_numbers_are_refused(axis):
         dg(jnp.ones((2, 3)), jnp.ones((3, 4)), (((axis,), (0,)), ((), ())))
 
 
-def test_forward_mode_autodiff_gives_a_clear_error():
+@pytest.mark.parametrize(
+    "forward",
+    [
+        lambda f, x: jax.jvp(f, (x,), (x,)),
+        lambda f, x: jax.jit(lambda x: jax.jvp(f, (x,), (x,)))(x),
+        lambda f, x: jax.jacfwd(f)(x),
+        lambda f, x: jax.linearize(f, x)[1](x),  # linearize traces; apply raises
+        lambda f, x: jax.jit(jax.linearize(f, x)[1])(x),
+        lambda f, x: jax.jit(jax.jacrev(jax.jacfwd(lambda x: jnp.sum(f(x)))))(x),
+    ],
+)
+def test_forward_mode_autodiff_gives_a_clear_error(forward):
     dg = qbits.dot_general(qbits.presets.get("int8_fwd"))
     x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
-    with pytest.raises(qbits.InvalidArgumentError, match=r"jax\.grad"):
-        jax.jvp(lambda x: dg(x, w, MM), (x,), (x,))
+    with pytest.raises(qbits.InvalidArgumentError, match=r"forward-mode.*jax\.grad"):
+        forward(lambda x: dg(x, w, MM), x)
 
 
 @pytest.mark.parametrize("preset", ["int8", "fp8", "mxfp8", "int4_weight_only"])
