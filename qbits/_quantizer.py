@@ -439,7 +439,7 @@ def _encode(
     if vjp:
         q, residuals = self.numerics.vjp_fwd(y, context)
         grad = jax.tree_util.Partial(
-            functools.partial(_numerics_grad, self.numerics, layout.blocked_shape),
+            _NumericsGrad(self.numerics, layout.blocked_shape),
             residuals,
         )
     else:
@@ -574,11 +574,20 @@ def _scales_and_inverses(
     return lax.platform_dependent(*flats, cpu=cpu, default=default)
 
 
-def _numerics_grad(
-    numerics: QNumerics, blocked_shape: tuple[int, ...], residuals: Any, g: jax.Array
-) -> jax.Array:
-    dx, _ = numerics.vjp_bwd(residuals, g.reshape(blocked_shape))
-    return dx.reshape(g.shape)
+@dataclasses.dataclass(frozen=True)
+class _NumericsGrad:
+    """The numerics' gradient on a blocked tensor (a value, not an identity).
+
+    Equal for equal numerics and shapes, so that the pytree structure of a
+    quantization's gradient is the same each time it is computed.
+    """
+
+    numerics: QNumerics
+    blocked_shape: tuple[int, ...]
+
+    def __call__(self, residuals: Any, g: jax.Array) -> jax.Array:
+        dx, _ = self.numerics.vjp_bwd(residuals, g.reshape(self.blocked_shape))
+        return dx.reshape(g.shape)
 
 
 def _to_storage(

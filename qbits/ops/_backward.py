@@ -11,21 +11,25 @@ quantize it alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import zero_from_primal
 
 from qbits.ops._config import IDENTITY, DotGeneralConfig, MatmulConfig
 from qbits.ops._operands import (
     Axes,
     Contraction,
+    Grad,
     Operand,
     Reused,
     fits,
     quantize,
     unquantized,
 )
+from qbits.ops._straight_through import instantiate, straight_through
 from qbits.tensor import QTensor
 
 __all__ = ["Gradient", "backward_matmuls"]
@@ -94,6 +98,19 @@ class Gradient:
         blocks = q.granularity.block_sizes(shape, lc) if q != IDENTITY else ()
         return (q, blocks, cfg.mode == "real")
 
+    def straight_through(self, gq: QTensor | None, grad: Grad | None) -> jax.Array:
+        """:meth:`contract` in float, ``g``'s quantization straight-through.
+
+        The same values up to rounding; its derivative is the matmul's
+        straight-through derivative (:mod:`qbits.ops._straight_through`).
+        """
+        if self.operand is None:
+            return self.contraction.plain(self.g, self.other)
+        a = straight_through(self.g, gq.dequant(), grad)
+        b = self.other.dequant()
+        dtype = jnp.promote_types(a.dtype, b.dtype)
+        return self.contraction.plain(a.astype(dtype), b.astype(dtype))
+
     def contract(self, gq: QTensor | None) -> jax.Array:
         """The gradient, from ``g`` quantized (``None`` for a float matmul)."""
         if self.operand is None:
@@ -101,6 +118,7 @@ class Gradient:
         return self.contraction(gq, self.other, self.cfg)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def backward_matmuls(
     config: DotGeneralConfig,
     c: Contraction,
@@ -110,8 +128,11 @@ def backward_matmuls(
     lhs_b: Any,
     key: jax.Array | None,
     gscale: jax.Array | None,
-) -> dict[str, jax.Array]:
+) -> tuple[dict[str, jax.Array], dict[str, tuple[QTensor, Grad]]]:
     """The backward matmuls ``needed`` (``"dlhs"``, ``"drhs"``) of ``g``.
+
+    Differentiated (a derivative of a gradient), each is straight-through in
+    ``g``: the derivative of :meth:`Gradient.straight_through`.
 
     Args:
       config: The three matmuls.
@@ -124,12 +145,10 @@ def backward_matmuls(
       gscale: The output gradient's given scale, or ``None``.
 
     Returns:
-      Each needed matmul's output, laid out like its forward operand.
+      Each needed matmul's output, laid out like its forward operand; and
+      for each that quantizes ``g``, ``g`` quantized (``(QTensor, grad)``).
     """
-    specs = {
-        "dlhs": (config.dlhs, c.gradient("lhs"), rhs_b, 2),
-        "drhs": (config.drhs, c.gradient("rhs"), lhs_b, 4),
-    }
+    specs = _specs(config, c, rhs_b, lhs_b)
     matmuls = {
         name: Gradient.create(cfg, cg, g, other, slot, gscale)
         for name, (cfg, cg, other, slot) in specs.items()
@@ -168,4 +187,47 @@ def backward_matmuls(
         name: m.contract(done[m.uses or name][0] if m.operand is not None else None)
         for name, m in matmuls.items()
     }
-    return grads
+    quantized = {
+        name: done[m.uses or name]
+        for name, m in matmuls.items()
+        if m.operand is not None
+    }
+    return grads, quantized
+
+
+def _specs(
+    config: DotGeneralConfig, c: Contraction, rhs_b: Any, lhs_b: Any
+) -> dict[str, tuple[MatmulConfig, Contraction, Any, int]]:
+    """Each backward matmul's config, contraction, kept operand and key slot."""
+    return {
+        "dlhs": (config.dlhs, c.gradient("lhs"), rhs_b, 2),
+        "drhs": (config.drhs, c.gradient("rhs"), lhs_b, 4),
+    }
+
+
+def _backward_matmuls_jvp(
+    config: DotGeneralConfig,
+    c: Contraction,
+    needed: tuple[str, ...],
+    primals: tuple[Any, ...],
+    tangents: tuple[Any, ...],
+) -> tuple[Any, Any]:
+    g, rhs_b, lhs_b, _, gscale = primals
+    grads, quantized = backward_matmuls(config, c, needed, *primals)
+
+    def emulated(g: jax.Array, rhs_b: Any, lhs_b: Any) -> dict[str, jax.Array]:
+        specs = _specs(config, c, rhs_b, lhs_b)
+        out = {}
+        for name in needed:
+            cfg, cg, other, slot = specs[name]
+            m = Gradient.create(cfg, cg, g, other, slot, gscale)
+            gq, grad = quantized.get(name, (None, None))
+            out[name] = m.straight_through(gq, grad).astype(grads[name].dtype)
+        return out
+
+    args = (g, rhs_b, lhs_b)
+    _, t_grads = jax.jvp(emulated, args, instantiate(tangents[:3], args))
+    return (grads, quantized), (t_grads, zero_from_primal(quantized, True))
+
+
+backward_matmuls.defjvp(_backward_matmuls_jvp, symbolic_zeros=True)

@@ -29,6 +29,13 @@ Residuals:
   differentiated (symbolic zeros), and the input gradient of a first layer
   or the gradient of a frozen weight is never traced.
 
+Higher derivatives:
+  A derivative of a gradient (``jax.hessian``, ``jax.jvp`` of ``jax.grad``,
+  a gradient of a gradient) differentiates the rules of the custom VJP:
+  both are given straight-through derivatives at every order
+  (:mod:`qbits.ops._straight_through`). The matmul itself has no forward
+  mode (:mod:`qbits.ops._reverse_only`).
+
 ``shard_map``:
   Inside ``jax.shard_map`` (with its default ``check_vma=True``) every
   cotangent gets the varying mesh axes of its primal: a gradient is summed
@@ -47,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
+from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
 from qbits.numerics import next_key
 from qbits.ops._backward import backward_matmuls
@@ -67,6 +74,11 @@ from qbits.ops._operands import (
     varying,
 )
 from qbits.ops._reverse_only import forward_mode_error, reverse_mode_only
+from qbits.ops._straight_through import (
+    instantiate,
+    straight_through,
+    through_codes_error,
+)
 from qbits.tensor import QTensor
 
 __all__ = [
@@ -133,8 +145,10 @@ def apply(
     Raises:
       InvalidArgumentError: Under forward-mode differentiation of the matmul
         itself (``jax.jvp``, ``jax.jacfwd``, applying ``jax.linearize``'s
-        function), which a custom VJP does not have
-        (:mod:`qbits.ops._reverse_only`).
+        function), which a custom VJP does not have (derivatives of its
+        gradient, forward mode included, are straight-through); for a mixed
+        second derivative through the quantized codes a backward matmul
+        keeps (:mod:`qbits.ops._straight_through`).
     """
     key = next_key(key) if key is not None and plan.config.needs_key else None
     lhs, rhs, scales = reverse_mode_only((lhs, rhs, scales))
@@ -235,7 +249,7 @@ def _fwd(
     key = jax.tree.map(lambda k: k.value, key)
     scales = {t: s.value for t, s in scales.items()}
     fwd, c = plan.config.fwd, plan.contraction
-    out, done = _forward(plan, lhs, rhs, key, scales, kept=needed)
+    out, done = _kept_forward(plan, needed, lhs, rhs, key, scales)
     lc, rc = c.contracting
     amax = {
         t: block_amax(q, x, axes)
@@ -265,6 +279,54 @@ def _fwd(
         {t: jnp.zeros_like(s) for t, s in scales.items()},
     )
     return out, residuals
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kept_forward(
+    plan: Plan,
+    needed: tuple[str, ...],
+    lhs: jax.Array,
+    rhs: jax.Array,
+    key: jax.Array | None,
+    scales: dict[str, jax.Array],
+) -> tuple[jax.Array, dict[str, Any]]:
+    """:func:`_forward`, keeping the operands of the backward matmuls ``needed``.
+
+    Differentiated (a derivative of a gradient), the output is
+    straight-through: ``C(dlhs, Q(rhs)) + C(Q(lhs), drhs)``
+    (:mod:`qbits.ops._straight_through`).
+    """
+    return _forward(plan, lhs, rhs, key, scales, kept=needed)
+
+
+def _kept_forward_jvp(
+    plan: Plan, needed: tuple[str, ...], primals: tuple[Any, ...], tangents: Any
+) -> tuple[Any, Any]:
+    lhs, rhs, key, scales = primals
+    dl, dr = tangents[0], tangents[1]
+    out, done = _kept_forward(plan, needed, lhs, rhs, key, scales)
+    # What the backward matmuls keep: a float operand carries its derivative,
+    # quantized codes carry none (scales and masks have derivative zero).
+    t_done = zero_from_primal(done, True)
+    for name, tensor, t in (("dlhs", "rhs", dr), ("drhs", "lhs", dl)):
+        if name not in needed or isinstance(t, SymbolicZero):
+            continue
+        if isinstance(done[name], QTensor | Reused):
+            raise through_codes_error(name, tensor)
+        t_done[name] = t
+    (lq, lgrad), (rq, rgrad) = done["lhs"], done["rhs"]
+
+    def emulated(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        a = straight_through(lhs, lq.dequant(), lgrad)
+        b = straight_through(rhs, rq.dequant(), rgrad)
+        return plan.contraction.plain(a, b).astype(out.dtype)
+
+    args = (lhs, rhs)
+    _, t_out = jax.jvp(emulated, args, instantiate((dl, dr), args))
+    return (out, done), (t_out, t_done)
+
+
+_kept_forward.defjvp(_kept_forward_jvp, symbolic_zeros=True)
 
 
 def _stand_in(cfg: MatmulConfig, x: jax.Array, forward: QTensor) -> Any:
@@ -308,7 +370,7 @@ def _bwd(
     if isinstance(g, SymbolicZero):  # nothing flows back
         return None, None, None, {t: None for t in zeros}
     needed = tuple(n for n, k in zip(("dlhs", "drhs"), needs.shape, strict=True) if k)
-    grads = backward_matmuls(config, c, needed, g, rhs_b, lhs_b, key, gscale)
+    grads, _ = backward_matmuls(config, c, needed, g, rhs_b, lhs_b, key, gscale)
     vma = dict(plan.vma)
     dl = dr = None
     if "dlhs" in grads:
