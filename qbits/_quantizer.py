@@ -16,6 +16,7 @@ from jax import lax
 
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError
+from qbits._jaxpr import varying
 from qbits.calibration import (
     SCALE_ROUNDINGS,
     AbsMax,
@@ -393,13 +394,18 @@ def _calibrate(
     split = scale_limits(mapped, self.scale_rounding, x.dtype)[1] > 2.0**126
     # The scale arithmetic of tensors in one group runs on their bounds laid
     # end to end: same arithmetic (given or made from a bound with the same
-    # mapping, rounding and dtype), flat vectors of one dtype. Scales that
-    # keep their shape (sharded along explicit mesh axes, see _flat) run alone.
+    # mapping, rounding and dtype), flat vectors of one dtype that vary along
+    # the same manual mesh axes inside shard_map (laid end to end with a
+    # replicated weight's, an activation's bound would make the weight's
+    # scale vary per shard in one platform's branch and not in the other's).
+    # Scales that keep their shape (sharded along explicit mesh axes, see
+    # _flat) run alone.
     group: Any = (
         bound is None,
         None if bound is None else (mapped, self.scale_rounding, np.dtype(x.dtype)),
         split,
         np.dtype(flat.dtype),
+        varying(flat),
     )
     if flat.ndim != 1:
         group = (group, id(flat))

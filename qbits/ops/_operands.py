@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError
+from qbits._jaxpr import varying
 from qbits._quantizer import Quantizer, Request, quantize_all
 from qbits.calibration import AbsMax
 from qbits.granularity import BlockLayout
@@ -113,12 +114,6 @@ class Contraction(abc.ABC):
     def fold(self, lhs: jax.Array, rhs: QTensor) -> jax.Array:
         """``lhs`` times ``rhs``'s scale, laid out along ``lhs``'s axes."""
         raise NotImplementedError
-
-
-def varying(x: Any) -> frozenset:
-    """The manual mesh axes along which ``x`` varies (inside ``shard_map``)."""
-    mat = getattr(jax.typeof(x), "mat", None)
-    return frozenset(getattr(mat, "varying", ()) or ())
 
 
 def _key(key: jax.Array | None, slot: int) -> jax.Array | None:
