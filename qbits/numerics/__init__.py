@@ -10,14 +10,9 @@ from qbits.numerics._formats import (
 )
 from qbits.numerics._fp_numerics import Fp8Numerics, FpNumerics
 from qbits.numerics._int_numerics import IntNumerics
+from qbits.numerics._keys import derive_key, hash_bits, hash_key, next_key
 from qbits.numerics._no_numerics import NoNumerics
-from qbits.numerics._noise import (
-    UniformNoise,
-    derive_key,
-    hash_bits,
-    hash_key,
-    next_key,
-)
+from qbits.numerics._noise import UniformNoise
 
 __all__ = [
     "FLOAT_FORMATS",
