@@ -11,7 +11,7 @@ from flax import struct
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
-from qbits.numerics._keys import hash_bits
+from qbits.numerics._keys import check_key, hash_bits
 
 __all__ = ["UniformNoise"]
 
@@ -46,7 +46,13 @@ class UniformNoise(struct.PyTreeNode):
             )
 
     def __call__(self, shape: tuple[int, ...], key: jax.Array) -> jax.Array:
-        """Returns float32 noise of ``shape`` drawn from ``key``."""
+        """Returns float32 noise of ``shape`` drawn from ``key``.
+
+        Raises:
+          InvalidArgumentError: For a ``key`` that is not one key
+            (:func:`qbits.numerics.check_key`).
+        """
+        key = check_key("UniformNoise", key)
         if self.prng == "jax":
             return jax.random.uniform(key, shape, jnp.float32, -0.5, 0.5)
         # 23 bits as the mantissa of a float in [1, 2), shifted to [-0.5, 0.5).
