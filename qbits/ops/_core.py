@@ -41,7 +41,9 @@ Higher derivatives:
   cotangent gets the varying mesh axes of its primal: a gradient is summed
   over the axes along which it varies and its operand does not (the
   transpose of JAX's implicit ``pvary``), and an observed amax is maxed
-  over them.
+  over them. A tensor that differs per shard draws its stochastic-rounding
+  noise with the shard's index folded into its key (independent rounding
+  errors on each shard, not copies).
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError
@@ -57,7 +58,8 @@ TENSORS: tuple[str, ...] = ("lhs", "rhs", "grad")
 
 #: The six quantized operands: ``(matmul, side, tensor, key stream)``. A
 #: stochastic-rounding key for operand ``i`` is
-#: :func:`qbits.numerics.derive_key` ``(next_key(key), i)``.
+#: :func:`qbits.numerics.derive_key` ``(next_key(key), i)`` (inside
+#: ``shard_map``, with the shard's index folded in: see ``_key``).
 SLOTS: tuple[tuple[str, str, str, int], ...] = (
     ("fwd", "lhs", "lhs", 0),
     ("fwd", "rhs", "rhs", 1),
@@ -116,9 +118,23 @@ class Contraction(abc.ABC):
         raise NotImplementedError
 
 
-def _key(key: jax.Array | None, slot: int) -> jax.Array | None:
-    """The key of operand ``SLOTS[slot]``."""
-    return None if key is None else derive_key(key, slot)
+def _key(key: jax.Array | None, slot: int, x: Any) -> jax.Array | None:
+    """The key of operand ``SLOTS[slot]``, the tensor ``x``.
+
+    Inside ``shard_map``, where ``x`` differs per shard and the key does
+    not, the shard's index along those mesh axes is folded in: each shard
+    draws its own noise, so the rounding errors that a ``psum`` adds up
+    are independent rather than copies of one another. A tensor that is
+    the same on every shard (a replicated weight) is rounded alike on all.
+    """
+    if key is None:
+        return None
+    k = derive_key(key, slot)
+    if isinstance(x, jax.ShapeDtypeStruct):  # a placeholder draws nothing
+        return k
+    for axis in sorted(varying(x) - varying(k), key=str):
+        k = derive_key(k, lax.axis_index(axis))
+    return k
 
 
 class Operand(NamedTuple):
@@ -156,7 +172,7 @@ def quantize(
         Request(
             o.quantizer,
             o.x,
-            Context(_key(key, o.slot)),
+            Context(_key(key, o.slot, o.x)),
             o.store and o.quantizer.numerics.get_dtype() is not None,
             o.contracting,
             o.scale if provider(o.quantizer) is not None else None,

@@ -32,7 +32,7 @@ def test_gradients_inside_shard_map_on_8_cpu_devices():
     assert "shard_map gradients are right" in result.stdout
 
 
-@pytest.mark.parametrize("preset", ["int8", "fp8"])
+@pytest.mark.parametrize("preset", ["int8_fwd", "fp8"])
 def test_shard_map_with_a_replicated_weight(preset):
     # Data parallel: x split along "d", w replicated. The quantizer lays the
     # scales of tensors quantized together end to end (one kernel); a
