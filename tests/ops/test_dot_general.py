@@ -279,6 +279,34 @@ def test_weight_only_int8_with_float_activations():
     np.testing.assert_allclose(out, x @ fq(INT8, w, (0,)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        qbits.presets.get("int4_weight_only"),
+        DotGeneralConfig(fwd=MatmulConfig(lhs=NONE, rhs=INT8)),
+        DotGeneralConfig(dlhs=MatmulConfig(lhs=NONE, rhs=INT8)),  # g . Q(w)^T
+    ],
+    ids=["int4_weight_only", "int8_weight_only", "int8_weight_only_dlhs"],
+)
+def test_weight_only_results_that_float32_holds_stay_finite(config):
+    # Float activations meet the weight's codes (up to 7 or 127) before the
+    # scales: 4e36 * 127 * 128 overflowed float32, the result (~3e36) does
+    # not. Rows that cannot overflow keep their bits.
+    small, w = operands((3, 128), (128, 5), seed=2)
+    x = small.at[:2].multiply(4e36)
+    dg = qbits.dot_general(config)
+    out, vjp = jax.vjp(lambda x: dg(x, w, MM), x)
+    (gx,) = vjp(jnp.ones_like(out) * 4e36)
+    fwd_w = config.fwd.rhs.quant(w, contracting_axes=(0,)).dequant()
+    bwd_w = config.dlhs.rhs.quant(w, contracting_axes=(1,)).dequant()
+    want = np.asarray(x, np.float64) @ np.asarray(fwd_w, np.float64)
+    want_gx = np.full((3, 5), 4e36) @ np.asarray(bwd_w, np.float64).T
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(gx))
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+    np.testing.assert_allclose(gx, want_gx, rtol=1e-5)
+    np.testing.assert_array_equal(out[2], dg(small, w, MM)[2])
+
+
 def test_int8_dots_are_native_s8_in_the_optimized_hlo():
     x, w = operands((16, 64), (64, 32))
     dg = qbits.dot_general(int8_all())
