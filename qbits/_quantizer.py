@@ -441,6 +441,11 @@ def _encode(
         )
 
     y = times(xb, inverse) if pre is None else times(times(xb, pre), inverse)
+    if _no_zero(self.numerics):
+        # A value far below its block's scale underflows to a zero here
+        # (flushed, maybe -0.0 for a negative value), and a grid without a
+        # zero rounds a zero up: a negative value must stay negative.
+        y = _negatives_stay_negative(y, xb)
     grad = None
     if vjp:
         q, residuals = self.numerics.vjp_fwd(y, context)
@@ -508,6 +513,41 @@ def _keeps_zero(numerics: QNumerics) -> bool:
             return numerics.preserve_zero
         return numerics.noise_fn is None
     return False
+
+
+def _no_zero(numerics: QNumerics) -> bool:
+    """Whether ``numerics`` rounds onto a grid without a zero (by sign)."""
+    return (
+        isinstance(numerics, IntNumerics)
+        and numerics.round
+        and not numerics.preserve_zero
+    )
+
+
+@jax.custom_jvp
+def _negatives_stay_negative(y: jax.Array, x: jax.Array) -> jax.Array:
+    """``y`` (``x`` scaled), where a negative ``x`` became a zero: -tiny.
+
+    The smallest negative normal rounds to the grid's negative value
+    nearest 0 (``floor(y) + 0.5``), as ``x`` itself would.
+    """
+    tiny = np.asarray(-np.finfo(y.dtype).tiny, y.dtype)
+    # x < 0 by its bits: XLA:CPU compares a negative subnormal as a zero.
+    signed = np.dtype(f"int{np.dtype(x.dtype).itemsize * 8}")
+    bits = lax.bitcast_convert_type(x, signed)
+    negative = lax.bitwise_and(
+        lax.lt(bits, np.asarray(0, signed)),
+        lax.ne(bits, np.asarray(np.iinfo(signed).min, signed)),  # not -0.0
+    )
+    lost = lax.bitwise_and(lax.eq(y, lax.full_like(y, 0)), negative)
+    return lax.select(lost, lax.full_like(y, tiny), y)
+
+
+@_negatives_stay_negative.defjvp
+def _negatives_stay_negative_jvp(primals: Any, tangents: Any) -> Any:
+    # y's own derivative: what the flushed zero was replaced by is a constant
+    # only in value, not in the straight-through gradient.
+    return _negatives_stay_negative(*primals), tangents[0]
 
 
 def _pre_factor(scale: jax.Array) -> jax.Array:
