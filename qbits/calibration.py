@@ -179,8 +179,11 @@ class AbsMax(Calibration):
 
     Attributes:
       clip_factor: Multiplies the absmax; below 1 clips the largest values
-        in exchange for finer steps. Above 1 the bound saturates at the
-        dtype's largest finite value instead of overflowing.
+        in exchange for finer steps (a bound that would underflow float32
+        is its smallest normal, never 0: the block is not taken for zeros).
+        Above 1 the bound saturates at the dtype's largest finite value
+        instead of overflowing. At least float32's smallest normal,
+        ``2**-126`` (a smaller factor is 0 in float32).
 
     Example:
       >>> import jax.numpy as jnp
@@ -195,7 +198,7 @@ class AbsMax(Calibration):
     clip_factor: float = struct.field(pytree_node=False, default=1.0)
 
     def __post_init__(self) -> None:
-        check_float("AbsMax", "clip_factor", self.clip_factor, lo=0.0, lo_open=True)
+        check_float("AbsMax", "clip_factor", self.clip_factor, lo=_F32_TINY)
 
     bound_flags_non_finite: ClassVar[bool] = True
 
@@ -230,7 +233,14 @@ class AbsMax(Calibration):
         else:  # across rows XLA:CPU runs a variadic reduction slowly
             bound = mapped(x)
         if self.clip_factor <= 1.0:
-            return lax.mul(bound, np.asarray(self.clip_factor, bound.dtype))
+            clipped = lax.mul(bound, np.asarray(self.clip_factor, bound.dtype))
+            if self.clip_factor == 1.0:
+                return clipped
+            # A positive bound times a small factor may underflow to 0, which
+            # means a block of zeros (scale 1): keep at least the smallest
+            # normal (a subnormal bound stays as it is; NaN stays NaN).
+            tiny = np.asarray(np.finfo(bound.dtype).tiny, bound.dtype)
+            return lax.max(clipped, lax.min(bound, lax.full_like(bound, tiny)))
         # A factor above 1 must not turn a finite absmax into inf (which
         # would read as non-finite input): saturate at the largest finite
         # (NaN stays NaN).

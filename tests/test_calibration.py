@@ -218,6 +218,16 @@ def test_scales_keep_the_grid_finite_near_float32_max():
     assert float(s[0]) == 512.0 and 127 * 512 <= 65504
 
 
+def test_absmax_clip_factor_never_makes_a_block_of_zeros():
+    # 1e-20 * 1e-20 underflows float32: a bound of 0 means a block of zeros.
+    x = jnp.array([[1e-20, -3e-21], [1.0, -2.0]])
+    q = qbits.Quantizer(
+        qbits.IntNumerics(bits=8), AbsMax(1e-20), qbits.PerChannel((1,))
+    )
+    dq = np.asarray(q.quant(x).dequant())
+    np.testing.assert_array_equal(np.sign(dq), np.sign(x))
+
+
 def test_absmax_clip_factor_above_one_saturates_instead_of_overflowing():
     x = jnp.array([[3e38, -1.0], [jnp.inf, 1.0], [1.0, 2.0]])
     bound = np.asarray(AbsMax(clip_factor=2.0)(x, (1,)))
@@ -273,7 +283,8 @@ def test_make_scale():
 @pytest.mark.parametrize(
     "build, pattern",
     [
-        (lambda: AbsMax(0.0), r"AbsMax: clip_factor=0\.0 .*\(0\.0, inf\)"),
+        (lambda: AbsMax(0.0), r"AbsMax: clip_factor=0\.0 .*\[1\.17.*e-38, inf\)"),
+        (lambda: AbsMax(1e-40), r"AbsMax: clip_factor=1e-40"),  # 0 in float32
         (lambda: AbsMax(float("nan")), r"AbsMax: clip_factor=nan"),
         (lambda: AbsMax("1"), r"AbsMax: clip_factor='1'"),
         (lambda: Percentile(0.0), r"Percentile: percentile=0\.0 .*\(0\.0, 100\.0\]"),
