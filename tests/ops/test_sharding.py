@@ -1,3 +1,4 @@
+import os
 import pathlib
 import subprocess
 import sys
@@ -14,20 +15,32 @@ import qbits
 DN = (((1,), (0,)), ((), ()))
 
 
-def test_sharded_equals_unsharded_on_8_cpu_devices():
-    script = pathlib.Path(__file__).with_name("sharded_check.py")
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600
+def _run(script: str) -> subprocess.CompletedProcess:
+    """Runs a script next to this file on the qbits this test imports.
+
+    (Run by path, a script would import whichever qbits is installed: in a
+    second checkout or worktree, another one.)
+    """
+    root = str(pathlib.Path(qbits.__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+    return subprocess.run(
+        [sys.executable, str(pathlib.Path(__file__).with_name(script))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
+
+
+def test_sharded_equals_unsharded_on_8_cpu_devices():
+    result = _run("sharded_check.py")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sharded results equal unsharded" in result.stdout
 
 
 def test_gradients_inside_shard_map_on_8_cpu_devices():
-    script = pathlib.Path(__file__).with_name("shard_map_check.py")
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600
-    )
+    result = _run("shard_map_check.py")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "shard_map gradients are right" in result.stdout
 
