@@ -82,9 +82,10 @@ def through_codes_error(matmul: str, tensor: str) -> InvalidArgumentError:
         f"a mixed second derivative, of the {side} gradient in {tensor}",
         "second derivatives with respect to one operand of each quantized "
         "matmul (e.g. jax.hessian with respect to the input, or to one "
-        "weight; a Hessian-vector product of one weight), or a config whose "
-        "backward matmuls keep float operands (dlhs.rhs and drhs.rhs without "
-        "quantization, use_fwd_quant=False; as in int8_fwd)",
+        "weight; a Hessian-vector product of one weight; a tangent of zeros "
+        "counts, leave the operand out of jax.jvp instead), or a config "
+        "whose backward matmuls keep float operands (dlhs.rhs and drhs.rhs "
+        "without quantization, use_fwd_quant=False; as in int8_fwd)",
         why=f"the {matmul} backward matmul keeps {tensor} as quantized codes, "
         "which carry no derivative",
     )

@@ -295,8 +295,13 @@ def test_weight_only_results_that_float32_holds_stay_finite(config):
     small, w = operands((3, 128), (128, 5), seed=2)
     x = small.at[:2].multiply(4e36)
     dg = qbits.dot_general(config)
-    out, vjp = jax.vjp(lambda x: dg(x, w, MM), x)
-    (gx,) = vjp(jnp.ones_like(out) * 4e36)
+
+    @jax.jit
+    def run(x):
+        out, vjp = jax.vjp(lambda x: dg(x, w, MM), x)
+        return out, vjp(jnp.ones_like(out) * 4e36)[0]
+
+    out, gx = run(x)
     fwd_w = config.fwd.rhs.quant(w, contracting_axes=(0,)).dequant()
     bwd_w = config.dlhs.rhs.quant(w, contracting_axes=(1,)).dequant()
     want = np.asarray(x, np.float64) @ np.asarray(fwd_w, np.float64)
@@ -304,7 +309,7 @@ def test_weight_only_results_that_float32_holds_stay_finite(config):
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(gx))
     np.testing.assert_allclose(out, want, rtol=1e-5)
     np.testing.assert_allclose(gx, want_gx, rtol=1e-5)
-    np.testing.assert_array_equal(out[2], dg(small, w, MM)[2])
+    np.testing.assert_array_equal(out[2], run(small)[0][2])
 
 
 def test_int8_dots_are_native_s8_in_the_optimized_hlo():
@@ -588,9 +593,10 @@ def _straight_through_hessians(preset):
     return hx, hw, want_x, want_w
 
 
-@pytest.mark.parametrize("preset", ["int8_fwd", "int8"])
-def test_second_derivatives_are_straight_through(preset):
-    hx, hw, want_x, want_w = _straight_through_hessians(preset)
+def test_second_derivatives_are_straight_through():
+    # int8: the output gradient is quantized (stochastically) in both
+    # backward matmuls, which keep the operands as int8 codes.
+    hx, hw, want_x, want_w = _straight_through_hessians("int8")
     for i in range(2):
         np.testing.assert_allclose(hx[i, :, i, :], want_x, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(hx[i, :, 1 - i, :], 0.0)
@@ -607,7 +613,7 @@ def test_mixed_second_derivative_through_kept_codes_is_refused():
         qbits.InvalidArgumentError,
         match=r"mixed second derivative.*keeps rhs as quantized codes.*int8_fwd",
     ):
-        jax.hessian(lambda x, w: jnp.sum(dg(x, w, MM) ** 2), (0, 1))(x, w)
+        jax.jit(jax.hessian(lambda x, w: jnp.sum(dg(x, w, MM) ** 2), (0, 1)))(x, w)
 
 
 # The smallest operands each preset's granularities fit (tiles of 32 or 128
