@@ -17,7 +17,9 @@ class Context(struct.PyTreeNode):
 
     Attributes:
       key: A PRNG key (``jax.random.key`` or a raw ``uint32[2]`` key), or
-        ``None`` when nothing random is needed.
+        ``None`` when nothing random is needed. Checked where a numerics
+        draws from it (:func:`qbits.numerics.check_key`): a context is a
+        pytree, rebuilt by JAX's transformations with placeholder leaves.
 
     Example:
       >>> import jax

@@ -1,15 +1,18 @@
-"""Small helpers for interpreting jaxprs across the supported JAX versions.
+"""Small helpers for jaxprs and abstract values across the supported JAX versions.
 
 Shared by ``scalify`` (:mod:`qbits.scaled`) and the model transformation
 (:mod:`qbits.transform`), the two places qbits re-runs a traced function
-equation by equation.
+equation by equation; and :func:`varying`, which the quantizer and the
+quantized matmuls read inside ``jax.shard_map``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["bind", "scan_counts"]
+import jax
+
+__all__ = ["bind", "scan_counts", "varying"]
 
 
 def bind(eqn: Any, invals: list[Any]) -> Any:
@@ -33,3 +36,13 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     # A flat tree of (constants, carry, scanned): count each part's values.
     consts, carry, _ = params["ft_in"].unpack()
     return len(list(consts.vals)), len(list(carry.vals))
+
+
+def varying(x: Any) -> frozenset:
+    """The manual mesh axes along which ``x`` varies (inside ``shard_map``).
+
+    Empty outside ``shard_map``, and for values that are the same on every
+    shard (with ``check_vma=True``, JAX's default, the type says which).
+    """
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "varying", ()) or ())

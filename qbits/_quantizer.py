@@ -16,6 +16,7 @@ from jax import lax
 
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError
+from qbits._jaxpr import varying
 from qbits.calibration import (
     SCALE_ROUNDINGS,
     AbsMax,
@@ -393,13 +394,18 @@ def _calibrate(
     split = scale_limits(mapped, self.scale_rounding, x.dtype)[1] > 2.0**126
     # The scale arithmetic of tensors in one group runs on their bounds laid
     # end to end: same arithmetic (given or made from a bound with the same
-    # mapping, rounding and dtype), flat vectors of one dtype. Scales that
-    # keep their shape (sharded along explicit mesh axes, see _flat) run alone.
+    # mapping, rounding and dtype), flat vectors of one dtype that vary along
+    # the same manual mesh axes inside shard_map (laid end to end with a
+    # replicated weight's, an activation's bound would make the weight's
+    # scale vary per shard in one platform's branch and not in the other's).
+    # Scales that keep their shape (sharded along explicit mesh axes, see
+    # _flat) run alone.
     group: Any = (
         bound is None,
         None if bound is None else (mapped, self.scale_rounding, np.dtype(x.dtype)),
         split,
         np.dtype(flat.dtype),
+        varying(flat),
     )
     if flat.ndim != 1:
         group = (group, id(flat))
@@ -435,11 +441,16 @@ def _encode(
         )
 
     y = times(xb, inverse) if pre is None else times(times(xb, pre), inverse)
+    if _no_zero(self.numerics):
+        # A value far below its block's scale underflows to a zero here
+        # (flushed, maybe -0.0 for a negative value), and a grid without a
+        # zero rounds a zero up: a negative value must stay negative.
+        y = _negatives_stay_negative(y, xb)
     grad = None
     if vjp:
         q, residuals = self.numerics.vjp_fwd(y, context)
         grad = jax.tree_util.Partial(
-            functools.partial(_numerics_grad, self.numerics, layout.blocked_shape),
+            _NumericsGrad(self.numerics, layout.blocked_shape),
             residuals,
         )
     else:
@@ -502,6 +513,41 @@ def _keeps_zero(numerics: QNumerics) -> bool:
             return numerics.preserve_zero
         return numerics.noise_fn is None
     return False
+
+
+def _no_zero(numerics: QNumerics) -> bool:
+    """Whether ``numerics`` rounds onto a grid without a zero (by sign)."""
+    return (
+        isinstance(numerics, IntNumerics)
+        and numerics.round
+        and not numerics.preserve_zero
+    )
+
+
+@jax.custom_jvp
+def _negatives_stay_negative(y: jax.Array, x: jax.Array) -> jax.Array:
+    """``y`` (``x`` scaled), where a negative ``x`` became a zero: -tiny.
+
+    The smallest negative normal rounds to the grid's negative value
+    nearest 0 (``floor(y) + 0.5``), as ``x`` itself would.
+    """
+    tiny = np.asarray(-np.finfo(y.dtype).tiny, y.dtype)
+    # x < 0 by its bits: XLA:CPU compares a negative subnormal as a zero.
+    signed = np.dtype(f"int{np.dtype(x.dtype).itemsize * 8}")
+    bits = lax.bitcast_convert_type(x, signed)
+    negative = lax.bitwise_and(
+        lax.lt(bits, np.asarray(0, signed)),
+        lax.ne(bits, np.asarray(np.iinfo(signed).min, signed)),  # not -0.0
+    )
+    lost = lax.bitwise_and(lax.eq(y, lax.full_like(y, 0)), negative)
+    return lax.select(lost, lax.full_like(y, tiny), y)
+
+
+@_negatives_stay_negative.defjvp
+def _negatives_stay_negative_jvp(primals: Any, tangents: Any) -> Any:
+    # y's own derivative: what the flushed zero was replaced by is a constant
+    # only in value, not in the straight-through gradient.
+    return _negatives_stay_negative(*primals), tangents[0]
 
 
 def _pre_factor(scale: jax.Array) -> jax.Array:
@@ -574,11 +620,20 @@ def _scales_and_inverses(
     return lax.platform_dependent(*flats, cpu=cpu, default=default)
 
 
-def _numerics_grad(
-    numerics: QNumerics, blocked_shape: tuple[int, ...], residuals: Any, g: jax.Array
-) -> jax.Array:
-    dx, _ = numerics.vjp_bwd(residuals, g.reshape(blocked_shape))
-    return dx.reshape(g.shape)
+@dataclasses.dataclass(frozen=True)
+class _NumericsGrad:
+    """The numerics' gradient on a blocked tensor (a value, not an identity).
+
+    Equal for equal numerics and shapes, so that the pytree structure of a
+    quantization's gradient is the same each time it is computed.
+    """
+
+    numerics: QNumerics
+    blocked_shape: tuple[int, ...]
+
+    def __call__(self, residuals: Any, g: jax.Array) -> jax.Array:
+        dx, _ = self.numerics.vjp_bwd(residuals, g.reshape(self.blocked_shape))
+        return dx.reshape(g.shape)
 
 
 def _to_storage(

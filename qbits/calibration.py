@@ -11,12 +11,10 @@ Non-finite input:
   the calibration, so every element of that block dequantizes to NaN. A NaN
   or inf is never turned into a finite number, and it never changes the
   scale of any other block. (Calibrating only the finite values and clipping
-  the inf would hide an overflow as a plausible number.) The check is that
-  the block's sum is finite, so a block of finite values whose sum overflows
-  float32 (magnitudes near 3e38) is treated as non-finite too: loudly, as
-  NaN. (:class:`AbsMax` finds non-finite values in its own single pass
-  and has no such limit: with it, every finite input up to float32's
-  largest value quantizes to finite values of the right sign.)
+  the inf would hide an overflow as a plausible number.) Every finite input,
+  up to float32's largest value, is finite to every calibration (a block
+  whose sum overflows float32 included) and quantizes to finite values of
+  the right sign.
 
 All-zero blocks:
   A bound of 0 (with :class:`AbsMax`, :class:`MseSearch`: a block of zeros)
@@ -120,13 +118,15 @@ class Calibration(struct.PyTreeNode, metaclass=abc.ABCMeta):
 
 
 def _all_finite(x: jax.Array, axes: Axes) -> jax.Array:
-    """Whether each block holds only finite values: whether its sum is finite.
+    """Whether each block holds only finite values (kept axes).
 
-    XLA:CPU's vectorized max reductions drop NaN (a NaN in a 512x2048 array
-    gives its largest finite magnitude), but sums keep NaN and inf, and a
-    plain sum reads the block without writing a transformed copy first.
+    An ``and`` of ``is_finite`` over the block, fused into one reduction.
+    (Not whether the block's sum is finite: the sum of finite values near
+    float32's largest overflows. Not a max: XLA:CPU's vectorized max
+    reductions drop NaN.)
     """
-    return jnp.isfinite(jnp.sum(x, axis=axes, keepdims=True))
+    axes = tuple(a % x.ndim for a in axes)
+    return lax.expand_dims(lax.reduce_and(lax.is_finite(x), axes), axes)
 
 
 def _max_pair(
@@ -179,8 +179,11 @@ class AbsMax(Calibration):
 
     Attributes:
       clip_factor: Multiplies the absmax; below 1 clips the largest values
-        in exchange for finer steps. Above 1 the bound saturates at the
-        dtype's largest finite value instead of overflowing.
+        in exchange for finer steps (a bound that would underflow float32
+        is its smallest normal, never 0: the block is not taken for zeros).
+        Above 1 the bound saturates at the dtype's largest finite value
+        instead of overflowing. At least float32's smallest normal,
+        ``2**-126`` (a smaller factor is 0 in float32).
 
     Example:
       >>> import jax.numpy as jnp
@@ -195,7 +198,7 @@ class AbsMax(Calibration):
     clip_factor: float = struct.field(pytree_node=False, default=1.0)
 
     def __post_init__(self) -> None:
-        check_float("AbsMax", "clip_factor", self.clip_factor, lo=0.0, lo_open=True)
+        check_float("AbsMax", "clip_factor", self.clip_factor, lo=_F32_TINY)
 
     bound_flags_non_finite: ClassVar[bool] = True
 
@@ -230,7 +233,14 @@ class AbsMax(Calibration):
         else:  # across rows XLA:CPU runs a variadic reduction slowly
             bound = mapped(x)
         if self.clip_factor <= 1.0:
-            return lax.mul(bound, np.asarray(self.clip_factor, bound.dtype))
+            clipped = lax.mul(bound, np.asarray(self.clip_factor, bound.dtype))
+            if self.clip_factor == 1.0:
+                return clipped
+            # A positive bound times a small factor may underflow to 0, which
+            # means a block of zeros (scale 1): keep at least the smallest
+            # normal (a subnormal bound stays as it is; NaN stays NaN).
+            tiny = np.asarray(np.finfo(bound.dtype).tiny, bound.dtype)
+            return lax.max(clipped, lax.min(bound, lax.full_like(bound, tiny)))
         # A factor above 1 must not turn a finite absmax into inf (which
         # would read as non-finite input): saturate at the largest finite
         # (NaN stays NaN).
@@ -317,10 +327,15 @@ class MseSearch(Calibration):
                 "through a qbits.Quantizer, which supplies it",
             )
         absmax = _absmax(x, axes)
+        # Errors in units of a power of two at the block's absmax: the same
+        # comparisons (a power of two scales exactly), without overflowing
+        # float32 for a huge block or underflowing for a tiny one.
+        unit = _power_of_two_at(absmax)
         best_bound = best_err = None
         for factor in self.clip_factors:
             candidate = absmax * factor
-            err = jnp.sum(jnp.square(quantize(x, candidate) - x), axes, keepdims=True)
+            diff = (quantize(x, candidate) - x) / unit
+            err = jnp.sum(jnp.square(diff), axes, keepdims=True)
             if best_err is None:
                 best_bound, best_err = candidate, err
             else:
@@ -328,6 +343,18 @@ class MseSearch(Calibration):
                 best_bound = jnp.where(better, candidate, best_bound)
                 best_err = jnp.where(better, err, best_err)
         return best_bound
+
+
+def _power_of_two_at(v: jax.Array) -> jax.Array:
+    """A power of two in ``(v / 4, v]``: ``2**(e - 1)`` for ``v = m * 2**e``.
+
+    At least the smallest normal; 1 where ``v`` is 0 or not finite.
+    """
+    _, e = jnp.frexp(v)
+    tiny_exp = jnp.finfo(v.dtype).minexp
+    unit = jnp.ldexp(jnp.ones_like(v), jnp.maximum(e - 1, tiny_exp))
+    usable = jnp.isfinite(v) & (v > 0)
+    return jnp.where(usable, unit, jnp.ones_like(v))
 
 
 class ConstantBound(Calibration):

@@ -27,6 +27,7 @@ size-1 axes dropped, ``()`` for a per-tensor scale.
 from __future__ import annotations
 
 import abc
+import math
 from typing import ClassVar
 
 import jax
@@ -35,7 +36,7 @@ from flax import struct
 
 from qbits._errors import InvalidArgumentError, check_float, check_int
 from qbits.lsq import LSQ_INITS, grid_max, init_step, lsq_quantize
-from qbits.numerics import QNumerics
+from qbits.numerics import FpNumerics, IntNumerics, QNumerics
 
 __all__ = [
     "AMAX_COMPUTES",
@@ -134,7 +135,11 @@ class DelayedScaling(ScaleProvider):
       amax_compute: ``"max"`` (the largest amax in the history) or
         ``"most_recent"`` (the last step's amax).
       margin: The scale is multiplied by ``2**margin`` (headroom against
-        growth between steps); a finite number >= 0.
+        growth between steps): a number in ``[0, 32]`` (the widest grid,
+        E5M2, spans ``2**31.8`` from its largest to its smallest value),
+        below the number of powers of two between the numerics' largest
+        and smallest nonzero values, so that the amax still lands on a
+        nonzero grid value (below 8 for int8, 18.8 for E4M3).
 
     Example:
       >>> cal = qbits.DelayedScaling(history_length=4)
@@ -167,7 +172,7 @@ class DelayedScaling(ScaleProvider):
                 self.amax_compute,
                 "one of " + ", ".join(AMAX_COMPUTES),
             )
-        check_float("DelayedScaling", "margin", self.margin, lo=0.0)
+        check_float("DelayedScaling", "margin", self.margin, lo=0.0, hi=_MAX_MARGIN)
 
     def init_state(
         self,
@@ -180,14 +185,24 @@ class DelayedScaling(ScaleProvider):
 
         A per-tensor scale is stored as ``[1]`` and its history as ``[L]``,
         the layout of Flax's ``fp8_ops`` state.
+
+        Raises:
+          InvalidArgumentError: For a ``margin`` that maps the amax below the
+            numerics' smallest nonzero value (every output would be 0).
         """
+        _check_margin(self.margin, numerics)
         return {
             "scale": jnp.ones(shape or (1,), jnp.float32),
             "amax_history": jnp.zeros((self.history_length, *shape), jnp.float32),
         }
 
     def scale(self, state: State, numerics: QNumerics) -> jax.Array:
-        """:func:`scale_from_history` of the state's history and scale."""
+        """:func:`scale_from_history` of the state's history and scale.
+
+        Raises:
+          InvalidArgumentError: As :meth:`init_state`, for the margin.
+        """
+        _check_margin(self.margin, numerics)
         return scale_from_history(
             state["amax_history"],
             state["scale"],
@@ -202,6 +217,38 @@ class DelayedScaling(ScaleProvider):
             "scale": self.scale(state, numerics),
             "amax_history": update_history(state["amax_history"], amax),
         }
+
+
+#: The largest margin of any numerics: E5M2's largest value is 2**31.8 times
+#: its smallest.
+_MAX_MARGIN = 32.0
+
+
+def _check_margin(margin: float, numerics: QNumerics) -> None:
+    """Raises unless the amax, scaled by ``2**margin``, lands on a nonzero value.
+
+    With the margin the amax maps onto ``fmt_max / 2**margin``; below half
+    the grid's smallest nonzero value it and everything below it round to
+    0: every output of the matmul would be zero.
+    """
+    fmt_max = _fmt_max(numerics)
+    if isinstance(numerics, IntNumerics) and numerics.round and numerics.preserve_zero:
+        smallest = 1.0  # values above 0.5 round to 1
+    elif isinstance(numerics, FpNumerics):
+        f = numerics.format
+        smallest = 2.0 ** (f.min_exp - f.nmant)  # the smallest subnormal
+    else:  # no zero on the grid, or a grid qbits does not know
+        return
+    limit = math.log2(2 * fmt_max / smallest)
+    if not margin < limit:
+        raise InvalidArgumentError(
+            "DelayedScaling",
+            "margin",
+            margin,
+            f"a number below {limit:.4g} for {numerics!r}",
+            why=f"the amax would map onto {fmt_max} / 2**{margin}, which rounds "
+            "to 0 with everything below it: every output would be zero",
+        )
 
 
 def _fmt_max(numerics: QNumerics) -> float:
@@ -243,8 +290,8 @@ def scale_from_history(
       The new scale, ``old_scale``'s shape and dtype.
 
     Raises:
-      InvalidArgumentError: For an unknown ``amax_compute`` or an empty
-        history.
+      InvalidArgumentError: For an unknown ``amax_compute``, an empty
+        history, or a ``margin`` outside ``[0, 32]``.
 
     Example:
       >>> h = jnp.array([2.0, 8.0, 0.0])
@@ -263,6 +310,7 @@ def scale_from_history(
             amax_compute,
             "one of " + ", ".join(AMAX_COMPUTES),
         )
+    check_float("scale_from_history", "margin", margin, lo=0.0, hi=_MAX_MARGIN)
     if history.ndim < 1 or history.shape[0] < 1:
         raise InvalidArgumentError(
             "scale_from_history",

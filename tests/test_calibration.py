@@ -65,6 +65,17 @@ def test_mse_search_never_worse_than_absmax(x):
     assert err(mse) <= err(absmax) * (1 + 1e-6)
 
 
+def test_mse_search_picks_the_same_bound_at_any_magnitude():
+    # Its squared errors overflowed float32 in a huge block (every candidate
+    # inf: the first, 1.0, won) and underflowed to 0 in a tiny one.
+    x = jax.random.laplace(jax.random.key(3), (4, 256))
+    q = qbits.Quantizer(qbits.IntNumerics(bits=4), MseSearch(), qbits.PerChannel((1,)))
+    scale = np.asarray(quant(q, x).scale)
+    for e in (100, -100):
+        got = np.asarray(quant(q, x * 2.0**e).scale)
+        np.testing.assert_array_equal(got, scale * 2.0**e)
+
+
 def test_mse_search_needs_the_quantize_function():
     with pytest.raises(InvalidArgumentError, match=r"MseSearch: quantize=None"):
         MseSearch()(X, (1,))
@@ -100,6 +111,16 @@ def test_nan_in_a_large_tensor_is_not_lost(cal, granularity):
     block = x.size if isinstance(granularity, qbits.PerTensor) else 512
     assert int(jnp.isnan(dq).sum()) == block
     assert bool(jnp.isnan(dq[:, 1000]).all())
+
+
+@pytest.mark.parametrize("cal", [AbsMax(), Percentile(99.0), MseSearch()])
+def test_a_finite_block_whose_sum_overflows_is_finite(cal):
+    # 4096 values up to 3e35 sum past float32's largest; the check for
+    # non-finite values was whether the block's sum is finite.
+    x = jnp.linspace(1e35, 3e35, 4096).reshape(2, 2048)
+    dq = fake_quant(qbits.Quantizer(qbits.IntNumerics(bits=8), cal), x)
+    assert np.isfinite(dq).all()
+    np.testing.assert_allclose(dq, x, rtol=0.02)
 
 
 ZERO_BLOCK_CASES = [
@@ -197,6 +218,16 @@ def test_scales_keep_the_grid_finite_near_float32_max():
     assert float(s[0]) == 512.0 and 127 * 512 <= 65504
 
 
+def test_absmax_clip_factor_never_makes_a_block_of_zeros():
+    # 1e-20 * 1e-20 underflows float32: a bound of 0 means a block of zeros.
+    x = jnp.array([[1e-20, -3e-21], [1.0, -2.0]])
+    q = qbits.Quantizer(
+        qbits.IntNumerics(bits=8), AbsMax(1e-20), qbits.PerChannel((1,))
+    )
+    dq = np.asarray(q.quant(x).dequant())
+    np.testing.assert_array_equal(np.sign(dq), np.sign(x))
+
+
 def test_absmax_clip_factor_above_one_saturates_instead_of_overflowing():
     x = jnp.array([[3e38, -1.0], [jnp.inf, 1.0], [1.0, 2.0]])
     bound = np.asarray(AbsMax(clip_factor=2.0)(x, (1,)))
@@ -252,7 +283,8 @@ def test_make_scale():
 @pytest.mark.parametrize(
     "build, pattern",
     [
-        (lambda: AbsMax(0.0), r"AbsMax: clip_factor=0\.0 .*\(0\.0, inf\)"),
+        (lambda: AbsMax(0.0), r"AbsMax: clip_factor=0\.0 .*\[1\.17.*e-38, inf\)"),
+        (lambda: AbsMax(1e-40), r"AbsMax: clip_factor=1e-40"),  # 0 in float32
         (lambda: AbsMax(float("nan")), r"AbsMax: clip_factor=nan"),
         (lambda: AbsMax("1"), r"AbsMax: clip_factor='1'"),
         (lambda: Percentile(0.0), r"Percentile: percentile=0\.0 .*\(0\.0, 100\.0\]"),

@@ -330,6 +330,22 @@ def test_low_bit_grids_keep_huge_values_signs_and_gradients(bits, rounding):
     np.testing.assert_array_equal(g_vjp, 1.0)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_grids_without_a_zero_keep_every_sign(bits):
+    # Far below its block's scale, x / s underflows to a zero (XLA:CPU
+    # flushes it, to -0.0 or 0.0), which a grid without a zero rounds up,
+    # as the seed's floor(y) + 0.5 does: -0.4 next to 3.3e38 came back as
+    # +1.65e38.
+    x = jnp.array([-0.4, 3.3e38, 0.7, -2.5, -1e-30, 1e-30])
+    dq, _, g, g_vjp = _fake_quant_and_grads(
+        Quantizer(IntNumerics(bits=bits, preserve_zero=False)), x, jnp.ones_like(x)
+    )
+    np.testing.assert_array_equal(np.sign(dq), np.sign(x))
+    assert np.isfinite(dq).all()
+    np.testing.assert_array_equal(g_vjp, 1.0)
+    np.testing.assert_allclose(g, 1.0, rtol=1e-6)
+
+
 @pytest.mark.parametrize("numerics", [IntNumerics(bits=8), FpNumerics("float8_e4m3fn")])
 def test_e8m0_near_float32_max_is_finite(numerics):
     # The scale rounded up, times the largest code, used to overflow to inf.
@@ -529,10 +545,14 @@ def check_edge_blocks(q, x):
     err = np.abs(dq64 - x64)
     assert (err <= tol).all(), (np.argwhere(err > tol), err[err > tol])
     # Signs: a value the grid resolves (no float32 underflow in x / s) keeps
-    # its sign or becomes 0.
+    # its sign or becomes 0; on a grid without a zero every value keeps it.
     resolved = (np.abs(x64) >= TINY) & (y >= 2.0**-100)
     flipped = resolved & (dq64 != 0) & (np.sign(dq64) != np.sign(x64))
     assert not flipped.any(), np.argwhere(flipped)
+    if isinstance(q.numerics, IntNumerics) and not q.numerics.preserve_zero:
+        # (0 only in a block whose bound is 0: zeros, or flushed subnormals)
+        flipped = (dq64 * x64 != 0) & (np.sign(dq64) != np.sign(x64))
+        assert not flipped.any(), np.argwhere(flipped)
     # Straight-through gradients, finite everywhere, zero blocks included:
     # exact from quant_vjp; through dequant's autodiff, (w * scale) / scale,
     # which float32 flushes to 0 where w * scale is below its smallest normal.

@@ -10,14 +10,15 @@ from qbits.numerics._formats import (
 )
 from qbits.numerics._fp_numerics import Fp8Numerics, FpNumerics
 from qbits.numerics._int_numerics import IntNumerics
-from qbits.numerics._no_numerics import NoNumerics
-from qbits.numerics._noise import (
-    UniformNoise,
+from qbits.numerics._keys import (
+    check_key,
     derive_key,
     hash_bits,
     hash_key,
     next_key,
 )
+from qbits.numerics._no_numerics import NoNumerics
+from qbits.numerics._noise import UniformNoise
 
 __all__ = [
     "FLOAT_FORMATS",
@@ -30,6 +31,7 @@ __all__ = [
     "QNumerics",
     "UniformNoise",
     "check_float_input",
+    "check_key",
     "compute_dtype",
     "derive_key",
     "float_format",

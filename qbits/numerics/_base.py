@@ -13,6 +13,7 @@ from flax import struct
 
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError
+from qbits.numerics._keys import check_key
 
 __all__ = ["NoiseFn", "QNumerics"]
 
@@ -133,7 +134,11 @@ def compute_dtype(dtype: Any) -> np.dtype:
 
 
 def require_key(owner: str, context: Context | None) -> jax.Array:
-    """Returns the context's PRNG key, raising a clear error when it is absent."""
+    """Returns the context's PRNG key, checked (:func:`check_key`).
+
+    Raises:
+      InvalidArgumentError: When it is absent or not one key.
+    """
     key = None if context is None else context.key
     if key is None:
         raise InvalidArgumentError(
@@ -143,4 +148,4 @@ def require_key(owner: str, context: Context | None) -> jax.Array:
             "a qbits.Context(key=jax.random.key(...)): this numerics rounds "
             "stochastically (noise_fn is set) and draws its noise from that key",
         )
-    return key
+    return check_key(owner, key)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import jax
 import numpy as np
 from flax import struct
 
 from qbits._errors import InvalidArgumentError, check_bool
 from qbits._quantizer import Quantizer
-from qbits.numerics import IntNumerics, NoNumerics
+from qbits.numerics import IntNumerics, NoNumerics, check_key
 
 __all__ = ["IDENTITY", "DotGeneralConfig", "MatmulConfig"]
 
@@ -182,16 +183,19 @@ class DotGeneralConfig(struct.PyTreeNode):
         return any(m.needs_key for m in (self.fwd, self.dlhs, self.drhs))
 
 
-def check_config(owner: str, config: Any, key: Any) -> None:
-    """Raises unless ``config`` is a DotGeneralConfig with the key it needs.
+def check_config(owner: str, config: Any, key: Any) -> jax.Array | None:
+    """Checks ``config`` and its key; returns the key (checked) or ``None``.
 
     Raises:
-      InvalidArgumentError: For another type, or a config that rounds
+      InvalidArgumentError: For another type, a key that is not one key
+        (:func:`qbits.numerics.check_key`), or a config that rounds
         stochastically without a key (at once, not inside a backward pass).
     """
     if not isinstance(config, DotGeneralConfig):
         raise InvalidArgumentError(owner, "config", config, "a qbits.DotGeneralConfig")
-    if config.needs_key and key is None:
+    if key is not None:
+        return check_key(owner, key)
+    if config.needs_key:
         raise InvalidArgumentError(
             owner,
             "key",
@@ -199,3 +203,4 @@ def check_config(owner: str, config: Any, key: Any) -> None:
             "a PRNG key (jax.random.key(...))",
             why="the config rounds stochastically",
         )
+    return None

@@ -253,7 +253,8 @@ def conv_general_dilated(
 
     Raises:
       InvalidArgumentError: If the config rounds stochastically and ``key`` is
-        ``None``.
+        ``None``, or ``key`` is not one PRNG key
+        (:func:`qbits.numerics.check_key`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -266,7 +267,7 @@ def conv_general_dilated(
       >>> conv(x, w, (1, 1), "SAME").shape
       (2, 4, 8, 8)
     """
-    check_config("conv_general_dilated", config, key)
+    key = check_config("conv_general_dilated", config, key)
     state_lib.check_providers(config, "conv_general_dilated")
     return ConvGeneralDilated(config, key)
 

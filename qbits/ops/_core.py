@@ -29,42 +29,58 @@ Residuals:
   differentiated (symbolic zeros), and the input gradient of a first layer
   or the gradient of a frozen weight is never traced.
 
-Passes:
-  The tensors a pass quantizes (four in the forward, the output gradient
-  for each backward matmul) are quantized together
-  (:func:`qbits._quantizer.quantize_all`): their scale arithmetic compiles
-  to one small kernel per pass. XLA:CPU's compile time grows with every
-  kernel instance and every instruction; a deep model pays it per layer.
+Higher derivatives:
+  A derivative of a gradient (``jax.hessian``, ``jax.jvp`` of ``jax.grad``,
+  a gradient of a gradient) differentiates the rules of the custom VJP:
+  both are given straight-through derivatives at every order
+  (:mod:`qbits.ops._straight_through`). The matmul itself has no forward
+  mode (:mod:`qbits.ops._reverse_only`).
 
 ``shard_map``:
   Inside ``jax.shard_map`` (with its default ``check_vma=True``) every
   cotangent gets the varying mesh axes of its primal: a gradient is summed
   over the axes along which it varies and its operand does not (the
   transpose of JAX's implicit ``pvary``), and an observed amax is maxed
-  over them.
+  over them. A tensor that differs per shard draws its stochastic-rounding
+  noise with the shard's index folded into its key (independent rounding
+  errors on each shard, not copies).
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
+from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
-from qbits._context import Context
-from qbits._errors import InvalidArgumentError
-from qbits._quantizer import Quantizer, Request, quantize_all
-from qbits.calibration import AbsMax
-from qbits.granularity import BlockLayout
-from qbits.numerics import derive_key, next_key
+from qbits.numerics import next_key
+from qbits.ops._backward import backward_matmuls
 from qbits.ops._config import IDENTITY, DotGeneralConfig, MatmulConfig
-from qbits.providers import ScaleProvider
+from qbits.ops._operands import (
+    SLOTS,
+    TENSORS,
+    Contraction,
+    Grad,
+    Operand,
+    Reused,
+    block_amax,
+    fits,
+    provider,
+    quantize,
+    unquantized,
+    varying,
+)
+from qbits.ops._reverse_only import forward_mode_error, reverse_mode_only
+from qbits.ops._straight_through import (
+    instantiate,
+    straight_through,
+    through_codes_error,
+)
 from qbits.tensor import QTensor
 
 __all__ = [
@@ -79,73 +95,6 @@ __all__ = [
     "quantize",
     "varying",
 ]
-
-Axes = tuple[int, ...]
-Grad = jax.tree_util.Partial
-
-#: The tensors a quantized matmul quantizes: its operands and the output
-#: gradient.
-TENSORS: tuple[str, ...] = ("lhs", "rhs", "grad")
-
-#: The six quantized operands: ``(matmul, side, tensor, key stream)``. A
-#: stochastic-rounding key for operand ``i`` is
-#: :func:`qbits.numerics.derive_key` ``(next_key(key), i)``.
-SLOTS: tuple[tuple[str, str, str, int], ...] = (
-    ("fwd", "lhs", "lhs", 0),
-    ("fwd", "rhs", "rhs", 1),
-    ("dlhs", "lhs", "grad", 2),
-    ("dlhs", "rhs", "rhs", 3),
-    ("drhs", "lhs", "grad", 4),
-    ("drhs", "rhs", "lhs", 5),
-)
-
-
-def provider(quantizer: Quantizer) -> ScaleProvider | None:
-    """The quantizer's scale provider, or ``None`` when it calibrates."""
-    cal = quantizer.calibration
-    return cal if isinstance(cal, ScaleProvider) else None
-
-
-class Contraction(abc.ABC):
-    """A bilinear map ``out = C(lhs, rhs)`` that runs on quantized operands.
-
-    Implementations are frozen dataclasses (static arguments of the custom
-    VJP: hashable, compared by value).
-    """
-
-    @property
-    @abc.abstractmethod
-    def contracting(self) -> tuple[Axes, Axes]:
-        """The axes of each operand that the map sums over (calibration)."""
-
-    @abc.abstractmethod
-    def __call__(self, lhs: QTensor, rhs: QTensor, cfg: MatmulConfig) -> jax.Array:
-        """The output from quantized operands, real or fake as ``cfg`` says.
-
-        ``lhs`` and ``rhs`` hold float values with a unit scale where an
-        operand is not quantized. Returns the output in the dtype the
-        unquantized operation would give.
-        """
-
-    @abc.abstractmethod
-    def plain(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        """The unquantized operation (what JAX itself computes)."""
-
-    @abc.abstractmethod
-    def gradient(self, side: str) -> Contraction:
-        """The contraction ``(g, other) -> d side``, laid out like ``side``."""
-
-    def reuse(self, rhs: QTensor) -> QTensor | None:
-        """A forward operand reused as this contraction's rhs.
-
-        Returns it when its scale factors out of this contraction, else
-        ``None`` (the scale is then folded into the lhs: :meth:`fold`).
-        """
-        return rhs
-
-    def fold(self, lhs: jax.Array, rhs: QTensor) -> jax.Array:
-        """``lhs`` times ``rhs``'s scale, laid out along ``lhs``'s axes."""
-        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,84 +117,6 @@ class Plan:
     dtypes: tuple[np.dtype, np.dtype]
     observe: tuple[str, ...] = ()
     vma: tuple[tuple[str, frozenset], ...] = ()
-
-
-def varying(x: Any) -> frozenset:
-    """The manual mesh axes along which ``x`` varies (inside ``shard_map``)."""
-    mat = getattr(jax.typeof(x), "mat", None)
-    return frozenset(getattr(mat, "varying", ()) or ())
-
-
-def _key(key: jax.Array | None, slot: int) -> jax.Array | None:
-    """The key of operand ``SLOTS[slot]``."""
-    return None if key is None else derive_key(key, slot)
-
-
-class Operand(NamedTuple):
-    """One of the six quantized operands of a call, to quantize.
-
-    Attributes:
-      quantizer: Its quantizer.
-      x: The tensor.
-      contracting: The axes its matmul contracts.
-      slot: Its index in :data:`SLOTS` (its key stream).
-      store: Store the values in the low-precision dtype (real mode).
-      scale: Its tensor's given scale, used where the quantizer has a scale
-        provider (a calibrating quantizer computes its own).
-    """
-
-    quantizer: Quantizer
-    x: jax.Array
-    contracting: Axes
-    slot: int
-    store: bool
-    scale: jax.Array | None
-
-
-def quantize(
-    operands: dict[str, Operand], key: jax.Array | None
-) -> dict[str, tuple[QTensor, Grad]]:
-    """Quantizes the operands of one pass together (:func:`quantize_all`).
-
-    The forward pass quantizes up to four tensors (both forward operands,
-    and the two that the backward matmuls keep), the backward pass the
-    output gradient for each of its matmuls: their scale arithmetic then
-    compiles to one small kernel per pass.
-    """
-    requests = [
-        Request(
-            o.quantizer,
-            o.x,
-            Context(_key(key, o.slot)),
-            o.store and o.quantizer.numerics.get_dtype() is not None,
-            o.contracting,
-            o.scale if provider(o.quantizer) is not None else None,
-        )
-        for o in operands.values()
-    ]
-    return dict(zip(operands, quantize_all(requests, vjp=True), strict=True))
-
-
-def block_amax(quantizer: Quantizer, x: jax.Array, contracting: Axes) -> jax.Array:
-    """``max(|x|)`` per scale block of ``quantizer`` (inf where a NaN is)."""
-    blocks = quantizer.granularity.block_sizes(x.shape, contracting)
-    layout = BlockLayout.create(x.shape, blocks)
-    xb = x.astype(jnp.float32).reshape(layout.blocked_shape)
-    return AbsMax().bound(xb, layout.reduce_axes).reshape(layout.scale_shape)
-
-
-def _unquantized(x: jax.Array) -> QTensor:
-    return QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Reused:
-    """A forward operand that a backward matmul reuses (``use_fwd_quant``)."""
-
-    qtensor: QTensor
-
-
-jax.tree_util.register_dataclass(_Reused, data_fields=["qtensor"], meta_fields=[])
 
 
 def apply(
@@ -274,24 +145,21 @@ def apply(
       The output, in the dtype the unquantized operation gives.
 
     Raises:
-      InvalidArgumentError: Under forward-mode differentiation
-        (``jax.jvp``, ``jax.jacfwd``), which a custom VJP does not have.
+      InvalidArgumentError: Under forward-mode differentiation of the matmul
+        itself (``jax.jvp``, ``jax.jacfwd``, applying ``jax.linearize``'s
+        function), which a custom VJP does not have (derivatives of its
+        gradient, forward mode included, are straight-through); for a mixed
+        second derivative through the quantized codes a backward matmul
+        keeps (:mod:`qbits.ops._straight_through`).
     """
     key = next_key(key) if key is not None and plan.config.needs_key else None
+    lhs, rhs, scales = reverse_mode_only((lhs, rhs, scales))
     try:
         return _jit_core(plan, lhs, rhs, key, scales)
-    except TypeError as e:
+    except TypeError as e:  # JAX's own, where it meets the forward mode first
         if "forward-mode" not in str(e):
             raise
-        raise InvalidArgumentError(
-            "qbits quantized matmul",
-            "differentiation",
-            "forward-mode (jax.jvp, jax.jacfwd, jax.linearize of a jvp)",
-            "reverse mode: jax.grad, jax.vjp, jax.jacrev (the quantized "
-            "backward matmuls are a custom VJP, which has no forward mode); "
-            "for a JVP of the forward quantization use fake mode outside "
-            "qbits.dot_general, e.g. Quantizer.quant(x).dequant()",
-        ) from None
+        raise forward_mode_error() from None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -344,7 +212,7 @@ def _forward(
         if cfg.use_fwd_quant or cfg.rhs == IDENTITY:
             continue
         if name not in kept:
-            if not _fits(cfg.rhs, x, axes):  # no place to keep
+            if not fits(cfg.rhs, x, axes):  # no place to keep
                 continue
             x = jax.ShapeDtypeStruct(x.shape, x.dtype)
         operands[name] = Operand(
@@ -352,8 +220,8 @@ def _forward(
         )
     done = {n: v for n, v in quantize(operands, key).items() if v is not None}
     if fwd.is_identity:
-        done["lhs"] = (_unquantized(lhs), Grad(_identity))
-        done["rhs"] = (_unquantized(rhs), Grad(_identity))
+        done["lhs"] = (unquantized(lhs), Grad(_identity))
+        done["rhs"] = (unquantized(rhs), Grad(_identity))
         out = c.plain(lhs, rhs)
     else:
         out = c(done["lhs"][0], done["rhs"][0], fwd)
@@ -383,7 +251,7 @@ def _fwd(
     key = jax.tree.map(lambda k: k.value, key)
     scales = {t: s.value for t, s in scales.items()}
     fwd, c = plan.config.fwd, plan.contraction
-    out, done = _forward(plan, lhs, rhs, key, scales, kept=needed)
+    out, done = _kept_forward(plan, needed, lhs, rhs, key, scales)
     lc, rc = c.contracting
     amax = {
         t: block_amax(q, x, axes)
@@ -415,6 +283,54 @@ def _fwd(
     return out, residuals
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kept_forward(
+    plan: Plan,
+    needed: tuple[str, ...],
+    lhs: jax.Array,
+    rhs: jax.Array,
+    key: jax.Array | None,
+    scales: dict[str, jax.Array],
+) -> tuple[jax.Array, dict[str, Any]]:
+    """:func:`_forward`, keeping the operands of the backward matmuls ``needed``.
+
+    Differentiated (a derivative of a gradient), the output is
+    straight-through: ``C(dlhs, Q(rhs)) + C(Q(lhs), drhs)``
+    (:mod:`qbits.ops._straight_through`).
+    """
+    return _forward(plan, lhs, rhs, key, scales, kept=needed)
+
+
+def _kept_forward_jvp(
+    plan: Plan, needed: tuple[str, ...], primals: tuple[Any, ...], tangents: Any
+) -> tuple[Any, Any]:
+    lhs, rhs, key, scales = primals
+    dl, dr = tangents[0], tangents[1]
+    out, done = _kept_forward(plan, needed, lhs, rhs, key, scales)
+    # What the backward matmuls keep: a float operand carries its derivative,
+    # quantized codes carry none (scales and masks have derivative zero).
+    t_done = zero_from_primal(done, True)
+    for name, tensor, t in (("dlhs", "rhs", dr), ("drhs", "lhs", dl)):
+        if name not in needed or isinstance(t, SymbolicZero):
+            continue
+        if isinstance(done[name], QTensor | Reused):
+            raise through_codes_error(name, tensor)
+        t_done[name] = t
+    (lq, lgrad), (rq, rgrad) = done["lhs"], done["rhs"]
+
+    def emulated(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        a = straight_through(lhs, lq.dequant(), lgrad)
+        b = straight_through(rhs, rq.dequant(), rgrad)
+        return plan.contraction.plain(a, b).astype(out.dtype)
+
+    args = (lhs, rhs)
+    _, t_out = jax.jvp(emulated, args, instantiate((dl, dr), args))
+    return (out, done), (t_out, t_done)
+
+
+_kept_forward.defjvp(_kept_forward_jvp, symbolic_zeros=True)
+
+
 def _stand_in(cfg: MatmulConfig, x: jax.Array, forward: QTensor) -> Any:
     """What a backward matmul nobody needs keeps: its residual's structure.
 
@@ -429,21 +345,12 @@ def _stand_in(cfg: MatmulConfig, x: jax.Array, forward: QTensor) -> Any:
     return QTensor(empty, empty, qdtype=qdtype, dtype=np.dtype(x.dtype))
 
 
-def _fits(quantizer: Quantizer, x: jax.Array, axes: Axes) -> bool:
-    """Whether ``quantizer``'s blocks fit ``x`` (a matmul nobody needs may not)."""
-    try:
-        quantizer.granularity.block_sizes(x.shape, axes)
-    except InvalidArgumentError:
-        return False
-    return True
-
-
 def _for_backward(
     cfg: MatmulConfig,
     x: jax.Array,
     forward: QTensor,
     quantized: tuple[QTensor, Grad] | None,
-) -> jax.Array | QTensor | _Reused:
+) -> jax.Array | QTensor | Reused:
     """A forward operand as the backward matmul ``cfg`` (its rhs) will use it.
 
     The forward's own quantized operand (``use_fwd_quant``), the operand
@@ -451,7 +358,7 @@ def _for_backward(
     identity).
     """
     if cfg.use_fwd_quant:
-        return _Reused(forward)
+        return Reused(forward)
     if quantized is None:
         return x
     return quantized[0]
@@ -464,49 +371,8 @@ def _bwd(
     config, c = plan.config, plan.contraction
     if isinstance(g, SymbolicZero):  # nothing flows back
         return None, None, None, {t: None for t in zeros}
-    needed = {n for n, k in zip(("dlhs", "drhs"), needs.shape, strict=True) if k}
-    specs = {
-        "dlhs": (config.dlhs, c.gradient("lhs"), rhs_b, 2),
-        "drhs": (config.drhs, c.gradient("rhs"), lhs_b, 4),
-    }
-    matmuls = {
-        name: _Gradient.create(cfg, cg, g, other, slot, gscale)
-        for name, (cfg, cg, other, slot) in specs.items()
-        if name in needed
-    }
-    # The output gradient quantized once for both backward matmuls when they
-    # quantize it alike (same quantizer, same blocks, no noise). A matmul
-    # nobody needs keeps its place in the scale kernel (a placeholder) unless
-    # the other one's quantization stands for it, so that the kernels are
-    # those of a call that needs both.
-    operands: dict[str, Operand] = {}
-    same: dict[Any, str] = {}
-    for name, (cfg, cg, _, slot) in specs.items():
-        if name not in needed:
-            lc = cg.contracting[0]
-            if cfg.lhs == IDENTITY or not _fits(cfg.lhs, g, lc):
-                continue
-            shareable = _Gradient.shareable_of(cfg, g.shape, lc)
-            if shareable is None or all(
-                m.shareable != shareable for m in matmuls.values()
-            ):
-                spec = jax.ShapeDtypeStruct(g.shape, g.dtype)
-                operands[name] = Operand(cfg.lhs, spec, lc, slot, False, gscale)
-            continue
-        m = matmuls[name]
-        if m.operand is None:
-            continue
-        if m.shareable in same:
-            m.uses = same[m.shareable]
-            continue
-        operands[name] = m.operand
-        if m.shareable is not None:
-            same[m.shareable] = name
-    done = quantize(operands, key)
-    grads = {
-        name: m.contract(done[m.uses or name][0] if m.operand is not None else None)
-        for name, m in matmuls.items()
-    }
+    needed = tuple(n for n, k in zip(("dlhs", "drhs"), needs.shape, strict=True) if k)
+    grads, _ = backward_matmuls(config, c, needed, g, rhs_b, lhs_b, key, gscale)
     vma = dict(plan.vma)
     dl = dr = None
     if "dlhs" in grads:
@@ -528,76 +394,6 @@ def _bwd(
             lax.pmax,
         )
     return dl, dr, None, observed
-
-
-@dataclasses.dataclass
-class _Gradient:
-    """One gradient matmul: ``g`` against a forward operand, as ``cfg`` says.
-
-    Attributes:
-      cfg: The matmul's config.
-      contraction: The gradient contraction.
-      g: The output gradient (times the reused operand's scale where it was
-        folded in).
-      other: The forward operand, quantized for this matmul already.
-      operand: ``g`` to quantize, or ``None`` (a float matmul).
-      shareable: What makes ``g``'s quantization the same as another
-        matmul's (``None``: never shared).
-      uses: The matmul whose quantized ``g`` this one takes.
-    """
-
-    cfg: MatmulConfig
-    contraction: Contraction
-    g: jax.Array
-    other: Any
-    operand: Operand | None
-    shareable: Any
-    uses: str | None = None
-
-    @classmethod
-    def create(
-        cls,
-        cfg: MatmulConfig,
-        c: Contraction,
-        g: jax.Array,
-        other: jax.Array | QTensor | _Reused,
-        slot: int,
-        gscale: jax.Array | None,
-    ) -> _Gradient:
-        if cfg.is_identity and not isinstance(other, QTensor | _Reused):
-            return cls(cfg, c, g, other, None, None)
-        real = cfg.mode == "real"
-        folded = False
-        if isinstance(other, _Reused):
-            oq = c.reuse(other.qtensor)
-            if oq is None:  # its scale varies along axes this matmul contracts
-                g = c.fold(g, other.qtensor)
-                ones = jnp.ones((1,) * other.qtensor.ndim, jnp.float32)
-                oq = other.qtensor.replace(scale=ones)
-                folded = True
-        elif isinstance(other, QTensor):
-            oq = other
-        else:
-            oq = _unquantized(other)
-        lc = c.contracting[0]
-        operand = Operand(cfg.lhs, g, lc, slot, real, gscale)
-        shareable = None if folded else cls.shareable_of(cfg, g.shape, lc)
-        return cls(cfg, c, g, oq, operand, shareable)
-
-    @staticmethod
-    def shareable_of(cfg: MatmulConfig, shape: tuple[int, ...], lc: Axes) -> Any:
-        """What makes ``g``'s quantization for ``cfg`` shareable (or ``None``)."""
-        if cfg.needs_key:
-            return None
-        q = cfg.lhs
-        blocks = q.granularity.block_sizes(shape, lc) if q != IDENTITY else ()
-        return (q, blocks, cfg.mode == "real")
-
-    def contract(self, gq: QTensor | None) -> jax.Array:
-        """The gradient, from ``g`` quantized (``None`` for a float matmul)."""
-        if self.operand is None:
-            return self.contraction.plain(self.g, self.other)
-        return self.contraction(gq, self.other, self.cfg)
 
 
 def _identity(g: jax.Array) -> jax.Array:

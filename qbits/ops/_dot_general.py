@@ -298,7 +298,8 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
 
     Args:
       config: The forward matmul and the two gradient matmuls.
-      key: A PRNG key, required when any operand rounds stochastically.
+      key: A PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``, one key),
+        required when any operand rounds stochastically.
         The six operands draw from
         ``qbits.numerics.derive_key(qbits.numerics.next_key(key), i)``,
         i = 0..5. Pass a new key each step (and per layer) for independent
@@ -313,7 +314,8 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
 
     Raises:
       InvalidArgumentError: If the config rounds stochastically and ``key`` is
-        ``None``: at once, rather than inside the backward pass.
+        ``None`` (at once, rather than inside the backward pass), or ``key``
+        is not one PRNG key (:func:`qbits.numerics.check_key`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -328,6 +330,6 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
       >>> gx, gw = jax.grad(lambda x, w: dg(x, w, (((1,), (0,)), ((), ()))).sum(),
       ...                   argnums=(0, 1))(x, w)
     """
-    check_config("dot_general", config, key)
+    key = check_config("dot_general", config, key)
     state_lib.check_providers(config, "dot_general")
     return DotGeneral(config, key)

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qbits._errors import InvalidArgumentError
-from qbits.ops._config import DotGeneralConfig
+from qbits.ops._config import DotGeneralConfig, check_config
 from qbits.ops._dot_general import DotGeneral, dot_general
 from qbits.scaled import is_scaled, scalify
 
@@ -293,8 +293,9 @@ def einsum(config: DotGeneralConfig, key: jax.Array | None = None) -> Einsum:
       An :class:`Einsum`.
 
     Raises:
-      InvalidArgumentError: For a config that needs a key and has none; the
-        call raises for subscripts that are not a two-operand einsum.
+      InvalidArgumentError: For a config that needs a key and has none, or
+        a ``key`` that is not one PRNG key (:func:`qbits.numerics.check_key`);
+        the call raises for subscripts that are not a two-operand einsum.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -307,4 +308,5 @@ def einsum(config: DotGeneralConfig, key: jax.Array | None = None) -> Einsum:
       >>> op("bthd,bshd->bhts", q, k).shape
       (2, 4, 5, 7)
     """
+    key = check_config("einsum", config, key)
     return Einsum(dot_general(config, key))

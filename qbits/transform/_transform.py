@@ -20,6 +20,7 @@ import jax
 
 from qbits._errors import InvalidArgumentError
 from qbits.config import LayerRow, LayerTable, QuantConfig, as_quant_config
+from qbits.numerics import check_key
 from qbits.tensor import QTensor
 from qbits.transform._program import Program, trace
 from qbits.transform._runner import Caller, Frame, Plan, run_program
@@ -164,6 +165,8 @@ def quantize(
     quant = as_quant_config(caller.owner, config, allow_none=True)
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
+    if key is not None:
+        key = _checked_key(caller, key)
     if stored is not None:
         stored = _stored_weights(caller, stored)
 
@@ -187,6 +190,16 @@ def quantize(
         return jax.tree.unflatten(program.out_tree, out)
 
     return quantized
+
+
+def _checked_key(caller: Caller, key: Any) -> Any:
+    """The key, checked (:func:`qbits.numerics.check_key`) as the caller names it."""
+    try:
+        return check_key(caller.owner, key)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(
+            caller.owner, caller.key, e.value, e.allowed, why=e.why
+        ) from None
 
 
 def _stored_weights(caller: Caller, stored: Any) -> dict[str, QTensor]:

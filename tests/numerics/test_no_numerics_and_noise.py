@@ -120,6 +120,75 @@ def test_hash_key_fold_in_and_split_give_distinct_unrelated_keys():
     assert len(words) == len(sources)
 
 
-def test_hash_key_rejects_what_is_not_a_key():
-    with pytest.raises(qbits.InvalidArgumentError, match=r"hash_key.*key.*PRNGKey"):
-        qbits.numerics.hash_key(jnp.zeros((2,), jnp.float32))
+_INT8 = qbits.presets.get("int8")
+_NOISY = qbits.Quantizer(qbits.IntNumerics(noise_fn=qbits.UniformNoise()))
+
+
+@pytest.mark.parametrize(
+    ("call", "owner", "why"),
+    [
+        (lambda: qbits.numerics.hash_key(7), "hash_key", "a seed, not a key"),
+        (lambda: qbits.numerics.hash_key(jnp.ones(1, jnp.uint32)), "hash_key", "words"),
+        (lambda: qbits.numerics.hash_key(jnp.zeros(2)), "hash_key", "truncated"),
+        (lambda: qbits.dot_general(_INT8, 3), "dot_general", "a seed, not a key"),
+        (
+            lambda: qbits.dot_general(_INT8, jnp.full(2, 1.5)),
+            "dot_general",
+            "truncated",
+        ),
+        (
+            lambda: qbits.dot_general(_INT8, jax.random.split(jax.random.key(0), 4)),
+            "dot_general",
+            "a batch of keys",
+        ),
+        (
+            lambda: qbits.einsum(_INT8, jnp.zeros((2, 2), jnp.uint32)),
+            "einsum",
+            "a batch of keys",
+        ),
+        (
+            lambda: qbits.conv_general_dilated(_INT8, jnp.arange(2)),
+            "conv_general_dilated",
+            "int32 values would be truncated",
+        ),
+        (
+            lambda: qbits.numerics.derive_key(jnp.full(2, 1.5), 0),
+            "derive_key",
+            "truncated",
+        ),
+        (
+            lambda: qbits.UniformNoise()((4,), jax.random.split(jax.random.key(0))),
+            "UniformNoise",
+            "a batch of keys",
+        ),
+        (
+            lambda: _NOISY.quant(jnp.ones(4), qbits.Context(jnp.ones(2))),
+            "IntNumerics",
+            "truncated",
+        ),
+    ],
+)
+def test_keys_are_checked_where_they_enter(call, owner, why):
+    # One check (qbits.numerics.check_key) everywhere a key enters: a float
+    # or int32 array was truncated into key bits, a batch of keys mixed into
+    # one, an int or an empty key raised AttributeError / IndexError.
+    with pytest.raises(
+        qbits.InvalidArgumentError, match=rf"^{owner}: key=.*{why}.*random\.key"
+    ):
+        call()
+
+
+def test_noise_uses_every_bit_of_a_key():
+    # Two words folded into one 32-bit seed: w0 ^ 3 phi w1 is the same for
+    # (6 phi, 0) and (0, 2), and so was their noise.
+    six_phi = (6 * 0x9E3779B9) % 2**32
+    noise = qbits.UniformNoise()
+    a = noise((256,), jnp.array([six_phi, 0], jnp.uint32))
+    b = noise((256,), jnp.array([0, 2], jnp.uint32))
+    assert not np.any(a == b)
+    # Four-word (rbg) keys become hash keys of two words: 3 phi w1 ^ 5 phi w2
+    # cancelled for (0, 2, 6/5, 0) against zeros.
+    w2 = 6 * pow(5, -1, 2**32) % 2**32
+    zero = qbits.numerics.hash_key(jnp.zeros(4, jnp.uint32))
+    other = qbits.numerics.hash_key(jnp.array([0, 2, w2, 0], jnp.uint32))
+    assert np.any(jax.random.key_data(zero) != jax.random.key_data(other))

@@ -44,10 +44,12 @@ def main():
         )
         gx, gw = jax.jit(jax.grad(sharded, (0, 1)))(x, w)
         ref = [jax.grad(local, (0, 1))(xs, w) for xs in jnp.split(x, 8)]
-        np.testing.assert_allclose(
-            gx, jnp.concatenate([r[0] for r in ref]), rtol=1e-5, atol=1e-6
-        )
-        np.testing.assert_allclose(gw, sum(r[1] for r in ref), rtol=1e-4, atol=1e-4)
+        ref_x, ref_w = jnp.concatenate([r[0] for r in ref]), sum(r[1] for r in ref)
+        # int8's stochastic rounding draws other noise on each shard than
+        # the unsharded reference (the shard's index is in its key).
+        tol = 0.03 if config.needs_key else 1e-5
+        np.testing.assert_allclose(gx, ref_x, rtol=tol, atol=tol * jnp.abs(ref_x).max())
+        np.testing.assert_allclose(gw, ref_w, rtol=tol, atol=tol * jnp.abs(ref_w).max())
 
     dg = qbits.dot_general(qbits.presets.get("fp8_delayed"))
     state = dg.init_state(x, w, DN)
@@ -61,6 +63,23 @@ def main():
     _, _, new = jax.jit(jax.grad(sharded, (0, 1, 2)))(x, w, state)
     np.testing.assert_allclose(new["lhs_amax_history"][0], jnp.max(jnp.abs(x)))
     assert new["grad_amax_history"][0] > 0
+    # Every shard holds the same 8 rows: the output gradient is the same on
+    # every shard, and its stochastic rounding must still differ (the psum of
+    # a replicated weight's gradient adds independent errors, not copies).
+    config = qbits.presets.get("int8")
+    dg = qbits.dot_general(config, k[2])
+
+    def input_grad(x, w):
+        return jax.grad(lambda x: jnp.sum(jnp.tanh(dg(x, w, DN))))(x)
+
+    same = jnp.tile(x[:8], (8, 1))
+    gx = jax.jit(
+        jax.shard_map(
+            input_grad, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")
+        )
+    )(same, w)
+    rows = {np.asarray(b).tobytes() for b in jnp.split(gx, 8)}
+    assert len(rows) == 8, f"{len(rows)} distinct shards of 8"
     print("shard_map gradients are right")
 
 

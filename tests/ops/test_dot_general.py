@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax import lax
 
 import qbits
@@ -277,6 +279,39 @@ def test_weight_only_int8_with_float_activations():
     np.testing.assert_allclose(out, x @ fq(INT8, w, (0,)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        qbits.presets.get("int4_weight_only"),
+        DotGeneralConfig(fwd=MatmulConfig(lhs=NONE, rhs=INT8)),
+        DotGeneralConfig(dlhs=MatmulConfig(lhs=NONE, rhs=INT8)),  # g . Q(w)^T
+    ],
+    ids=["int4_weight_only", "int8_weight_only", "int8_weight_only_dlhs"],
+)
+def test_weight_only_results_that_float32_holds_stay_finite(config):
+    # Float activations meet the weight's codes (up to 7 or 127) before the
+    # scales: 4e36 * 127 * 128 overflowed float32, the result (~3e36) does
+    # not. Rows that cannot overflow keep their bits.
+    small, w = operands((3, 128), (128, 5), seed=2)
+    x = small.at[:2].multiply(4e36)
+    dg = qbits.dot_general(config)
+
+    @jax.jit
+    def run(x):
+        out, vjp = jax.vjp(lambda x: dg(x, w, MM), x)
+        return out, vjp(jnp.ones_like(out) * 4e36)[0]
+
+    out, gx = run(x)
+    fwd_w = config.fwd.rhs.quant(w, contracting_axes=(0,)).dequant()
+    bwd_w = config.dlhs.rhs.quant(w, contracting_axes=(1,)).dequant()
+    want = np.asarray(x, np.float64) @ np.asarray(fwd_w, np.float64)
+    want_gx = np.full((3, 5), 4e36) @ np.asarray(bwd_w, np.float64).T
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(gx))
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+    np.testing.assert_allclose(gx, want_gx, rtol=1e-5)
+    np.testing.assert_array_equal(out[2], run(small)[0][2])
+
+
 def test_int8_dots_are_native_s8_in_the_optimized_hlo():
     x, w = operands((16, 64), (64, 32))
     dg = qbits.dot_general(int8_all())
@@ -515,11 +550,131 @@ def test_non_integer_dimension_numbers_are_refused(axis):
         dg(jnp.ones((2, 3)), jnp.ones((3, 4)), (((axis,), (0,)), ((), ())))
 
 
-def test_forward_mode_autodiff_gives_a_clear_error():
+@pytest.mark.parametrize(
+    "forward",
+    [
+        lambda f, x: jax.jvp(f, (x,), (x,)),
+        lambda f, x: jax.jit(lambda x: jax.jvp(f, (x,), (x,)))(x),
+        lambda f, x: jax.jacfwd(f)(x),
+        lambda f, x: jax.linearize(f, x)[1](x),  # linearize traces; apply raises
+        lambda f, x: jax.jit(jax.linearize(f, x)[1])(x),
+        lambda f, x: jax.jit(jax.jacrev(jax.jacfwd(lambda x: jnp.sum(f(x)))))(x),
+    ],
+)
+def test_forward_mode_autodiff_gives_a_clear_error(forward):
     dg = qbits.dot_general(qbits.presets.get("int8_fwd"))
     x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
-    with pytest.raises(qbits.InvalidArgumentError, match=r"jax\.grad"):
-        jax.jvp(lambda x: dg(x, w, MM), (x,), (x,))
+    with pytest.raises(qbits.InvalidArgumentError, match=r"forward-mode.*jax\.grad"):
+        forward(lambda x: dg(x, w, MM), x)
+
+
+def _straight_through_hessians(preset):
+    """Hessians of 0.5 |x w|^2 in x and in w, and what straight-through gives."""
+    config = qbits.presets.get(preset)
+    dg = qbits.dot_general(config, jax.random.key(3))
+    x, w = operands((2, 3), (3, 4), seed=4)
+
+    def loss(x, w):
+        return 0.5 * jnp.sum(dg(x, w, MM) ** 2)
+
+    def deq(quantizer, v, axes):
+        return quantizer.quant(v, contracting_axes=axes).dequant()
+
+    # y = Q(x) Qf(w); dy = dx Qf(w) + Q(x) dw; the gradients are
+    # g Qb(w)^T and Qb(x)^T g with g = y: straight-through in g.
+    wf, xf = deq(config.fwd.rhs, w, (0,)), deq(config.fwd.lhs, x, (1,))
+    wb, xb = deq(config.dlhs.rhs, w, (1,)), deq(config.drhs.rhs, x, (0,))
+    # [2, 3, 2, 3] and [3, 4, 3, 4]: the rows of x are independent, and the
+    # columns of w.
+    hx, hw = jax.jit(
+        lambda x, w: (jax.hessian(loss, 0)(x, w), jax.hessian(loss, 1)(x, w))
+    )(x, w)
+    want_x = jnp.einsum("kn,jn->kj", wb, wf)
+    want_w = jnp.einsum("mk,mj->kj", xb, xf)
+    return hx, hw, want_x, want_w
+
+
+def test_second_derivatives_are_straight_through():
+    # int8: the output gradient is quantized (stochastically) in both
+    # backward matmuls, which keep the operands as int8 codes.
+    hx, hw, want_x, want_w = _straight_through_hessians("int8")
+    for i in range(2):
+        np.testing.assert_allclose(hx[i, :, i, :], want_x, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(hx[i, :, 1 - i, :], 0.0)
+    for n in range(4):
+        np.testing.assert_allclose(hw[:, n, :, n], want_w, rtol=1e-6, atol=1e-6)
+
+
+def test_mixed_second_derivative_through_kept_codes_is_refused():
+    # int8's weight gradient keeps x as int8 codes: its derivative in x has
+    # nothing to go through (a silent zero before).
+    dg = qbits.dot_general(qbits.presets.get("int8"), jax.random.key(0))
+    x, w = operands((2, 5), (5, 4))
+    with pytest.raises(
+        qbits.InvalidArgumentError,
+        match=r"mixed second derivative.*keeps rhs as quantized codes.*int8_fwd",
+    ):
+        jax.jit(jax.hessian(lambda x, w: jnp.sum(dg(x, w, MM) ** 2), (0, 1)))(x, w)
+
+
+# The smallest operands each preset's granularities fit (tiles of 32 or 128
+# along every axis some matmul contracts).
+_PRESET_SHAPES = {
+    "int4_weight_only": (2, 128, 3),
+    "fp8_blockwise": (128, 128, 128),
+    "mxfp8": (32, 32, 32),
+    "mxfp4": (32, 32, 32),
+}
+
+
+def _keeps_codes(config):
+    """Whether a backward matmul keeps its forward operand as quantized codes."""
+    return any(
+        m.use_fwd_quant or m.rhs.numerics != qbits.NoNumerics()
+        for m in (config.dlhs, config.drhs)
+    )
+
+
+@pytest.mark.parametrize("preset", qbits.presets.names())
+@settings(max_examples=max(1, settings().max_examples // 25))
+@given(
+    which=st.sampled_from(["lhs", "rhs", "both"]),
+    how=st.sampled_from(["hessian", "linearize", "grad_of_grad"]),
+    seed=st.integers(0, 2**16),
+)
+def test_second_derivatives_of_every_preset(preset, which, how, seed):
+    # f(t) = 0.5 |x(t) w(t)|^2 along a random direction of x, w or both:
+    # f''(0) is straight-through (near the float one, never zero), or a
+    # mixed derivative through quantized codes is refused.
+    config = qbits.presets.get(preset)
+    m, k, n = _PRESET_SHAPES.get(preset, (3, 8, 5))
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x0, u = (jax.random.normal(kk, (m, k)) for kk in keys[:2])
+    w0, v = (jax.random.normal(kk, (k, n)) for kk in keys[2:4])
+    u, v = (u if which != "rhs" else 0 * u), (v if which != "lhs" else 0 * v)
+    dg = qbits.dot_general(config, keys[4])
+    state = dg.init_state(x0, w0, MM) if qbits.ops.needs_state(config) else None
+
+    def f(t):
+        x = x0 + t * u if which != "rhs" else x0
+        w = w0 + t * v if which != "lhs" else w0
+        return 0.5 * jnp.sum(dg(x, w, MM, state=state) ** 2)
+
+    second = {
+        "hessian": jax.hessian(f),
+        "linearize": lambda t: jax.linearize(jax.grad(f), t)[1](jnp.ones_like(t)),
+        "grad_of_grad": jax.grad(jax.grad(f)),
+    }[how]
+    t0 = jnp.float32(0.0)
+    if which == "both" and _keeps_codes(config):
+        with pytest.raises(qbits.InvalidArgumentError, match="mixed second"):
+            jax.jit(second)(t0)
+        return
+    got = float(jax.jit(second)(t0))
+    x0, u, w0, v = (np.asarray(a, np.float64) for a in (x0, u, w0, v))
+    want = np.sum((u @ w0 + x0 @ v) ** 2) + 2 * np.sum((x0 @ w0) * (u @ v))
+    assert np.isfinite(got)
+    assert abs(got - want) <= 0.3 * abs(want), (got, want)
 
 
 @pytest.mark.parametrize("preset", ["int8", "fp8", "mxfp8", "int4_weight_only"])

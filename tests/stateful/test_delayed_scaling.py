@@ -37,11 +37,33 @@ def delayed_config(history=16, mode="real", amax_compute="max", margin=0.0):
         ({"amax_compute": "mean"}, "amax_compute"),
         ({"margin": -1.0}, "margin"),
         ({"margin": float("nan")}, "margin"),
+        ({"margin": 40.0}, "margin"),  # 2**40: beyond any grid's range
+        ({"margin": 5e8}, "margin"),  # 2.0**5e8: OverflowError
     ],
 )
 def test_bad_settings_raise_naming_the_argument(kwargs, name):
     with pytest.raises(qbits.InvalidArgumentError, match=f"DelayedScaling: {name}="):
         DelayedScaling(**kwargs)
+
+
+def test_a_margin_that_maps_the_amax_to_zero_is_refused_for_its_numerics():
+    # int8's amax lands on 127.5 / 2**9 < 0.5 (rounds to 0, and every value
+    # below it): all outputs were zero. E4M3 still resolves 448 / 2**9.
+    int8 = qbits.IntNumerics(bits=8)
+    cal = DelayedScaling(history_length=4, margin=9.0)
+    with pytest.raises(qbits.InvalidArgumentError, match=r"margin=9\.0 .*below 7\.99"):
+        cal.init_state((), None, int8)
+    with pytest.raises(qbits.InvalidArgumentError, match="every output would be"):
+        cal.scale(DelayedScaling(4).init_state((), None, int8), int8)
+    dg = qbits.dot_general(delayed_config(history=4, margin=9.0))
+    x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
+    state = dg.init_state(x, w, DN)
+    state["lhs_amax_history"] = state["lhs_amax_history"].at[0].set(1.0)
+    state["rhs_amax_history"] = state["rhs_amax_history"].at[0].set(1.0)
+    out = dg(x, w, DN, state=state)
+    np.testing.assert_allclose(out, x @ w, rtol=0.1)
+    with pytest.raises(qbits.InvalidArgumentError, match="margin"):
+        scale_from_history(jnp.ones(2), jnp.ones(()), 448.0, margin=1e9)
 
 
 def test_scale_matches_flax_compute_scale_and_keeps_old_on_zero_or_nonfinite():

@@ -644,3 +644,17 @@ def test_vmap_of_a_quantized_function_scales_each_example_on_its_own():
     shared = qbits.quantize(jax.vmap(f, in_axes=(None, 0)), "fp8")(w, xs)
     assert not np.array_equal(shared[0], alone[0])
     np.testing.assert_array_equal(shared[1], alone[1])
+
+
+def test_keys_are_checked_where_they_enter():
+    def f(p, x):
+        return x @ p["w"]
+
+    x = jnp.ones((3, 4))
+    for bad in (5, jnp.zeros(2), jnp.stack([jax.random.PRNGKey(0)] * 2)):
+        with pytest.raises(qbits.InvalidArgumentError, match=r"qbits\.quantize: key="):
+            qbits.quantize(f, "int8", bad)
+    model = qbits.flax.quantize(nn.Dense(2), "int8")
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(qbits.InvalidArgumentError, match=r"rngs\['quant'\]=5"):
+        model.apply(variables, x, rngs={"quant": 5})
