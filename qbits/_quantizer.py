@@ -106,16 +106,23 @@ class Quantizer(struct.PyTreeNode):
     calibration: Calibration = struct.field(pytree_node=False, default=AbsMax())
     granularity: Granularity = struct.field(pytree_node=False, default=PerTensor())
     scale_rounding: ScaleRounding = struct.field(pytree_node=False, default="none")
+    provider: ScaleProvider | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self) -> None:
+        if isinstance(self.calibration, ScaleProvider):
+            raise InvalidArgumentError(
+                "Quantizer",
+                "calibration",
+                self.calibration,
+                "a qbits Calibration (a scale computed from the tensor); a "
+                f"scale provider goes in provider=: Quantizer(numerics, "
+                f"provider={type(self.calibration).__name__}(...))",
+            )
         for name, kind, label in (
             ("numerics", QNumerics, "QNumerics"),
-            (
-                "calibration",
-                Calibration | ScaleProvider,
-                "Calibration or ScaleProvider",
-            ),
+            ("calibration", Calibration, "Calibration"),
             ("granularity", Granularity, "Granularity"),
+            ("provider", ScaleProvider | type(None), "ScaleProvider or None"),
         ):
             if not isinstance(getattr(self, name), kind):
                 raise InvalidArgumentError(
@@ -324,13 +331,13 @@ def _calibrate(
     )
     placeholder = isinstance(request.x, jax.ShapeDtypeStruct)
     x = request.x if placeholder else check_float_input("Quantizer.quant", request.x)
-    if given is None and isinstance(self.calibration, ScaleProvider):
+    if given is None and self.provider is not None:
         raise InvalidArgumentError(
             "Quantizer.quant",
             "scale",
             None,
             "a given scale: this quantizer's scale comes from state "
-            f"({type(self.calibration).__name__}); quantize with "
+            f"({type(self.provider).__name__}); quantize with "
             "qbits.dot_general(config)(..., state=...) or through "
             "qbits.flax.quantize / qbits.nnx.quantize, which keep it",
         )

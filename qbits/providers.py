@@ -11,13 +11,14 @@ way an optax transform does, with
 - :meth:`ScaleProvider.update`, the next state from this step's
   observation (the tensor's amax, per scale block).
 
-A quantizer takes a provider in place of a calibration
-(``Quantizer(numerics, DelayedScaling())``). The quantized matmul core
-(:mod:`qbits.ops`) is given the scale as an input instead of computing it,
-and reports the observation of the tensor through its backward pass: the
-cotangent of a given scale is the tensor's amax. The state of a layer lives
-in layer 6 (a linen variable collection, nnx Variables); the functional
-form is ``qbits.dot_general(config)(..., state=state)`` with the state from
+A quantizer takes a provider in its ``provider`` field, in place of its
+calibration (``Quantizer(numerics, provider=DelayedScaling())``). The
+quantized matmul core (:mod:`qbits.ops`) is given the scale as an input
+instead of computing it, and reports the observation of the tensor through
+its backward pass: the cotangent of a given scale is the tensor's amax. The
+state of a model lives where its entry point keeps it (``qbits.init_state``'s
+dict, a linen variable collection, nnx Variables); the functional form is
+``qbits.dot_general(config)(..., state=state)`` with the state from
 ``init_state``.
 
 The state of one tensor has a compact shape: the scale's shape with its

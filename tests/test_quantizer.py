@@ -596,7 +596,9 @@ def _mixed_requests(x, w, key):
     noisy = Quantizer(
         IntNumerics(bits=8, noise_fn=qbits.UniformNoise()), granularity=PerChannel()
     )
-    provided = Quantizer(IntNumerics(bits=8), qbits.DelayedScaling(), PerChannel())
+    provided = Quantizer(
+        IntNumerics(bits=8), granularity=PerChannel(), provider=qbits.DelayedScaling()
+    )
     return [
         Request(int8, x, None, True, (1,)),
         Request(int8, x, None, True, (0,)),

@@ -59,15 +59,17 @@ _KINDS: dict[str, tuple[type, dict[str, type]]] = {
         {"int": IntNumerics, "fp": FpNumerics, "fp8": Fp8Numerics, "none": NoNumerics},
     ),
     "calibration": (
-        (Calibration, ScaleProvider),
+        Calibration,
         {
             "absmax": AbsMax,
             "percentile": Percentile,
             "mse": MseSearch,
             "constant": ConstantBound,
-            "delayed": DelayedScaling,
-            "learned": LearnedScale,
         },
+    ),
+    "provider": (
+        ScaleProvider,
+        {"delayed": DelayedScaling, "learned": LearnedScale},
     ),
     "granularity": (
         Granularity,
@@ -101,8 +103,8 @@ def register(field: str, name: str, cls: type) -> None:
     """Makes a custom class loadable and dumpable under ``type: name``.
 
     Args:
-      field: ``"numerics"``, ``"calibration"``, ``"granularity"`` or
-        ``"noise_fn"``.
+      field: ``"numerics"``, ``"calibration"``, ``"provider"``,
+        ``"granularity"`` or ``"noise_fn"``.
       name: The ``type`` name the class gets in files.
       cls: A frozen dataclass (``flax.struct.PyTreeNode``) subclass of the
         field's base class, whose fields are plain data.

@@ -132,8 +132,8 @@ def fp8_delayed() -> DotGeneralConfig:
     and write the new state back each step. Follows "FP8 Formats for Deep Learning"
     (arXiv 2209.05433).
     """
-    e4m3 = Quantizer(Fp8Numerics("float8_e4m3fn"), DelayedScaling(), PerTensor())
-    e5m2 = Quantizer(Fp8Numerics("float8_e5m2"), DelayedScaling(), PerTensor())
+    e4m3 = Quantizer(Fp8Numerics("float8_e4m3fn"), provider=DelayedScaling())
+    e5m2 = Quantizer(Fp8Numerics("float8_e5m2"), provider=DelayedScaling())
     fwd = MatmulConfig(lhs=e4m3, rhs=e4m3)
     bwd = MatmulConfig(lhs=e5m2, rhs=e4m3, accumulator="float32", use_fwd_quant=True)
     return DotGeneralConfig(fwd=fwd, dlhs=bwd, drhs=bwd)

@@ -72,8 +72,7 @@ SLOTS: tuple[tuple[str, str, str, int], ...] = (
 
 def provider(quantizer: Quantizer) -> ScaleProvider | None:
     """The quantizer's scale provider, or ``None`` when it calibrates."""
-    cal = quantizer.calibration
-    return cal if isinstance(cal, ScaleProvider) else None
+    return quantizer.provider
 
 
 class Contraction(abc.ABC):

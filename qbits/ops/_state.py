@@ -1,6 +1,6 @@
 """Scale state of a quantized matmul: providers in, observations out.
 
-A quantizer whose calibration is a :class:`~qbits.providers.ScaleProvider`
+A quantizer whose ``provider`` is a :class:`~qbits.providers.ScaleProvider`
 (``DelayedScaling``, ``LearnedScale``) takes its scale from state. A
 quantized matmul has three tensors that can have one: ``"lhs"`` and
 ``"rhs"`` (quantized in the forward matmul and, as the other operand, in one
@@ -137,7 +137,7 @@ def check_providers(config: DotGeneralConfig, owner: str) -> None:
         if p.trainable and tensor == "grad":
             raise InvalidArgumentError(
                 owner,
-                f"{where}.calibration",
+                f"{where}.provider",
                 p,
                 f"a calibration or a replaced scale state ({type(p).__name__} "
                 "learns from gradients, which the output gradient has none of)",
@@ -205,7 +205,7 @@ def tensor_states(
         ):
             raise InvalidArgumentError(
                 owner,
-                f"{where}.calibration",
+                f"{where}.provider",
                 p,
                 f"the same provider and grid range as the other quantizers of "
                 f"the {tensor!r} tensor (one state per tensor)",
@@ -217,7 +217,7 @@ def tensor_states(
                 q.granularity,
                 f"a granularity giving the {tensor!r} tensor's scale shape "
                 f"{first.scale_shape} here too (one state per tensor), e.g. "
-                "PerTensor(), or a calibration for this operand",
+                "PerTensor(), or a calibration (no provider) for this operand",
                 why=f"it gives {shape}",
             )
     return out

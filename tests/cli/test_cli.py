@@ -341,13 +341,13 @@ def test_config_constructor_errors_are_one_line(tmp_path, capsys, monkeypatch):
     # A scale provider whose constructor overflows on a huge margin.
     monkeypatch.setattr(qbits.DelayedScaling, "__post_init__", _overflowing_margin)
     bad.write_text(
-        "fwd: {rhs: {numerics: {type: fp8, dtype: float8_e4m3fn}, calibration: "
+        "fwd: {rhs: {numerics: {type: fp8, dtype: float8_e4m3fn}, provider: "
         "{type: delayed, margin: 20000}}}\n"
     )
     argv = ["train", str(bad), "--model", "mlp", "--size", "tiny", "--steps", "1"]
     assert main([*argv, "-q", "--out", str(tmp_path / "o")]) == 2
     line = _one_error_line(capsys)
-    assert line.startswith(f"qbits: error: {bad}: fwd.rhs.calibration: expected ")
+    assert line.startswith(f"qbits: error: {bad}: fwd.rhs.provider: expected ")
     assert "DelayedScaling(...) raised OverflowError" in line
 
 

@@ -17,8 +17,8 @@ E5M2 = qbits.Fp8Numerics("float8_e5m2")
 
 def delayed_config(history=16, mode="real", amax_compute="max", margin=0.0):
     cal = DelayedScaling(history, amax_compute, margin)
-    e4m3 = qbits.Quantizer(E4M3, cal)
-    e5m2 = qbits.Quantizer(E5M2, cal)
+    e4m3 = qbits.Quantizer(E4M3, provider=cal)
+    e5m2 = qbits.Quantizer(E5M2, provider=cal)
     fwd = qbits.MatmulConfig(lhs=e4m3, rhs=e4m3, mode=mode)
     bwd = qbits.MatmulConfig(lhs=e5m2, rhs=e4m3, mode=mode, use_fwd_quant=True)
     return qbits.DotGeneralConfig(fwd, bwd, bwd)
@@ -113,7 +113,7 @@ def test_delayed_config_needs_state_and_a_quantizer_alone_refuses_it():
     dg = qbits.dot_general(qbits.presets.get("fp8_delayed"))
     with pytest.raises(qbits.InvalidArgumentError, match="state=None"):
         dg(jnp.ones((2, 4)), jnp.ones((4, 3)), DN)
-    q = qbits.Quantizer(E4M3, DelayedScaling(4))
+    q = qbits.Quantizer(E4M3, provider=DelayedScaling(4))
     with pytest.raises(qbits.InvalidArgumentError, match="scale"):
         q.quant(jnp.ones(3))
 
@@ -132,19 +132,21 @@ def test_bad_state_and_configs_raise():
     # providers cannot share its one state.
     cfg = delayed_config()
     other = qbits.MatmulConfig(
-        lhs=qbits.Quantizer(E5M2, DelayedScaling(3)), rhs=cfg.drhs.rhs
+        lhs=qbits.Quantizer(E5M2, provider=DelayedScaling(3)), rhs=cfg.drhs.rhs
     )
     with pytest.raises(qbits.InvalidArgumentError, match=r"drhs\.lhs"):
         qbits.dot_general(qbits.DotGeneralConfig(cfg.fwd, cfg.dlhs, other))(
             x, w, DN, state=state
         )
-    rounded = qbits.Quantizer(E4M3, DelayedScaling(4), scale_rounding="pow2")
+    rounded = qbits.Quantizer(E4M3, scale_rounding="pow2", provider=DelayedScaling(4))
     with pytest.raises(qbits.InvalidArgumentError, match="scale_rounding"):
         qbits.dot_general(qbits.DotGeneralConfig(qbits.MatmulConfig(lhs=rounded)))
 
 
 def test_per_channel_delayed_scales_keep_one_history_per_channel():
-    per_channel = qbits.Quantizer(E4M3, DelayedScaling(3), qbits.PerChannel())
+    per_channel = qbits.Quantizer(
+        E4M3, granularity=qbits.PerChannel(), provider=DelayedScaling(3)
+    )
     cfg = qbits.DotGeneralConfig(qbits.MatmulConfig(rhs=per_channel))
     x = jax.random.normal(jax.random.key(0), (4, 8))
     w = jax.random.normal(jax.random.key(1), (8, 3)) * jnp.array([1.0, 10.0, 100.0])
@@ -243,7 +245,7 @@ def test_grad_amax_is_recorded_in_backward_with_e5m2():
 
 
 def test_identity_forward_operands_are_exact_when_only_grad_is_delayed():
-    e5m2 = qbits.Quantizer(E5M2, DelayedScaling(4))
+    e5m2 = qbits.Quantizer(E5M2, provider=DelayedScaling(4))
     bwd = qbits.MatmulConfig(lhs=e5m2)
     x = jax.random.normal(jax.random.key(0), (4, 8))
     w = jax.random.normal(jax.random.key(1), (8, 3))
@@ -373,3 +375,13 @@ def test_sharded_amax_is_the_max_over_all_shards_on_8_devices():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sharded scales equal unsharded" in result.stdout
+
+
+def test_a_quantizer_says_by_name_whether_it_calibrates_or_takes_a_provider():
+    with pytest.raises(qbits.InvalidArgumentError, match=r"provider=DelayedScaling"):
+        qbits.Quantizer(E4M3, DelayedScaling(4))  # a provider in calibration
+    q = qbits.Quantizer(E4M3, provider=DelayedScaling(4))
+    data = qbits.config.to_dict(q)
+    assert data["provider"] == {"type": "delayed", "history_length": 4}
+    assert "calibration" not in data
+    assert qbits.config.from_dict(data, qbits.Quantizer) == q

@@ -17,7 +17,7 @@ INT4 = qbits.IntNumerics(bits=4)
 
 
 def _lsq_config(init="lsq"):
-    q = qbits.Quantizer(INT4, LearnedScale(init))
+    q = qbits.Quantizer(INT4, provider=LearnedScale(init))
     return qbits.DotGeneralConfig(qbits.MatmulConfig(lhs=q, rhs=q))
 
 
@@ -55,7 +55,7 @@ def test_initialisation_and_bad_settings():
     noisy = qbits.IntNumerics(bits=4, noise_fn=qbits.UniformNoise())
     with pytest.raises(qbits.InvalidArgumentError, match="LearnedScale: numerics="):
         grid_max(noisy)
-    q = qbits.Quantizer(INT4, LearnedScale())
+    q = qbits.Quantizer(INT4, provider=LearnedScale())
     with pytest.raises(qbits.InvalidArgumentError, match=r"dlhs\.lhs"):
         qbits.dot_general(qbits.DotGeneralConfig(dlhs=qbits.MatmulConfig(lhs=q)))
     dg = qbits.dot_general(_lsq_config())
