@@ -63,10 +63,10 @@ def cpu_configs() -> dict[str, qbits.DotGeneralConfig | None]:
     int8_mm = qbits.MatmulConfig(lhs=int8, rhs=int8)
     reuse = int8_mm.replace(use_fwd_quant=True)
     e4m3 = qbits.Quantizer(
-        qbits.Fp8Numerics("float8_e4m3fn"), granularity=qbits.PerTensor()
+        qbits.numerics.Fp8Numerics("float8_e4m3fn"), granularity=qbits.PerTensor()
     )
     e5m2 = qbits.Quantizer(
-        qbits.Fp8Numerics("float8_e5m2"), granularity=qbits.PerTensor()
+        qbits.numerics.Fp8Numerics("float8_e5m2"), granularity=qbits.PerTensor()
     )
     return {
         "float32": None,
@@ -171,7 +171,7 @@ GPU_PRESETS = ("fp8", "fp8_delayed", "int8", "int8_fwd")
 def gpu_step(preset: str | None, lr: float = 1e-3):
     """One SGD step of the MLP block with ``preset`` (``None``: bfloat16)."""
     config = None if preset is None else qbits.presets.get(preset)
-    stateful = config is not None and qbits.ops.needs_state(config)
+    stateful = config is not None and config.needs_state
 
     def dot(i, state, key):
         if config is None:
@@ -219,7 +219,7 @@ def gpu_variants(
     for preset in (None, *GPU_PRESETS):
         config = None if preset is None else qbits.presets.get(preset)
         state = {}
-        if config is not None and qbits.ops.needs_state(config):
+        if config is not None and config.needs_state:
             dg = qbits.dot_general(config)
             state = {
                 "w1": dg.init_state(x, params["w1"], DN),
@@ -382,7 +382,7 @@ def main() -> None:
             "run": compiled,
             "args": fargs,
             "compile_s": compile_s,
-            "gemms": [g._asdict() for g in qbits.ops.gemms(text)],
+            "gemms": [g._asdict() for g in qbits.ops._hlo.gemms(text)],
             "text": text,
         }
         print(f"compiled {name} in {compile_s:.1f} s", file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ class Context(struct.PyTreeNode):
 
     Example:
       >>> import jax
-      >>> ctx = qbits.Context(key=jax.random.key(0))
+      >>> ctx = qbits.numerics.Context(key=jax.random.key(0))
       >>> ctx.key is not None
       True
     """

@@ -16,6 +16,7 @@ from jax import lax
 
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError
+from qbits._formats import check_float_input, compute_dtype
 from qbits._jaxpr import varying
 from qbits.calibration import (
     SCALE_ROUNDINGS,
@@ -28,14 +29,7 @@ from qbits.calibration import (
     scale_limits,
 )
 from qbits.granularity import BlockLayout, Granularity, PerTensor, Tiled
-from qbits.numerics import (
-    FpNumerics,
-    IntNumerics,
-    NoNumerics,
-    QNumerics,
-    check_float_input,
-    compute_dtype,
-)
+from qbits.numerics import FpNumerics, IntNumerics, NoNumerics, QNumerics
 from qbits.providers import ScaleProvider
 from qbits.tensor import QTensor, storage_dtype
 
@@ -184,7 +178,7 @@ class Quantizer(struct.PyTreeNode):
 
         Like :meth:`quant`, but not differentiable itself: it also returns the
         gradient of the fake quantization, a pytree-valued function
-        ``grad(g) -> dx`` (the numerics' :meth:`~qbits.QNumerics.vjp_bwd`)
+        ``grad(g) -> dx`` (the numerics' :meth:`~qbits.numerics.QNumerics.vjp_bwd`)
         that can be kept as a residual. Numerics are elementwise, so
         ``dx = vjp_bwd(residuals, g)`` needs no scaling.
 
@@ -710,7 +704,7 @@ def mx_quantizer(element: str = "float8_e4m3fn", axis: int | None = None) -> Qua
 
     Example:
       >>> import jax.numpy as jnp
-      >>> q = qbits.mx_quantizer("float4_e2m1fn", axis=-1)
+      >>> q = qbits.presets.mx_quantizer("float4_e2m1fn", axis=-1)
       >>> qt = q.quant(jnp.linspace(-1.0, 1.0, 64).reshape(1, 64))
       >>> qt.scale.shape, qt.scale[0, 0]
       ((1, 2), Array(0.25, dtype=float32))

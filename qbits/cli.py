@@ -431,7 +431,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", qbits.UnusedRuleWarning)
+            warnings.simplefilter("ignore", qbits.config.UnusedRuleWarning)
             return args.run(args)
     except (UsageError, SweepError, qbits.ConfigError, qbits.InvalidArgumentError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from qbits._errors import InvalidArgumentError
-from qbits.numerics import QNumerics, compute_dtype
+from qbits._formats import compute_dtype
+from qbits.numerics import QNumerics
 
 __all__ = [
     "LSQ_INITS",

@@ -144,11 +144,11 @@ class DelayedScaling(ScaleProvider):
 
     Example:
       >>> cal = qbits.DelayedScaling(history_length=4)
-      >>> state = cal.init_state((), None, qbits.Fp8Numerics())
-      >>> state = cal.update(state, jnp.float32(896.0), qbits.Fp8Numerics())
+      >>> state = cal.init_state((), None, qbits.numerics.Fp8Numerics())
+      >>> state = cal.update(state, jnp.float32(896.0), qbits.numerics.Fp8Numerics())
       >>> state["amax_history"]
       Array([896.,   0.,   0.,   0.], dtype=float32)
-      >>> cal.scale(state, qbits.Fp8Numerics())
+      >>> cal.scale(state, qbits.numerics.Fp8Numerics())
       Array([2.], dtype=float32)
     """
 

@@ -12,7 +12,7 @@ from flax import struct
 from jax import lax
 
 from qbits._errors import InvalidArgumentError, normalize_axis
-from qbits.numerics import FLOAT_FORMATS
+from qbits._formats import FLOAT_FORMATS
 
 _FORMATS_BY_DTYPE = {f.dtype: f for f in FLOAT_FORMATS.values()}
 

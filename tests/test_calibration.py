@@ -7,6 +7,7 @@ from hypothesis import given, settings
 
 import qbits
 from qbits import AbsMax, ConstantBound, InvalidArgumentError, MseSearch, Percentile
+from qbits._formats import FLOAT_FORMATS
 from qbits.calibration import make_scale, round_scale
 from tests.helpers import fake_quant, float_arrays, quant
 
@@ -125,7 +126,7 @@ def test_a_finite_block_whose_sum_overflows_is_finite(cal):
 
 ZERO_BLOCK_CASES = [
     (qbits.IntNumerics(bits=4), "none"),
-    (qbits.Fp8Numerics(), "e8m0"),
+    (qbits.numerics.Fp8Numerics(), "e8m0"),
     # Grids without a zero: the all-zero block gets code 0, off the grid.
     (qbits.IntNumerics(bits=1, preserve_zero=False), "none"),
     (qbits.IntNumerics(bits=4, preserve_zero=False, preserve_max_val=True), "pow2"),
@@ -184,7 +185,7 @@ def test_a_tiny_positive_bound_gets_the_smallest_normal_scale_not_one(rounding):
 
 
 TINY_NUMERICS = [qbits.IntNumerics(bits=b) for b in (6, 8, 11, 16)] + [
-    qbits.FpNumerics(f) for f in sorted(qbits.numerics.FLOAT_FORMATS)
+    qbits.FpNumerics(f) for f in sorted(FLOAT_FORMATS)
 ]
 
 

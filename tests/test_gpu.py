@@ -49,8 +49,8 @@ def test_absmax_flags_nan_and_inf_blocks_on_gpu(axes):
 @pytest.mark.parametrize(
     "numerics",
     [
-        qbits.Fp8Numerics("float8_e4m3fn"),
-        qbits.Fp8Numerics("float8_e5m2"),
+        qbits.numerics.Fp8Numerics("float8_e4m3fn"),
+        qbits.numerics.Fp8Numerics("float8_e5m2"),
         qbits.FpNumerics("float6_e2m3fn"),
         qbits.FpNumerics("float4_e2m1fn"),
         qbits.IntNumerics(bits=8),
@@ -106,7 +106,7 @@ def _training_gemms(preset: str) -> list[dict[str, str]]:
     w = jax.random.normal(jax.random.key(2), (1024, 2048)).astype(jnp.bfloat16)
     loss = lambda x, w: jnp.sum(dg(x, w, DN).astype(jnp.float32) ** 2)  # noqa: E731
     text = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text()
-    return qbits.ops.gemms(text)
+    return qbits.ops._hlo.gemms(text)
 
 
 def test_fp8_training_matmuls_are_fp8_gemms():

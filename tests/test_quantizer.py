@@ -18,7 +18,7 @@ from qbits import (
     Quantizer,
     Tiled,
 )
-from qbits.numerics import FLOAT_FORMATS
+from qbits._formats import FLOAT_FORMATS
 from qbits.tensor import storage_dtype
 from tests.helpers import (
     FLOAT_DTYPES,
@@ -103,7 +103,7 @@ def test_mx_quantizer():
         "float4_e2m1fn",
         "int8",
     ):
-        q = qbits.mx_quantizer(element, axis=-1)
+        q = qbits.presets.mx_quantizer(element, axis=-1)
         qt = q.quant(x, store=True)
         assert qt.scale.shape == (4, 3)
         s = np.asarray(qt.scale)
@@ -114,7 +114,7 @@ def test_mx_quantizer():
         rel = np.abs(np.asarray(qt.dequant()) - np.asarray(x)) / np.repeat(s, 32, 1)
         assert rel.max() <= q.numerics.abs_val_mapped_to()  # sanity
     with pytest.raises(InvalidArgumentError, match=r"mx_quantizer: element='fp8'"):
-        qbits.mx_quantizer("fp8")
+        qbits.presets.mx_quantizer("fp8")
 
 
 # --- Storage. ----------------------------------------------------------------
@@ -204,7 +204,8 @@ def test_differentiating_through_stored_values_raises():
 
 def test_jit_vmap_grad_with_stochastic_rounding():
     q = Quantizer(
-        IntNumerics(bits=4, noise_fn=qbits.UniformNoise()), granularity=PerChannel((1,))
+        IntNumerics(bits=4, noise_fn=qbits.numerics.UniformNoise()),
+        granularity=PerChannel((1,)),
     )
     x = jax.random.normal(jax.random.key(0), (5, 3, 16))
     keys = jax.random.split(jax.random.key(1), 5)
@@ -213,25 +214,29 @@ def test_jit_vmap_grad_with_stochastic_rounding():
     def f(x, keys):
         def one(x, key):
             return jax.grad(
-                lambda x: jnp.sum(q.quant(x, qbits.Context(key)).dequant())
+                lambda x: jnp.sum(q.quant(x, qbits.numerics.Context(key)).dequant())
             )(x)
 
         return jax.vmap(one)(x, keys)
 
     np.testing.assert_allclose(f(x, keys), jnp.ones_like(x), rtol=1e-6)
-    y = jax.vmap(lambda x, k: q.quant(x, qbits.Context(k)).dequant())(x, keys)
-    np.testing.assert_array_equal(y[2], q.quant(x[2], qbits.Context(keys[2])).dequant())
+    y = jax.vmap(lambda x, k: q.quant(x, qbits.numerics.Context(k)).dequant())(x, keys)
+    np.testing.assert_array_equal(
+        y[2], q.quant(x[2], qbits.numerics.Context(keys[2])).dequant()
+    )
     with pytest.raises(InvalidArgumentError, match=r"context"):
         q.quant(x)
 
 
 def test_stochastic_rounding_through_the_quantizer_is_unbiased():
     q = Quantizer(
-        IntNumerics(bits=2, noise_fn=qbits.UniformNoise()), ConstantBound(1.5)
+        IntNumerics(bits=2, noise_fn=qbits.numerics.UniformNoise()), ConstantBound(1.5)
     )
     x = jnp.array([0.3, -0.8, 0.9, 0.05])  # inside the grid's range [-1, 1]
     keys = jax.random.split(jax.random.key(2), 20000)
-    dq = jax.jit(jax.vmap(lambda k: q.quant(x, qbits.Context(k)).dequant()))(keys)
+    dq = jax.jit(jax.vmap(lambda k: q.quant(x, qbits.numerics.Context(k)).dequant()))(
+        keys
+    )
     np.testing.assert_allclose(dq.mean(0), x, atol=6 * 0.5 / np.sqrt(20000))
 
 
@@ -359,18 +364,18 @@ def test_e8m0_near_float32_max_is_finite(numerics):
 
 X64_NUMERICS = [
     IntNumerics(bits=8),
-    IntNumerics(bits=4, noise_fn=qbits.UniformNoise()),
+    IntNumerics(bits=4, noise_fn=qbits.numerics.UniformNoise()),
     IntNumerics(bits=1, preserve_zero=False),
     FpNumerics("float8_e4m3fn"),
     FpNumerics("float6_e2m3fn"),
-    FpNumerics("float4_e2m1fn", noise_fn=qbits.UniformNoise()),
+    FpNumerics("float4_e2m1fn", noise_fn=qbits.numerics.UniformNoise()),
 ]
 
 
 def test_x64_keeps_the_input_dtype_and_the_numbers():
     # Python floats become float64 arrays under jax_enable_x64; lax.clamp
     # used to reject float32 input mixed with them.
-    context = qbits.Context(jax.random.key(0))
+    context = qbits.numerics.Context(jax.random.key(0))
     x = jnp.array([[1.5, -2.25, 300.0, 0.0], [1e-3, 7.0, -7.0, 2.0]])
     dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
     cases = [
@@ -594,7 +599,8 @@ def _mixed_requests(x, w, key):
 
     int8 = Quantizer(IntNumerics(bits=8), granularity=PerChannel())
     noisy = Quantizer(
-        IntNumerics(bits=8, noise_fn=qbits.UniformNoise()), granularity=PerChannel()
+        IntNumerics(bits=8, noise_fn=qbits.numerics.UniformNoise()),
+        granularity=PerChannel(),
     )
     provided = Quantizer(
         IntNumerics(bits=8), granularity=PerChannel(), provider=qbits.DelayedScaling()
@@ -603,9 +609,9 @@ def _mixed_requests(x, w, key):
         Request(int8, x, None, True, (1,)),
         Request(int8, x, None, True, (0,)),
         Request(int8, w.astype(jnp.float16), None, False, (0,)),
-        Request(qbits.mx_quantizer("float8_e4m3fn"), w, None, True, (0,)),
+        Request(qbits.presets.mx_quantizer("float8_e4m3fn"), w, None, True, (0,)),
         Request(Quantizer(IntNumerics(bits=3)), x, None, False, (1,)),
-        Request(noisy, w, qbits.Context(key), True, (1,)),
+        Request(noisy, w, qbits.numerics.Context(key), True, (1,)),
         Request(provided, w, None, True, (0,), jnp.full((1, 32), 0.01)),
         Request(Quantizer(qbits.NoNumerics()), x, None, False, (1,)),
         Request(int8, jnp.zeros((0, 32)), None, True, (1,)),

@@ -24,15 +24,20 @@ def test_ruff(command):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_public_api_is_explicit_and_documented():
+def test_public_api_is_small_explicit_and_documented():
+    from tests.test_layering import _public_api, _public_modules
+
     assert sorted(qbits.__all__) == qbits.__all__
-    for name in qbits.__all__:
-        obj = getattr(qbits, name)
-        if inspect.ismodule(obj):
-            continue
-        doc = inspect.getdoc(obj) or ""
-        assert doc, f"qbits.{name} has no docstring"
-        assert "Example" in doc or ">>>" in doc, f"qbits.{name} has no example"
+    assert len(qbits.__all__) <= 40 and len(_public_api()) <= 150
+    for module, public in _public_modules().items():
+        for name in public.__all__:
+            obj = getattr(public, name)
+            if inspect.ismodule(obj) or not callable(obj):
+                continue  # modules and constants
+            doc = inspect.getdoc(obj) or ""
+            where = f"{module}.{name}"
+            assert doc, f"{where} has no docstring"
+            assert "Example" in doc or ">>>" in doc, f"{where} has no example"
 
 
 def test_package_is_typed():

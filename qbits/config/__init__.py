@@ -28,9 +28,7 @@ from qbits.config._yamlio import (
     load,
     load_config,
     loads,
-    preset_yaml,
     read_yaml,
-    write_presets,
 )
 
 __all__ = [
@@ -48,10 +46,8 @@ __all__ = [
     "load",
     "load_config",
     "loads",
-    "preset_yaml",
     "presets",
     "read_yaml",
     "register",
     "to_dict",
-    "write_presets",
 ]

@@ -128,6 +128,12 @@ class Resolution:
       config: The resolved config, ``None`` for float.
       rule: Index of the matching rule, ``None`` when the default applied.
       name: The preset name when the config came from one, else ``None``.
+
+    Example:
+      >>> qc = qbits.QuantConfig((qbits.Rule("head", None),), default="int8")
+      >>> res = qc.resolve("head")
+      >>> res.config, res.rule, res.where, qc.resolve("fc").name
+      (None, 0, 'rules[0].config', 'int8')
     """
 
     config: DotGeneralConfig | None
@@ -277,6 +283,15 @@ class LayerRow:
         (``"inside custom_vjp"``: the model's own quantized function;
         ``"integer operands"``...), or ``""``.
       operands: The operand types, e.g. ``"f32[8,16] x f32[16,32]"``.
+
+    Example:
+      >>> def f(p, x):
+      ...     return x @ p["fc"]
+      >>> table = qbits.layer_table(f, "int8_fwd", {"fc": jnp.ones((4, 2))},
+      ...                           jnp.ones((3, 4)))
+      >>> row = table["fc"]
+      >>> row.kind, row.operands, row.describe(), row.kept
+      ('dot_general (activation x weight)', 'f32[3,4] x f32[4,2]', 'int8_fwd', '')
     """
 
     path: str

@@ -471,7 +471,15 @@ def _from_document(data: Any) -> DotGeneralConfig | QuantConfig:
 
 
 def dump(config: Any, path: str | os.PathLike, comment: str = "") -> None:
-    """Writes :func:`dumps` of ``config`` to the file ``path``."""
+    """Writes :func:`dumps` of ``config`` to the file ``path``.
+
+    Example:
+      >>> import tempfile
+      >>> path = tempfile.mkdtemp() + "/w4a8.yaml"
+      >>> qbits.config.dump(qbits.presets.get("w4a8"), path)
+      >>> qbits.config.load(path) == qbits.presets.get("w4a8")
+      True
+    """
     with open(path, "w", encoding="utf-8") as f:
         f.write(dumps(config, comment))
 
@@ -483,6 +491,10 @@ def load(path: str | os.PathLike) -> DotGeneralConfig | QuantConfig:
       ConfigError: For a file that cannot be read, is not UTF-8 text, is
         larger or deeper than the limits of this module, or holds a bad
         config; the message starts with the file name.
+
+    Example:
+      >>> qbits.config.load("configs/int8.yaml") == qbits.presets.get("int8")
+      True
     """
     source = os.fspath(path)
     try:
@@ -521,7 +533,7 @@ def preset_yaml(name: str) -> str:
     """The text of ``configs/<name>.yaml``: the preset, its description on top.
 
     Example:
-      >>> print(qbits.config.preset_yaml("none"))
+      >>> print(qbits.config._yamlio.preset_yaml("none"))
       # none: No quantization: exactly ``lax.dot_general``.
       #
       # The float baseline of every ablation, and the config to give layers that

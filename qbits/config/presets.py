@@ -21,6 +21,7 @@ from qbits.providers import DelayedScaling
 __all__ = [
     "describe",
     "get",
+    "mx_quantizer",
     "names",
 ]
 

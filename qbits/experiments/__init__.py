@@ -12,17 +12,9 @@ What the ``qbits`` command runs (:mod:`qbits.cli`), usable from Python too:
   table and plots (:func:`write_report`).
 """
 
-from qbits.experiments import _corpus as corpus
-from qbits.experiments._data import CharData, ClassData, char_data, class_data
-from qbits.experiments._models import (
-    MODELS,
-    Classifier,
-    ModelSpec,
-    TransformerLM,
-    spec,
-)
+from qbits.experiments._models import Classifier, ModelSpec, TransformerLM, spec
 from qbits.experiments._report import summarize, write_report
-from qbits.experiments._scalify_mlp import PRECISIONS, train_scalify_mlp
+from qbits.experiments._scalify_mlp import train_scalify_mlp
 from qbits.experiments._sweep import run_sweep
 from qbits.experiments._sweep_file import (
     Entry,
@@ -34,10 +26,6 @@ from qbits.experiments._sweep_file import (
 from qbits.experiments._train import RunResult, build_model, sample_batch, train
 
 __all__ = [
-    "MODELS",
-    "PRECISIONS",
-    "CharData",
-    "ClassData",
     "Classifier",
     "Entry",
     "ModelSpec",
@@ -46,10 +34,7 @@ __all__ = [
     "SweepError",
     "TransformerLM",
     "build_model",
-    "char_data",
-    "class_data",
     "config_bits",
-    "corpus",
     "load_sweep",
     "run_sweep",
     "sample_batch",

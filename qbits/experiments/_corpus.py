@@ -147,7 +147,7 @@ def generate(n_chars: int = 300_000, seed: int = 0) -> str:
       The text, ASCII, paragraphs separated by blank lines.
 
     Example:
-      >>> from qbits.experiments import corpus
+      >>> from qbits.experiments import _corpus as corpus
       >>> corpus.generate(40) == corpus.generate(40)
       True
     """
@@ -168,7 +168,7 @@ def read() -> str:
     """The shipped corpus file.
 
     Example:
-      >>> from qbits.experiments import corpus
+      >>> from qbits.experiments import _corpus as corpus
       >>> corpus.read()[:5]
       'Every'
     """

@@ -48,7 +48,7 @@ def char_data(text: str | None = None, eval_fraction: float = 0.1) -> CharData:
     """Tokenizes ``text`` (default: the shipped corpus) by character.
 
     Example:
-      >>> from qbits.experiments import char_data
+      >>> from qbits.experiments._data import char_data
       >>> data = char_data("abcabcabca")
       >>> data.chars, data.train.shape, data.eval.shape
       ('abc', (9,), (1,))
@@ -106,7 +106,7 @@ def class_data(
     """A nonlinear ``classes``-way problem from a fixed random teacher network.
 
     Example:
-      >>> from qbits.experiments import class_data
+      >>> from qbits.experiments._data import class_data
       >>> data = class_data(n=32, n_eval=8, features=4, classes=3)
       >>> data.x.shape, data.y_eval.shape, data.classes
       ((32, 4), (8,), 3)

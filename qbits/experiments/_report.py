@@ -240,6 +240,18 @@ def write_report(
 
     Returns:
       The summary rows (:func:`summarize`).
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> run = lambda name, loss: {"name": name, "seed": 0, "bits": 8.0,
+      ...     "result": {"train_loss": loss, "eval_loss": loss, "curve": [loss],
+      ...                "eval_curve": [(1, loss)], "eval_accuracy": 0.5,
+      ...                "seconds": 1.0}}
+      >>> out = pathlib.Path(tempfile.mkdtemp())
+      >>> rows = qbits.experiments.write_report(
+      ...     "demo", [run("none", 2.0), run("int8", 2.02)], out, "none")
+      >>> sorted(p.name for p in out.iterdir())[:3]
+      ['loss_curves.png', 'quality_vs_bits.png', 'results.csv']
     """
     import json
 

@@ -145,6 +145,11 @@ class Sweep:
       entries: The configs.
       baseline: Name of the entry the ratios are relative to, or ``None``.
       size: ``default``, ``tiny`` or (lm) ``deep``.
+
+    Example:
+      >>> sweep = qbits.experiments.load_sweep("examples/sweep_lm.yaml")
+      >>> sweep.spec.model, [e.name for e in sweep.entries][:3], sweep.seeds
+      ('lm', ['none', 'int8_fwd', 'int8'], (0, 1))
     """
 
     name: str
@@ -187,13 +192,19 @@ def numerics_bits(numerics: Any) -> float:
 
 
 def config_bits(config: qbits.QuantConfig | None) -> float:
-    """Forward weight bits of a config: its default's, else its first rule's."""
+    """Forward weight bits of a config: its default's, else its first rule's.
+
+    The x value of a sweep's quality-versus-bits plot.
+
+    Example:
+      >>> from qbits.experiments import config_bits
+      >>> config_bits(qbits.load_config("configs/w4a8.yaml")), config_bits(None)
+      (4.0, 32.0)
+    """
     if config is None:
         return 32.0
-    refs = [config.default] + [rule.config for rule in config.rules]
-    candidates = [qbits.QuantConfig(default=ref).resolve("x").config for ref in refs]
-    for dg in candidates:
-        if dg is not None and not dg.fwd.is_identity:
+    for dg in config.all_configs():
+        if not dg.fwd.is_identity:
             return numerics_bits(dg.fwd.rhs.numerics)
     return 32.0
 

@@ -30,7 +30,7 @@ import numpy as np
 from flax.core import unfreeze
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-from qbits import ops, transform
+from qbits import transform
 from qbits._errors import InvalidArgumentError
 from qbits.config import LayerTable, QuantConfig, as_quant_config
 
@@ -68,7 +68,7 @@ class Quantized:
     :data:`~qbits.flax.STATE` when some matmul's config keeps scale state.
     Configs that round stochastically draw from ``rngs={'quant': key}``
     (a new key each step). Every traced ``__call__`` warns with
-    :class:`~qbits.UnusedRuleWarning` when a rule matched no matmul (other
+    :class:`~qbits.config.UnusedRuleWarning` when a rule matched no matmul (other
     methods may run part of the model: no warning).
 
     Attributes:
@@ -121,7 +121,7 @@ class Quantized:
         """
         _, rest = _split_rngs(rngs)
         variables = unfreeze(self.model.init(rest, *args, method=method, **kwargs))
-        if not any(ops.needs_state(c) for c in self.config.all_configs()):
+        if not any(c.needs_state for c in self.config.all_configs()):
             return variables
         streams = rest if isinstance(rest, Mapping) else {"params": rest}
         state = transform.init_state(
@@ -134,7 +134,7 @@ class Quantized:
             **kwargs,
         )
         for path, entries in state.items():
-            kinds = ops.state_kinds(self.config.resolve(path).config)
+            kinds = self.config.resolve(path).config.state_kinds()
             for name, value in entries.items():
                 if kinds[name] == "trained":
                     collection = variables.setdefault("params", {})
@@ -279,7 +279,7 @@ def layer_table(
       **kwargs: Keyword arguments of the method.
 
     Returns:
-      A :class:`~qbits.LayerTable`.
+      A :class:`~qbits.config.LayerTable`.
 
     Example:
       >>> import flax.linen as nn

@@ -90,7 +90,7 @@ class Stateful(nn.Module):
         config = as_dot_general_config(owner, self.config)
         key = self.make_rng("quant") if config.needs_key else None
         op = _OPS[self.op](config, key)
-        kinds = ops.state_kinds(config)
+        kinds = config.state_kinds()
         if not kinds:
             return op(*args, **kwargs)
         initial: dict[str, jax.Array] = {}

@@ -373,7 +373,7 @@ def quantize(
     _check_model(model)
     new = _copy(model, rules, rngs if stochastic else None)
     if not (args or kwargs):
-        if any(ops.needs_state(c) for c in rules.all_configs()):
+        if any(c.needs_state for c in rules.all_configs()):
             raise InvalidArgumentError(
                 _CALLER.owner,
                 "*args",
@@ -387,7 +387,7 @@ def quantize(
     initial = transform.init_state(fn, rules, state, *args, caller=_CALLER, **kwargs)
     node: _Quantization = getattr(new, _ATTR)
     for path, entries in initial.items():
-        kinds = ops.state_kinds(rules.resolve(path).config)
+        kinds = rules.resolve(path).config.state_kinds()
         node.state[path] = {
             name: (nnx.Param if kinds[name] == "trained" else ScaleState)(value)
             for name, value in entries.items()
@@ -416,6 +416,17 @@ def serving_copy(
 
     Returns:
       The serving copy: no key stream, no scale state.
+
+    Example:
+      >>> import flax.nnx as nnx
+      >>> linear = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+      >>> cfg = qbits.presets.get("int8_fwd")
+      >>> qt = qbits.ops.store_weight(linear.kernel[...], cfg.fwd, (0,))
+      >>> served = qbits.nnx.serving_copy(
+      ...     linear, qbits.QuantConfig(default=cfg), {"kernel": qt},
+      ...     {"['kernel'].value": ((8, 4), jnp.float32)})
+      >>> served.kernel.shape, served(jnp.ones((2, 8))).shape
+      ((0,), (2, 4))
     """
     new = _copy(model, config, None)
     node: _Quantization = getattr(new, _ATTR)
@@ -474,7 +485,7 @@ def layer_table(
       **kwargs: Keyword arguments of the call.
 
     Returns:
-      A :class:`~qbits.LayerTable`.
+      A :class:`~qbits.config.LayerTable`.
 
     Example:
       >>> import flax.nnx as nnx

@@ -91,8 +91,7 @@ class Stateful(nnx.Module):
                 why="the config rounds stochastically",
             )
         self.rngs = _stream(rngs) if self.config.needs_key else None
-        ops.check_providers(self.config, owner)
-        self._kinds = ops.state_kinds(self.config)
+        self._kinds = self.config.state_kinds()
         for name, value in ops.per_tensor_state(self.config).items():
             setattr(self, name, self._variable(name, value))
 

@@ -1,43 +1,31 @@
-"""Layer 1: how a real number (divided by its scale) becomes a grid point."""
+"""Layer 1: how a real number (divided by its scale) becomes a grid point.
 
-from qbits.numerics._base import NoiseFn, QNumerics, check_float_input, compute_dtype
-from qbits.numerics._formats import (
-    FLOAT_FORMATS,
-    FloatFormat,
-    float_format,
-    round_to_format,
-    stochastic_round_to_format,
-)
+The grids (:class:`IntNumerics`, :class:`FpNumerics`, :class:`NoNumerics`;
+:class:`QNumerics` to write one's own), stochastic rounding
+(:class:`UniformNoise`, whose key comes in a :class:`Context`) and the PRNG
+keys it draws from (:func:`check_key`, :func:`next_key`, :func:`derive_key`,
+:func:`hash_key`). The float formats themselves (ml_dtypes' fp8, fp6, fp4)
+are described in :mod:`qbits._formats`.
+"""
+
+from qbits._context import Context
+from qbits.numerics._base import QNumerics
 from qbits.numerics._fp_numerics import Fp8Numerics, FpNumerics
 from qbits.numerics._int_numerics import IntNumerics
-from qbits.numerics._keys import (
-    check_key,
-    derive_key,
-    hash_bits,
-    hash_key,
-    next_key,
-)
+from qbits.numerics._keys import check_key, derive_key, hash_key, next_key
 from qbits.numerics._no_numerics import NoNumerics
 from qbits.numerics._noise import UniformNoise
 
 __all__ = [
-    "FLOAT_FORMATS",
-    "FloatFormat",
+    "Context",
     "Fp8Numerics",
     "FpNumerics",
     "IntNumerics",
     "NoNumerics",
-    "NoiseFn",
     "QNumerics",
     "UniformNoise",
-    "check_float_input",
     "check_key",
-    "compute_dtype",
     "derive_key",
-    "float_format",
-    "hash_bits",
     "hash_key",
     "next_key",
-    "round_to_format",
-    "stochastic_round_to_format",
 ]

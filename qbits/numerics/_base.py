@@ -41,7 +41,7 @@ class QNumerics(struct.PyTreeNode, metaclass=abc.ABCMeta):
       A sign (binary) numerics with a straight-through gradient:
 
       >>> import jax, jax.numpy as jnp
-      >>> class Sign(qbits.QNumerics):
+      >>> class Sign(qbits.numerics.QNumerics):
       ...     def fwd(self, x, context):
       ...         return jnp.where(x < 0, -1.0, 1.0).astype(x.dtype)
       ...     def vjp_fwd(self, x, context):
@@ -118,21 +118,6 @@ def clipped_straight_through(
     return jnp.where(jnp.abs(x) <= bound, g, jnp.zeros_like(g)), None
 
 
-def check_float_input(owner: str, x: Any) -> jax.Array:
-    """Returns ``x`` as a jax array, raising unless it is floating point."""
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise InvalidArgumentError(
-            owner, "x.dtype", x.dtype, "a floating-point dtype (float32, bfloat16, ...)"
-        )
-    return x
-
-
-def compute_dtype(dtype: Any) -> np.dtype:
-    """The dtype numerics compute in: float64 stays, everything else is f32."""
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype("f4")
-
-
 def require_key(owner: str, context: Context | None) -> jax.Array:
     """Returns the context's PRNG key, checked (:func:`check_key`).
 
@@ -145,7 +130,7 @@ def require_key(owner: str, context: Context | None) -> jax.Array:
             owner,
             "context",
             context,
-            "a qbits.Context(key=jax.random.key(...)): this numerics rounds "
+            "a qbits.numerics.Context(key=jax.random.key(...)): this numerics rounds "
             "stochastically (noise_fn is set) and draws its noise from that key",
         )
     return check_key(owner, key)

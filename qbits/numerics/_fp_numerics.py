@@ -11,19 +11,19 @@ from jax import lax
 
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError, check_bool
-from qbits.numerics._base import (
-    NoiseFn,
-    QNumerics,
-    check_float_input,
-    clipped_straight_through,
-    compute_dtype,
-    require_key,
-)
-from qbits.numerics._formats import (
+from qbits._formats import (
     FloatFormat,
+    check_float_input,
+    compute_dtype,
     float_format,
     round_to_format,
     stochastic_round_to_format,
+)
+from qbits.numerics._base import (
+    NoiseFn,
+    QNumerics,
+    clipped_straight_through,
+    require_key,
 )
 
 __all__ = ["Fp8Numerics", "FpNumerics"]
@@ -133,9 +133,9 @@ class Fp8Numerics(FpNumerics):
     gradients, as FP8 training recipes do.
 
     Example:
-      >>> qbits.Fp8Numerics().get_dtype()
+      >>> qbits.numerics.Fp8Numerics().get_dtype()
       dtype(float8_e4m3fn)
-      >>> qbits.Fp8Numerics("float8_e5m2").abs_val_mapped_to()
+      >>> qbits.numerics.Fp8Numerics("float8_e5m2").abs_val_mapped_to()
       57344.0
     """
 

@@ -13,12 +13,11 @@ from jax import lax
 
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError, check_bool, check_int
+from qbits._formats import check_float_input, compute_dtype
 from qbits.numerics._base import (
     NoiseFn,
     QNumerics,
-    check_float_input,
     clipped_straight_through,
-    compute_dtype,
     require_key,
 )
 

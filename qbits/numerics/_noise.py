@@ -31,7 +31,7 @@ class UniformNoise(struct.PyTreeNode):
 
     Example:
       >>> import jax
-      >>> noise = qbits.UniformNoise()
+      >>> noise = qbits.numerics.UniformNoise()
       >>> u = noise((4,), jax.random.key(0))
       >>> bool(((u >= -0.5) & (u < 0.5)).all())
       True

@@ -10,16 +10,9 @@ from qbits.ops._conv import ConvGeneralDilated, conv_general_dilated
 from qbits.ops._dims import Dims
 from qbits.ops._dot_general import DotGeneral, dot_general
 from qbits.ops._einsum import Einsum, einsum
-from qbits.ops._hlo import Gemm, dot_dtypes, gemms, jaxpr_dot_dtypes
-from qbits.ops._matmul import quantize_operand, store_weight, stored_matmul
-from qbits.ops._state import (
-    check_providers,
-    combine_state,
-    max_combining,
-    needs_state,
-    per_tensor_state,
-    state_kinds,
-)
+from qbits.ops._hlo import dot_dtypes, jaxpr_dot_dtypes
+from qbits.ops._matmul import store_weight, stored_matmul
+from qbits.ops._state import combine_state, max_combining, per_tensor_state
 
 __all__ = [
     "ConvGeneralDilated",
@@ -27,21 +20,15 @@ __all__ = [
     "DotGeneral",
     "DotGeneralConfig",
     "Einsum",
-    "Gemm",
     "MatmulConfig",
-    "check_providers",
     "combine_state",
     "conv_general_dilated",
     "dot_dtypes",
     "dot_general",
     "einsum",
-    "gemms",
     "jaxpr_dot_dtypes",
     "max_combining",
-    "needs_state",
     "per_tensor_state",
-    "quantize_operand",
-    "state_kinds",
     "store_weight",
     "stored_matmul",
 ]

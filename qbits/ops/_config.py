@@ -182,6 +182,57 @@ class DotGeneralConfig(struct.PyTreeNode):
         """Whether any of the three matmuls rounds stochastically."""
         return any(m.needs_key for m in (self.fwd, self.dlhs, self.drhs))
 
+    @property
+    def needs_state(self) -> bool:
+        """Whether a quantizer takes its scale from state (has a provider).
+
+        Example:
+          >>> qbits.presets.get("fp8_delayed").needs_state
+          True
+        """
+        return any(q.provider is not None for _, _, q in self.quantizers())
+
+    def quantizers(self) -> tuple[tuple[str, str, Quantizer], ...]:
+        """``(tensor, place, quantizer)`` of the six operands.
+
+        The tensor is what the quantizer quantizes: ``"lhs"``, ``"rhs"`` or
+        ``"grad"`` (the output gradient, the lhs of both backward matmuls);
+        the place is ``"fwd.lhs"`` and so on.
+        """
+        return (
+            ("lhs", "fwd.lhs", self.fwd.lhs),
+            ("rhs", "fwd.rhs", self.fwd.rhs),
+            ("grad", "dlhs.lhs", self.dlhs.lhs),
+            ("rhs", "dlhs.rhs", self.dlhs.rhs),
+            ("grad", "drhs.lhs", self.drhs.lhs),
+            ("lhs", "drhs.rhs", self.drhs.rhs),
+        )
+
+    def state_kinds(self) -> dict[str, str]:
+        """Which scale-state entries are replaced and which are trained.
+
+        Returns:
+          ``{"<tensor>_<name>": "replaced" | "trained"}``: delayed scales are
+          replaced by the backward pass, learned steps trained by the
+          optimizer (their shapes do not matter here).
+
+        Example:
+          >>> kinds = qbits.presets.get("fp8_delayed").state_kinds()
+          >>> sorted(kinds.items())[:2]
+          [('grad_amax_history', 'replaced'), ('grad_scale', 'replaced')]
+        """
+        kinds: dict[str, str] = {}
+        for tensor, _, q in self.quantizers():
+            p = q.provider
+            if p is None:
+                continue
+            example = jax.eval_shape(
+                lambda p=p, q=q: p.init_state((), None, q.numerics)
+            )
+            for name in example:
+                kinds[f"{tensor}_{name}"] = "trained" if p.trainable else "replaced"
+        return kinds
+
 
 def check_config(owner: str, config: Any, key: Any) -> jax.Array | None:
     """Checks ``config`` and its key; returns the key (checked) or ``None``.

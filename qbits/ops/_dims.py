@@ -36,6 +36,11 @@ class Dims:
       rhs_batch: Batch axes of the rhs.
       lhs_ndim: Rank of the lhs.
       rhs_ndim: Rank of the rhs.
+
+    Example:
+      >>> dims = qbits.ops.Dims.create((((2,), (1,)), ((0,), (0,))), 3, 3)
+      >>> dims.lhs_contract, dims.lhs_batch, dims.lhs_free, dims.rhs_free
+      ((2,), (0,), (1,), (2,))
     """
 
     lhs_contract: Axes

@@ -164,7 +164,7 @@ class DotGeneral:
       >>> import flax.linen as nn
       >>> dg = qbits.dot_general(qbits.DotGeneralConfig())
       >>> layer = nn.Dense(4, dot_general=dg)
-      >>> isinstance(layer.dot_general, qbits.DotGeneral)
+      >>> isinstance(layer.dot_general, qbits.ops.DotGeneral)
       True
     """
 

@@ -132,7 +132,7 @@ def gemms(f: Callable[..., Any] | str, *args: Any) -> list[Gemm]:
     Example:
       >>> import jax.numpy as jnp
       >>> a = jnp.ones((4, 8), jnp.int8)
-      >>> (g,) = qbits.ops.gemms(lambda a, b: jax.lax.dot_general(
+      >>> (g,) = qbits.ops._hlo.gemms(lambda a, b: jax.lax.dot_general(
       ...     a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32),
       ...     a, a)
       >>> g.lhs, g.rhs, g.out

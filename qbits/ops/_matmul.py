@@ -91,7 +91,7 @@ def quantize_operand(
 
     Example:
       >>> q = qbits.Quantizer(qbits.IntNumerics(bits=8))
-      >>> qt, _ = qbits.ops.quantize_operand(q, jnp.ones((4, 8)), (1,), None,
+      >>> qt, _ = qbits.ops._matmul.quantize_operand(q, jnp.ones((4, 8)), (1,), None,
       ...                                    store=True)
       >>> qt.qvalue.dtype
       dtype('int8')
@@ -158,7 +158,7 @@ def stored_matmul(
     Example:
       >>> q = qbits.Quantizer(qbits.IntNumerics(bits=8))
       >>> cfg = qbits.MatmulConfig(lhs=q, rhs=q)
-      >>> w, _ = qbits.ops.quantize_operand(q, jnp.ones((8, 3)), (0,), None,
+      >>> w, _ = qbits.ops._matmul.quantize_operand(q, jnp.ones((8, 3)), (0,), None,
       ...                                   store=True)
       >>> dims = qbits.ops.Dims.create((((1,), (0,)), ((), ())), 2, 2)
       >>> qbits.ops.stored_matmul(jnp.ones((2, 8)), w, dims, cfg).shape

@@ -76,10 +76,8 @@ __all__ = [
     "combine_state",
     "init_state",
     "max_combining",
-    "needs_state",
     "per_tensor_state",
     "run",
-    "state_kinds",
     "tensor_states",
 ]
 
@@ -149,14 +147,6 @@ def check_providers(config: DotGeneralConfig, owner: str) -> None:
                 q.numerics,
                 f"numerics that round to nearest with {type(p).__name__}",
             )
-
-
-def needs_state(config: DotGeneralConfig) -> bool:
-    """Whether a quantizer of ``config`` takes its scale from state."""
-    return any(
-        core.provider(getattr(getattr(config, m), s)) is not None
-        for m, s, _, _ in core.SLOTS
-    )
 
 
 def tensor_states(
@@ -245,28 +235,6 @@ def per_tensor_state(config: DotGeneralConfig) -> dict[str, jax.Array]:
         for name, value in p.init_state((), None, q.numerics).items():
             out.setdefault(f"{tensor}_{name}", value)
     return out
-
-
-def state_kinds(config: DotGeneralConfig) -> dict[str, str]:
-    """Which state entries are replaced and which are trained.
-
-    Returns:
-      ``{"<tensor>_<name>": "replaced" | "trained"}`` (shape-independent).
-
-    Example:
-      >>> sorted(qbits.ops.state_kinds(qbits.presets.get("fp8_delayed")).items())[:2]
-      [('grad_amax_history', 'replaced'), ('grad_scale', 'replaced')]
-    """
-    kinds: dict[str, str] = {}
-    for matmul, side, tensor, _ in core.SLOTS:
-        q = getattr(getattr(config, matmul), side)
-        p = core.provider(q)
-        if p is None:
-            continue
-        example = jax.eval_shape(functools.partial(p.init_state, (), None, q.numerics))
-        for name in example:
-            kinds[f"{tensor}_{name}"] = "trained" if p.trainable else "replaced"
-    return kinds
 
 
 def _shapes(
@@ -422,7 +390,7 @@ def run(
     """
     dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
     vma = [("lhs", core.varying(lhs)), ("rhs", core.varying(rhs))]
-    if not needs_state(config):
+    if not config.needs_state:
         if state:
             _check_state(owner, {}, state)
         plan = core.Plan(config, contraction, dtypes, (), tuple(vma))

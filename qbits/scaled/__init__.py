@@ -27,7 +27,6 @@ Example:
 
 from qbits.scaled._array import ScaledArray, as_scaled_array, asarray, is_scaled
 from qbits.scaled._interpreter import (
-    Const,
     UnsupportedPrimitiveError,
     register_rule,
     scalify,
@@ -35,7 +34,6 @@ from qbits.scaled._interpreter import (
 
 # The rules register themselves when imported.
 from qbits.scaled import _control, _rules, _structure  # noqa: F401  # isort: skip
-from qbits.scaled._structure import register_marker  # isort: skip
 from qbits.scaled._ops import (  # isort: skip
     cast_ml_dtype,
     cast_ml_dtype_grad,
@@ -47,7 +45,6 @@ from qbits.scaled._ops import (  # isort: skip
 )
 
 __all__ = [
-    "Const",
     "ScaledArray",
     "UnsupportedPrimitiveError",
     "as_scaled_array",
@@ -59,7 +56,6 @@ __all__ = [
     "dynamic_rescale_max",
     "dynamic_rescale_max_grad",
     "is_scaled",
-    "register_marker",
     "register_rule",
     "scalify",
     "wasted_bits",

@@ -144,7 +144,14 @@ class ScaledArray:
 
 
 def is_scaled(x: Any) -> bool:
-    """Whether ``x`` is a :class:`ScaledArray` (use as ``is_leaf=``)."""
+    """Whether ``x`` is a :class:`ScaledArray` (use as ``is_leaf=``).
+
+    Example:
+      >>> from qbits import scaled
+      >>> x = scaled.as_scaled_array(jnp.ones(2))
+      >>> scaled.is_scaled(x), scaled.is_scaled(jnp.ones(2))
+      (True, False)
+    """
     return isinstance(x, ScaledArray)
 
 

@@ -73,6 +73,15 @@ class UnsupportedPrimitiveError(NotImplementedError):
 
     Attributes:
       primitive: The primitive's name, e.g. ``"fft"``.
+
+    Example:
+      >>> from qbits import scaled
+      >>> x = scaled.as_scaled_array(jnp.ones(4), jnp.float32(2.0))
+      >>> try:
+      ...     scaled.scalify(jax.lax.igamma)(x, x)
+      ... except scaled.UnsupportedPrimitiveError as e:
+      ...     print(e.primitive)
+      igamma
     """
 
     def __init__(self, primitive: str):
@@ -111,6 +120,17 @@ def register_rule(primitive: str, rule: Rule) -> None:
     params; operands are :class:`ScaledArray`, :class:`Const` or plain arrays
     (at least one ScaledArray). It returns the output (a list for
     multiple-result primitives).
+
+    Example:
+      >>> from qbits import scaled
+      >>> def bessel_i1e(x, **params):  # bounded by 1/2: needs no scale
+      ...     y = jax.lax.bessel_i1e(scaled.asarray(x))
+      ...     return scaled.as_scaled_array(y, jnp.float32(1.0))
+      >>> scaled.register_rule("bessel_i1e", bessel_i1e)
+      >>> y = scaled.scalify(jax.lax.bessel_i1e)(
+      ...     scaled.as_scaled_array(jnp.ones(2), jnp.float32(3.0)))
+      >>> float(y.scale), bool(jnp.allclose(scaled.asarray(y), jax.lax.bessel_i1e(1.0)))
+      (1.0, True)
     """
     _RULES[primitive] = rule
 

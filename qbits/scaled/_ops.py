@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qbits._errors import InvalidArgumentError
-from qbits.numerics import float_format, round_to_format
+from qbits._formats import float_format, round_to_format
 from qbits.scaled._array import ScaledArray
 from qbits.scaled._rules import F32, choose_scale, finish, scale32
 from qbits.scaled._structure import register_marker
@@ -130,6 +130,13 @@ def dynamic_rescale_l2(tree: Any) -> Any:
     """Rescales so that the data's root mean square is about 1.
 
     As :func:`dynamic_rescale_max`, with the root mean square of the data.
+
+    Example:
+      >>> import numpy as np
+      >>> from qbits import scaled
+      >>> x = scaled.as_scaled_array(np.array([0.01, -0.03], np.float32))
+      >>> scaled.dynamic_rescale_l2(x)
+      ScaledArray(data=Array([ 0.32, -0.96], dtype=float32), scale=0.03125)
     """
     return _tree(_l2, tree)
 
@@ -139,12 +146,26 @@ _l2_grad = _on_grad(_l2)
 
 
 def dynamic_rescale_max_grad(x: jax.Array) -> jax.Array:
-    """Identity forward; :func:`dynamic_rescale_max` on the gradient."""
+    """Identity forward; :func:`dynamic_rescale_max` on the gradient.
+
+    Example:
+      >>> from qbits import scaled
+      >>> f = lambda x: (scaled.dynamic_rescale_max_grad(x) * 2).sum()
+      >>> jax.grad(f)(jnp.ones(3))  # outside scalify: the plain gradient
+      Array([2., 2., 2.], dtype=float32)
+    """
     return _max_grad(x)
 
 
 def dynamic_rescale_l2_grad(x: jax.Array) -> jax.Array:
-    """Identity forward; :func:`dynamic_rescale_l2` on the gradient."""
+    """Identity forward; :func:`dynamic_rescale_l2` on the gradient.
+
+    Example:
+      >>> from qbits import scaled
+      >>> f = lambda x: (scaled.dynamic_rescale_l2_grad(x) * 2).sum()
+      >>> jax.grad(f)(jnp.ones(3))  # outside scalify: the plain gradient
+      Array([2., 2., 2.], dtype=float32)
+    """
     return _l2_grad(x)
 
 
@@ -199,7 +220,14 @@ def _cast_grad(dtype_name: str) -> Callable[[jax.Array], jax.Array]:
 
 
 def cast_ml_dtype_grad(x: jax.Array, dtype: Any) -> jax.Array:
-    """Identity forward; :func:`cast_ml_dtype` on the gradient (e.g. E5M2)."""
+    """Identity forward; :func:`cast_ml_dtype` on the gradient (e.g. E5M2).
+
+    Example:
+      >>> from qbits import scaled
+      >>> f = lambda x: (scaled.cast_ml_dtype_grad(x, "float8_e5m2") * 0.3).sum()
+      >>> jax.grad(f)(jnp.ones(3))  # 0.3 on the E5M2 grid
+      Array([0.3125, 0.3125, 0.3125], dtype=float32)
+    """
     return _cast_grad(_dtype_name(dtype))(x)
 
 

@@ -138,7 +138,7 @@ class Plan:
             # A weight in a cond or while body is quantized on the fly: the
             # stored copy could not leave the body (like scale state).
             if store and _stores(config, site) and not site.control:
-                if ops.needs_state(config) or config.fwd.needs_key:
+                if config.needs_state or config.fwd.needs_key:
                     what = ("rounds stochastically" if config.fwd.needs_key
                             else "takes its scales from state")  # fmt: skip
                     raise ConfigError(
@@ -151,7 +151,7 @@ class Plan:
                     )
                 self.stored[site.ctx] = site.path
                 self.sliced[site.path] = next(iter(site.weights)).sliced
-            elif ops.needs_state(config):
+            elif config.needs_state:
                 if site.control:
                     raise InvalidArgumentError(
                         caller.owner,
@@ -166,7 +166,7 @@ class Plan:
                 self.state_keys[site.ctx] = site.path
                 if site.weights:
                     self.sliced[site.path] = next(iter(site.weights)).sliced
-                kinds = ops.state_kinds(config)
+                kinds = config.state_kinds()
                 self.replaced[site.path] = tuple(
                     k for k, v in kinds.items() if v == "replaced"
                 )

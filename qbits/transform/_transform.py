@@ -322,7 +322,7 @@ def layer_table(
       **kwargs: Example keyword arguments.
 
     Returns:
-      A :class:`~qbits.LayerTable`.
+      A :class:`~qbits.config.LayerTable`.
 
     Raises:
       ConfigError: For a rule that gives an integer matmul a config.

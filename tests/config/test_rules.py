@@ -65,7 +65,7 @@ def test_table_lists_each_matmul_and_the_rules_that_matched_nothing():
     assert data[3]["resolved"] is None
     assert table["head"].kind == "dot_general (activation x weight)"
     assert table["head"].operands == "f32[2,4] x f32[4,4]"
-    with pytest.warns(qbits.UnusedRuleWarning, match="never"):
+    with pytest.warns(qbits.config.UnusedRuleWarning, match="never"):
         table.warn_unused()
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import qbits
 from qbits import config as qc
-from qbits.numerics._formats import FLOAT_FORMATS
+from qbits._formats import FLOAT_FORMATS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FORMATS = sorted(FLOAT_FORMATS)
@@ -31,9 +31,9 @@ def test_every_preset_round_trips_through_yaml_and_dicts(name):
 @pytest.mark.parametrize("name", qbits.presets.names())
 def test_configs_folder_holds_every_preset_and_is_current(name):
     path = ROOT / "configs" / f"{name}.yaml"
-    assert path.read_text() == qc.preset_yaml(name), (
+    assert path.read_text() == qc._yamlio.preset_yaml(name), (
         f"{path} is stale: run python -c "
-        "\"import qbits; qbits.config.write_presets('configs')\""
+        "\"import qbits; qbits.config._yamlio.write_presets('configs')\""
     )
     assert qc.load(path) == qbits.presets.get(name)
     assert qbits.load_config(path).default == qbits.presets.get(name)
@@ -77,7 +77,7 @@ def test_presets_are_what_their_names_say():
 @st.composite
 def quantizers(draw):
     kind = draw(st.sampled_from(["int", "fp", "none"]))
-    noise = draw(st.sampled_from([None, qbits.UniformNoise()]))
+    noise = draw(st.sampled_from([None, qbits.numerics.UniformNoise()]))
     if kind == "int":
         bits = draw(st.integers(1, 16))
         numerics = qbits.IntNumerics(

@@ -11,16 +11,9 @@ import numpy as np
 import pytest
 
 import qbits
-from qbits.experiments import (
-    TransformerLM,
-    char_data,
-    class_data,
-    corpus,
-    load_sweep,
-    spec,
-    train,
-)
-from qbits.experiments._data import char_batch, char_eval_batches
+from qbits.experiments import TransformerLM, load_sweep, spec, train
+from qbits.experiments import _corpus as corpus
+from qbits.experiments._data import char_batch, char_data, char_eval_batches, class_data
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOKENS = jax.ShapeDtypeStruct((2, 16), jnp.int32)

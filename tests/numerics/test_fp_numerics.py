@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qbits
-from qbits import Fp8Numerics, FpNumerics, InvalidArgumentError
-from qbits.numerics import FLOAT_FORMATS
-from qbits.numerics._formats import emulated_round_to_format
+from qbits import FpNumerics, InvalidArgumentError
+from qbits._formats import FLOAT_FORMATS, emulated_round_to_format
+from qbits.numerics import Fp8Numerics
 from tests.helpers import FLOAT_DTYPES, bits_equal
 
 FORMATS = sorted(FLOAT_FORMATS)
@@ -164,7 +164,7 @@ def test_fp8_numerics_defaults_to_e4m3_and_takes_only_8_bit_formats():
 )
 def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(fmt):
     f = FLOAT_FORMATS[fmt]
-    n = FpNumerics(fmt, noise_fn=qbits.UniformNoise())
+    n = FpNumerics(fmt, noise_fn=qbits.numerics.UniformNoise())
     tiny = 2.0**f.min_exp
     x = np.array(
         [
@@ -181,7 +181,7 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(fmt):
     draws = 20000
     keys = jax.random.split(jax.random.key(0), draws)
     samples = np.asarray(
-        jax.jit(jax.vmap(lambda k: n(jnp.asarray(x), qbits.Context(k))))(keys)
+        jax.jit(jax.vmap(lambda k: n(jnp.asarray(x), qbits.numerics.Context(k))))(keys)
     )
     grid = all_values(fmt)
     for i, xi in enumerate(x):
@@ -194,11 +194,11 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(fmt):
 
 
 def test_stochastic_rounding_same_key_same_bits_and_needs_a_key():
-    n = Fp8Numerics(noise_fn=qbits.UniformNoise())
+    n = Fp8Numerics(noise_fn=qbits.numerics.UniformNoise())
     x = jax.random.normal(jax.random.key(1), (128,)) * 10
-    a = apply(n, x, qbits.Context(jax.random.key(5)))
-    np.testing.assert_array_equal(a, n(x, qbits.Context(jax.random.key(5))))
-    assert not np.array_equal(a, n(x, qbits.Context(jax.random.key(6))))
+    a = apply(n, x, qbits.numerics.Context(jax.random.key(5)))
+    np.testing.assert_array_equal(a, n(x, qbits.numerics.Context(jax.random.key(5))))
+    assert not np.array_equal(a, n(x, qbits.numerics.Context(jax.random.key(6))))
     with pytest.raises(InvalidArgumentError, match=r"Fp8Numerics: context=None"):
         n(x)
 
@@ -219,8 +219,8 @@ def test_gradients(fmt):
 
 def test_x64_keeps_the_input_dtype():
     # The clip bound was a python float: a float64 array in lax.clamp under x64.
-    n = FpNumerics("float6_e3m2fn", noise_fn=qbits.UniformNoise())  # emulated
-    context = qbits.Context(jax.random.key(0))
+    n = FpNumerics("float6_e3m2fn", noise_fn=qbits.numerics.UniformNoise())  # emulated
+    context = qbits.numerics.Context(jax.random.key(0))
     for dtype in FLOAT_DTYPES:
         x = jnp.array([6e4, -0.3, 1.06, -0.0], dtype)
         expected = apply(n, x, context)

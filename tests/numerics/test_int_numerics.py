@@ -213,11 +213,11 @@ def test_absmax_scale_shrinks_when_requantizing_aqt_default():
 
 
 def test_stochastic_rounding_is_unbiased():
-    n = IntNumerics(bits=4, noise_fn=qbits.UniformNoise())
+    n = IntNumerics(bits=4, noise_fn=qbits.numerics.UniformNoise())
     x = jnp.array([0.1, -2.3, 3.5, 6.9, -6.95, 0.0, 5.25], jnp.float32)
     draws = 20000
     keys = jax.random.split(jax.random.key(0), draws)
-    samples = jax.vmap(lambda k: n(x, qbits.Context(k)))(keys)
+    samples = jax.vmap(lambda k: n(x, qbits.numerics.Context(k)))(keys)
     assert set(np.unique(np.asarray(samples))) <= set(range(-7, 8))
     # Each draw is floor or ceil of x; variance <= 1/4, so 6 sigma is 3/sqrt(n).
     np.testing.assert_allclose(samples.mean(0), x, atol=6 * 0.5 / np.sqrt(draws))
@@ -227,27 +227,27 @@ def test_stochastic_rounding_is_unbiased():
 
 
 def test_stochastic_rounding_on_half_integer_grid_is_unbiased():
-    n = IntNumerics(bits=2, preserve_zero=False, noise_fn=qbits.UniformNoise())
+    n = IntNumerics(bits=2, preserve_zero=False, noise_fn=qbits.numerics.UniformNoise())
     x = jnp.array([0.2, -0.7, 1.4, -1.1], jnp.float32)
     keys = jax.random.split(jax.random.key(1), 20000)
-    samples = jax.vmap(lambda k: n(x, qbits.Context(k)))(keys)
+    samples = jax.vmap(lambda k: n(x, qbits.numerics.Context(k)))(keys)
     assert set(np.unique(np.asarray(samples))) <= {-1.5, -0.5, 0.5, 1.5}
     np.testing.assert_allclose(samples.mean(0), x, atol=6 * 0.5 / np.sqrt(20000))
 
 
 def test_stochastic_rounding_same_key_same_bits():
-    n = IntNumerics(bits=8, noise_fn=qbits.UniformNoise())
+    n = IntNumerics(bits=8, noise_fn=qbits.numerics.UniformNoise())
     x = jax.random.normal(jax.random.key(3), (64,)) * 40
-    a = n(x, qbits.Context(jax.random.key(7)))
-    b = jax.jit(n)(x, qbits.Context(jax.random.key(7)))
-    c = n(x, qbits.Context(jax.random.key(8)))
+    a = n(x, qbits.numerics.Context(jax.random.key(7)))
+    b = jax.jit(n)(x, qbits.numerics.Context(jax.random.key(7)))
+    c = n(x, qbits.numerics.Context(jax.random.key(8)))
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
 
 
 def test_stochastic_rounding_without_key_is_a_clear_error():
-    n = IntNumerics(bits=8, noise_fn=qbits.UniformNoise())
-    for context in (None, qbits.Context()):
+    n = IntNumerics(bits=8, noise_fn=qbits.numerics.UniformNoise())
+    for context in (None, qbits.numerics.Context()):
         with pytest.raises(InvalidArgumentError, match=r"context.*key"):
             n(jnp.ones(3), context)
     with pytest.raises(InvalidArgumentError, match=r"noise_fn"):
@@ -358,9 +358,11 @@ def test_non_float_input_is_an_error():
 
 
 def test_is_a_hashable_static_pytree():
-    n = IntNumerics(bits=4, noise_fn=qbits.UniformNoise())
+    n = IntNumerics(bits=4, noise_fn=qbits.numerics.UniformNoise())
     assert jax.tree_util.tree_leaves(n) == []
-    assert hash(n) == hash(IntNumerics(bits=4, noise_fn=qbits.UniformNoise()))
-    assert n == IntNumerics(bits=4, dtype=jnp.int4, noise_fn=qbits.UniformNoise())
+    assert hash(n) == hash(IntNumerics(bits=4, noise_fn=qbits.numerics.UniformNoise()))
+    assert n == IntNumerics(
+        bits=4, dtype=jnp.int4, noise_fn=qbits.numerics.UniformNoise()
+    )
     with pytest.raises(AttributeError):
         n.bits = 8

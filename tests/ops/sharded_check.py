@@ -24,7 +24,7 @@ def main():
         qbits.IntNumerics(bits=8), granularity=qbits.PerChannel()
     )
     per_tensor = qbits.Quantizer(qbits.IntNumerics(bits=8))
-    fp8 = qbits.Quantizer(qbits.Fp8Numerics())
+    fp8 = qbits.Quantizer(qbits.numerics.Fp8Numerics())
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     k = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k[0], (32, 64))

@@ -164,8 +164,8 @@ def test_gradients_are_what_the_configured_backward_matmuls_compute():
     x, w = operands((8, 16), (16, 12))
     g = jax.random.normal(jax.random.key(5), (8, 12))
     int4 = Quantizer(IntNumerics(bits=4), granularity=PerChannel())
-    e5m2 = Quantizer(qbits.Fp8Numerics("float8_e5m2"))
-    e4m3 = Quantizer(qbits.Fp8Numerics("float8_e4m3fn"))
+    e5m2 = Quantizer(qbits.numerics.Fp8Numerics("float8_e5m2"))
+    e4m3 = Quantizer(qbits.numerics.Fp8Numerics("float8_e4m3fn"))
     config = DotGeneralConfig(
         fwd=MatmulConfig(lhs=INT8, rhs=INT8),
         dlhs=MatmulConfig(lhs=int4, rhs=INT8, mode="fake"),
@@ -234,9 +234,9 @@ def test_tiled_and_mx_real_equal_fake():
     dn = (((1,), (0,)), ((), ()))
     for quantizer in (
         Quantizer(IntNumerics(bits=8), granularity=qbits.Tiled(tile_size=32)),
-        qbits.mx_quantizer("float8_e4m3fn"),
-        qbits.mx_quantizer("float4_e2m1fn"),
-        qbits.mx_quantizer("int8"),
+        qbits.presets.mx_quantizer("float8_e4m3fn"),
+        qbits.presets.mx_quantizer("float4_e2m1fn"),
+        qbits.presets.mx_quantizer("int8"),
     ):
         results = []
         for mode in ("real", "fake"):
@@ -253,7 +253,11 @@ def test_tiled_and_mx_real_equal_fake():
 
 @pytest.mark.parametrize(
     "numerics",
-    [qbits.Fp8Numerics(), IntNumerics(bits=4), qbits.FpNumerics("float6_e2m3fn")],
+    [
+        qbits.numerics.Fp8Numerics(),
+        IntNumerics(bits=4),
+        qbits.FpNumerics("float6_e2m3fn"),
+    ],
 )
 def test_other_formats_real_equal_fake(numerics):
     x, w = operands((4, 32), (32, 8))
@@ -378,7 +382,8 @@ def test_works_under_jit_vmap_checkpoint_and_scan():
 
 def test_stochastic_rounding_needs_a_key_up_front():
     noisy = Quantizer(
-        IntNumerics(bits=8, noise_fn=qbits.UniformNoise()), granularity=PerChannel()
+        IntNumerics(bits=8, noise_fn=qbits.numerics.UniformNoise()),
+        granularity=PerChannel(),
     )
     config = DotGeneralConfig(
         fwd=MatmulConfig(lhs=INT8, rhs=INT8),
@@ -478,8 +483,8 @@ def test_bad_configs(build, pattern):
 def test_fp8_lowers_to_the_gpu_fp8_gemm_pattern():
     # XLA's GPU compiler rewrites a dot of fp8 operands with per-tensor scales
     # into a cuBLASLt FP8 GEMM; E5M2 x E5M2 is not supported there.
-    e4m3 = Quantizer(qbits.Fp8Numerics("float8_e4m3fn"))
-    e5m2 = Quantizer(qbits.Fp8Numerics("float8_e5m2"))
+    e4m3 = Quantizer(qbits.numerics.Fp8Numerics("float8_e4m3fn"))
+    e5m2 = Quantizer(qbits.numerics.Fp8Numerics("float8_e5m2"))
     config = DotGeneralConfig(
         fwd=MatmulConfig(lhs=e4m3, rhs=e4m3),
         dlhs=MatmulConfig(lhs=e5m2, rhs=e4m3),
@@ -653,7 +658,7 @@ def test_second_derivatives_of_every_preset(preset, which, how, seed):
     w0, v = (jax.random.normal(kk, (k, n)) for kk in keys[2:4])
     u, v = (u if which != "rhs" else 0 * u), (v if which != "lhs" else 0 * v)
     dg = qbits.dot_general(config, keys[4])
-    state = dg.init_state(x0, w0, MM) if qbits.ops.needs_state(config) else None
+    state = dg.init_state(x0, w0, MM) if config.needs_state else None
 
     def f(t):
         x = x0 + t * u if which != "rhs" else x0
@@ -706,14 +711,14 @@ def test_tiny_and_huge_operands_keep_their_results(preset, magnitude):
     np.testing.assert_allclose(got, want, rtol=0.15)
 
 
-@pytest.mark.parametrize("preset", ["int8", "fp8", "fp8_delayed"])
 @pytest.mark.parametrize(
-    "policy",
+    ("preset", "policy"),
     [
-        None,
-        jax.checkpoint_policies.nothing_saveable,
-        jax.checkpoint_policies.dots_saveable,
-        jax.checkpoint_policies.everything_saveable,
+        ("int8", None),
+        ("fp8_delayed", jax.checkpoint_policies.nothing_saveable),
+        ("int8", jax.checkpoint_policies.dots_saveable),
+        ("fp8", jax.checkpoint_policies.everything_saveable),
+        ("fp8_delayed", jax.checkpoint_policies.dots_saveable),
     ],
 )
 def test_remat_gives_the_same_gradients_and_state(preset, policy):
@@ -723,7 +728,7 @@ def test_remat_gives_the_same_gradients_and_state(preset, policy):
     x = jax.random.normal(k[0], (16, 32))
     w1 = jax.random.normal(k[1], (32, 64)) / 6
     w2 = jax.random.normal(k[2], (64, 8)) / 8
-    s1 = dg.init_state(x, w1, MM) if qbits.ops.needs_state(config) else None
+    s1 = dg.init_state(x, w1, MM) if config.needs_state else None
     s2 = dg.init_state(x @ w1, w2, MM) if s1 is not None else None
 
     def block(x, w1, w2, s1, s2):
@@ -743,15 +748,18 @@ def test_remat_gives_the_same_gradients_and_state(preset, policy):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("pet", [None, jnp.float32])
-@pytest.mark.parametrize("preset", ["int8", "fp8", "fp8_delayed", "none"])
+@pytest.mark.parametrize(
+    ("preset", "pet"),
+    [("int8", None), ("fp8", jnp.float32), ("fp8_delayed", None), ("none", None),
+     ("none", jnp.float32)],
+)  # fmt: skip
 def test_mixed_precision_keeps_the_dtypes_lax_gives(dtype, pet, preset):
     config = qbits.presets.get(preset)
     dg = qbits.dot_general(config, jax.random.key(0) if config.needs_key else None)
     k = jax.random.split(jax.random.key(1), 2)
     x = jax.random.normal(k[0], (8, 32)).astype(dtype)
     w = (jax.random.normal(k[1], (32, 16)) / 6).astype(dtype)
-    state = dg.init_state(x, w, MM) if qbits.ops.needs_state(config) else None
+    state = dg.init_state(x, w, MM) if config.needs_state else None
 
     def f(x, w):
         return dg(x, w, MM, preferred_element_type=pet, state=state)
@@ -780,7 +788,7 @@ def test_a_gradient_nobody_needs_is_not_computed(preset):
     k = jax.random.split(jax.random.key(0), 3)
     ws = jax.random.normal(k[0], (3, 32, 32)) / 6
     x = jax.random.normal(k[1], (16, 32))
-    state = dg.init_state(x, ws[0], MM) if qbits.ops.needs_state(config) else None
+    state = dg.init_state(x, ws[0], MM) if config.needs_state else None
 
     def layer(h, w):
         return jnp.tanh(dg(h, w, MM, state=state)), None

@@ -252,7 +252,7 @@ def test_conv_bad_input():
         qbits.conv_general_dilated(all3(INT8, INT8))(
             lhs.astype(jnp.int32), rhs, (1, 1), "SAME"
         )
-    noisy = Quantizer(IntNumerics(bits=8, noise_fn=qbits.UniformNoise()))
+    noisy = Quantizer(IntNumerics(bits=8, noise_fn=qbits.numerics.UniformNoise()))
     with pytest.raises(InvalidArgumentError, match=r"conv_general_dilated: key=None"):
         qbits.conv_general_dilated(all3(noisy, INT8))
 

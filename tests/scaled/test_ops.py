@@ -134,12 +134,12 @@ def test_wasted_bits():
         wasted_bits(jnp.array([True]))
 
 
-def test_mnist_sized_mlp_fp16_and_fp8_track_float32():
+def test_mlp_trained_in_fp8_tracks_float32():
     """The README's scalify example, shortened (full run: examples/scalify_mlp.py)."""
-    kwargs = dict(steps=150, hidden=128, n_train=4096, n_eval=1024)
+    kwargs = dict(steps=60, hidden=64, n_train=2048, n_eval=512)
     base = train_scalify_mlp("float32", **kwargs)
     assert base.losses[-1] < 0.8 * base.losses[0]
-    for precision in ("float16", "fp8"):
+    for precision in ("fp8",):
         r = train_scalify_mlp(precision, **kwargs)
         assert np.all(np.isfinite(r.losses))
         assert abs(r.final_loss / base.final_loss - 1) < 0.02, precision

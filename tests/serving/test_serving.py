@@ -372,7 +372,9 @@ def test_bad_arguments(linen_setup, nnx_setup, tmp_path):
         serving.save(tmp_path / "x", nnx_setup[0])
     with pytest.raises(qbits.InvalidArgumentError, match="model"):
         serving.serve(nnx_setup[0], "int8_fwd")
-    noisy = qbits.Quantizer(qbits.IntNumerics(bits=8, noise_fn=qbits.UniformNoise()))
+    noisy = qbits.Quantizer(
+        qbits.IntNumerics(bits=8, noise_fn=qbits.numerics.UniformNoise())
+    )
     config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(lhs=noisy, rhs=noisy))
     with pytest.raises(qbits.ConfigError, match="stochastically"):
         serving.convert(model, config, params, x)
@@ -412,8 +414,7 @@ def test_convert_warns_when_it_stores_no_weights():
         )
 
 
-@pytest.mark.parametrize("scan", [False, True])
-@pytest.mark.parametrize("preset", ["int8_fwd", "w4a8"])
+@pytest.mark.parametrize(("scan", "preset"), [(True, "int8_fwd"), (False, "w4a8")])
 def test_custom_layers_einsum_weights_and_scanned_layers_are_stored(scan, preset):
     """Gemma-style Einsum modules, a block-diagonal linear, raw ``@`` with two
     parameters, a tied head; unrolled or scanned (weights stacked): every

@@ -11,8 +11,8 @@ import qbits
 from qbits.providers import DelayedScaling, scale_from_history, update_history
 
 DN = (((1,), (0,)), ((), ()))
-E4M3 = qbits.Fp8Numerics("float8_e4m3fn")
-E5M2 = qbits.Fp8Numerics("float8_e5m2")
+E4M3 = qbits.numerics.Fp8Numerics("float8_e4m3fn")
+E5M2 = qbits.numerics.Fp8Numerics("float8_e5m2")
 
 
 def delayed_config(history=16, mode="real", amax_compute="max", margin=0.0):

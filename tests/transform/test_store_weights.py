@@ -61,7 +61,9 @@ def test_stateful_and_stochastic_forward_configs_are_refused():
     params, x = _params(), jnp.ones((3, 16))
     with pytest.raises(qbits.ConfigError, match="takes its scales from state"):
         qbits.transform.store_weights(_fn, "fp8_delayed", params, x)
-    noisy = qbits.Quantizer(qbits.IntNumerics(bits=8, noise_fn=qbits.UniformNoise()))
+    noisy = qbits.Quantizer(
+        qbits.IntNumerics(bits=8, noise_fn=qbits.numerics.UniformNoise())
+    )
     config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(lhs=noisy, rhs=noisy))
     with pytest.raises(qbits.ConfigError, match="rounds stochastically"):
         qbits.transform.store_weights(_fn, config, params, x)

@@ -1,4 +1,7 @@
-"""Low-bit float formats: their parameters, and exact rounding onto them.
+"""Low-bit float formats, and the float dtypes qbits computes in.
+
+Layer 0: what the numerics (layer 1) and every layer above share about
+dtypes.
 
 Every float format of 8 bits or fewer that ml_dtypes defines is described by
 :class:`FloatFormat`, read off ml_dtypes itself. :func:`round_to_format` puts
@@ -24,6 +27,8 @@ from qbits._errors import InvalidArgumentError
 __all__ = [
     "FLOAT_FORMATS",
     "FloatFormat",
+    "check_float_input",
+    "compute_dtype",
     "float_format",
     "round_to_format",
     "stochastic_round_to_format",
@@ -121,7 +126,8 @@ def float_format(
       InvalidArgumentError: If ``fmt`` is not one of the accepted formats.
 
     Example:
-      >>> f = qbits.numerics.float_format("float8_e4m3fn")
+      >>> from qbits._formats import float_format
+      >>> f = float_format("float8_e4m3fn")
       >>> f.max, f.min_exp, f.overflow
       (448.0, -6, 'nan')
     """
@@ -208,3 +214,18 @@ def stochastic_round_to_format(
     ulp = _binade_ulp(a, fmt)
     q = jnp.floor(a / ulp + (noise.astype(x.dtype) + 0.5)) * ulp
     return jnp.copysign(q, x)
+
+
+def check_float_input(owner: str, x: Any) -> jax.Array:
+    """Returns ``x`` as a jax array, raising unless it is floating point."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise InvalidArgumentError(
+            owner, "x.dtype", x.dtype, "a floating-point dtype (float32, bfloat16, ...)"
+        )
+    return x
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """The dtype numerics compute in: float64 stays, everything else is f32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype("f4")
