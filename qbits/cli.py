@@ -248,6 +248,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the commands that run training: --rerun, -q."""
+    parser.add_argument(
+        "--rerun", action="store_true", help="rerun runs that are already finished"
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=_PROG,
@@ -296,10 +304,7 @@ def _parser() -> argparse.ArgumentParser:
         help="model size; tiny is for smoke tests, deep (lm) is 12 scanned blocks "
         "(default: %(default)s)",
     )
-    train.add_argument(
-        "--rerun", action="store_true", help="rerun runs that are already finished"
-    )
-    train.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _run_options(train)
     train.set_defaults(run=_train)
 
     sweep = sub.add_parser(
@@ -311,10 +316,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("file", metavar="SWEEP.yaml", help="the sweep file")
     sweep.add_argument("--out", help="output folder (default: runs/NAME)")
-    sweep.add_argument(
-        "--rerun", action="store_true", help="rerun runs that are already finished"
-    )
-    sweep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _run_options(sweep)
     sweep.set_defaults(run=_sweep)
 
     inspect = sub.add_parser(

@@ -21,15 +21,6 @@ from qbits.config import presets
 from qbits.config._patterns import backtracking
 from qbits.ops import DotGeneralConfig
 
-__all__ = [
-    "LayerRow",
-    "LayerTable",
-    "QuantConfig",
-    "Resolution",
-    "Rule",
-    "UnusedRuleWarning",
-]
-
 ConfigRef = DotGeneralConfig | str | None
 
 

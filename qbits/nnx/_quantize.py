@@ -47,18 +47,6 @@ from qbits.config import LayerTable, QuantConfig, as_quant_config
 from qbits.numerics import hash_key
 from qbits.tensor import QTensor
 
-__all__ = [
-    "Placeholder",
-    "ScaleState",
-    "StoredWeight",
-    "as_function",
-    "layer_table",
-    "max_combining",
-    "quantize",
-    "serving_copy",
-    "update_state",
-]
-
 STREAM = "quant"
 _ATTR = "qbits"
 _CALLER = transform.Caller(

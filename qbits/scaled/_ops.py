@@ -24,16 +24,6 @@ from qbits.scaled._array import ScaledArray
 from qbits.scaled._rules import F32, choose_scale, finish, scale32
 from qbits.scaled._structure import register_marker
 
-__all__ = [
-    "cast_ml_dtype",
-    "cast_ml_dtype_grad",
-    "dynamic_rescale_l2",
-    "dynamic_rescale_l2_grad",
-    "dynamic_rescale_max",
-    "dynamic_rescale_max_grad",
-    "wasted_bits",
-]
-
 
 def _marker(
     name: str, plain: Callable[[jax.Array], jax.Array], scaled: Callable[..., Any]

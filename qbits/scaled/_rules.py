@@ -15,6 +15,7 @@ that behave like ``x`` near zero).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -319,6 +320,15 @@ def _arg_reduce(prim: Any):
 # -- matmul and conv -------------------------------------------------------------
 
 
+def _binder(primitive: Any, **params: Any) -> Callable[..., jax.Array]:
+    """``run(a, b, accumulator dtype)``: the primitive bound with its params."""
+
+    def run(da: jax.Array, db: jax.Array, acc: Any) -> jax.Array:
+        return primitive.bind(da, db, preferred_element_type=acc, **params)
+
+    return run
+
+
 def _contracting_matmul(
     a: Any, b: Any, k: int, run: Any, out_dtype: Any
 ) -> ScaledArray:
@@ -351,17 +361,8 @@ def _dot_general(
 ) -> ScaledArray:
     (lhs_contract, _), _ = dimension_numbers
     k = math.prod(a.shape[i] for i in lhs_contract)
-
-    def run(da: jax.Array, db: jax.Array, acc: Any) -> jax.Array:
-        return lax.dot_general_p.bind(
-            da,
-            db,
-            dimension_numbers=dimension_numbers,
-            precision=precision,
-            preferred_element_type=acc,
-            **params,
-        )
-
+    run = _binder(lax.dot_general_p, dimension_numbers=dimension_numbers,
+                  precision=precision, **params)  # fmt: skip
     return _contracting_matmul(a, b, k, run, preferred_element_type)
 
 
@@ -375,16 +376,8 @@ def _conv(
 ) -> ScaledArray:
     rhs_spec = dimension_numbers.rhs_spec  # (out, in, spatial...)
     k = math.prod(b.shape[d] for d in rhs_spec[1:])
-
-    def run(da: jax.Array, db: jax.Array, acc: Any) -> jax.Array:
-        return lax.conv_general_dilated_p.bind(
-            da,
-            db,
-            dimension_numbers=dimension_numbers,
-            preferred_element_type=acc,
-            **params,
-        )
-
+    run = _binder(lax.conv_general_dilated_p, dimension_numbers=dimension_numbers,
+                  **params)  # fmt: skip
     return _contracting_matmul(a, b, k, run, preferred_element_type)
 
 
