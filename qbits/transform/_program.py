@@ -234,6 +234,26 @@ def _union(values: list[_Value]) -> _Value:
     return _Value(frozenset(), origins)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """Where the walk is: what an equation's enclosing bodies decide.
+
+    The fields of :class:`Site` of the same names; ``stack`` is the name
+    stack so far.
+    """
+
+    ctx: Ctx = ()
+    frozen: str = ""
+    stack: str = ""
+    loops: tuple[int, ...] = ()
+    control: str = ""
+
+    def at(self, i: int, eqn: Any) -> _Where:
+        """Equation ``i`` of this body."""
+        stack = f"{self.stack}/{eqn.source_info.name_stack}".strip("/")
+        return dataclasses.replace(self, ctx=(*self.ctx, i), stack=stack)
+
+
 class _Walker:
     """Follows parameters through a jaxpr and records its matmul sites."""
 
@@ -251,16 +271,7 @@ class _Walker:
             self.escaped.update(v.weights)
         return _union(list(values))
 
-    def walk(
-        self,
-        jaxpr: Any,
-        inputs: list[_Value],
-        ctx: Ctx,
-        frozen: str,
-        stack_prefix: str,
-        loops: tuple[int, ...] = (),
-        control: str = "",
-    ) -> list[_Value]:
+    def walk(self, jaxpr: Any, inputs: list[_Value], where: _Where) -> list[_Value]:
         env: dict[Any, _Value] = {}
 
         def read(v: Any) -> _Value:
@@ -271,34 +282,19 @@ class _Walker:
         for v, value in zip(jaxpr.invars, inputs, strict=True):
             env[v] = value
         for i, eqn in enumerate(jaxpr.eqns):
-            here = (*ctx, i)
             ins = [read(v) for v in eqn.invars]
-            name = eqn.primitive.name
-            stack = stack_prefix + "/" + str(eqn.source_info.name_stack)
-            outs = self._eqn(
-                eqn, name, ins, here, frozen, stack.strip("/"), loops, control
-            )
+            outs = self._eqn(eqn, eqn.primitive.name, ins, where.at(i, eqn))
             for v, value in zip(eqn.outvars, outs, strict=True):
                 env[v] = value
         return [read(v) for v in jaxpr.outvars]
 
-    def _eqn(
-        self,
-        eqn: Any,
-        name: str,
-        ins: list[_Value],
-        here: Ctx,
-        frozen: str,
-        stack: str,
-        loops: tuple[int, ...],
-        control: str,
-    ) -> list[_Value]:
+    def _eqn(self, eqn: Any, name: str, ins: list[_Value], at: _Where) -> list[_Value]:
         n_out = len(eqn.outvars)
         if name == "dot_general" and not eqn.params["dimension_numbers"][0][0]:
             return [self.lose(ins)] * n_out  # an elementwise product, no matmul
         if name in MATMULS or name in _RAGGED:
             lhs, rhs = ins[0], ins[1]
-            if frozen and not (lhs.weights or rhs.weights) and self.region:
+            if at.frozen and not (lhs.weights or rhs.weights) and self.region:
                 rhs = _Value(self.region, rhs.origins)
             scope = (
                 ()
@@ -307,11 +303,11 @@ class _Walker:
             )
             if name in _RAGGED:
                 name = "ragged_dot"
-            label = einsum_label(stack) if name == "dot_general" else ""
+            label = einsum_label(at.stack) if name == "dot_general" else ""
             acts = not (lhs.weights or rhs.weights)
             swapped = bool(label) and acts and flipped(label, eqn)
             site = Site(
-                ctx=here,
+                ctx=at.ctx,
                 primitive=name,
                 operands=" x ".join(
                     _shape(v.aval)
@@ -321,9 +317,9 @@ class _Walker:
                 rhs=rhs.weights,
                 label=label,
                 scope=scope,
-                frozen=frozen,
-                loops=loops,
-                control=control,
+                frozen=at.frozen,
+                loops=at.loops,
+                control=at.control,
                 contracting=(
                     tuple(eqn.params["dimension_numbers"][0])
                     if name == "dot_general"
@@ -347,58 +343,47 @@ class _Walker:
         if name in _PASS_EACH:
             return list(ins[:n_out])
         if name in _CALLS:
-            closed = eqn.params["jaxpr"]
-            return self.walk(closed.jaxpr, ins, here, frozen, stack, loops, control)
+            return self.walk(eqn.params["jaxpr"].jaxpr, ins, at)
         if name in _REMATS:
-            return self.walk(
-                eqn.params["jaxpr"], ins, here, frozen, stack, loops, control
-            )
+            return self.walk(eqn.params["jaxpr"], ins, at)
         if name == "scan":
-            return self._scan(eqn, ins, here, frozen, stack, loops, control)
+            return self._scan(eqn, ins, at)
         if name == "cond":
             for j, b in enumerate(eqn.params["branches"]):
-                self.walk(b.jaxpr, ins[1:], (*here, j), frozen, stack, loops,
-                          "cond")  # fmt: skip
+                branch = dataclasses.replace(at, ctx=(*at.ctx, j), control="cond")
+                self.walk(b.jaxpr, ins[1:], branch)
             return [self.lose(ins[1:])] * n_out
         if name == "while":
             p = eqn.params
             nc, nb = p["cond_nconsts"], p["body_nconsts"]
             self.lose(ins[:nc])
             carry = [self.lose([v]) for v in ins[nc + nb :]]
-            self.walk(p["body_jaxpr"].jaxpr, ins[nc : nc + nb] + carry, here,
-                      frozen, stack, loops, "while")  # fmt: skip
+            body = dataclasses.replace(at, control="while")
+            self.walk(p["body_jaxpr"].jaxpr, ins[nc : nc + nb] + carry, body)
             # The condition runs as it is (ctx -1: not a body of the runner).
-            self.walk(p["cond_jaxpr"].jaxpr, ins[:nc] + carry, (*here, -1),
-                      frozen or "a while_loop condition", stack, loops,
-                      "while")  # fmt: skip
+            condition = dataclasses.replace(
+                body, ctx=(*at.ctx, -1), frozen=at.frozen or "a while_loop condition"
+            )
+            self.walk(p["cond_jaxpr"].jaxpr, ins[:nc] + carry, condition)
             return [_union(ins[nc + nb :])] * n_out
         subs = list(_sub_jaxprs(eqn.params))
         if name in _CUSTOM and subs and subs[0].outvars == subs[0].invars:
             return list(ins)  # an identity with a derivative rule of its own
         if subs:
-            why = frozen or ("custom_vjp" if "vjp" in name else
-                             "custom_jvp" if "jvp" in name else name)  # fmt: skip
+            why = at.frozen or ("custom_vjp" if "vjp" in name else
+                                "custom_jvp" if "jvp" in name else name)  # fmt: skip
+            inside = dataclasses.replace(at, frozen=why)
             outer = self.region
             self.region = outer or frozenset().union(*(v.weights for v in ins))
             if name in _CUSTOM and len(subs[0].invars) == len(ins):
-                self.walk(subs[0], ins, here, why, stack, loops, control)
+                self.walk(subs[0], ins, inside)
             else:
                 for sub in subs:
-                    self.walk(sub, [_ACTIVATION] * len(sub.invars), here, why, stack,
-                              loops, control)  # fmt: skip
+                    self.walk(sub, [_ACTIVATION] * len(sub.invars), inside)
             self.region = outer
         return [self.lose(ins)] * n_out
 
-    def _scan(
-        self,
-        eqn: Any,
-        ins: list[_Value],
-        here: Ctx,
-        frozen: str,
-        stack: str,
-        loops: tuple[int, ...],
-        control: str,
-    ) -> list[_Value]:
+    def _scan(self, eqn: Any, ins: list[_Value], at: _Where) -> list[_Value]:
         p = eqn.params
         n_consts, n_carry = scan_counts(p)
         length = int(p["length"])
@@ -406,15 +391,16 @@ class _Walker:
         xs = [
             _Value(
                 frozenset(
-                    dataclasses.replace(w, sliced=w.sliced | {here}) for w in v.weights
+                    dataclasses.replace(w, sliced=w.sliced | {at.ctx})
+                    for w in v.weights
                 ),
                 v.origins,
             )
             for v in ins[n_consts + n_carry :]
         ]
         inputs = ins[:n_consts] + carry + xs
-        outs = self.walk(p["jaxpr"].jaxpr, inputs, here, frozen, stack,
-                         (*loops, length), control)  # fmt: skip
+        body = dataclasses.replace(at, loops=(*at.loops, length))
+        outs = self.walk(p["jaxpr"].jaxpr, inputs, body)
         return [self.lose([v]) for v in outs]
 
 
@@ -487,7 +473,7 @@ def trace(
     specs = [x for x, d in zip(leaves, dynamic, strict=True) if d]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*specs)
     walker = _Walker()
-    walker.lose(walker.walk(closed.jaxpr, inputs, (), "", ""))
+    walker.lose(walker.walk(closed.jaxpr, inputs, _Where()))
     program = Program(
         closed=closed,
         sites=walker.sites,
