@@ -123,9 +123,9 @@ def quantize(
         state is the gradient of ``state`` (``jax.grad`` with respect to
         it): call ``quantize`` inside the differentiated function.
       stored: Serving: the weights of the weight matmuls whose forward
-        quantizes the weight, already quantized: what
-        :func:`~qbits.transform.store_weights` returns, as it is (or
-        ``{matmul path: QTensor}``). Each is checked against the matmul
+        quantizes the weight, already quantized: ``{matmul path: QTensor}``
+        (what :func:`qbits.serving.convert` stores and
+        :func:`qbits.serving.serve` passes here). Each is checked against the matmul
         and its config (shape, stored format, scale layout). Those matmuls
         run forward only on them and ignore the float parameter (whose
         value may then be anything of its shape, e.g. zeros); the output
@@ -209,7 +209,7 @@ def _stored_weights(caller: Caller, stored: Any) -> dict[str, QTensor]:
             caller.owner,
             "stored",
             type(stored).__name__,
-            "a mapping {matmul path: stored weight} from qbits.transform.store_weights",
+            "a mapping {matmul path: QTensor}, e.g. qbits.serving.convert's weights",
         )
     return {name: getattr(w, "weight", w) for name, w in stored.items()}
 
