@@ -162,7 +162,9 @@ def gptq(
             owner,
             "damping",
             damping,
-            "a larger damping (e.g. 10x this one, up to 1.0), or more calibration data",
+            f"a larger damping (e.g. {min(1.0, max(0.01, 10 * damping)):g}); "
+            "hessian must be X^T X of the layer's calibration inputs "
+            "(positive semidefinite)",
             why=f"the Hessian of {layer} is not positive definite after damping",
         )
     return GptqResult(weight, scale)
@@ -367,4 +369,5 @@ def _gptq(
     _, scales, out = lax.fori_loop(0, k // block, one_block, (wf, scales, out))
     if act_order:
         out = out[jnp.argsort(perm)]
+    out = jnp.where(ok, out, jnp.full_like(out, jnp.nan))  # NaN, not garbage
     return out.astype(w.dtype), scales, ok
