@@ -1,0 +1,48 @@
+"""Layer 7: post-training quantization (PTQ) of one weight matmul at a time.
+
+Pure functions over one weight matmul ``x @ w``, the weight a 2-D array of
+shape ``(K, N)`` (``K`` input channels, the contracting axis; ``N`` output
+channels), and calibration statistics given as plain arrays: ``H = X^T X``
+(``(K, K)``, over the calibration rows ``X`` of ``x``) and per-input-channel
+``max |x|`` and ``mean |x|``. The target grid is a :class:`~qbits.Quantizer`
+applied to ``w`` with contracting axis 0 (``qbits.PerChannel()``: a scale
+per output channel; ``qbits.Tiled(tile_size=128)``: groups of 128 input
+channels).
+
+- :func:`gptq`: GPTQ (arXiv 2210.17323), quantize input channel by input
+  channel and spread each one's error onto the rest, guided by ``H``
+  (:class:`GptqResult`).
+- :func:`awq`: AWQ (arXiv 2306.00978), search per-input-channel scales
+  ``mean|x|**alpha`` that protect the salient inputs (:class:`AwqResult`).
+- :func:`smooth_scales`: SmoothQuant (arXiv 2211.10438), move activation
+  outliers into the weight before int8 activations.
+- :func:`scale_weight`, :func:`scale_activation`: apply per-input-channel
+  scales (``x @ w == (x / s) @ (s w)``), for SmoothQuant and AWQ.
+- :func:`hadamard`, :func:`rotate_weight`, :func:`rotate_activation`:
+  QuaRot-style rotations (``x @ w == (x Q) @ (Q^T w)``).
+- :func:`output_error`: ``tr((w - w_hat)^T H (w - w_hat))``, the output
+  error over the calibration set, without the activations.
+
+The package sits on layer 7 (with :mod:`qbits.flax` and :mod:`qbits.nnx`):
+it may import the quantizer, calibrations, numerics, granularities, ops,
+config and the engine.
+"""
+
+from qbits.ptq._awq import AwqResult, awq
+from qbits.ptq._gptq import GptqResult, gptq, output_error
+from qbits.ptq._rotation import hadamard, rotate_activation, rotate_weight
+from qbits.ptq._smoothquant import scale_activation, scale_weight, smooth_scales
+
+__all__ = [
+    "AwqResult",
+    "GptqResult",
+    "awq",
+    "gptq",
+    "hadamard",
+    "output_error",
+    "rotate_activation",
+    "rotate_weight",
+    "scale_activation",
+    "scale_weight",
+    "smooth_scales",
+]
