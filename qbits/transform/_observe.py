@@ -44,9 +44,11 @@ class ObservedMatmul:
       side: ``"lhs"`` or ``"rhs"``: the activation's operand of the
         ``dot_general`` (the weight is the other).
       shape: The weight operand's shape (one layer).
-      contracting: The weight axes the matmul contracts; the activation's
-        rows hold them flattened in this order.
-      batch: The weight's batch axes (one matrix per group, e.g. per head).
+      contracting: The weight axes the matmul contracts, in order; the
+        activation's rows hold the axes they pair with, flattened in this
+        order (``K``).
+      batch: The weight's batch axes, in order (one matrix per group, e.g.
+        per head).
       free: The weight's other axes: the output channels ``N``.
       layers: Lengths of the scans that slice the parameter (stacked
         layers), outermost first: the leading axes of a stacked record.
@@ -116,11 +118,13 @@ def record(observer: Observer, records: dict[str, Any], path: str, new: Any) -> 
 def activation_rows(x: jax.Array, dimension_numbers: Any, grouped: bool) -> Any:
     """The lhs (activation) of ``lhs . rhs`` as ``(*groups, rows, K)``.
 
-    The contracted axes are flattened in the order of the dimension numbers
-    (as the rhs's contracting axes pair with them); the batch axes lead when
-    ``grouped``, else they are rows too.
+    The contracted axes are flattened in the order of the rhs (weight) axes
+    they pair with, and so are the batch axes, which lead when ``grouped``
+    (else they are rows too).
     """
-    (lc, _), (lb, _) = dimension_numbers
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc = [a for _, a in sorted(zip(rc, lc, strict=True))]
+    lb = [a for _, a in sorted(zip(rb, lb, strict=True))]
     free = [a for a in range(jnp.ndim(x)) if a not in lc and a not in lb]
     x = jnp.transpose(x, (*lb, *free, *lc))
     k = math.prod(x.shape[jnp.ndim(x) - len(lc) :])
@@ -133,7 +137,11 @@ def describe(site: Site, program: Program, swapped: bool) -> ObservedMatmul:
     """The :class:`ObservedMatmul` of a weight ``dot_general`` site."""
     (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
     w = 0 if swapped else 1
-    contracting, batch = (lc, lb) if swapped else (rc, rb)
+    contracting, batch = (
+        (tuple(sorted(lc)), tuple(sorted(lb)))
+        if swapped
+        else (tuple(sorted(rc)), tuple(sorted(rb)))
+    )
     shape = tuple(int(d) for d in site.eqn.invars[w].aval.shape)
     weight = next(iter(site.weights))
     param_shape = _param_shapes(program)[weight.keys]
