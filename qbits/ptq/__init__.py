@@ -1,13 +1,17 @@
-"""Layer 7: post-training quantization (PTQ) of one weight matmul at a time.
+"""Layer 7: post-training quantization (PTQ).
 
-Pure functions over one weight matmul ``x @ w``, the weight a 2-D array of
-shape ``(K, N)`` (``K`` input channels, the contracting axis; ``N`` output
-channels), and calibration statistics given as plain arrays: ``H = X^T X``
-(``(K, K)``, over the calibration rows ``X`` of ``x``) and per-input-channel
-``max |x|`` and ``mean |x|``. The target grid is a :class:`~qbits.Quantizer`
-applied to ``w`` with contracting axis 0 (``qbits.PerChannel()``: a scale
-per output channel; ``qbits.Tiled(tile_size=128)``: groups of 128 input
-channels).
+Calibration statistics come through the engine: :func:`collect_stats` runs a
+function on calibration batches and gives every weight matmul's
+:class:`MatmulStats`: where its weight is (``matrix(w)`` reshapes it to
+``(K, N)``) and the :class:`InputStats` of its activation (Hessian
+``X^T X``, per-channel max and mean magnitude), streamed over the batches.
+
+The algorithms are pure functions over one weight matmul ``x @ w``, the
+weight a 2-D array of shape ``(K, N)`` (``K`` input channels, the
+contracting axis; ``N`` output channels), and those statistics as plain
+arrays. The target grid is a :class:`~qbits.Quantizer` applied to ``w`` with
+contracting axis 0 (``qbits.PerChannel()``: a scale per output channel;
+``qbits.Tiled(tile_size=128)``: groups of 128 input channels).
 
 - :func:`gptq`: GPTQ (arXiv 2210.17323), quantize input channel by input
   channel and spread each one's error onto the rest, guided by ``H``
@@ -29,14 +33,19 @@ config and the engine.
 """
 
 from qbits.ptq._awq import AwqResult, awq
+from qbits.ptq._collect import MatmulStats, collect_stats
 from qbits.ptq._gptq import GptqResult, gptq, output_error
 from qbits.ptq._rotation import hadamard, rotate_activation, rotate_weight
 from qbits.ptq._smoothquant import scale_activation, scale_weight, smooth_scales
+from qbits.ptq._stats import InputStats
 
 __all__ = [
     "AwqResult",
     "GptqResult",
+    "InputStats",
+    "MatmulStats",
     "awq",
+    "collect_stats",
     "gptq",
     "hadamard",
     "output_error",

@@ -13,7 +13,8 @@ bodies that hold a planned site are rebuilt (``jit`` inlined,
 
 The same runner serves every mode of the engine: quantized (training and
 evaluation), initialising scale state, storing weights (serving) and
-collecting activation ranges; :class:`Frame` says which.
+observing activations (ranges, calibration statistics); :class:`Frame` says
+which.
 """
 
 from __future__ import annotations
@@ -35,7 +36,15 @@ from qbits.config import QuantConfig, Resolution
 from qbits.numerics import NoNumerics, next_key
 from qbits.tensor import QTensor
 from qbits.transform._checks import check_conv_operands, check_operands
+from qbits.transform._observe import (
+    ObservedMatmul,
+    Observer,
+    activation_rows,
+    describe,
+    record,
+)
 from qbits.transform._program import Ctx, Program, Site
+from qbits.transform._swap import permuted_sharding, swapped
 
 __all__ = ["Caller", "Frame", "Plan", "Runner", "run_program"]
 
@@ -83,8 +92,11 @@ class Plan:
       caller: Named in errors.
       store: Serving: weight matmuls whose forward quantizes the weight run
         on a stored (already quantized) weight, forward only.
-      ranges: Collecting activation ranges: every weight matmul is visited
-        (in float), whatever the rules say.
+      observe: Observing activations: the weight ``dot_general`` s that
+        the rules give a quantizing config (all of them with ``every``),
+        outside ``cond`` and ``while`` bodies (what they record could not
+        leave the body), run in float and hand their activation to it.
+      every: With ``observe``: observe every weight matmul.
 
     Raises:
       ConfigError: For a rule that gives an integer matmul a config, or (with
@@ -101,7 +113,8 @@ class Plan:
         caller: Caller,
         *,
         store: bool = False,
-        ranges: bool = False,
+        observe: Observer | None = None,
+        every: bool = False,
     ):
         self.rules = rules
         self.caller = caller
@@ -120,6 +133,8 @@ class Plan:
         # dot_general sites whose weight is the lhs operand: run with the
         # operands swapped so that the weight gets the config's rhs side.
         self.swapped: set[Ctx] = set()
+        self.observe = observe
+        self.observed: dict[Ctx, ObservedMatmul] = {}
         self.holds: set[Ctx] = set()  # bodies holding a planned site
         self.needs_key: list[str] = []
         for site in program.sites:
@@ -129,9 +144,14 @@ class Plan:
                 self._check_integer(site, res)
             if site.kept:
                 continue
-            if ranges:
-                if site.weights and site.primitive == "dot_general":
+            if observe is not None:
+                chosen = every or not (config is None or config.is_identity)
+                weight = site.weights and site.primitive == "dot_general"
+                if chosen and weight and not site.control:
                     self._add(site, None, res)
+                    flip = site.ctx in self.swapped
+                    self.observed[site.ctx] = describe(site, program, flip)
+                    self.sliced[site.path] = next(iter(site.weights)).sliced
                 continue
             if config is None or config.is_identity:
                 continue
@@ -194,7 +214,7 @@ class Plan:
         if site.primitive == "dot_general":
             dn = p["dimension_numbers"]
             if site.ctx in self.swapped:
-                lhs, rhs, dn, _, _ = _swapped(lhs, rhs, dn, None)
+                lhs, rhs, dn, _, _ = swapped(lhs, rhs, dn, None)
             check_operands(
                 config, lhs.shape, rhs.shape, dn, where, layer=site.path, source=source
             )
@@ -246,9 +266,10 @@ class Frame:
     Modes: ``collect`` is set when the runner initialises state or stores
     weights (stateful or stored sites then record their initial state or
     stored weight there and run in float; the others run quantized, so that
-    each site sees the operands training gives it); ``ranges`` when it collects
-    activation ranges (every weight matmul records ``max|activation|`` and
-    runs in float).
+    each site sees the operands training gives it); ``observed`` when it
+    observes activations (each observed matmul records what the plan's
+    :class:`~._observe.Observer` makes of its activation, by path, and runs
+    in float).
 
     Keys: the sites of a frame that round stochastically take the links of
     a chain started at ``key`` (:func:`~qbits.numerics.next_key`), in the
@@ -262,7 +283,7 @@ class Frame:
     key: Any
     states: Mapping[str, Any]
     collect: dict[str, Any] | None = None
-    ranges: dict[str, Any] | None = None
+    observed: dict[str, Any] | None = None
     last: Any = None
 
     def with_(self, **changes: Any) -> Frame:
@@ -328,8 +349,8 @@ class Runner:
             dn, precision = p["dimension_numbers"], p.get("precision")
             out_sharding = p.get("out_sharding")
             if swap:
-                lhs, rhs, dn, precision, perm = _swapped(lhs, rhs, dn, precision)
-                out_sharding = _permuted_sharding(out_sharding, perm)
+                lhs, rhs, dn, precision, perm = swapped(lhs, rhs, dn, precision)
+                out_sharding = permuted_sharding(out_sharding, perm)
             args = (lhs, rhs, dn, precision, p.get("preferred_element_type"))
             if out_sharding is not None:
                 kwargs["out_sharding"] = out_sharding
@@ -341,10 +362,11 @@ class Runner:
                 p["feature_group_count"], p["batch_group_count"], p.get("precision"),
                 p.get("preferred_element_type"),
             )  # fmt: skip
-        if frame.ranges is not None:  # collecting: the activation's magnitude
-            amax = jnp.max(jnp.abs(args[0])).astype(jnp.float32)
-            old = frame.ranges.get(site.path)
-            frame.ranges[site.path] = amax if old is None else jnp.maximum(old, amax)
+        if frame.observed is not None:  # observing: the activation's rows
+            info, observer = self.plan.observed[here], self.plan.observe
+            rows = activation_rows(args[0], args[2], info.grouped)
+            new = observer.observe(info, rows)  # type: ignore[union-attr]
+            record(observer, frame.observed, site.path, new)  # type: ignore[arg-type]
             return bind(eqn, invals)
         stored_name = self.plan.stored.get(here)
         state_name = self.plan.state_keys.get(here)
@@ -419,7 +441,7 @@ class Runner:
             closed = p["jaxpr"]
             return run(closed.jaxpr, closed.consts, invals, here, frame)
         if name in ("remat2", "checkpoint"):
-            if frame.collect is not None or frame.ranges is not None:
+            if frame.collect is not None or frame.observed is not None:
                 return run(p["jaxpr"], [], invals, here, frame)  # nothing to save
             base = frame.body()
             fn = jax.checkpoint(
@@ -430,8 +452,8 @@ class Runner:
             return fn(*invals)
         if name == "cond":
             base = frame.body()
-            # Ranges cannot leave a branch: a cond's matmuls collect none.
-            inner = base.with_(ranges=None)
+            # Records cannot leave a branch: a cond's matmuls record none.
+            inner = base.with_(observed=None)
             branches = [
                 functools.partial(
                     lambda j, b, *a: run(b.jaxpr, b.consts, list(a), (*here, j),
@@ -460,14 +482,14 @@ class Runner:
         sliced = self.plan.sliced
         shared = {n for n in names if n in sliced and here not in sliced[n]}
         collecting = frame.collect is not None
-        ranging = frame.ranges is not None
+        observing = frame.observed is not None
         stacked = (
             {}
-            if collecting or ranging
+            if collecting or observing
             else {n: frame.states[n] for n in names if n not in shared}
         )
         states = dict(frame.states)
-        if not (collecting or ranging):
+        if not (collecting or observing):
             for n in shared & set(self.plan.replaced):  # one state, every step
                 states[n] = self._combining(n, states[n])
 
@@ -480,15 +502,15 @@ class Runner:
                 key=key,
                 states={**states, **state_slice},
                 collect={} if collecting else None,
-                ranges={} if ranging else None,
+                observed={} if observing else None,
             )
             out = self.run(body.jaxpr, body.consts, [*consts, *carry, *x_slice],
                            here, inner)  # fmt: skip
-            found = (inner.collect or {}, inner.ranges or {})
+            found = (inner.collect or {}, inner.observed or {})
             return out[:n_carry], (out[n_carry:], found)
 
         iters = lax.iota("int32", length)
-        carry, (ys, (new, ranges)) = lax.scan(
+        carry, (ys, (new, records)) = lax.scan(
             step, list(init), (iters, list(xs), stacked), length=length,
             reverse=p["reverse"], unroll=p["unroll"],
         )  # fmt: skip
@@ -497,11 +519,12 @@ class Runner:
                 {n: jax.tree.map(lambda a: a[0], v) if n in shared else v
                  for n, v in new.items()}
             )  # fmt: skip
-        if ranging:  # the largest magnitude over the iterations
-            for n, v in ranges.items():
-                old = frame.ranges.get(n)  # type: ignore[union-attr]
-                top = jnp.max(v)
-                frame.ranges[n] = top if old is None else jnp.maximum(old, top)  # type: ignore[index]
+        if observing:  # one record per layer, or the iterations' merged
+            observer = self.plan.observe
+            for n, v in records.items():
+                if not (observer.per_layer and here in sliced[n]):  # type: ignore[union-attr]
+                    v = observer.merge_steps(v)  # type: ignore[union-attr]
+                record(observer, frame.observed, n, v)  # type: ignore[arg-type]
         return list(carry) + list(ys)
 
     def _combining(self, name: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -525,7 +548,7 @@ class Runner:
         def cond_fn(c: tuple[Any, list[Any]]) -> Any:
             return bind_closed(cond, [*cond_consts, *c[1]])[0]
 
-        base = frame.body().with_(ranges=None)  # ranges cannot leave the loop
+        base = frame.body().with_(observed=None)  # records cannot leave the loop
 
         def body_fn(c: tuple[Any, list[Any]]) -> Any:
             it, carry = c
@@ -538,36 +561,6 @@ class Runner:
             cond_fn, body_fn, (jax.numpy.int32(0), invals[nc + nb :])
         )
         return list(out)
-
-
-def _swapped(lhs: Any, rhs: Any, dn: Any, precision: Any) -> tuple:
-    """``rhs . lhs`` for ``lhs . rhs``: swapped operands and dimension numbers.
-
-    Returns the new operands, dimension numbers and precision, and the
-    permutation that the swapped product's axes are of the original output's
-    (batch axes, then rhs free axes, then lhs free axes).
-    """
-    (lc, rc), (lb, rb) = dn
-    nb = len(lb)
-    nl = jnp.ndim(lhs) - len(lc) - nb
-    nr = jnp.ndim(rhs) - len(rc) - nb
-    if isinstance(precision, tuple):
-        precision = precision[::-1]
-    # swapped output axis k holds original output axis perm[k]
-    perm = [*range(nb), *range(nb + nl, nb + nl + nr), *range(nb, nb + nl)]
-    return rhs, lhs, ((rc, lc), (rb, lb)), precision, perm
-
-
-def _permuted_sharding(sharding: Any, perm: list[int]) -> Any:
-    """An output sharding for the swapped product (``None`` stays ``None``)."""
-    if sharding is None:
-        return None
-    spec = getattr(sharding, "spec", sharding)
-    entries = list(spec) + [None] * (len(perm) - len(spec))
-    new = jax.sharding.PartitionSpec(*(entries[i] for i in perm))
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, new)
-    return new
 
 
 def _iteration_key(key: Any, iteration: Any) -> Any:
