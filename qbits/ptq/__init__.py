@@ -27,6 +27,10 @@ contracting axis 0 (``qbits.PerChannel()``: a scale per output channel;
 - :func:`output_error`: ``tr((w - w_hat)^T H (w - w_hat))``, the output
   error over the calibration set, without the activations.
 
+:func:`quantize_weights` is the driver: statistics of every weight matmul
+of any function or model, then round-to-nearest, GPTQ or AWQ on each weight
+with the grid its rule gives (:class:`PtqResult`, :class:`LayerReport`).
+
 The package sits on layer 7 (with :mod:`qbits.flax` and :mod:`qbits.nnx`):
 it may import the quantizer, calibrations, numerics, granularities, ops,
 config and the engine.
@@ -38,17 +42,21 @@ from qbits.ptq._gptq import GptqResult, gptq, output_error
 from qbits.ptq._rotation import hadamard, rotate_activation, rotate_weight
 from qbits.ptq._smoothquant import scale_activation, scale_weight, smooth_scales
 from qbits.ptq._stats import InputStats
+from qbits.ptq._weights import LayerReport, PtqResult, quantize_weights
 
 __all__ = [
     "AwqResult",
     "GptqResult",
     "InputStats",
+    "LayerReport",
     "MatmulStats",
+    "PtqResult",
     "awq",
     "collect_stats",
     "gptq",
     "hadamard",
     "output_error",
+    "quantize_weights",
     "rotate_activation",
     "rotate_weight",
     "scale_activation",

@@ -1,0 +1,257 @@
+"""``quantize_weights``: post-training quantization of a whole model's weights.
+
+One driver for any function or model the engine reaches: it collects every
+weight matmul's input statistics over the calibration batches
+(:func:`~qbits.ptq.collect_stats`), takes each weight's target grid from the
+rules config (the weight side of its forward matmul), and replaces the
+weight by what round-to-nearest, GPTQ or AWQ makes of it, layer by layer
+(one layer of a scan over stacked layers, one group of a per-group weight
+at a time). The result is float parameters whose weights lie on their
+grids (AWQ: the effective weight ``Q(s w) / s``), ready to evaluate and
+to compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from qbits._errors import InvalidArgumentError
+from qbits._quantizer import Quantizer
+from qbits.config import as_quant_config
+from qbits.numerics import NoNumerics
+from qbits.ptq._awq import awq
+from qbits.ptq._collect import MatmulStats, collect_stats
+from qbits.ptq._gptq import blocks_quantizer, gptq, output_error
+
+_OWNER = "qbits.ptq.quantize_weights"
+METHODS = ("rtn", "gptq", "awq")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+    """What :func:`quantize_weights` did to one weight matmul.
+
+    Attributes:
+      path: The matmul's path, as :func:`qbits.layer_table` names it.
+      param: The key path of its weight parameter (``jax.tree_util.keystr``).
+      method: ``"rtn"``, ``"gptq"`` or ``"awq"``.
+      error_rtn: The output error of round-to-nearest on the calibration
+        set, ``tr((w - w_hat)^T H (w - w_hat)) / rows``, summed over the
+        layer's scan steps and groups.
+      error: The same for ``method``'s weight.
+    """
+
+    path: str
+    param: str
+    method: str
+    error_rtn: float
+    error: float
+
+
+class PtqResult(NamedTuple):
+    """What :func:`quantize_weights` returns.
+
+    Attributes:
+      params: ``params`` with every quantized weight replaced (same tree,
+        shapes and dtypes).
+      layers: One :class:`LayerReport` per weight matmul, in the order of
+        the statistics.
+    """
+
+    params: Any
+    layers: tuple[LayerReport, ...]
+
+
+def quantize_weights(
+    fn: Callable[..., Any],
+    params: Any,
+    batches: Iterable[Any],
+    config: Any,
+    *,
+    method: str = "gptq",
+    damping: float = 0.01,
+    act_order: bool = False,
+    grid: int = 20,
+    progress: bool = False,
+) -> PtqResult:
+    """Quantizes every weight of ``fn(params, batch)`` after training.
+
+    The statistics come from running ``fn`` in float on ``batches`` (they
+    stream: one ``K x K`` Hessian per matmul in memory). Each weight matmul
+    whose rule (``config``, as for :func:`qbits.quantize`) quantizes its
+    weight in the forward matmul gets that quantizer's grid: ``fwd.rhs`` for
+    ``x @ w``, ``fwd.lhs`` for ``w @ x``; matmuls whose rule is float, or
+    quantizes only the activation, keep their weight. Weight-only configs
+    are evaluated as ``fn(result.params, x)`` in float; a config that also
+    quantizes activations, with ``qbits.quantize`` and a config that
+    quantizes only those.
+
+    Args:
+      fn: ``fn(params, batch)``: a linen model's ``apply``, any function.
+      params: Its float parameters.
+      batches: The calibration inputs, each passed as the second argument
+        (an iterable; read once).
+      config: The rules: a :class:`~qbits.QuantConfig`, a config, a preset
+        name or a YAML path.
+      method: ``"rtn"`` (round to nearest), ``"gptq"`` (:func:`gptq`) or
+        ``"awq"`` (:func:`awq`: the effective weight ``Q(s w) / s``).
+      damping: GPTQ's damping.
+      act_order: GPTQ's activation order.
+      grid: AWQ's number of exponents searched.
+      progress: Show a progress bar over the layers.
+
+    Returns:
+      A :class:`PtqResult`: the new params and a report per layer.
+
+    Raises:
+      InvalidArgumentError: For an unknown method, no batches, a weight
+        quantizer with a scale provider or stochastic rounding, and the
+        errors of :func:`collect_stats` and :func:`gptq` (named by layer).
+      ConfigError: For a bad config.
+
+    Example:
+      >>> def mlp(params, x):
+      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+      >>> k = jax.random.split(jax.random.key(0), 3)
+      >>> params = {"w1": jax.random.normal(k[0], (128, 256)),
+      ...           "w2": jax.random.normal(k[1], (256, 8))}
+      >>> batches = [jax.random.normal(k[2], (64, 128))]
+      >>> out = qbits.ptq.quantize_weights(mlp, params, batches,
+      ...                                  "int4_weight_only")
+      >>> [(r.path, r.error <= r.error_rtn) for r in out.layers]
+      [('w1', True), ('w2', True)]
+    """
+    if method not in METHODS:
+        raise InvalidArgumentError(
+            _OWNER, "method", method, "one of " + ", ".join(METHODS)
+        )
+    quant = as_quant_config(_OWNER, config)
+    it = iter(batches)
+    first = next(it, None)
+    if first is None:
+        raise InvalidArgumentError(_OWNER, "batches", batches, "at least one batch")
+    stats = collect_stats(fn, params, itertools.chain([first], it), config=quant)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    index = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(leaves)}
+    values = [leaf for _, leaf in leaves]
+    reports = []
+    for ms in tqdm(
+        list(stats.values()), desc="ptq", unit="layer", disable=not progress
+    ):
+        res = quant.resolve(ms.path)
+        cfg = res.config
+        quantizer = None
+        if cfg is not None:
+            quantizer = cfg.fwd.rhs if ms.side == "lhs" else cfg.fwd.lhs
+        if quantizer is None or isinstance(quantizer.numerics, NoNumerics):
+            continue
+        _check_quantizer(ms.path, quantizer)
+        key = jax.tree_util.keystr(ms.keys)
+        i = index[key]
+        try:
+            new, report = _one_weight(ms, values[i], quantizer, method, damping,
+                                      act_order, grid)  # fmt: skip
+        except InvalidArgumentError as e:
+            if f"{ms.path!r}" in str(e):
+                raise
+            raise InvalidArgumentError(
+                _OWNER, "config", f"the weight quantizer of {ms.path!r}",
+                "a grid that fits the weight", why=str(e),
+            ) from None  # fmt: skip
+        values[i] = new
+        reports.append(dataclasses.replace(report, param=key))
+    return PtqResult(jax.tree_util.tree_unflatten(treedef, values), tuple(reports))
+
+
+def _check_quantizer(path: str, quantizer: Quantizer) -> None:
+    if quantizer.provider is not None or getattr(quantizer.numerics, "noise_fn", None):
+        raise InvalidArgumentError(
+            _OWNER,
+            "config",
+            f"the weight quantizer of {path!r}",
+            "a weight quantizer with a calibration (e.g. AbsMax) that rounds to "
+            "nearest: post-training quantization computes the weight's scales "
+            "from the weight",
+        )
+
+
+def _one_weight(
+    ms: MatmulStats,
+    weight: Any,
+    quantizer: Quantizer,
+    method: str,
+    damping: float,
+    act_order: bool,
+    grid: int,
+) -> tuple[jax.Array, LayerReport]:
+    """The new weight parameter and its report: each layer and group alone."""
+    lead = ms.layers
+    w_all = jnp.asarray(weight)
+    if w_all.shape != (*lead, *ms.shape):
+        raise InvalidArgumentError(
+            _OWNER,
+            "params",
+            f"{jax.tree_util.keystr(ms.keys)} of shape {list(w_all.shape)}",
+            f"the weight of {ms.path!r} as the matmul reads it, shape "
+            f"{list((*lead, *ms.shape))} (a model that reshapes or transposes "
+            "a parameter before multiplying is not supported yet)",
+        )
+    out = []
+    err_rtn = err = 0.0
+    for layer in np.ndindex(*lead):
+        mats = ms.matrix(w_all[layer])
+        groups = mats.shape[:-2]
+        new_mats = []
+        for g in np.ndindex(*groups):
+            s = jax.tree.map(lambda a, g=g, layer=layer: a[(*layer, *g)], ms.stats)
+            w = mats[g]
+            w_rtn = _rtn(w, quantizer)
+            if method == "rtn":
+                w_new = w_rtn
+            elif method == "gptq":
+                w_new = gptq(w, s.hessian, quantizer, damping=damping,
+                             act_order=act_order, name=ms.path).weight  # fmt: skip
+            else:
+                w_new = awq(w, s.hessian, s.absmean, quantizer, grid=grid).weight
+            errors = _errors(w, w_rtn, w_new, s.hessian, s.rows)
+            err_rtn, err = err_rtn + float(errors[0]), err + float(errors[1])
+            new_mats.append(w_new)
+        stacked = jnp.stack(new_mats).reshape(mats.shape)
+        out.append(_unmatrix(ms, stacked))
+    new = jnp.stack(out).reshape(w_all.shape) if lead else out[0]
+    report = LayerReport(ms.path, "", method, err_rtn, err)
+    return new.astype(w_all.dtype), report
+
+
+@functools.partial(jax.jit, static_argnames=("quantizer",))
+def _rtn(w: jax.Array, quantizer: Quantizer) -> jax.Array:
+    """Round to nearest with the quantizer's blocks along ``K`` of ``(K, N)``."""
+    group, block_n = quantizer.granularity.block_sizes(w.shape, (0,))[:2]
+    return (
+        blocks_quantizer(quantizer, group, block_n).quant(w).dequant().astype(w.dtype)
+    )
+
+
+@jax.jit
+def _errors(
+    w: jax.Array, w_rtn: jax.Array, w_new: jax.Array, h: jax.Array, rows: jax.Array
+) -> jax.Array:
+    """The mean output errors of ``w_rtn`` and ``w_new`` per calibration row."""
+    rows = jnp.maximum(rows, 1.0)
+    return jnp.stack([output_error(w, w_rtn, h), output_error(w, w_new, h)]) / rows
+
+
+def _unmatrix(ms: MatmulStats, mats: jax.Array) -> jax.Array:
+    """The inverse of :meth:`MatmulStats.matrix`: one layer's weight again."""
+    order = (*ms.batch, *ms.contracting, *ms.free)
+    moved = mats.reshape(tuple(ms.shape[a] for a in order))
+    return jnp.transpose(moved, np.argsort(order))

@@ -1,0 +1,93 @@
+"""qbits.ptq.quantize_weights: the driver, on a model that is no Flax layer stack."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qbits
+from qbits import ptq
+
+D, H, N_HEADS, F, LAYERS = 32, 16, 4, 64, 2  # wq, wo: the shapes of up, down
+
+
+def _model(params, x):
+    """Raw einsums, ``@`` and a ``lax.scan`` over stacked weights."""
+    q = jnp.einsum("btd,dnh->btnh", x, params["wq"])
+    x = x + jnp.einsum("btnh,nhd->btd", jax.nn.tanh(q), params["wo"])
+
+    def block(x, w):
+        return x + jax.nn.gelu(x @ w["up"]) @ w["down"], None
+
+    return jax.lax.scan(block, x, params["mlp"])[0]
+
+
+def _setup():
+    k = jax.random.split(jax.random.key(0), 6)
+    # Correlated inputs with a few loud channels: what GPTQ and AWQ exploit.
+    mix = jax.random.normal(k[0], (D, D)) / np.sqrt(D) + jnp.eye(D)
+    loud = jnp.ones(D).at[:3].set(8.0)
+    params = {
+        "wq": jax.random.normal(k[1], (D, N_HEADS, H)) / np.sqrt(D),
+        "wo": jax.random.normal(k[2], (N_HEADS, H, D)) / np.sqrt(D),
+        "mlp": {
+            "up": jax.random.normal(k[3], (LAYERS, D, F)) / np.sqrt(D),
+            "down": jax.random.normal(k[4], (LAYERS, F, D)) / np.sqrt(F),
+        },
+    }
+    xs = jax.random.normal(k[5], (3, 4, 16, D)) @ mix * loud
+    return params, list(xs)
+
+
+INT4 = qbits.Quantizer(qbits.IntNumerics(bits=4), granularity=qbits.PerChannel())
+W4 = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=INT4, mode="fake"))
+
+
+def test_gptq_and_awq_beat_round_to_nearest_on_every_weight():
+    params, batches = _setup()
+    config = qbits.QuantConfig(default=W4)
+    rtn = ptq.quantize_weights(_model, params, batches, config, method="rtn")
+    # Round to nearest is what the engine computes with the same config.
+    want = jax.jit(qbits.quantize(_model, config))(params, batches[0])
+    np.testing.assert_allclose(_model(rtn.params, batches[0]), want, rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+    paths = [r.path for r in rtn.layers]
+    assert paths == [row.path for row in
+                     qbits.layer_table(_model, config, params, batches[0]).rows
+                     if "weight" in row.kind]  # fmt: skip
+    model = jax.jit(_model)
+
+    def model_error(p):
+        return sum(
+            float(jnp.sum((model(p, x) - model(params, x)) ** 2)) for x in batches
+        )
+
+    for method in ("gptq", "awq"):
+        out = ptq.quantize_weights(_model, params, batches, config, method=method)
+        assert jax.tree.map(jnp.shape, out.params) == jax.tree.map(jnp.shape, params)
+        for r in out.layers:
+            assert r.error <= r.error_rtn * (1 + 1e-5), (method, r)
+        total, total_rtn = (sum(getattr(r, e) for r in out.layers)
+                            for e in ("error", "error_rtn"))  # fmt: skip
+        assert total < 0.9 * total_rtn, method
+        assert model_error(out.params) < model_error(rtn.params), method
+        if method == "gptq":  # per-channel: 16 levels at most in each column
+            for col in np.asarray(out.params["mlp"]["up"])[1].T:
+                assert len(np.unique(col)) <= 16
+
+
+def test_float_rules_keep_their_weights_and_errors_name_the_layer():
+    params, batches = _setup()
+    config = qbits.QuantConfig(default=W4, rules=(qbits.Rule("mlp/.*", None),))
+    out = ptq.quantize_weights(_model, params, batches, config, method="rtn")
+    assert [r.path for r in out.layers] == ["wq", "wo"]
+    np.testing.assert_array_equal(out.params["mlp"]["up"], params["mlp"]["up"])
+    tiled = W4.replace(
+        fwd=W4.fwd.replace(rhs=INT4.replace(granularity=qbits.Tiled(tile_size=24)))
+    )
+    with pytest.raises(qbits.InvalidArgumentError, match=r"'wq'.*tile_size=24"):
+        ptq.quantize_weights(_model, params, batches, tiled)
+    with pytest.raises(qbits.InvalidArgumentError, match="method='sgd'"):
+        ptq.quantize_weights(_model, params, batches, config, method="sgd")
+    with pytest.raises(qbits.InvalidArgumentError, match="batches"):
+        ptq.quantize_weights(_model, params, iter([]), config)
