@@ -201,14 +201,19 @@ def contract(
     """Contracts two operands quantized already, as ``cfg.mode`` says.
 
     Scales must factor out of the dot in real mode (shared along the
-    contracting axes, or tiled). Integer x integer dots accumulate in int32
+    contracting axes, or tiled); operands that are not plain
+    (:attr:`QTensor.is_plain`: zero points, NF4 codes, NVFP4's two-level
+    scales) are dequantized first. Integer x integer dots accumulate in int32
     where it holds every sum (see :func:`code_bound`), else in float32.
 
     Returns:
       The output in ``out_dtype``, transposed by ``out_perm``.
     """
     empty = 0 in lqt.shape or 0 in rqt.shape  # nothing to multiply: lax's zeros
-    if cfg.mode != "real" or empty:
+    # Zero points, codebooks and tensor scales have no dot of their own: such
+    # an operand is dequantized (the same numbers as fake mode).
+    plain = lqt.is_plain and rqt.is_plain
+    if cfg.mode != "real" or empty or not plain:
         out = lax.dot_general(
             lqt.dequant(),
             rqt.dequant(),

@@ -18,6 +18,7 @@ from typing import Any
 import flax.nnx as nnx
 
 from qbits import nnx as qnnx
+from qbits._errors import InvalidArgumentError
 from qbits.config import QuantConfig
 from qbits.serving._layout import LayerInfo, forward_only
 from qbits.serving._params import store
@@ -31,6 +32,19 @@ def convert_nnx(
     """The serving copy of an nnx model: see :func:`qbits.serving.convert`."""
     fn, state = qnnx.as_function(model)
     stored, fills, layers = store(owner, fn, config, state, args, kwargs)
+    for info in layers:
+        if not stored[info.path].is_plain:
+            raise InvalidArgumentError(
+                owner,
+                "config",
+                info.describe(),
+                "a format whose stored weight is values and scales (int8, "
+                "int4, fp8, MX, ...) for an nnx model; serve this model as a "
+                "function instead: fn, state = qbits.nnx.as_function(model); "
+                "qbits.serving.convert(fn, config, state, x)",
+                why=f"layer {info.path!r} stores zero points, NF4 codes or a "
+                "tensor scale, which nnx serving copies do not keep yet",
+            )
     served = qnnx.serving_copy(model, forward_only(config), stored, fills)
     served.qbits.info = tuple(layers)
     return served
