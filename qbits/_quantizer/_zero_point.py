@@ -59,9 +59,10 @@ def scale_and_zero_point(
 
     Example:
       >>> from qbits._quantizer._zero_point import scale_and_zero_point
-      >>> s, z = scale_and_zero_point(jnp.array([-1.0, 2.0]), jnp.array([2.0, 5.0]), 15)
-      >>> s, z
-      (Array([0.2, 0.2], dtype=float32), Array([  5., -10.], dtype=float32))
+      >>> lo, hi = jnp.array([-1.5, 3.0, 7.0]), jnp.array([6.0, 10.5, 7.0])
+      >>> s, z = scale_and_zero_point(lo, hi, 15)
+      >>> s.tolist(), z.tolist()  # a constant block: widened to [0, 7]
+      ([0.5, 0.5, 0.0002136], [3.0, -6.0, -32752.0])
     """
     dtype = lo.dtype
     reach = _Z_MAX - top  # the zero point lies in [-reach, top + reach]

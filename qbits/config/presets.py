@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from qbits._errors import ConfigError
 from qbits._quantizer import Quantizer, mx_quantizer
-from qbits.calibration import AbsMax, MseSearch
+from qbits.calibration import AbsMax
 from qbits.granularity import PerChannel, PerTensor, Tiled
 from qbits.numerics import (
     Fp8Numerics,
@@ -205,34 +205,11 @@ def w4g128_asym() -> DotGeneralConfig:
     and an integer zero point, so a group whose values are shifted away from
     zero uses all 16 levels. Stored: packed uint4 codes, a float32 scale and
     an int16 zero point per group (4.375 bits per weight). The contracting
-    size of every layer it applies to must be a multiple of 128.
+    size of every layer it applies to must be a multiple of 128. With
+    ``calibration: mse`` (``MseSearch``) each group's range is searched
+    instead: shrunk around its midpoint to the least squared error.
     """
     rhs = Quantizer(UintNumerics(bits=4), AbsMax(), Tiled(tile_size=128))
-    return DotGeneralConfig(fwd=MatmulConfig(rhs=rhs))
-
-
-def w4g128_asym_mse() -> DotGeneralConfig:
-    """uint4 weights with zero points, groups of 128, ranges searched (MSE).
-
-    Each group's [min, max] is shrunk around its midpoint by the factors
-    1.0, 0.95, ..., 0.5 and the one with the least squared error is kept
-    (``MseSearch``; as GPTQ's quantizer searches its ranges, arXiv
-    2210.17323): outliers clip, the other weights get finer steps.
-    Otherwise as :func:`w4g128_asym`.
-    """
-    rhs = Quantizer(UintNumerics(bits=4), MseSearch(), Tiled(tile_size=128))
-    return DotGeneralConfig(fwd=MatmulConfig(rhs=rhs))
-
-
-def w8_asym() -> DotGeneralConfig:
-    """uint8 weights with zero points, one per output channel, float activations.
-
-    The uint8 affine scheme of Jacob et al., "Quantization and Training of
-    Neural Networks for Efficient Integer-Arithmetic-Only Inference" (arXiv
-    1712.05877), for weights: each output channel's [min, max] maps onto
-    0..255 with a scale and an integer zero point.
-    """
-    rhs = Quantizer(UintNumerics(bits=8), AbsMax(), PerChannel())
     return DotGeneralConfig(fwd=MatmulConfig(rhs=rhs))
 
 
@@ -296,8 +273,6 @@ _PRESETS: dict[str, Callable[[], DotGeneralConfig]] = {
         mxfp8,
         mxfp4,
         w4g128_asym,
-        w4g128_asym_mse,
-        w8_asym,
         nf4,
         nvfp4,
         nvfp4_weight_only,

@@ -72,8 +72,8 @@ class Nf4Numerics(QNumerics):
       >>> y = nf4(jnp.array([-2.0, -0.04, 0.1, 0.9]))
       >>> [round(float(v), 4) for v in y]
       [-1.0, 0.0, 0.0796, 1.0]
-      >>> nf4.codes(y)
-      Array([ 0,  7,  8, 15], dtype=uint4)
+      >>> nf4.codes(y).tolist()
+      [0, 7, 8, 15]
     """
 
     clip_gradient: bool = struct.field(pytree_node=False, default=False)
