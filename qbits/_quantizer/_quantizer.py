@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,7 +121,9 @@ class Quantizer(struct.PyTreeNode):
     numerics: QNumerics = struct.field(pytree_node=False)
     calibration: Calibration = struct.field(pytree_node=False, default=AbsMax())
     granularity: Granularity = struct.field(pytree_node=False, default=PerTensor())
-    scale_rounding: ScaleRounding = struct.field(pytree_node=False, default="none")
+    scale_rounding: ScaleRounding | Literal["e4m3"] = struct.field(
+        pytree_node=False, default="none"
+    )
     provider: ScaleProvider | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self) -> None:

@@ -131,14 +131,20 @@ def quantize_two_level(
     codes = codes - lax.stop_gradient(codes) * zero.astype(codes.dtype)
     codes = codes.reshape(x.shape)
     scale = b.reshape(layout.scale_shape)
+    codebook = None
     if request.store:
-        codes = to_storage(codes, numerics.get_dtype(), saturate=True, guard=not vjp)
+        index = getattr(numerics, "codes", None)  # a codebook's indices (NF4)
+        codes = to_storage(
+            codes, numerics.get_dtype(), saturate=True, guard=not vjp, codes=index
+        )
         scale = scale.astype(BLOCK_SCALE_DTYPE)
+        codebook = getattr(numerics, "levels", None) if index is not None else None
     qt = QTensor(
         codes,
         scale,
         qdtype=numerics.get_dtype(),
         dtype=x.dtype,
         tensor_scale=jnp.reshape(g, (1,) * x.ndim).astype(jnp.float32),
+        codebook=codebook,
     )
     return qt, grad

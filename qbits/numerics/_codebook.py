@@ -50,7 +50,7 @@ class Nf4Numerics(QNumerics):
     The input is already divided by the scale (a block's absmax with
     :class:`~qbits.AbsMax`, so the bound maps onto the level 1.0); the
     forward pass clips to ``[-1, 1]`` and rounds to the nearest of the
-    :data:`NF4_LEVELS` (a value exactly between two levels goes to the lower
+    :attr:`levels` (a value exactly between two levels goes to the lower
     one, as bitsandbytes decides). NaN stays NaN. Stored (``store=True``),
     the values are the levels' indices 0..15 as ``uint4``, packed two per
     byte by serving; :class:`~qbits.QTensor` maps them back through its
@@ -83,7 +83,7 @@ class Nf4Numerics(QNumerics):
 
     @property
     def levels(self) -> tuple[float, ...]:
-        """The 16 levels (:data:`NF4_LEVELS`), the codebook of the codes."""
+        """The 16 NF4 levels, the codebook of the stored codes."""
         return NF4_LEVELS
 
     def abs_val_mapped_to(self) -> float:

@@ -15,7 +15,7 @@ from scipy.stats import norm
 
 import qbits
 from qbits import InvalidArgumentError
-from qbits.numerics import NF4_LEVELS, Nf4Numerics, UintNumerics
+from qbits.numerics import Nf4Numerics, UintNumerics
 
 # The table of Dettmers et al. (QLoRA, arXiv 2305.14314) as bitsandbytes ships it.
 PUBLISHED_NF4 = [
@@ -32,6 +32,7 @@ NF4 = qbits.Quantizer(Nf4Numerics(), qbits.AbsMax(), qbits.Tiled(axis=0, tile_si
 E2M1 = qbits.FpNumerics("float4_e2m1fn")
 NVFP4 = qbits.Quantizer(E2M1, qbits.AbsMax(), qbits.Tiled(axis=0, tile_size=16), "e4m3")
 SHAPE = (64, 32)
+NF4_LEVELS = Nf4Numerics().levels
 
 
 @functools.partial(jax.jit, static_argnums=0)
