@@ -43,15 +43,30 @@ class QTensor(struct.PyTreeNode):
     storage can be packed two values per byte along one axis
     (:meth:`pack`); ``dequant`` unpacks.
 
+    Three formats add to ``qvalue * scale`` (:attr:`is_plain` is then
+    ``False``): a ``zero_point`` per block (asymmetric grids,
+    :class:`~qbits.numerics.UintNumerics`): ``(qvalue - zero_point) *
+    scale``; a ``codebook`` (NF4, stored): ``qvalue`` holds indices and
+    ``codebook[qvalue] * scale`` is the value; and a per-tensor
+    ``tensor_scale`` (NVFP4's two-level scaling, ``scale_rounding="e4m3"``):
+    the scale of a block is ``scale * tensor_scale``, computed in float32.
+
     Attributes:
-      qvalue: The grid values.
-      scale: The scales, float32.
+      qvalue: The grid values (or, with a ``codebook``, indices into it).
+      scale: The scales: float32, or ``float8_e4m3fn`` block scales stored
+        under a ``tensor_scale``.
       qdtype: The storage format (``int8``, ``float8_e4m3fn``, ...), or
         ``None`` when the numerics has none.
       dtype: The dtype :meth:`dequant` returns (the original input's dtype).
       packed_axis: The axis packed two per byte (negative), or ``None``.
       packed_pad: Whether the packed axis had odd length (its last nibble is
         padding).
+      zero_point: Integer zero points, one per block (the scale's shape;
+        float32 holding integers, or ``int16`` when stored), or ``None``.
+      tensor_scale: A float32 second-level scale for the whole tensor (all
+        axes of size 1), or ``None``.
+      codebook: The values that stored codes stand for (``qvalue`` holds
+        indices into it), or ``None``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -74,6 +89,9 @@ class QTensor(struct.PyTreeNode):
     dtype: Any = struct.field(pytree_node=False, default=np.dtype(np.float32))
     packed_axis: int | None = struct.field(pytree_node=False, default=None)
     packed_pad: bool = struct.field(pytree_node=False, default=False)
+    zero_point: jax.Array | None = None
+    tensor_scale: jax.Array | None = None
+    codebook: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -105,11 +123,22 @@ class QTensor(struct.PyTreeNode):
         return storage_dtype(self.qdtype)
 
     @property
+    def is_plain(self) -> bool:
+        """Whether the value is ``qvalue * scale``: what a real dot contracts.
+
+        ``False`` with a zero point, a codebook or a tensor scale.
+        """
+        extras = (self.zero_point, self.tensor_scale, self.codebook)
+        return all(e is None for e in extras)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of ``qvalue`` and ``scale`` together."""
+        """Bytes of ``qvalue``, ``scale``, and the zero point and tensor scale."""
+        parts = (self.qvalue, self.scale, self.zero_point, self.tensor_scale)
         return sum(
             int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-            for a in (self.qvalue, self.scale)
+            for a in parts
+            if a is not None
         )
 
     def unpack(self) -> QTensor:
@@ -143,13 +172,27 @@ class QTensor(struct.PyTreeNode):
     def dequant(self) -> jax.Array:
         """``qvalue * scale`` in float32, returned as ``dtype``.
 
+        With a codebook, ``codebook[qvalue]``; with a zero point,
+        ``(qvalue - zero_point) * scale``; with a tensor scale, the scale is
+        ``scale * tensor_scale`` (see the class docstring).
+
         Raises:
           InvalidArgumentError: If ``scale`` does not have one entry per block
             of ``qvalue`` (see the class docstring).
         """
         q = self.unpack().qvalue
-        values = apply_scale(q.astype(jnp.float32), self.scale)
-        return values.astype(self.dtype)
+        if self.codebook is not None:
+            table = jnp.asarray(self.codebook, jnp.float32)
+            values = jnp.take(table, q.astype(jnp.int32), mode="clip")
+        else:
+            values = q.astype(jnp.float32)
+        scale = self.scale.astype(jnp.float32)
+        if self.zero_point is not None:
+            zero = expand_scale(self.zero_point.astype(jnp.float32), q.shape)
+            values = values - zero
+        if self.tensor_scale is not None:
+            scale = scale * self.tensor_scale.astype(jnp.float32)
+        return apply_scale(values, scale).astype(self.dtype)
 
 
 def storage_dtype(qdtype: Any) -> np.dtype | None:

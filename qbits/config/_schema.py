@@ -43,8 +43,10 @@ from qbits.numerics import (
     Fp8Numerics,
     FpNumerics,
     IntNumerics,
+    Nf4Numerics,
     NoNumerics,
     QNumerics,
+    UintNumerics,
     UniformNoise,
 )
 from qbits.ops import DotGeneralConfig, MatmulConfig
@@ -56,7 +58,14 @@ __all__ = ["from_dict", "register", "to_dict"]
 _KINDS: dict[str, tuple[type, dict[str, type]]] = {
     "numerics": (
         QNumerics,
-        {"int": IntNumerics, "fp": FpNumerics, "fp8": Fp8Numerics, "none": NoNumerics},
+        {
+            "int": IntNumerics,
+            "fp": FpNumerics,
+            "fp8": Fp8Numerics,
+            "none": NoNumerics,
+            "uint": UintNumerics,
+            "nf4": Nf4Numerics,
+        },
     ),
     "calibration": (
         Calibration,

@@ -14,7 +14,14 @@ from qbits._errors import ConfigError
 from qbits._quantizer import Quantizer, mx_quantizer
 from qbits.calibration import AbsMax
 from qbits.granularity import PerChannel, PerTensor, Tiled
-from qbits.numerics import Fp8Numerics, IntNumerics, UniformNoise
+from qbits.numerics import (
+    Fp8Numerics,
+    FpNumerics,
+    IntNumerics,
+    Nf4Numerics,
+    UintNumerics,
+    UniformNoise,
+)
 from qbits.ops import DotGeneralConfig, MatmulConfig
 from qbits.providers import DelayedScaling
 
@@ -189,6 +196,68 @@ def mxfp4() -> DotGeneralConfig:
     return DotGeneralConfig(fwd=MatmulConfig(lhs=e2m1, rhs=e2m1))
 
 
+def w4g128_asym() -> DotGeneralConfig:
+    """uint4 weights with zero points, groups of 128, float activations.
+
+    Asymmetric weight-only quantization as GPTQ (arXiv 2210.17323) and AWQ
+    (arXiv 2306.00978) deploy it: each group of 128 weights along the
+    contracting axis maps its [min, max] onto the codes 0..15 with a scale
+    and an integer zero point, so a group whose values are shifted away from
+    zero uses all 16 levels. Stored: packed uint4 codes, a float32 scale and
+    an int16 zero point per group (4.375 bits per weight). The contracting
+    size of every layer it applies to must be a multiple of 128. With
+    ``calibration: mse`` (``MseSearch``) each group's range is searched
+    instead: shrunk around its midpoint to the least squared error.
+    """
+    rhs = Quantizer(UintNumerics(bits=4), AbsMax(), Tiled(tile_size=128))
+    return DotGeneralConfig(fwd=MatmulConfig(rhs=rhs))
+
+
+def nf4() -> DotGeneralConfig:
+    """NF4 weights in blocks of 64, float activations: QLoRA's storage format.
+
+    The 4-bit NormalFloat of Dettmers et al., "QLoRA: Efficient Finetuning
+    of Quantized LLMs" (arXiv 2305.14314): each block of 64 weights along
+    the contracting axis is divided by its absmax and rounded to the nearest
+    of 16 levels spaced as the quantiles of a normal distribution. Stored:
+    packed 4-bit codes and a float32 absmax per block (4.5 bits per weight;
+    QLoRA's double quantization of the absmax is not modelled). The
+    contracting size of every layer it applies to must be a multiple of 64.
+    """
+    rhs = Quantizer(Nf4Numerics(), AbsMax(), Tiled(tile_size=64))
+    return DotGeneralConfig(fwd=MatmulConfig(rhs=rhs))
+
+
+def _nvfp4() -> Quantizer:
+    """E2M1 in blocks of 16, E4M3 block scales under a float32 tensor scale."""
+    return Quantizer(FpNumerics("float4_e2m1fn"), AbsMax(), Tiled(tile_size=16), "e4m3")
+
+
+def nvfp4() -> DotGeneralConfig:
+    """NVFP4 forward matmul, weights and activations; float backward.
+
+    NVIDIA's 4-bit float format of the Blackwell GPUs: E2M1 elements in
+    blocks of 16 along the contracting axis, each block with an E4M3 scale,
+    and a float32 scale per tensor (amax / (448 * 6)) under them, so that
+    the block scales use E4M3's whole range (NVIDIA, "Pretraining Large
+    Language Models with NVFP4", arXiv 2509.25149; ``scale_rounding=
+    "e4m3"``). Both forward operands, each scaled
+    from its own amax at every step (W4A4); the backward stays float. The
+    contracting size of every layer it applies to must be a multiple of 16.
+    """
+    return DotGeneralConfig(fwd=MatmulConfig(lhs=_nvfp4(), rhs=_nvfp4()))
+
+
+def nvfp4_weight_only() -> DotGeneralConfig:
+    """NVFP4 weights (blocks of 16, E4M3 scales, a tensor scale), float activations.
+
+    The weight format of :func:`nvfp4` alone (arXiv 2509.25149): stored as
+    packed E2M1 codes, one E4M3 byte per 16 weights and one float32 per
+    tensor (4.5 bits per weight).
+    """
+    return DotGeneralConfig(fwd=MatmulConfig(rhs=_nvfp4()))
+
+
 _PRESETS: dict[str, Callable[[], DotGeneralConfig]] = {
     f.__name__: f
     for f in (
@@ -203,6 +272,10 @@ _PRESETS: dict[str, Callable[[], DotGeneralConfig]] = {
         fp8_blockwise,
         mxfp8,
         mxfp4,
+        w4g128_asym,
+        nf4,
+        nvfp4,
+        nvfp4_weight_only,
     )
 }
 

@@ -1,6 +1,8 @@
 """Layer 1: how a real number (divided by its scale) becomes a grid point.
 
 The grids (:class:`IntNumerics`, :class:`FpNumerics`, :class:`NoNumerics`;
+:class:`UintNumerics` for asymmetric quantization with a zero point,
+:class:`Nf4Numerics` for QLoRA's NF4 levels;
 :class:`QNumerics` to write one's own), stochastic rounding
 (:class:`UniformNoise`, whose key comes in a :class:`Context`) and the PRNG
 keys it draws from (:func:`check_key`, :func:`next_key`, :func:`derive_key`,
@@ -10,19 +12,23 @@ are described in :mod:`qbits._formats`.
 
 from qbits._context import Context
 from qbits.numerics._base import QNumerics
+from qbits.numerics._codebook import Nf4Numerics
 from qbits.numerics._fp_numerics import Fp8Numerics, FpNumerics
 from qbits.numerics._int_numerics import IntNumerics
 from qbits.numerics._keys import check_key, derive_key, hash_key, next_key
 from qbits.numerics._no_numerics import NoNumerics
 from qbits.numerics._noise import UniformNoise
+from qbits.numerics._uint_numerics import UintNumerics
 
 __all__ = [
     "Context",
     "Fp8Numerics",
     "FpNumerics",
     "IntNumerics",
+    "Nf4Numerics",
     "NoNumerics",
     "QNumerics",
+    "UintNumerics",
     "UniformNoise",
     "check_key",
     "derive_key",

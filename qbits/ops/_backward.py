@@ -74,7 +74,9 @@ class Gradient:
         real = cfg.mode == "real"
         folded = False
         if isinstance(other, Reused):
-            oq = c.reuse(other.qtensor)
+            # One that is not plain (a zero point, NVFP4) is dequantized.
+            plain = other.qtensor.is_plain
+            oq = c.reuse(other.qtensor) if plain else other.qtensor
             if oq is None:  # its scale varies along axes this matmul contracts
                 g = c.fold(g, other.qtensor)
                 ones = jnp.ones((1,) * other.qtensor.ndim, jnp.float32)

@@ -306,7 +306,7 @@ class ConvContraction(core.Contraction):
         conv = self.conv
         shape = lambda qt: jax.ShapeDtypeStruct(qt.shape, jnp.dtype(qt.dtype))  # noqa: E731
         out_dtype = jax.eval_shape(conv, shape(lhs), shape(rhs)).dtype
-        if cfg.mode != "real":
+        if cfg.mode != "real" or not (lhs.is_plain and rhs.is_plain):
             return conv(lhs.dequant(), rhs.dequant()).astype(out_dtype)
         dn = conv.dimension_numbers
         lhs_keep = dn.lhs_spec[0] if conv.batch_group_count == 1 else -1

@@ -33,9 +33,9 @@ from jax import lax
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
-from qbits.numerics import IntNumerics, NoNumerics
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes, Dims
+from qbits.ops._headroom import INT32_MAX, code_bound, headroom, shifted
 from qbits.tensor import PACKABLE_DTYPES, QTensor, expand_scale
 
 __all__ = [
@@ -201,14 +201,19 @@ def contract(
     """Contracts two operands quantized already, as ``cfg.mode`` says.
 
     Scales must factor out of the dot in real mode (shared along the
-    contracting axes, or tiled). Integer x integer dots accumulate in int32
+    contracting axes, or tiled); operands that are not plain
+    (:attr:`QTensor.is_plain`: zero points, NF4 codes, NVFP4's two-level
+    scales) are dequantized first. Integer x integer dots accumulate in int32
     where it holds every sum (see :func:`code_bound`), else in float32.
 
     Returns:
       The output in ``out_dtype``, transposed by ``out_perm``.
     """
     empty = 0 in lqt.shape or 0 in rqt.shape  # nothing to multiply: lax's zeros
-    if cfg.mode != "real" or empty:
+    # Zero points, codebooks and tensor scales have no dot of their own: such
+    # an operand is dequantized (the same numbers as fake mode).
+    plain = lqt.is_plain and rqt.is_plain
+    if cfg.mode != "real" or empty or not plain:
         out = lax.dot_general(
             lqt.dequant(),
             rqt.dequant(),
@@ -245,54 +250,9 @@ def contract(
         return out.astype(out_dtype)
     out = _real_dot(
         a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding,
-        headroom=_headroom(lqt, rqt, cfg),
+        headroom=headroom(lqt, rqt, cfg),
     )  # fmt: skip
     return _permute(out.astype(out_dtype), out_perm)
-
-
-def _headroom(
-    lqt: QTensor, rqt: QTensor, cfg: MatmulConfig
-) -> tuple[str, float] | None:
-    """A float operand against quantized codes: ``(its side, the codes' bound)``.
-
-    A weight-only matmul (a float lhs, int4 codes) contracts the float
-    values with the codes, not with the dequantized weight: the sums are
-    ``1 / scale`` times larger than the result, and overflow float32 where
-    the result does not (``1e37 * 7 * 256``). ``None`` when both operands
-    are quantized (their codes are small) or neither is.
-    """
-    plain = [isinstance(q.numerics, NoNumerics) for q in (cfg.lhs, cfg.rhs)]
-    if plain[0] == plain[1]:
-        return None
-    side, qt, q = ("lhs", rqt, cfg.rhs) if plain[0] else ("rhs", lqt, cfg.lhs)
-    qdtype = None if qt.qdtype is None else np.dtype(qt.qdtype)
-    if qdtype is not None and jnp.issubdtype(qdtype, jnp.integer):
-        bound = float(code_bound(qt, q))
-    elif qdtype is not None:
-        bound = float(ml_dtypes.finfo(qdtype).max)
-    else:  # a grid without a storage dtype, clipped at its bound
-        bound = float(q.numerics.abs_val_mapped_to() or 1.0)
-    return side, bound
-
-
-INT32_MAX = 2**31 - 1
-
-
-def code_bound(qt: QTensor, quantizer: Quantizer | None = None) -> int:
-    """The largest magnitude of a stored integer operand's codes.
-
-    ``2**(bits-1) - 1`` for a clipping :class:`~qbits.IntNumerics` that
-    stored ``qt``; otherwise the storage dtype's largest value.
-    """
-    top = int(ml_dtypes.iinfo(np.dtype(qt.qdtype)).max)
-    numerics = getattr(quantizer, "numerics", None)
-    if (
-        isinstance(numerics, IntNumerics)
-        and numerics.clip
-        and numerics.get_dtype() == np.dtype(qt.qdtype)
-    ):
-        return min(top, 2 ** (numerics.bits - 1) - 1)
-    return top
 
 
 def _int32_holds(lqt: QTensor, rqt: QTensor, dims: Dims, cfg: MatmulConfig) -> bool:
@@ -666,9 +626,9 @@ def _real_dot(
         if tiled is not None:  # each dot sums one tile
             k = k // a.shape[dims.lhs_contract[tiled[0]]] * tiled[1]
         if side == "lhs":
-            a, unshift = _shifted(a, dims.lhs_contract, k * bound)
+            a, unshift = shifted(a, dims.lhs_contract, k * bound)
         else:
-            b, unshift = _shifted(b, dims.rhs_contract, k * bound)
+            b, unshift = shifted(b, dims.rhs_contract, k * bound)
     if tiled is not None:
         i, tile = tiled
         la, ra = dims.lhs_contract[i], dims.rhs_contract[i]
@@ -726,38 +686,6 @@ def _real_dot(
             out, lax.broadcast_in_dim(factor, out.shape, tuple(range(out.ndim)))
         )
     return out
-
-
-def _shifted(
-    x: jax.Array, contracting: Axes, limit: float
-) -> tuple[jax.Array, jax.Array]:
-    """``x`` with each row divided by ``2**p``, and the ``2**p`` (float32).
-
-    A row is the elements that one output sums (the contracting axes). ``p``
-    is the least power that keeps ``limit * max|row| / 2**p`` below
-    ``2**127``: the sum of the row's products with values of magnitude at
-    most ``limit / n`` cannot overflow; ``p = 0`` (a factor of 1) for every
-    row float32 holds anyway, and NaN and inf stay.
-    """
-    magnitude = lax.abs(x.astype(jnp.float32))
-    amax = lax.expand_dims(lax.reduce_max(magnitude, contracting), contracting)
-    # amax < 2**(e - 126) for its biased exponent e (normal numbers)
-    biased = lax.shift_right_logical(
-        lax.bitcast_convert_type(amax, jnp.uint32), np.uint32(23)
-    ).astype(jnp.int32)
-    need = int(np.ceil(np.log2(max(limit, 1.0))))
-    p = lax.clamp(np.int32(0), biased + np.int32(need - 253), np.int32(64))
-
-    def power(e: jax.Array) -> jax.Array:  # 2**e for e in [-126, 127]
-        bits = lax.shift_left(
-            lax.convert_element_type(e + 127, jnp.uint32), np.uint32(23)
-        )
-        return lax.bitcast_convert_type(bits, jnp.float32)
-
-    down = lax.broadcast_in_dim(
-        power(-p).astype(x.dtype), x.shape, tuple(range(x.ndim))
-    )
-    return lax.mul(x, down), power(p)
 
 
 _TINY = np.float32(np.finfo(np.float32).tiny)

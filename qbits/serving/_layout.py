@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -20,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._quantizer import Quantizer
 from qbits.config import QuantConfig, Rule, presets, to_dict
-from qbits.numerics import NoNumerics
+from qbits.numerics import Nf4Numerics, NoNumerics, UintNumerics
 from qbits.ops import DotGeneralConfig, MatmulConfig
 from qbits.tensor import QTensor, storage_dtype
 
@@ -149,15 +151,44 @@ def stores_weight(config: DotGeneralConfig | None) -> bool:
     return config is not None and not isinstance(config.fwd.rhs.numerics, NoNumerics)
 
 
-def stored_qtensor(info: LayerInfo, qvalue: jax.Array, scale: jax.Array) -> QTensor:
-    """The QTensor of a served layer from its two stored arrays."""
+def stored_parts(quantizer: Quantizer) -> tuple[str, ...]:
+    """The arrays a weight stored by ``quantizer`` has, ``qvalue`` and ``scale`` first.
+
+    Asymmetric grids add ``zero_point``, two-level scales (NVFP4)
+    ``tensor_scale``.
+    """
+    parts = ("qvalue", "scale")
+    if isinstance(quantizer.numerics, UintNumerics):
+        parts += ("zero_point",)
+    if quantizer.scale_rounding == "e4m3":
+        parts += ("tensor_scale",)
+    return parts
+
+
+def plain_storage(quantizer: Quantizer) -> bool:
+    """Whether a weight stored by ``quantizer`` is values and scales alone.
+
+    Not so for zero points, NF4's codebook or NVFP4's tensor scale.
+    """
+    codebook = isinstance(quantizer.numerics, Nf4Numerics)
+    return stored_parts(quantizer) == ("qvalue", "scale") and not codebook
+
+
+def stored_qtensor(
+    info: LayerInfo, arrays: Mapping[str, jax.Array], quantizer: Quantizer
+) -> QTensor:
+    """The QTensor of a served layer from its stored arrays (:func:`stored_parts`)."""
+    numerics = quantizer.numerics
     return QTensor(
-        qvalue,
-        scale,
+        arrays["qvalue"],
+        arrays["scale"],
         qdtype=np.dtype(info.qdtype),
         dtype=np.dtype(info.dtype),
         packed_axis=-1 if info.packed else None,
         packed_pad=bool(info.packed and info.shape[-1] % 2),
+        zero_point=arrays.get("zero_point"),
+        tensor_scale=arrays.get("tensor_scale"),
+        codebook=numerics.levels if isinstance(numerics, Nf4Numerics) else None,
     )
 
 
@@ -175,8 +206,13 @@ def fingerprint_dict(res: Any) -> dict[str, Any]:
     return json.loads(fingerprint(res.config.fwd))
 
 
-def check_stored(owner: str, info: LayerInfo, qvalue: Any, scale: Any) -> None:
-    """Raises unless the stored arrays of a layer have the stored layout."""
+def check_stored(
+    owner: str, info: LayerInfo, qvalue: Any, scale: Any, **extra: Any
+) -> None:
+    """Raises unless the stored arrays of a layer have the stored layout.
+
+    ``extra``: the zero points or tensor scale, where the format has them.
+    """
     shape, dtype = expected_arrays(info)
     if np.dtype(qvalue.dtype) != dtype or tuple(qvalue.shape) != shape:
         float_given = jnp.issubdtype(qvalue.dtype, jnp.floating) and dtype.kind != "f"
@@ -196,6 +232,22 @@ def check_stored(owner: str, info: LayerInfo, qvalue: Any, scale: Any) -> None:
             f"a float array of rank {len(info.shape)}",
             why=f"layer {_show(info.path)}",
         )
+    for name, kind, shape in (
+        ("zero_point", jnp.integer, tuple(scale.shape)),
+        ("tensor_scale", jnp.floating, (1,) * len(info.shape)),
+    ):
+        x = extra.get(name)
+        if x is not None and not (
+            jnp.issubdtype(x.dtype, kind) and tuple(x.shape) == shape
+        ):
+            raise InvalidArgumentError(
+                owner,
+                f"{info.path}/{name}",
+                f"an array {np.dtype(x.dtype).name}{list(x.shape)}",
+                f"{'an integer' if kind is jnp.integer else 'a float'} array of "
+                f"shape {list(shape)}",
+                why=f"layer {_show(info.path)}",
+            )
 
 
 def check_layers(

@@ -18,8 +18,9 @@ from typing import Any
 import flax.nnx as nnx
 
 from qbits import nnx as qnnx
+from qbits._errors import InvalidArgumentError
 from qbits.config import QuantConfig
-from qbits.serving._layout import LayerInfo, forward_only
+from qbits.serving._layout import LayerInfo, forward_only, plain_storage
 from qbits.serving._params import store
 
 __all__ = ["convert_nnx", "served_layers"]
@@ -29,6 +30,19 @@ def convert_nnx(
     owner: str, model: nnx.Module, config: QuantConfig, args: Any, kwargs: Any
 ) -> nnx.Module:
     """The serving copy of an nnx model: see :func:`qbits.serving.convert`."""
+    for cfg in config.all_configs():
+        if not plain_storage(cfg.fwd.rhs):
+            raise InvalidArgumentError(
+                owner,
+                "config",
+                cfg.fwd.rhs.numerics,
+                "a format whose stored weight is values and scales (int8, "
+                "int4, fp8, MX, ...) for an nnx model; serve this model as a "
+                "function instead: fn, state = qbits.nnx.as_function(model); "
+                "qbits.serving.convert(fn, config, state, x)",
+                why="zero points, NF4 codes and tensor scales are not kept by "
+                "nnx serving copies yet",
+            )
     fn, state = qnnx.as_function(model)
     stored, fills, layers = store(owner, fn, config, state, args, kwargs)
     served = qnnx.serving_copy(model, forward_only(config), stored, fills)

@@ -40,6 +40,7 @@ from qbits.serving._layout import (
     check_stored,
     fingerprint,
     forward_only,
+    stored_parts,
     stored_qtensor,
 )
 from qbits.tensor import QTensor
@@ -58,7 +59,8 @@ class ServingParams(struct.PyTreeNode):
         (any pytree), each parameter that a stored weight replaces an empty
         placeholder (shape ``(0,)``, its dtype).
       weights: ``{matmul path: {"qvalue": array, "scale": array}}``: the
-        stored weights.
+        stored weights (with ``"zero_point"`` for asymmetric grids and
+        ``"tensor_scale"`` for NVFP4's two-level scales).
       layers: One :class:`~qbits.serving.LayerInfo` per stored weight.
 
     Example:
@@ -181,10 +183,17 @@ def convert_params(
     params = _params(owner, params)
     stored, fills, layers = store(owner, fn, config, params, args, kwargs)
     served = replaced(params, fills, lambda leaf, _, dtype: jnp.zeros((0,), dtype))
-    weights = {
-        name: {"qvalue": qt.qvalue, "scale": qt.scale} for name, qt in stored.items()
-    }
+    weights = {name: _arrays(qt) for name, qt in stored.items()}
     return ServingParams(served, weights, tuple(layers))
+
+
+def _arrays(qt: QTensor) -> dict[str, jax.Array]:
+    """A stored weight's arrays: values and scales, zero points, tensor scale."""
+    arrays = {"qvalue": qt.qvalue, "scale": qt.scale}
+    for name in ("zero_point", "tensor_scale"):
+        if getattr(qt, name) is not None:
+            arrays[name] = getattr(qt, name)
+    return arrays
 
 
 def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict]:
@@ -201,19 +210,23 @@ def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict]:
             "config, params, *sample_inputs) or qbits.serving.restore",
             why=why,
         )
-    check_layers(owner, forward_only(config), config, serving.layers)
+    fwd = forward_only(config)
+    check_layers(owner, fwd, config, serving.layers)
     stored, fills = {}, {}
     for info in serving.layers:
         arrays = serving.weights.get(info.path)
-        if not isinstance(arrays, Mapping) or set(arrays) != {"qvalue", "scale"}:
+        quantizer = fwd.resolve(info.path).config.fwd.rhs
+        parts = stored_parts(quantizer)
+        if not isinstance(arrays, Mapping) or set(arrays) != set(parts):
             raise InvalidArgumentError(
                 owner,
                 f"serving.weights[{info.path!r}]",
                 type(arrays).__name__,
-                "{'qvalue': array, 'scale': array}, as convert stores them",
+                "{" + ", ".join(f"'{p}': array" for p in parts) + "}, as "
+                "convert stores them",
             )
-        check_stored(owner, info, arrays["qvalue"], arrays["scale"])
-        stored[info.path] = stored_qtensor(info, arrays["qvalue"], arrays["scale"])
+        check_stored(owner, info, **arrays)
+        stored[info.path] = stored_qtensor(info, arrays, quantizer)
         if info.param:
             fills[info.param] = (info.param_shape, info.param_dtype)
 

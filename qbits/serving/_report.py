@@ -32,7 +32,8 @@ class LayerSize:
       format: The stored format (``int8``, ``int4 (packed)``, ...) and config.
       shape: The float weight's shape.
       value_bytes: Bytes of the stored values.
-      scale_bytes: Bytes of the scales.
+      scale_bytes: Bytes of the scales (zero points and a tensor scale
+        included, where the format has them).
       float32_bytes: Bytes of the same weight in float32.
 
     Example:
@@ -158,14 +159,15 @@ def _arrays(tree: Any) -> list[Any]:
     return [x for x in leaves if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
 
 
-def _row(info: LayerInfo, qvalue: Any, scale: Any) -> LayerSize:
+def _row(info: LayerInfo, arrays: dict[str, Any]) -> LayerSize:
+    """A layer's row: its values, then its scales, zero points, tensor scale."""
     fmt = info.qdtype + (" (packed)" if info.packed else "")
     return LayerSize(
         path=info.path,
         format=f"{fmt}, {info.describe()}",
         shape=info.shape,
-        value_bytes=_nbytes(qvalue),
-        scale_bytes=_nbytes(scale),
+        value_bytes=_nbytes(arrays["qvalue"]),
+        scale_bytes=sum(_nbytes(a) for k, a in arrays.items() if k != "qvalue"),
         float32_bytes=int(np.prod(info.shape)) * 4,
     )
 
@@ -199,14 +201,13 @@ def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
       (0.2520, 8192)
     """
     if isinstance(serving, ServingParams):
-        rows = [
-            _row(info, serving.weights[info.path]["qvalue"],
-                 serving.weights[info.path]["scale"])
-            for info in serving.layers
-        ]  # fmt: skip
+        rows = [_row(info, serving.weights[info.path]) for info in serving.layers]
         others = _arrays(serving.params)
     elif isinstance(serving, nnx.Module) and served_layers(serving):
-        rows = [_row(*layer) for layer in served_layers(serving)]
+        rows = [
+            _row(info, {"qvalue": qvalue, "scale": scale})
+            for info, qvalue, scale in served_layers(serving)
+        ]
         # The key streams a trained copy may keep (nnx.RngState): not weights.
         skip = nnx.Any(nnx.PathContains("qbits"), qnnx.Placeholder, nnx.RngState)
         others = _arrays(nnx.state(serving, nnx.Not(skip)))

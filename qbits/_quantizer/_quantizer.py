@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import struct
 from jax import lax
@@ -18,6 +17,10 @@ from qbits._context import Context
 from qbits._errors import InvalidArgumentError
 from qbits._formats import check_float_input, compute_dtype
 from qbits._jaxpr import varying
+from qbits._quantizer._arithmetic import flat_vector, scales_and_inverses
+from qbits._quantizer._storage import NumericsGrad, to_storage
+from qbits._quantizer._two_level import quantize_two_level
+from qbits._quantizer._zero_point import quantize_asymmetric
 from qbits.calibration import (
     SCALE_ROUNDINGS,
     AbsMax,
@@ -28,12 +31,23 @@ from qbits.calibration import (
     make_scale,
     scale_limits,
 )
-from qbits.granularity import BlockLayout, Granularity, PerTensor, Tiled
-from qbits.numerics import FpNumerics, IntNumerics, NoNumerics, QNumerics
+from qbits.granularity import BlockLayout, Granularity, PerTensor
+from qbits.numerics import (
+    FpNumerics,
+    IntNumerics,
+    Nf4Numerics,
+    NoNumerics,
+    QNumerics,
+    UintNumerics,
+)
 from qbits.providers import ScaleProvider
-from qbits.tensor import QTensor, storage_dtype
+from qbits.tensor import QTensor
 
-__all__ = ["Quantizer", "Request", "mx_quantizer", "quantize_all"]
+__all__ = ["Quantizer", "Request", "quantize_all"]
+
+# Scale roundings of a Quantizer: calibration's, and two-level E4M3 block
+# scales under a tensor scale (NVFP4, :mod:`qbits._quantizer._two_level`).
+_ROUNDINGS = (*SCALE_ROUNDINGS, "e4m3")
 
 
 class Quantizer(struct.PyTreeNode):
@@ -68,6 +82,12 @@ class Quantizer(struct.PyTreeNode):
       dtype (float32, or float64 for float64 input).
     - A zero-size input gives an empty QTensor; a shared axis of size 0 has
       one scale entry (1), a per-index or tiled one none.
+    - Asymmetric grids (:class:`~qbits.numerics.UintNumerics`) get a scale
+      and an integer zero point per block, the calibration giving the
+      block's range (:mod:`qbits._quantizer._zero_point`); ``QTensor``
+      keeps the zero points. ``scale_rounding="e4m3"`` gives NVFP4's
+      two-level scales: E4M3 block scales under a float32 tensor scale
+      (:mod:`qbits._quantizer._two_level`). Neither takes a scale provider.
     - The gradient of ``quant(x).dequant()`` is ``(g * s) * (1 / s)``:
       in float32 it flushes to 0 where ``|g| * s`` is below ``2**-126`` and
       overflows where it exceeds float32's largest value (blocks at
@@ -81,7 +101,9 @@ class Quantizer(struct.PyTreeNode):
       calibration: How each block's bound is found.
       granularity: Which elements share a scale.
       scale_rounding: ``"none"``, ``"pow2"`` or ``"e8m0"`` (power of two
-        rounded up); see :func:`qbits.calibration.round_scale`.
+        rounded up), see :func:`qbits.calibration.round_scale`; or
+        ``"e4m3"``: float8_e4m3fn block scales under a float32 scale for
+        the whole tensor (NVFP4's two-level scaling).
 
     Example:
       >>> import jax.numpy as jnp
@@ -99,7 +121,9 @@ class Quantizer(struct.PyTreeNode):
     numerics: QNumerics = struct.field(pytree_node=False)
     calibration: Calibration = struct.field(pytree_node=False, default=AbsMax())
     granularity: Granularity = struct.field(pytree_node=False, default=PerTensor())
-    scale_rounding: ScaleRounding = struct.field(pytree_node=False, default="none")
+    scale_rounding: ScaleRounding | Literal["e4m3"] = struct.field(
+        pytree_node=False, default="none"
+    )
     provider: ScaleProvider | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self) -> None:
@@ -122,12 +146,30 @@ class Quantizer(struct.PyTreeNode):
                 raise InvalidArgumentError(
                     "Quantizer", name, getattr(self, name), f"a qbits {label}"
                 )
-        if self.scale_rounding not in SCALE_ROUNDINGS:
+        if self.scale_rounding not in _ROUNDINGS:
             raise InvalidArgumentError(
                 "Quantizer",
                 "scale_rounding",
                 self.scale_rounding,
-                "one of " + ", ".join(SCALE_ROUNDINGS),
+                "one of " + ", ".join(_ROUNDINGS),
+            )
+        asymmetric = isinstance(self.numerics, UintNumerics)
+        if asymmetric and self.scale_rounding != "none":
+            raise InvalidArgumentError(
+                "Quantizer",
+                "scale_rounding",
+                self.scale_rounding,
+                "'none' with UintNumerics (an asymmetric grid's scale and zero "
+                "point are not rounded)",
+            )
+        if self.provider is not None and (asymmetric or self.scale_rounding == "e4m3"):
+            what = "a zero point" if asymmetric else "a two-level (e4m3) scale"
+            raise InvalidArgumentError(
+                "Quantizer",
+                "provider",
+                self.provider,
+                f"None with {what}: it is computed from the tensor by a "
+                "calibration (calibration=AbsMax() or MseSearch())",
             )
 
     def quant(
@@ -273,7 +315,7 @@ def quantize_all(
     for members in groups.values():
         first = members[0][1]
         make = first.scale_of if first.bound is not None else None
-        scales = _scales_and_inverses([p.flat for _, p in members], make, first.split)
+        scales = scales_and_inverses([p.flat for _, p in members], make, first.split)
         for (i, p), (scale, inverse, pre) in zip(members, scales, strict=True):
             placeholder = isinstance(p.x, jax.ShapeDtypeStruct)
             out[i] = None if placeholder else _encode(p, scale, inverse, pre, vjp)
@@ -347,6 +389,10 @@ def _calibrate(
     if isinstance(self.numerics, NoNumerics):
         qt = QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
         return qt, (jax.tree_util.Partial(_identity) if vjp else None)
+    if isinstance(self.numerics, UintNumerics):
+        return quantize_asymmetric(request._replace(x=x), vjp)
+    if self.scale_rounding == "e4m3":
+        return quantize_two_level(request._replace(x=x), vjp)
 
     blocks = self.granularity.block_sizes(x.shape, request.contracting_axes)
     layout = BlockLayout.create(x.shape, blocks)
@@ -377,7 +423,7 @@ def _calibrate(
             1 if a in layout.reduce_axes else n
             for a, n in enumerate(layout.blocked_shape)
         )
-        flat = _flat(_given_scale(given, layout.scale_shape))
+        flat = flat_vector(_given_scale(given, layout.scale_shape))
     else:
         if x.size:
             bound = self.calibration(no_grad(xb), layout.reduce_axes, quantize)
@@ -388,7 +434,7 @@ def _calibrate(
             ]
             bound = jnp.zeros(reduced, xb.dtype)
         blocks = bound.shape
-        flat = _flat(no_grad(bound))
+        flat = flat_vector(no_grad(bound))
     # A scale above 2**126 has a subnormal inverse, which XLA:CPU flushes
     # to zero (grids whose top is below 4: int1..int3). Such blocks are
     # divided in two exact steps, a power of two first.
@@ -400,7 +446,7 @@ def _calibrate(
     # replicated weight's, an activation's bound would make the weight's
     # scale vary per shard in one platform's branch and not in the other's).
     # Scales that keep their shape (sharded along explicit mesh axes, see
-    # _flat) run alone.
+    # flat_vector) run alone.
     group: Any = (
         bound is None,
         None if bound is None else (mapped, self.scale_rounding, np.dtype(x.dtype)),
@@ -451,7 +497,7 @@ def _encode(
     if vjp:
         q, residuals = self.numerics.vjp_fwd(y, context)
         grad = jax.tree_util.Partial(
-            _NumericsGrad(self.numerics, layout.blocked_shape),
+            NumericsGrad(self.numerics, layout.blocked_shape),
             residuals,
         )
     else:
@@ -470,26 +516,19 @@ def _encode(
     q = q.reshape(x.shape)
     if p.request.store:
         clipped = isinstance(self.numerics, IntNumerics) and self.numerics.clip
-        q = _to_storage(q, p.qdtype, saturate=not clipped, guard=not vjp)
+        codes = getattr(self.numerics, "codes", None)  # a codebook's indices
+        q = to_storage(q, p.qdtype, saturate=not clipped, guard=not vjp, codes=codes)
     scale = scale.reshape(layout.scale_shape).astype(jnp.float32)
-    return QTensor(q, scale, qdtype=p.qdtype, dtype=x.dtype), grad
+    codebook = None
+    if p.request.store and isinstance(self.numerics, Nf4Numerics):
+        codebook = self.numerics.levels
+    qt = QTensor(q, scale, qdtype=p.qdtype, dtype=x.dtype, codebook=codebook)
+    return qt, grad
 
 
 # Calibrations whose bound is 0 only for a block of zeros (or of values so
 # small that every grid with a zero rounds them to it at scale 1).
 _ZERO_BOUND_MEANS_ZEROS = (AbsMax, MseSearch, ConstantBound)
-
-
-def _flat(v: jax.Array) -> jax.Array:
-    """``v`` as a flat vector, unless explicit sharding pins its axes.
-
-    Under explicit mesh axes (``AxisType.Explicit``), merging a sharded axis
-    with others has no sharding JAX can infer: the scales keep their shape.
-    """
-    spec = getattr(getattr(jax.typeof(v), "sharding", None), "spec", None)
-    if spec is not None and any(entry is not None for entry in spec):
-        return v
-    return v.reshape(-1)
 
 
 def _given_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -507,7 +546,7 @@ def _given_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def _keeps_zero(numerics: QNumerics) -> bool:
     """Whether ``numerics`` maps 0 to exactly 0, whatever its noise."""
-    if isinstance(numerics, FpNumerics):
+    if isinstance(numerics, FpNumerics | Nf4Numerics):
         return True
     if isinstance(numerics, IntNumerics):
         if numerics.round:
@@ -551,167 +590,5 @@ def _negatives_stay_negative_jvp(primals: Any, tangents: Any) -> Any:
     return _negatives_stay_negative(*primals), tangents[0]
 
 
-def _pre_factor(scale: jax.Array) -> jax.Array:
-    """``2**-64`` for scales above ``2**64``, else 1 (exact, per block)."""
-    big = lax.gt(scale, lax.full_like(scale, 2.0**64))
-    return lax.select(big, lax.full_like(scale, 2.0**-64), lax.full_like(scale, 1))
-
-
 def _identity(g: jax.Array) -> jax.Array:
     return g
-
-
-def _scales_and_inverses(
-    flats: list[jax.Array], make: Any, split: bool
-) -> list[tuple[jax.Array, jax.Array, jax.Array | None]]:
-    """``(scale, 1 / (scale * pre), pre)`` of each flat bound (or given scale).
-
-    ``make`` turns bounds into scales (``None`` for given scales); ``pre``
-    is the exact power-of-two first step of a division by a huge scale
-    (``None`` unless ``split``).
-
-    On CPU, left to itself, XLA copies the small per-block arithmetic that
-    makes a scale into every element of each large consumer (the
-    quantization, the rescaled matmul output), and compiles one more kernel
-    for the reciprocal it uses to divide by the scale. Stacked and divided by
-    a 1 that XLA cannot see (exact), both come from one small kernel that runs
-    once per block; the bounds of all the tensors are laid end to end first,
-    so that the tensors quantized together share that kernel (XLA:CPU's
-    compile time grows with every kernel and every operation in one). On
-    several devices each tensor runs alone: its scale's sharding is its own
-    (laid end to end, the vectors would get one sharding, which XLA's
-    propagation would carry back into the tensors). Elsewhere the plain
-    form is kept: the barrier would split the fusions that GPU and TPU
-    compilers make of it. The numbers are the same in every form.
-    """
-
-    def arithmetic(flat: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
-        scale = flat if make is None else make(flat)
-        pre = _pre_factor(scale) if split else None
-        inverse = lax.div(
-            lax.full_like(scale, 1), scale if pre is None else lax.mul(scale, pre)
-        )
-        return scale, inverse, pre
-
-    def default(*flats: jax.Array) -> list[Any]:
-        return [arithmetic(f) for f in flats]
-
-    def cpu_one(flat: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
-        scale, inverse, pre = arithmetic(flat)
-        n = scale.shape[0]
-        both = lax.concatenate([scale, inverse], 0)
-        both = lax.div(both, lax.optimization_barrier(lax.full_like(both, 1)))
-        return lax.slice_in_dim(both, 0, n), lax.slice_in_dim(both, n, 2 * n), pre
-
-    def cpu(*flats: jax.Array) -> list[Any]:
-        if len(flats) == 1 or jax.device_count() > 1:
-            return [cpu_one(f) for f in flats]
-        scale, inverse, pre = cpu_one(lax.concatenate(flats, 0))
-        out, start = [], 0
-        for f in flats:
-            stop = start + f.shape[0]
-            scale_f, inverse_f = (
-                lax.slice_in_dim(v, start, stop) for v in (scale, inverse)
-            )
-            pre_f = None if pre is None else lax.slice_in_dim(pre, start, stop)
-            out.append((scale_f, inverse_f, pre_f))
-            start = stop
-        return out
-
-    return lax.platform_dependent(*flats, cpu=cpu, default=default)
-
-
-@dataclasses.dataclass(frozen=True)
-class _NumericsGrad:
-    """The numerics' gradient on a blocked tensor (a value, not an identity).
-
-    Equal for equal numerics and shapes, so that the pytree structure of a
-    quantization's gradient is the same each time it is computed.
-    """
-
-    numerics: QNumerics
-    blocked_shape: tuple[int, ...]
-
-    def __call__(self, residuals: Any, g: jax.Array) -> jax.Array:
-        dx, _ = self.numerics.vjp_bwd(residuals, g.reshape(self.blocked_shape))
-        return dx.reshape(g.shape)
-
-
-def _to_storage(
-    q: jax.Array, qdtype: np.dtype, *, saturate: bool, guard: bool
-) -> jax.Array:
-    """Casts grid values to their storage dtype.
-
-    Integers saturate at the dtype's range unless the numerics already clip.
-    A NaN element always lies in a block whose scale is NaN (see
-    :mod:`qbits.calibration`), so its integer code does not matter.
-    """
-    target = storage_dtype(qdtype)
-    if saturate and jnp.issubdtype(target, jnp.integer):
-        info = ml_dtypes.iinfo(target)
-        lo, hi = (np.asarray(v, q.dtype) for v in (info.min, info.max))
-        q = lax.clamp(lo, q, hi)
-    return _cast_no_grad(q, target) if guard else q.astype(target)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _cast_no_grad(q: jax.Array, target: np.dtype) -> jax.Array:
-    return q.astype(target)
-
-
-@_cast_no_grad.defjvp
-def _cast_no_grad_jvp(target: np.dtype, primals: Any, tangents: Any) -> Any:
-    raise InvalidArgumentError(
-        "Quantizer.quant",
-        "store",
-        True,
-        "False when differentiating",
-        why=f"values stored as {np.dtype(target)} carry no gradient; "
-        "quant(x).dequant() with the default store=False has the numerics' "
-        "gradient",
-    )
-
-
-_MX_ELEMENTS = (
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float6_e2m3fn",
-    "float6_e3m2fn",
-    "float4_e2m1fn",
-    "int8",
-)
-
-
-def mx_quantizer(element: str = "float8_e4m3fn", axis: int | None = None) -> Quantizer:
-    """An OCP Microscaling (MX) quantizer: tiles of 32, E8M0 scales.
-
-    The shared power-of-two scale of each tile is rounded *up* so that no
-    element of the tile clips (as production FP8 training does; the MX v1.0
-    spec rounds down and saturates).
-
-    Args:
-      element: ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (MXFP8),
-        ``"float6_e2m3fn"`` / ``"float6_e3m2fn"`` (MXFP6), ``"float4_e2m1fn"``
-        (MXFP4) or ``"int8"`` (MXINT8).
-      axis: The axis tiled in blocks of 32; ``None`` for a matmul operand's
-        contracting axis.
-
-    Returns:
-      A :class:`Quantizer`.
-
-    Raises:
-      InvalidArgumentError: For another element format.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> q = qbits.presets.mx_quantizer("float4_e2m1fn", axis=-1)
-      >>> qt = q.quant(jnp.linspace(-1.0, 1.0, 64).reshape(1, 64))
-      >>> qt.scale.shape, qt.scale[0, 0]
-      ((1, 2), Array(0.25, dtype=float32))
-    """
-    if element not in _MX_ELEMENTS:
-        raise InvalidArgumentError(
-            "mx_quantizer", "element", element, "one of " + ", ".join(_MX_ELEMENTS)
-        )
-    numerics = IntNumerics(bits=8) if element == "int8" else FpNumerics(element)
-    return Quantizer(numerics, AbsMax(), Tiled(axis=axis, tile_size=32), "e8m0")

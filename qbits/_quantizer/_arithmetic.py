@@ -1,0 +1,92 @@
+"""The per-block scale arithmetic of tensors quantized together.
+
+:func:`scales_and_inverses` turns the bounds of several tensors into their
+scales and inverses in one small kernel (see its docstring).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax import lax
+
+__all__ = ["flat_vector", "pre_factor", "scales_and_inverses"]
+
+
+def flat_vector(v: jax.Array) -> jax.Array:
+    """``v`` as a flat vector, unless explicit sharding pins its axes.
+
+    Under explicit mesh axes (``AxisType.Explicit``), merging a sharded axis
+    with others has no sharding JAX can infer: the scales keep their shape.
+    """
+    spec = getattr(getattr(jax.typeof(v), "sharding", None), "spec", None)
+    if spec is not None and any(entry is not None for entry in spec):
+        return v
+    return v.reshape(-1)
+
+
+def pre_factor(scale: jax.Array) -> jax.Array:
+    """``2**-64`` for scales above ``2**64``, else 1 (exact, per block)."""
+    big = lax.gt(scale, lax.full_like(scale, 2.0**64))
+    return lax.select(big, lax.full_like(scale, 2.0**-64), lax.full_like(scale, 1))
+
+
+def scales_and_inverses(
+    flats: list[jax.Array], make: Any, split: bool
+) -> list[tuple[jax.Array, jax.Array, jax.Array | None]]:
+    """``(scale, 1 / (scale * pre), pre)`` of each flat bound (or given scale).
+
+    ``make`` turns bounds into scales (``None`` for given scales); ``pre``
+    is the exact power-of-two first step of a division by a huge scale
+    (``None`` unless ``split``).
+
+    On CPU, left to itself, XLA copies the small per-block arithmetic that
+    makes a scale into every element of each large consumer (the
+    quantization, the rescaled matmul output), and compiles one more kernel
+    for the reciprocal it uses to divide by the scale. Stacked and divided by
+    a 1 that XLA cannot see (exact), both come from one small kernel that runs
+    once per block; the bounds of all the tensors are laid end to end first,
+    so that the tensors quantized together share that kernel (XLA:CPU's
+    compile time grows with every kernel and every operation in one). On
+    several devices each tensor runs alone: its scale's sharding is its own
+    (laid end to end, the vectors would get one sharding, which XLA's
+    propagation would carry back into the tensors). Elsewhere the plain
+    form is kept: the barrier would split the fusions that GPU and TPU
+    compilers make of it. The numbers are the same in every form.
+    """
+
+    def arithmetic(flat: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+        scale = flat if make is None else make(flat)
+        pre = pre_factor(scale) if split else None
+        inverse = lax.div(
+            lax.full_like(scale, 1), scale if pre is None else lax.mul(scale, pre)
+        )
+        return scale, inverse, pre
+
+    def default(*flats: jax.Array) -> list[Any]:
+        return [arithmetic(f) for f in flats]
+
+    def cpu_one(flat: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+        scale, inverse, pre = arithmetic(flat)
+        n = scale.shape[0]
+        both = lax.concatenate([scale, inverse], 0)
+        both = lax.div(both, lax.optimization_barrier(lax.full_like(both, 1)))
+        return lax.slice_in_dim(both, 0, n), lax.slice_in_dim(both, n, 2 * n), pre
+
+    def cpu(*flats: jax.Array) -> list[Any]:
+        if len(flats) == 1 or jax.device_count() > 1:
+            return [cpu_one(f) for f in flats]
+        scale, inverse, pre = cpu_one(lax.concatenate(flats, 0))
+        out, start = [], 0
+        for f in flats:
+            stop = start + f.shape[0]
+            scale_f, inverse_f = (
+                lax.slice_in_dim(v, start, stop) for v in (scale, inverse)
+            )
+            pre_f = None if pre is None else lax.slice_in_dim(pre, start, stop)
+            out.append((scale_f, inverse_f, pre_f))
+            start = stop
+        return out
+
+    return lax.platform_dependent(*flats, cpu=cpu, default=default)

@@ -1,0 +1,83 @@
+"""Storing quantized values, and the numerics' gradient on blocked tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from qbits._errors import InvalidArgumentError
+from qbits.numerics import QNumerics
+from qbits.tensor import storage_dtype
+
+__all__ = ["NumericsGrad", "to_storage"]
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsGrad:
+    """The numerics' gradient on a blocked tensor (a value, not an identity).
+
+    Equal for equal numerics and shapes, so that the pytree structure of a
+    quantization's gradient is the same each time it is computed.
+    """
+
+    numerics: QNumerics
+    blocked_shape: tuple[int, ...]
+
+    def __call__(self, residuals: Any, g: jax.Array) -> jax.Array:
+        dx, _ = self.numerics.vjp_bwd(residuals, g.reshape(self.blocked_shape))
+        return dx.reshape(g.shape)
+
+
+def to_storage(
+    q: jax.Array,
+    qdtype: np.dtype,
+    *,
+    saturate: bool,
+    guard: bool,
+    codes: Callable[[jax.Array], jax.Array] | None = None,
+) -> jax.Array:
+    """Casts grid values to their storage dtype.
+
+    Integers saturate at the dtype's range unless the numerics already clip.
+    A NaN element always lies in a block whose scale is NaN (see
+    :mod:`qbits.calibration`), so its integer code does not matter.
+    ``codes`` turns grid values into the codes stored (a codebook's indices).
+    With ``guard``, differentiating through the stored values raises.
+    """
+    target = storage_dtype(qdtype)
+    if guard:
+        q = _no_grad(q, target)
+    if codes is not None:
+        q = codes(q)
+    if saturate and jnp.issubdtype(target, jnp.integer):
+        info = ml_dtypes.iinfo(target)
+        lo, hi = (np.asarray(v, q.dtype) for v in (info.min, info.max))
+        q = lax.clamp(lo, q, hi)
+    return q.astype(target)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _no_grad(q: jax.Array, target: np.dtype) -> jax.Array:
+    """``q``, refusing to be differentiated: it is about to be stored."""
+    return q
+
+
+@_no_grad.defjvp
+def _no_grad_jvp(target: np.dtype, primals: Any, tangents: Any) -> Any:
+    raise InvalidArgumentError(
+        "Quantizer.quant",
+        "store",
+        True,
+        "False when differentiating",
+        why=f"values stored as {np.dtype(target)} carry no gradient; "
+        "quant(x).dequant() with the default store=False has the numerics' "
+        "gradient",
+    )
