@@ -18,7 +18,7 @@ from qbits._errors import InvalidArgumentError
 from qbits._formats import check_float_input, compute_dtype
 from qbits._jaxpr import varying
 from qbits._quantizer._arithmetic import flat_vector, scales_and_inverses
-from qbits._quantizer._storage import NumericsGrad, to_storage
+from qbits._quantizer._storage import encode, to_storage
 from qbits._quantizer._two_level import quantize_two_level
 from qbits._quantizer._zero_point import quantize_asymmetric
 from qbits.calibration import (
@@ -493,15 +493,7 @@ def _encode(
         # (flushed, maybe -0.0 for a negative value), and a grid without a
         # zero rounds a zero up: a negative value must stay negative.
         y = _negatives_stay_negative(y, xb)
-    grad = None
-    if vjp:
-        q, residuals = self.numerics.vjp_fwd(y, context)
-        grad = jax.tree_util.Partial(
-            NumericsGrad(self.numerics, layout.blocked_shape),
-            residuals,
-        )
-    else:
-        q = self.numerics(y, context)
+    q, grad = encode(self.numerics, y, context, layout, vjp)
     if p.bound is not None and not (
         _keeps_zero(self.numerics)
         and isinstance(self.calibration, _ZERO_BOUND_MEANS_ZEROS)

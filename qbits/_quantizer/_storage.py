@@ -1,4 +1,4 @@
-"""Storing quantized values, and the numerics' gradient on blocked tensors."""
+"""Blocked tensors, the numerics' gradient on them, and storing quantized values."""
 
 from __future__ import annotations
 
@@ -14,10 +14,47 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._formats import compute_dtype
+from qbits.granularity import BlockLayout
 from qbits.numerics import QNumerics
 from qbits.tensor import storage_dtype
 
-__all__ = ["NumericsGrad", "to_storage"]
+__all__ = ["NumericsGrad", "blocked", "encode", "to_storage"]
+
+
+def blocked(
+    request: Any, vjp: bool
+) -> tuple[BlockLayout, jax.Array, Callable[[jax.Array], jax.Array]] | None:
+    """A request's tensor in its scale blocks; ``None`` for a placeholder.
+
+    Returns:
+      The block layout, the tensor reshaped to its blocked shape (in its
+      compute dtype), and what to apply to values computed from it that
+      must carry no gradient (``lax.stop_gradient``, or the identity when
+      the caller differentiates through its own VJP).
+    """
+    x = request.x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return None
+    blocks = request.quantizer.granularity.block_sizes(
+        x.shape, request.contracting_axes
+    )
+    layout = BlockLayout.create(x.shape, blocks)
+    xb = x.astype(compute_dtype(x.dtype)).reshape(layout.blocked_shape)
+    no_grad = (lambda v: v) if vjp else lax.stop_gradient
+    return layout, xb, no_grad
+
+
+def encode(
+    numerics: QNumerics, y: jax.Array, context: Any, layout: BlockLayout, vjp: bool
+) -> tuple[jax.Array, jax.tree_util.Partial | None]:
+    """The codes of the scaled blocks ``y``, and their gradient with ``vjp``."""
+    if not vjp:
+        return numerics(y, context), None
+    codes, residuals = numerics.vjp_fwd(y, context)
+    return codes, jax.tree_util.Partial(
+        NumericsGrad(numerics, layout.blocked_shape), residuals
+    )
 
 
 @dataclasses.dataclass(frozen=True)

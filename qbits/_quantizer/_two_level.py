@@ -34,9 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qbits._formats import compute_dtype, float_format, round_to_format
-from qbits._quantizer._storage import NumericsGrad, to_storage
-from qbits.granularity import BlockLayout
+from qbits._formats import float_format, round_to_format
+from qbits._quantizer._storage import blocked, encode, to_storage
 from qbits.numerics import QNumerics
 from qbits.tensor import QTensor
 
@@ -91,13 +90,11 @@ def quantize_two_level(
     q = request.quantizer
     numerics: QNumerics = q.numerics
     x, context = request.x, request.context
-    if isinstance(x, jax.ShapeDtypeStruct):
+    found = blocked(request, vjp)
+    if found is None:
         return None
-    blocks = q.granularity.block_sizes(x.shape, request.contracting_axes)
-    layout = BlockLayout.create(x.shape, blocks)
+    layout, xb, no_grad = found
     axes = layout.reduce_axes
-    xb = x.astype(compute_dtype(x.dtype)).reshape(layout.blocked_shape)
-    no_grad = (lambda v: v) if vjp else lax.stop_gradient
     xs = no_grad(xb)
     mapped = float(numerics.abs_val_mapped_to())
     finite = jnp.where(jnp.isfinite(xs), jnp.abs(xs), 0)
@@ -118,14 +115,7 @@ def quantize_two_level(
         bound = jnp.zeros(reduced, xs.dtype)
     b, g = two_level_scale(no_grad(bound), no_grad(amax), mapped)
     y, zero = _encode(xb, b, g)
-    grad = None
-    if vjp:
-        codes, residuals = numerics.vjp_fwd(y, context)
-        grad = jax.tree_util.Partial(
-            NumericsGrad(numerics, layout.blocked_shape), residuals
-        )
-    else:
-        codes = numerics(y, context)
+    codes, grad = encode(numerics, y, context, layout, vjp)
     # Blocks whose scale is 0 hold exact zeros; the subtracted copy carries
     # no gradient.
     codes = codes - lax.stop_gradient(codes) * zero.astype(codes.dtype)

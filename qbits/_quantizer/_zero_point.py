@@ -34,9 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qbits._formats import compute_dtype
-from qbits._quantizer._storage import NumericsGrad, to_storage
-from qbits.granularity import BlockLayout
+from qbits._quantizer._storage import blocked, encode, to_storage
 from qbits.numerics import UintNumerics
 from qbits.tensor import QTensor
 
@@ -110,13 +108,11 @@ def quantize_asymmetric(
     q = request.quantizer
     numerics: UintNumerics = q.numerics
     x, context = request.x, request.context
-    if isinstance(x, jax.ShapeDtypeStruct):
+    found = blocked(request, vjp)
+    if found is None:
         return None
-    blocks = q.granularity.block_sizes(x.shape, request.contracting_axes)
-    layout = BlockLayout.create(x.shape, blocks)
+    layout, xb, no_grad = found
     axes = layout.reduce_axes
-    xb = x.astype(compute_dtype(x.dtype)).reshape(layout.blocked_shape)
-    no_grad = (lambda v: v) if vjp else lax.stop_gradient
     xs = no_grad(xb)
     if x.size:
         lo = jnp.min(xs, axis=axes, keepdims=True)
@@ -136,15 +132,7 @@ def quantize_asymmetric(
     bound = q.calibration(xs - mid, axes, quantize) if x.size else lo
     scale, zero = scale_and_zero_point(mid - bound, mid + bound, numerics.top)
     scale, zero = no_grad(scale), no_grad(zero)
-    y = xb / scale + zero
-    grad = None
-    if vjp:
-        codes, residuals = numerics.vjp_fwd(y, context)
-        grad = jax.tree_util.Partial(
-            NumericsGrad(numerics, layout.blocked_shape), residuals
-        )
-    else:
-        codes = numerics(y, context)
+    codes, grad = encode(numerics, xb / scale + zero, context, layout, vjp)
     codes = codes.reshape(x.shape)
     zero = zero.reshape(layout.scale_shape)
     if request.store:

@@ -105,17 +105,33 @@ def _apply_bwd(
 _apply.defvjp(_apply_fwd, _apply_bwd)
 
 
-def clipped_straight_through(
-    x: jax.Array | None, g: jax.Array, bound: float
-) -> tuple[jax.Array, None]:
-    """Straight-through cotangents for ``(x, context)``; zero where ``|x| > bound``.
+class ClippedStraightThrough(QNumerics):
+    """Numerics whose gradient is straight-through, masked with ``clip_gradient``.
 
-    ``x`` is the residual the forward pass kept, ``None`` when the gradient
-    is not masked.
+    Subclasses have a ``clip_gradient`` field and say where their grid ends
+    (:meth:`gradient_range`): with ``clip_gradient`` the gradient is zero for
+    inputs outside it (they clipped), else it passes everywhere.
     """
-    if x is None:
-        return g, None
-    return jnp.where(jnp.abs(x) <= bound, g, jnp.zeros_like(g)), None
+
+    @abc.abstractmethod
+    def gradient_range(self) -> tuple[float, float]:
+        """The inputs ``[lo, hi]`` whose gradient passes with ``clip_gradient``."""
+
+    def vjp_fwd(
+        self, x: jax.Array, context: Context | None
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """Forward pass; keeps ``x`` only when the gradient needs its mask."""
+        return self.fwd(x, context), (x if self.clip_gradient else None)  # type: ignore[attr-defined]
+
+    def vjp_bwd(
+        self, residuals: jax.Array | None, g: jax.Array
+    ) -> tuple[jax.Array, None]:
+        """Straight-through; zero outside :meth:`gradient_range` when masked."""
+        if residuals is None:
+            return g, None
+        lo, hi = (np.asarray(v, residuals.dtype) for v in self.gradient_range())
+        inside = (residuals >= lo) & (residuals <= hi)
+        return jnp.where(inside, g, jnp.zeros_like(g)), None
 
 
 def require_key(owner: str, context: Context | None) -> jax.Array:

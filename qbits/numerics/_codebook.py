@@ -12,7 +12,7 @@ from jax import lax
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError, check_bool
 from qbits._formats import check_float_input, compute_dtype
-from qbits.numerics._base import QNumerics, clipped_straight_through
+from qbits.numerics._base import ClippedStraightThrough
 
 __all__ = ["NF4_LEVELS", "Nf4Numerics"]
 
@@ -44,7 +44,7 @@ _LEVELS = np.asarray(NF4_LEVELS, np.float32)
 _MIDPOINTS = (_LEVELS[:-1] + _LEVELS[1:]) / np.float32(2)
 
 
-class Nf4Numerics(QNumerics):
+class Nf4Numerics(ClippedStraightThrough):
     """NF4: the 16 NormalFloat levels of QLoRA, stored as 4-bit codes.
 
     The input is already divided by the scale (a block's absmax with
@@ -119,14 +119,6 @@ class Nf4Numerics(QNumerics):
         q = jnp.take(jnp.asarray(_LEVELS, y.dtype), index, mode="clip")
         return jnp.where(jnp.isnan(y), y, q).astype(x.dtype)
 
-    def vjp_fwd(
-        self, x: jax.Array, context: Context | None
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Forward pass; keeps ``x`` only when the gradient needs its mask."""
-        return self.fwd(x, context), (x if self.clip_gradient else None)
-
-    def vjp_bwd(
-        self, residuals: jax.Array | None, g: jax.Array
-    ) -> tuple[jax.Array, None]:
-        """Straight-through, zero where ``|x| > 1`` with ``clip_gradient``."""
-        return clipped_straight_through(residuals, g, 1.0)
+    def gradient_range(self) -> tuple[float, float]:
+        """The levels' range (the gradient's mask with ``clip_gradient``)."""
+        return (-1.0, 1.0)

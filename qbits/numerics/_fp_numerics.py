@@ -20,16 +20,15 @@ from qbits._formats import (
     stochastic_round_to_format,
 )
 from qbits.numerics._base import (
+    ClippedStraightThrough,
     NoiseFn,
-    QNumerics,
-    clipped_straight_through,
     require_key,
 )
 
 __all__ = ["Fp8Numerics", "FpNumerics"]
 
 
-class FpNumerics(QNumerics):
+class FpNumerics(ClippedStraightThrough):
     """The grid of a low-bit float format (fp8, fp6, fp4).
 
     The input is already divided by the scale, so the calibration bound maps
@@ -113,17 +112,9 @@ class FpNumerics(QNumerics):
             y = stochastic_round_to_format(y, fmt, noise)
         return round_to_format(y, fmt).astype(x.dtype)
 
-    def vjp_fwd(
-        self, x: jax.Array, context: Context | None
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Forward pass; keeps ``x`` only when the gradient needs its mask."""
-        return self.fwd(x, context), (x if self.clip_gradient else None)
-
-    def vjp_bwd(
-        self, residuals: jax.Array | None, g: jax.Array
-    ) -> tuple[jax.Array, None]:
-        """Straight-through, zero where ``|x| > max`` with ``clip_gradient``."""
-        return clipped_straight_through(residuals, g, self.format.max)
+    def gradient_range(self) -> tuple[float, float]:
+        """The format's finite range (the gradient's mask with ``clip_gradient``)."""
+        return (-self.format.max, self.format.max)
 
 
 class Fp8Numerics(FpNumerics):

@@ -15,9 +15,8 @@ from qbits._context import Context
 from qbits._errors import InvalidArgumentError, check_bool, check_int
 from qbits._formats import check_float_input, compute_dtype
 from qbits.numerics._base import (
+    ClippedStraightThrough,
     NoiseFn,
-    QNumerics,
-    clipped_straight_through,
     require_key,
 )
 
@@ -26,7 +25,7 @@ __all__ = ["IntNumerics"]
 _STORAGE_BY_BITS = ((4, ml_dtypes.int4), (8, np.int8), (16, np.int16))
 
 
-class IntNumerics(QNumerics):
+class IntNumerics(ClippedStraightThrough):
     r"""A symmetric integer grid: int8, int4, ..., binary.
 
     The input is already divided by the scale, so the calibration bound sits at
@@ -206,14 +205,6 @@ class IntNumerics(QNumerics):
                 y = jnp.floor(y) + 0.5
         return y.astype(x.dtype)
 
-    def vjp_fwd(
-        self, x: jax.Array, context: Context | None
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Forward pass; keeps ``x`` only when the gradient needs its mask."""
-        return self.fwd(x, context), (x if self.clip_gradient else None)
-
-    def vjp_bwd(
-        self, residuals: jax.Array | None, g: jax.Array
-    ) -> tuple[jax.Array, None]:
-        """Straight-through, masked outside the clip range with ``clip_gradient``."""
-        return clipped_straight_through(residuals, g, self._clip_bound())
+    def gradient_range(self) -> tuple[float, float]:
+        """The clip range (the gradient's mask with ``clip_gradient``)."""
+        return (-self._clip_bound(), self._clip_bound())

@@ -13,14 +13,14 @@ from jax import lax
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError, check_bool
 from qbits._formats import check_float_input, compute_dtype
-from qbits.numerics._base import NoiseFn, QNumerics, require_key
+from qbits.numerics._base import ClippedStraightThrough, NoiseFn, require_key
 
 __all__ = ["UintNumerics"]
 
 _STORAGE_BY_BITS = ((4, ml_dtypes.uint4), (8, np.uint8))
 
 
-class UintNumerics(QNumerics):
+class UintNumerics(ClippedStraightThrough):
     r"""An unsigned integer grid, :math:`0 .. 2^b - 1`: asymmetric quantization.
 
     With this grid a :class:`~qbits.Quantizer` quantizes asymmetrically: each
@@ -135,17 +135,6 @@ class UintNumerics(QNumerics):
         y = lax.round(lax.clamp(zero, y, top), lax.RoundingMethod.TO_NEAREST_EVEN)
         return y.astype(x.dtype)
 
-    def vjp_fwd(
-        self, x: jax.Array, context: Context | None
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Forward pass; keeps ``x`` only when the gradient needs its mask."""
-        return self.fwd(x, context), (x if self.clip_gradient else None)
-
-    def vjp_bwd(
-        self, residuals: jax.Array | None, g: jax.Array
-    ) -> tuple[jax.Array, None]:
-        """Straight-through; zero off ``[0, 2**bits - 1]`` with ``clip_gradient``."""
-        if residuals is None:
-            return g, None
-        inside = (residuals >= 0) & (residuals <= self.top)
-        return lax.select(inside, g, lax.full_like(g, 0)), None
+    def gradient_range(self) -> tuple[float, float]:
+        """The codes' range (the gradient's mask with ``clip_gradient``)."""
+        return (0.0, float(self.top))
