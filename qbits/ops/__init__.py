@@ -11,8 +11,8 @@ from qbits.ops._dims import Dims
 from qbits.ops._dot_general import DotGeneral, dot_general
 from qbits.ops._einsum import Einsum, einsum
 from qbits.ops._hlo import dot_dtypes, jaxpr_dot_dtypes
-from qbits.ops._matmul import store_weight, stored_matmul
 from qbits.ops._state import combine_state, max_combining, per_tensor_state
+from qbits.ops._stored import store_weight, stored_matmul
 
 __all__ = [
     "ConvGeneralDilated",
