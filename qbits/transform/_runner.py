@@ -411,10 +411,19 @@ class Runner:
 
         def layout(q: Any) -> str:
             packed = ", packed" if q.packed_axis is not None else ""
+            extra = "".join(
+                f", {label} {list(np.shape(part))}"
+                for label, part in (
+                    ("zero point", q.zero_point),
+                    ("tensor scale", q.tensor_scale),
+                    ("codebook", q.codebook),
+                )
+                if part is not None
+            )
             return (
                 f"{np.dtype(q.qdtype).name}{list(q.shape)}{packed} as "
                 f"{q.qvalue.dtype.name}{list(q.qvalue.shape)} with scale "
-                f"{list(q.scale.shape)}"
+                f"{list(q.scale.shape)}{extra}"
             )
 
         if not isinstance(qt, QTensor):
@@ -430,8 +439,7 @@ class Runner:
             f"{layout(want)}, the weight stored for its config "
             f"({self.plan.rules.resolve(name).name or 'inline'})",
             why="stored with another config or for another model? Store them "
-            "again with qbits.transform.store_weights (serving: "
-            "qbits.serving.convert) and this config",
+            "again with qbits.serving.convert and this config",
         )
 
     def _body(self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame) -> list:

@@ -124,3 +124,24 @@ def test_stored_weights_are_checked_against_their_matmul_and_config():
         )
     with pytest.raises(qbits.InvalidArgumentError, match="stored="):
         qbits.quantize(_fn, "int8_fwd", stored=[1, 2])
+
+
+def test_a_stored_weight_missing_its_zero_point_or_tensor_scale_is_refused():
+    params, x = (
+        {"w": jax.random.normal(jax.random.key(0), (128, 8))},
+        jnp.ones((2, 128)),
+    )
+
+    def fn(params, x):
+        return x @ params["w"]
+
+    for preset, part in (
+        ("w4g128_asym", "zero_point"),
+        ("nvfp4_weight_only", "tensor_scale"),
+    ):
+        stored = qbits.transform.store_weights(fn, preset, params, x)
+        qt = stored["w"].weight
+        assert getattr(qt, part) is not None
+        bare = {"w": qt.replace(**{part: None})}
+        with pytest.raises(qbits.InvalidArgumentError, match=part.replace("_", " ")):
+            qbits.quantize(fn, preset, stored=bare)(params, x)
