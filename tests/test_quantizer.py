@@ -393,13 +393,18 @@ def test_x64_keeps_the_input_dtype_and_the_numbers():
             if t == jnp.float32 and not s
         ]
         q = cases[0][0]
-        f64 = q.quant(x.astype(jnp.float64), context).dequant() if x64 else None
+        f64 = None
+        if x64:  # computed, and given back as the scale (as PTQ's GPTQ does)
+            qt64 = q.quant(x.astype(jnp.float64), context)
+            again, _ = q.quant_vjp(x.astype(jnp.float64), context, scale=qt64.scale)
+            f64 = (qt64.dequant(), again.dequant())
         return [(qt, qt.dequant()) for qt in qts], grads, f64
 
     expected, _, _ = jax.jit(run, static_argnums=1)(x, False)
     with jax.enable_x64(True):
-        got, grads, f64 = jax.jit(run, static_argnums=1)(x, True)
-    assert f64.dtype == jnp.float64
+        got, grads, (f64, given) = jax.jit(run, static_argnums=1)(x, True)
+    assert f64.dtype == given.dtype == jnp.float64
+    np.testing.assert_array_equal(given, f64)
     for g in grads:
         np.testing.assert_array_equal(g, jnp.ones_like(x))
     for (q, t, s), (qt, dq), (_, want) in zip(cases, got, expected, strict=True):

@@ -423,7 +423,7 @@ def _calibrate(
             1 if a in layout.reduce_axes else n
             for a, n in enumerate(layout.blocked_shape)
         )
-        flat = flat_vector(_given_scale(given, layout.scale_shape))
+        flat = flat_vector(_given_scale(given, layout.scale_shape, compute))
     else:
         if x.size:
             bound = self.calibration(no_grad(xb), layout.reduce_axes, quantize)
@@ -523,8 +523,12 @@ def _encode(
 _ZERO_BOUND_MEANS_ZEROS = (AbsMax, MseSearch, ConstantBound)
 
 
-def _given_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """A given scale as a float32 array of the scale ``shape``."""
+def _given_scale(scale: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """A given scale as an array of the scale ``shape``, in the compute ``dtype``.
+
+    (float32, or float64 for a float64 tensor under ``jax_enable_x64``: the
+    dtype the scale arithmetic of a computed scale runs in.)
+    """
     scale = jnp.asarray(scale)
     if scale.size != int(np.prod(shape)):
         raise InvalidArgumentError(
@@ -533,7 +537,7 @@ def _given_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
             scale.shape,
             f"a scale of shape {shape} (one entry per block)",
         )
-    return scale.reshape(shape).astype(jnp.float32)
+    return scale.reshape(shape).astype(dtype)
 
 
 def _keeps_zero(numerics: QNumerics) -> bool:
