@@ -2,7 +2,7 @@
 
 Strict dtype promotion is on everywhere, so a silent promotion (the way a
 quantized path quietly becomes float) is an error. Hypothesis runs a fixed,
-derandomized set of 12 examples a test in CI (simplest first); set
+derandomized set of 10 examples a test in CI (simplest first); set
 ``HYPOTHESIS_PROFILE=dev`` for more.
 """
 
@@ -24,7 +24,7 @@ collect_ignore = [
     "tests/ops/shard_map_check.py",
 ]
 
-settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True)
+settings.register_profile("ci", max_examples=10, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

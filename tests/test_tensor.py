@@ -20,7 +20,7 @@ NIBBLE_VALUES = {
 
 
 @pytest.mark.parametrize("name", sorted(NIBBLE_VALUES))
-@settings(max_examples=15)  # per dtype
+@settings(max_examples=10)  # per dtype
 @given(
     shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=7),
     data=st.data(),

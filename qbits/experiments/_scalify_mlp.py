@@ -155,10 +155,12 @@ def train_scalify_mlp(
 
     Example:
       >>> from qbits.experiments import train_scalify_mlp
-      >>> result = train_scalify_mlp("float16", steps=2, hidden=16, n_train=64,
+      >>> # "float32" is the baseline; "float16" and "fp8" run under scalify
+      >>> # (a few seconds more to trace: tests/scaled/test_ops.py runs them).
+      >>> result = train_scalify_mlp("float32", steps=2, hidden=16, n_train=64,
       ...                            n_eval=32)
       >>> result.precision, len(result.losses)
-      ('float16', 2)
+      ('float32', 2)
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")

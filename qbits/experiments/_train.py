@@ -131,6 +131,7 @@ def train(
     seed: int = 0,
     steps: int | None = None,
     progress: Callable[[int, float], None] | None = None,
+    on_trained: Callable[[nnx.Module], Any] | None = None,
 ) -> RunResult:
     """Trains the example model of ``spec`` with its matmuls quantized by ``config``.
 
@@ -143,6 +144,9 @@ def train(
         run's training does not depend on how often it is evaluated).
       steps: Training steps (default ``spec.steps``).
       progress: Called as ``progress(step, loss)`` after every step.
+      on_trained: Called with the trained model (the nnx module, quantized
+        as ``config`` says) before returning: to keep it, e.g. for
+        post-training quantization of a float32 run.
 
     Returns:
       A :class:`RunResult`.
@@ -257,6 +261,8 @@ def train(
     if steps == 0:
         ev, acc = eval_fn(state)
         eval_loss, accuracy = float(ev), float(acc)
+    if on_trained is not None:
+        on_trained(nnx.merge(graphdef, state)[0])
     tail = curve[-max(1, steps // 10) :] or [math.nan]
     return RunResult(
         train_loss=sum(tail) / len(tail),

@@ -48,7 +48,7 @@ def values_around(draw, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@settings(max_examples=15)  # per format; each example compiles anew
+@settings(max_examples=10)  # per format; each example compiles anew
 @given(data=st.data())
 def test_outputs_are_representable_finite_and_match_the_cast(fmt, data):
     x = data.draw(values_around(fmt))

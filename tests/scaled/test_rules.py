@@ -236,7 +236,7 @@ def test_rule_matches_unscaled_with_arbitrary_scales(name, fn, kinds):
     _check(name, fn, kinds, scales=(0.37, 13.1), rounding="none")
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     e_a=st.integers(-60, 60),
     e_b=st.integers(-60, 60),
