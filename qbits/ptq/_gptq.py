@@ -238,7 +238,7 @@ def check_hessian(owner: str, hessian: Any, k: int) -> jax.Array:
 
 
 def check_quantizer(owner: str, quantizer: Any) -> None:
-    """Raises unless ``quantizer`` is a Quantizer that computes its scales."""
+    """Raises unless ``quantizer`` computes its scales and rounds to nearest."""
     if not isinstance(quantizer, Quantizer):
         raise InvalidArgumentError(owner, "quantizer", quantizer, "a qbits.Quantizer")
     if quantizer.provider is not None:
@@ -249,6 +249,26 @@ def check_quantizer(owner: str, quantizer: Any) -> None:
             "None: post-training quantization computes the weight's scales "
             "from the weight (a calibration such as qbits.AbsMax())",
         )
+    if getattr(quantizer.numerics, "noise_fn", None) is not None:
+        raise InvalidArgumentError(
+            owner,
+            "quantizer.numerics.noise_fn",
+            quantizer.numerics.noise_fn,
+            "None: post-training quantization rounds the weight to nearest",
+        )
+
+
+def check_activation(owner: str, x: Any) -> jax.Array:
+    """``x`` as a float array whose last axis is the input channels."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
+        raise InvalidArgumentError(
+            owner,
+            "x",
+            f"{x.dtype}{list(x.shape)}",
+            "a floating-point array whose last axis is the input channels",
+        )
+    return x
 
 
 def blocks_quantizer(quantizer: Quantizer, rows: int, cols: int) -> Quantizer:

@@ -23,7 +23,7 @@ import numpy as np
 
 from qbits._errors import InvalidArgumentError, check_int
 from qbits._formats import compute_dtype
-from qbits.ptq._gptq import check_weight
+from qbits.ptq._gptq import check_activation, check_weight
 
 __all__ = ["hadamard", "rotate_activation", "rotate_weight"]
 
@@ -123,14 +123,7 @@ def rotate_activation(x: jax.Array, q: jax.Array) -> jax.Array:
       >>> qbits.ptq.rotate_activation(x, q) @ qbits.ptq.rotate_weight(w, q)
       Array([[3.]], dtype=float32)
     """
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
-        raise InvalidArgumentError(
-            "rotate_activation",
-            "x",
-            f"{x.dtype}{list(x.shape)}",
-            "a floating-point array whose last axis is the input channels",
-        )
+    x = check_activation("rotate_activation", x)
     q = _check_rotation("rotate_activation", q, x.shape[-1])
     return _matmul(x, q, x.dtype)
 

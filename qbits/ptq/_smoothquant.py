@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from qbits._errors import InvalidArgumentError, check_float
 from qbits._formats import compute_dtype
-from qbits.ptq._gptq import check_weight
+from qbits.ptq._gptq import check_activation, check_weight
 
 __all__ = ["scale_activation", "scale_weight", "smooth_scales"]
 
@@ -119,14 +119,7 @@ def scale_activation(x: jax.Array, s: jax.Array) -> jax.Array:
       >>> qbits.ptq.scale_activation(x, s) @ qbits.ptq.scale_weight(w, s)
       Array([[6.]], dtype=float32)
     """
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
-        raise InvalidArgumentError(
-            "scale_activation",
-            "x",
-            f"{x.dtype}{list(x.shape)}",
-            "a floating-point array whose last axis is the input channels",
-        )
+    x = check_activation("scale_activation", x)
     s = check_channels("scale_activation", "s", s, x.shape[-1])
     dtype = compute_dtype(x.dtype)
     return (x.astype(dtype) / s.astype(dtype)).astype(x.dtype)

@@ -30,7 +30,7 @@ from qbits.config import as_quant_config
 from qbits.numerics import NoNumerics
 from qbits.ptq._awq import awq
 from qbits.ptq._collect import MatmulStats, collect_stats
-from qbits.ptq._gptq import blocks_quantizer, gptq, output_error
+from qbits.ptq._gptq import blocks_quantizer, check_quantizer, gptq, output_error
 
 _OWNER = "qbits.ptq.quantize_weights"
 METHODS = ("rtn", "gptq", "awq")
@@ -147,17 +147,16 @@ def quantize_weights(
     for ms in tqdm(
         list(stats.values()), desc="ptq", unit="layer", disable=not progress
     ):
-        res = quant.resolve(ms.path)
-        cfg = res.config
-        quantizer = None
-        if cfg is not None:
-            quantizer = cfg.fwd.rhs if ms.side == "lhs" else cfg.fwd.lhs
-        if quantizer is None or isinstance(quantizer.numerics, NoNumerics):
+        cfg = quant.resolve(ms.path).config
+        if cfg is None:
             continue
-        _check_quantizer(ms.path, quantizer)
+        quantizer = cfg.fwd.rhs if ms.side == "lhs" else cfg.fwd.lhs
+        if isinstance(quantizer.numerics, NoNumerics):  # activations only
+            continue
         key = jax.tree_util.keystr(ms.keys)
         i = index[key]
         try:
+            check_quantizer(_OWNER, quantizer)
             new, report = _one_weight(ms, values[i], quantizer, method, damping,
                                       act_order, grid)  # fmt: skip
         except InvalidArgumentError as e:
@@ -165,23 +164,12 @@ def quantize_weights(
                 raise
             raise InvalidArgumentError(
                 _OWNER, "config", f"the weight quantizer of {ms.path!r}",
-                "a grid that fits the weight", why=str(e),
+                "a weight quantizer that fits the weight, computes its scale "
+                "and rounds to nearest", why=str(e),
             ) from None  # fmt: skip
         values[i] = new
         reports.append(dataclasses.replace(report, param=key))
     return PtqResult(jax.tree_util.tree_unflatten(treedef, values), tuple(reports))
-
-
-def _check_quantizer(path: str, quantizer: Quantizer) -> None:
-    if quantizer.provider is not None or getattr(quantizer.numerics, "noise_fn", None):
-        raise InvalidArgumentError(
-            _OWNER,
-            "config",
-            f"the weight quantizer of {path!r}",
-            "a weight quantizer with a calibration (e.g. AbsMax) that rounds to "
-            "nearest: post-training quantization computes the weight's scales "
-            "from the weight",
-        )
 
 
 def _one_weight(
