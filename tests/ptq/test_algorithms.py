@@ -114,6 +114,12 @@ def test_gptq_bad_arguments_raise():
     delayed = qbits.Quantizer(qbits.IntNumerics(4), provider=qbits.DelayedScaling())
     with pytest.raises(qbits.InvalidArgumentError, match="provider"):
         ptq.gptq(w, h, delayed)
+    noisy = qbits.Quantizer(
+        qbits.IntNumerics(4, noise_fn=qbits.numerics.UniformNoise()),
+        granularity=qbits.PerChannel(),
+    )
+    with pytest.raises(qbits.InvalidArgumentError, match="noise_fn"):
+        ptq.gptq(w, h, noisy)
     with pytest.raises(qbits.InvalidArgumentError, match="damping"):
         ptq.gptq(w, h, _int4(qbits.PerChannel()), damping=-1.0)
 
