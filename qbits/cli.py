@@ -4,6 +4,7 @@
 
     qbits train [CONFIG] [--model lm|mlp] [--steps N] [--seed S] [--out DIR] [--rerun]
     qbits sweep SWEEP.yaml [--out DIR] [--rerun]
+    qbits ptq CONFIG --run DIR [--method rtn gptq awq] [--calibration N] [--out DIR]
     qbits inspect CONFIG [--model lm|mlp]
     qbits presets
 
@@ -167,22 +168,75 @@ def _train(args: argparse.Namespace) -> int:
         )
     with _progress(args.quiet, steps) as progress:
         runs = run_sweep(
-            sweep, out, resume=not args.rerun, progress=progress, log=_log(args.quiet)
+            sweep,
+            out,
+            resume=not args.rerun,
+            progress=progress,
+            log=_log(args.quiet),
+            save_params="float32",
         )
     from qbits.experiments import summarize
 
     rows = summarize(runs, "float32")
     metric = "char accuracy" if args.model == "lm" else "accuracy"
+    _print_rows(rows, metric)
     print(
-        f"\n{'run':<16} {'train loss':>10} {'eval loss':>10} {'eval / f32':>10} "
-        f"{metric:>13} {'time':>7} {'compile':>8} {'step':>9}"
+        f"\nwrote {out}/results.md, results.csv, results.json, loss_curves.png; "
+        f"the float32 params in {out}/runs/float32__seed{args.seed}.params "
+        f"(for qbits ptq CONFIG --run {out})"
     )
+    return 0
+
+
+def _print_rows(rows: list[dict], metric: str) -> None:
+    """The results table on stdout (``nan`` cells blank)."""
+    width = max(16, *(len(r["config"]) for r in rows))
+    print(
+        f"\n{'run':<{width}} {'train loss':>10} {'eval loss':>10} "
+        f"{'eval / f32':>10} {metric:>13} {'time':>7} {'compile':>8} {'step':>9}"
+    )
+
+    def cell(value: float, spec: str, width: int, unit: str = "") -> str:
+        text = "" if value != value else f"{value:{spec}}{unit}"
+        return f"{text:>{width}}"
+
     for r in rows:
         print(
-            f"{r['config']:<16} {r['train_loss']:>10.4f} {r['eval_loss']:>10.4f} "
-            f"{r['ratio']:>10.4f} {r['eval_accuracy']:>13.3f} {r['seconds']:>6.0f}s "
-            f"{r['compile_seconds']:>7.1f}s {1000 * r['step_seconds']:>7.1f}ms"
+            f"{r['config']:<{width}} {cell(r['train_loss'], '.4f', 10)} "
+            f"{cell(r['eval_loss'], '.4f', 10)} {cell(r['ratio'], '.4f', 10)} "
+            f"{cell(r['eval_accuracy'], '.3f', 13)} "
+            f"{cell(r['seconds'], '.0f', 7, 's')} "
+            f"{cell(r['compile_seconds'], '.1f', 8, 's')} "
+            f"{cell(1000 * r['step_seconds'], '.1f', 9, 'ms')}"
         )
+
+
+def _ptq(args: argparse.Namespace) -> int:
+    from qbits.experiments import post_train
+
+    name, config, _ = _config(args.config)
+    if config is None:
+        raise UsageError("config 'none' quantizes nothing: give a weight format")
+    # Made once the results are in: a failed command leaves nothing behind.
+    out = pathlib.Path(args.out or os.path.join(args.run_dir, f"ptq-{name}"))
+    if not args.quiet:
+        print(
+            f"post-training quantization of {args.run_dir} with {name} by "
+            f"{', '.join(args.method)} ({args.calibration} calibration batches); "
+            f"results in {out}"
+        )
+    rows = post_train(
+        args.run_dir,
+        config,
+        out,
+        name=name,
+        methods=args.method,
+        calibration=args.calibration,
+        seed=args.seed,
+        progress=not args.quiet and sys.stderr.isatty(),
+        log=_log(args.quiet),
+    )
+    _print_rows(rows, "accuracy")
     print(f"\nwrote {out}/results.md, results.csv, results.json, loss_curves.png")
     return 0
 
@@ -319,6 +373,49 @@ def _parser() -> argparse.ArgumentParser:
     _run_options(sweep)
     sweep.set_defaults(run=_sweep)
 
+    ptq = sub.add_parser(
+        "ptq",
+        help="quantize the weights of a trained float32 model after training",
+        description="Read the float32 params that 'qbits train' saved in --run, "
+        "quantize the weights as CONFIG says by each --method (round to "
+        "nearest, GPTQ, AWQ) on calibration batches of the training data, "
+        "evaluate each on the held-out data (activations quantized too where "
+        "CONFIG says so: W8A8), and write results.{md,csv,json} and "
+        "loss_curves.png to --out.",
+    )
+    ptq.add_argument(
+        "config",
+        metavar="CONFIG",
+        help="a preset name (e.g. w4g128_asym, nf4, int8_fwd) or a YAML config file",
+    )
+    ptq.add_argument(
+        "--run",
+        required=True,
+        metavar="DIR",
+        dest="run_dir",
+        help="the output folder of qbits train",
+    )
+    ptq.add_argument(
+        "--method",
+        nargs="+",
+        choices=("rtn", "gptq", "awq"),
+        default=["rtn", "gptq", "awq"],
+        help="methods to compare (default: rtn gptq awq)",
+    )
+    ptq.add_argument(
+        "--calibration",
+        type=_count,
+        default=16,
+        metavar="N",
+        help="calibration batches (default: %(default)s)",
+    )
+    ptq.add_argument(
+        "--seed", type=_seed, help="which saved run, if --run holds several"
+    )
+    ptq.add_argument("--out", help="output folder (default: DIR/ptq-CONFIG)")
+    ptq.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ptq.set_defaults(run=_ptq)
+
     inspect = sub.add_parser(
         "inspect",
         help="show which config each layer of an example model gets",
@@ -356,6 +453,18 @@ def _steps(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"expected a positive int of at most {_MAX_STEPS} (the step counter "
             f"is an int32), got {_shown(text)}"
+        )
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 1 << 20:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive int of at most {1 << 20}, got {_shown(text)}"
         )
     return value
 

@@ -10,9 +10,12 @@ What the ``qbits`` command runs (:mod:`qbits.cli`), usable from Python too:
 - :func:`load_sweep`, :func:`run_sweep`: a grid of configs and seeds from a
   YAML file, one result file per run (a rerun skips finished runs), then the
   table and plots (:func:`write_report`).
+- :func:`post_train`: post-training quantization of a saved float run, by
+  several methods (:func:`qbits.ptq.quantize_weights`), and the same report.
 """
 
 from qbits.experiments._models import Classifier, ModelSpec, TransformerLM, spec
+from qbits.experiments._ptq import post_train
 from qbits.experiments._report import summarize, write_report
 from qbits.experiments._scalify_mlp import train_scalify_mlp
 from qbits.experiments._sweep import run_sweep
@@ -36,6 +39,7 @@ __all__ = [
     "build_model",
     "config_bits",
     "load_sweep",
+    "post_train",
     "run_sweep",
     "sample_batch",
     "spec",

@@ -40,6 +40,22 @@ def write_json_atomic(path: pathlib.Path, data: Any) -> None:
     replace_file(path, json.dumps(data, indent=1))
 
 
+def params_dir(run_file: pathlib.Path) -> pathlib.Path:
+    """Where the trained params of a run are saved: ``<run id>.params``."""
+    return run_file.with_suffix(".params")
+
+
+def save_model_params(directory: pathlib.Path, model: Any) -> None:
+    """Saves an nnx model's params (:func:`qbits.nnx.as_function`'s) with Orbax.
+
+    Replaces a checkpoint qbits wrote there before; a save that fails leaves
+    nothing at ``directory``.
+    """
+    _, params = qbits.nnx.as_function(model)
+    serving = qbits.serving.ServingParams(params, {}, ())
+    qbits.serving.save(directory, serving, force=directory.exists())
+
+
 def read_run(path: pathlib.Path) -> dict[str, Any] | None:
     """A run file's data, or ``None`` for a missing or unreadable file."""
     try:
@@ -57,6 +73,7 @@ def run_sweep(
     progress: Callable[[str, int, int], Callable[[int, float], None] | None]
     | None = None,
     log: Callable[[str], None] = lambda _: None,
+    save_params: str | None = None,
 ) -> list[dict[str, Any]]:
     r"""Runs every (config, seed) of ``sweep`` not yet finished, and reports.
 
@@ -67,6 +84,11 @@ def run_sweep(
       progress: ``progress(run_id, index, total)`` returns the per-step
         callback of that run (e.g. a progress bar's update), or ``None``.
       log: Called with one line per run (ran or skipped).
+      save_params: The name of an entry whose trained parameters are saved
+        beside its run file, as ``runs/<run id>.params`` (an Orbax checkpoint
+        of :func:`qbits.nnx.as_function`'s params, read back by
+        :func:`post_train`); a finished run whose checkpoint is missing is
+        run again.
 
     Returns:
       The data of every run file, in sweep order.
@@ -101,11 +123,16 @@ def run_sweep(
         path = runs_dir / f"{run_id}.json"
         fingerprint = sweep.fingerprint(entry, seed)
         done = read_run(path) if resume else None
+        keep = entry.name == save_params
+        saved = params_dir(path)
+        if keep and not saved.is_dir():
+            done = None
         if done is not None and done.get("fingerprint") == fingerprint:
             log(f"[{index + 1}/{len(todo)}] {run_id}: done before, skipped")
             runs.append(done)
             continue
         callback = progress(run_id, index, len(todo)) if progress else None
+        trained: list[Any] = []
         try:
             result: RunResult = train(
                 sweep.spec,
@@ -113,9 +140,12 @@ def run_sweep(
                 seed=seed,
                 steps=sweep.steps,
                 progress=callback,
+                on_trained=trained.append if keep else None,
             )
         except qbits.ConfigError as e:  # found when a layer was traced
             raise entry.locate(e) from None
+        if keep:
+            save_model_params(saved, trained[0])
         data = {
             "name": entry.name,
             "seed": seed,

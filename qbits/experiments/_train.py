@@ -108,6 +108,62 @@ def sample_batch(spec: ModelSpec, data: Any) -> Any:
     return inputs[: spec.batch]
 
 
+def train_batch(spec: ModelSpec, data: Any, seed: int, step: Any) -> tuple[Any, Any]:
+    """``(inputs, labels)`` of training step ``step`` of a run with ``seed``.
+
+    A function of ``(seed, step)`` only (traceable: ``step`` may be traced).
+
+    Example:
+      >>> from qbits.experiments._train import build_model, train_batch
+      >>> from qbits.experiments import spec
+      >>> s = spec("mlp", "tiny")
+      >>> x, y = train_batch(s, build_model(s, 0)[1], 0, 3)
+      >>> x.shape[0] == y.shape[0] == s.batch
+      True
+    """
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    if spec.model == "lm":
+        return data_lib.char_batch(data.train, key, spec.batch, spec.context)
+    idx = jax.random.randint(key, (spec.batch,), 0, data.x.shape[0])
+    return data.x[idx], data.y[idx]
+
+
+def eval_batches(spec: ModelSpec, data: Any) -> tuple[jax.Array, jax.Array]:
+    """The held-out ``(inputs, labels)``, stacked: ``spec.eval_batches`` batches.
+
+    Example:
+      >>> from qbits.experiments._train import build_model, eval_batches
+      >>> from qbits.experiments import spec
+      >>> s = spec("mlp", "tiny")
+      >>> x, y = eval_batches(s, build_model(s, 0)[1])
+      >>> x.shape[:2] == y.shape == (s.eval_batches, s.batch)
+      True
+    """
+    if spec.model == "lm":
+        return data_lib.char_eval_batches(
+            data.eval, spec.eval_batches, spec.batch, spec.context
+        )
+    n = spec.eval_batches * spec.batch
+    x = data.x_eval[:n].reshape(spec.eval_batches, spec.batch, -1)
+    return x, data.y_eval[:n].reshape(spec.eval_batches, spec.batch)
+
+
+def loss_and_accuracy(
+    logits: jax.Array, labels: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Mean cross-entropy and accuracy of ``logits`` against integer ``labels``.
+
+    Example:
+      >>> from qbits.experiments._train import loss_and_accuracy
+      >>> loss, acc = loss_and_accuracy(jnp.array([[2.0, 0.0]]), jnp.array([0]))
+      >>> round(float(loss), 4), float(acc)
+      (0.1269, 1.0)
+    """
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean()
+    return loss, hits
+
+
 def _compiler_options(spec: ModelSpec) -> dict[str, Any] | None:
     """XLA options: quick, unoptimized compilation for smoke-test sizes."""
     if not spec.fast_compile:
@@ -116,12 +172,6 @@ def _compiler_options(spec: ModelSpec) -> dict[str, Any] | None:
         "xla_backend_optimization_level": 0,
         "xla_llvm_disable_expensive_passes": True,
     }
-
-
-def _loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean()
-    return loss, hits
 
 
 def train(
@@ -188,25 +238,8 @@ def train(
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     wrt = nnx.DiffState(0, (nnx.Param, qbits.nnx.ScaleState))
 
-    if spec.model == "lm":
-
-        def batch_of(step):
-            key = jax.random.fold_in(jax.random.key(seed), step)
-            return data_lib.char_batch(data.train, key, spec.batch, spec.context)
-
-        eval_x, eval_y = data_lib.char_eval_batches(
-            data.eval, spec.eval_batches, spec.batch, spec.context
-        )
-    else:
-
-        def batch_of(step):
-            key = jax.random.fold_in(jax.random.key(seed), step)
-            idx = jax.random.randint(key, (spec.batch,), 0, data.x.shape[0])
-            return data.x[idx], data.y[idx]
-
-        n = spec.eval_batches * spec.batch
-        eval_x = data.x_eval[:n].reshape(spec.eval_batches, spec.batch, -1)
-        eval_y = data.y_eval[:n].reshape(spec.eval_batches, spec.batch)
+    batch_of = functools.partial(train_batch, spec, data, seed)
+    eval_x, eval_y = eval_batches(spec, data)
 
     # The functional nnx style: one jax.jit over the state of the model and
     # the optimizer (the keys of stochastic rounding advance inside it).
@@ -217,9 +250,9 @@ def train(
     def step_fn(state, step):
         model, optimizer = nnx.merge(graphdef, state)
         x, y = batch_of(step)
-        loss, grads = nnx.value_and_grad(lambda m: _loss(m(x), y)[0], argnums=wrt)(
-            model
-        )
+        loss, grads = nnx.value_and_grad(
+            lambda m: loss_and_accuracy(m(x), y)[0], argnums=wrt
+        )(model)
         # Delayed-scaling configs: the "gradient" of their state is the new
         # state; write it and give the optimizer the parameter gradients.
         grads = qbits.nnx.update_state(model, grads)
@@ -234,7 +267,7 @@ def train(
         model, _ = nnx.merge(graphdef, state)
         losses, hits = [], []
         for i in range(spec.eval_batches):
-            loss, hit = _loss(model(eval_x[i]), eval_y[i])
+            loss, hit = loss_and_accuracy(model(eval_x[i]), eval_y[i])
             losses.append(loss)
             hits.append(hit)
         return jnp.stack(losses).mean(), jnp.stack(hits).mean()

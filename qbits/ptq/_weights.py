@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -26,8 +27,9 @@ from tqdm import tqdm
 
 from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
-from qbits.config import as_quant_config
+from qbits.config import QuantConfig, Rule, as_quant_config
 from qbits.numerics import NoNumerics
+from qbits.ops import DotGeneralConfig
 from qbits.ptq._awq import awq
 from qbits.ptq._collect import MatmulStats, collect_stats
 from qbits.ptq._gptq import blocks_quantizer, check_quantizer, gptq, output_error
@@ -65,18 +67,25 @@ class PtqResult(NamedTuple):
         shapes and dtypes).
       layers: One :class:`LayerReport` per weight matmul, in the order of
         the statistics.
+      config: The rules to run ``params`` with: the given config with the
+        weight quantizer of every weight written here removed (the weights
+        are on their grids already), so ``qbits.quantize(fn, result.config)``
+        quantizes only what the config quantizes besides those weights
+        (activations: W8A8). For a weight-only config it quantizes nothing.
     """
 
     params: Any
     layers: tuple[LayerReport, ...]
+    config: QuantConfig
 
 
 def quantize_weights(
     fn: Callable[..., Any],
     params: Any,
-    batches: Iterable[Any],
+    batches: Iterable[Any] | None,
     config: Any,
     *,
+    stats: Mapping[str, MatmulStats] | None = None,
     method: str = "gptq",
     damping: float = 0.01,
     act_order: bool = False,
@@ -93,15 +102,18 @@ def quantize_weights(
     quantizes only the activation, keep their weight. Weight-only configs
     are evaluated as ``fn(result.params, x)`` in float; a config that also
     quantizes activations, with ``qbits.quantize`` and a config that
-    quantizes only those.
+    quantizes only those: ``qbits.quantize(fn, result.config)``.
 
     Args:
       fn: ``fn(params, batch)``: a linen model's ``apply``, any function.
       params: Its float parameters.
       batches: The calibration inputs, each passed as the second argument
-        (an iterable; read once).
+        (an iterable; read once), or ``None`` with ``stats``.
       config: The rules: a :class:`~qbits.QuantConfig`, a config, a preset
         name or a YAML path.
+      stats: Statistics that :func:`collect_stats` collected from
+        ``fn``, ``params`` and ``config`` before, instead of ``batches``: to
+        compare methods or settings without running the model again.
       method: ``"rtn"`` (round to nearest), ``"gptq"`` (:func:`gptq`) or
         ``"awq"`` (:func:`awq`: the effective weight ``Q(s w) / s``).
       damping: GPTQ's damping.
@@ -113,9 +125,10 @@ def quantize_weights(
       A :class:`PtqResult`: the new params and a report per layer.
 
     Raises:
-      InvalidArgumentError: For an unknown method, no batches, a weight
-        quantizer with a scale provider or stochastic rounding, and the
-        errors of :func:`collect_stats` and :func:`gptq` (named by layer).
+      InvalidArgumentError: For an unknown method, no batches (or both
+        batches and stats), a weight quantizer with a scale provider or
+        stochastic rounding, and the errors of :func:`collect_stats` and
+        :func:`gptq` (named by layer).
       ConfigError: For a bad config.
 
     Example:
@@ -135,15 +148,23 @@ def quantize_weights(
             _OWNER, "method", method, "one of " + ", ".join(METHODS)
         )
     quant = as_quant_config(_OWNER, config)
-    it = iter(batches)
-    first = next(it, None)
-    if first is None:
-        raise InvalidArgumentError(_OWNER, "batches", batches, "at least one batch")
-    stats = collect_stats(fn, params, itertools.chain([first], it), config=quant)
+    if (batches is None) == (stats is None):
+        raise InvalidArgumentError(
+            _OWNER,
+            "stats",
+            "given" if stats is not None else None,
+            "either batches or stats (from qbits.ptq.collect_stats), not both",
+        )
+    if stats is None:
+        it = iter(batches)
+        first = next(it, None)
+        if first is None:
+            raise InvalidArgumentError(_OWNER, "batches", batches, "at least one batch")
+        stats = collect_stats(fn, params, itertools.chain([first], it), config=quant)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     index = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(leaves)}
     values = [leaf for _, leaf in leaves]
-    reports = []
+    reports, written = [], []
     for ms in tqdm(
         list(stats.values()), desc="ptq", unit="layer", disable=not progress
     ):
@@ -169,7 +190,23 @@ def quantize_weights(
             ) from None  # fmt: skip
         values[i] = new
         reports.append(dataclasses.replace(report, param=key))
-    return PtqResult(jax.tree_util.tree_unflatten(treedef, values), tuple(reports))
+        written.append(_without_weight(ms.path, cfg, ms.side))
+    new_params = jax.tree_util.tree_unflatten(treedef, values)
+    rules = QuantConfig((*written, *quant.rules), quant.default, source=quant.source)
+    return PtqResult(new_params, tuple(reports), rules)
+
+
+def _without_weight(path: str, cfg: DotGeneralConfig, side: str) -> Rule:
+    """A rule for exactly ``path``: ``cfg`` without its forward weight quantizer.
+
+    ``side`` is the activation's side (``"lhs"`` for ``x @ w``).
+    """
+    fwd = cfg.fwd.replace(
+        **{"rhs" if side == "lhs" else "lhs": Quantizer(NoNumerics())}
+    )
+    kept = cfg.replace(fwd=fwd)
+    plain = all(m.is_identity for m in (kept.fwd, kept.dlhs, kept.drhs))
+    return Rule(re.escape(path), None if plain else kept)
 
 
 def _one_weight(

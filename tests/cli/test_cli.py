@@ -27,7 +27,7 @@ default: int8_fwd
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["train"], ["sweep"], ["inspect"], ["presets"]]
+    "command", [[], ["train"], ["sweep"], ["inspect"], ["ptq"], ["presets"]]
 )
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -159,6 +159,43 @@ def test_default_train_end_to_end(tmp_path, capsys):
     assert all(len(r["result"]["curve"]) == 2 for r in summary["runs"])
     table = (out / "results.md").read_text()
     assert "| int8 | 8 | 1 |" in table
+    assert (out / "runs" / "float32__seed0.params").is_dir()  # for qbits ptq
+
+    # qbits ptq on the saved float32 params: int4 in groups of 8 (the tiny
+    # model is 16 wide), RTN and GPTQ, a table beside float32's.
+    config = tmp_path / "w4g8.yaml"
+    config.write_text(
+        "fwd:\n  rhs:\n    numerics: {type: int, bits: 4}\n"
+        "    granularity: {type: tiled, tile_size: 8}\n"
+    )
+    capsys.readouterr()
+    argv = ["ptq", str(config), "--run", str(out), "--calibration", "2", "-q"]
+    assert main([*argv, "--method", "rtn", "gptq"]) == 0
+    stdout = capsys.readouterr().out
+    report = out / "ptq-w4g8"
+    summary = json.loads((report / "results.json").read_text())
+    rows = {r["config"]: r for r in summary["rows"]}
+    assert list(rows) == ["float32", "w4g8 rtn", "w4g8 gptq"]
+    assert rows["float32"]["ratio"] == 1.0
+    assert rows["float32"]["eval_loss"] == pytest.approx(
+        json.loads((out / "results.json").read_text())["rows"][0]["eval_loss"],
+        rel=1e-5,
+    )  # the saved params are the trained ones
+    assert all(math.isfinite(r["eval_loss"]) for r in rows.values())
+    assert rows["w4g8 gptq"]["eval_loss"] != rows["w4g8 rtn"]["eval_loss"]
+    assert "w4g8 gptq" in stdout and (report / "results.md").stat().st_size > 0
+
+
+def test_ptq_errors_are_one_line_and_write_nothing(tmp_path, capsys):
+    missing = tmp_path / "nothing"
+    assert main(["ptq", "nf4", "--run", str(missing), "-q"]) == 2
+    assert "holds no saved params" in _one_error_line(capsys)
+    assert not missing.exists()
+    assert main(["ptq", "none", "--run", str(tmp_path)]) == 2
+    assert "quantizes nothing" in _one_error_line(capsys)
+    assert _run(["ptq", "nf4", "--run", str(tmp_path), "--calibration", "0"]) == 2
+    assert "--calibration" in _one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_fp8_delayed_trains_the_default_model_with_every_matmul(tmp_path, capsys):
@@ -378,14 +415,17 @@ def test_rerun_after_ctrl_c_keeps_the_finished_float32_run(
 ):
     """Ctrl-C says "finished runs are kept, rerun to continue": a rerun does so."""
     from qbits.experiments import _sweep as sweep_lib
+    from qbits.experiments import build_model
     from qbits.experiments._train import RunResult
 
     trained = []
 
-    def fake_train(spec, config, *, seed, steps, progress=None):
+    def fake_train(spec, config, *, seed, steps, progress=None, on_trained=None):
         trained.append("float32" if config is None else "int8_fwd")
         if len(trained) == 2 and interrupt:
             raise KeyboardInterrupt
+        if on_trained is not None:  # qbits train keeps the float32 params
+            on_trained(build_model(spec, seed)[0])
         return RunResult(1.0, 1.0, 0.5, [1.0] * steps, [(steps, 1.0)], 0.0)
 
     monkeypatch.setattr(sweep_lib, "train", fake_train)

@@ -62,8 +62,11 @@ def test_gptq_and_awq_beat_round_to_nearest_on_every_weight():
             float(jnp.sum((model(p, x) - model(params, x)) ** 2)) for x in batches
         )
 
-    for method in ("gptq", "awq"):
-        out = ptq.quantize_weights(_model, params, batches, config, method=method)
+    stats = ptq.collect_stats(_model, params, batches, config=config)
+    for method in ("gptq", "awq"):  # the statistics once, for both methods
+        out = ptq.quantize_weights(
+            _model, params, None, config, stats=stats, method=method
+        )
         assert jax.tree.map(jnp.shape, out.params) == jax.tree.map(jnp.shape, params)
         for r in out.layers:
             assert r.error <= r.error_rtn * (1 + 1e-5), (method, r)
@@ -74,6 +77,24 @@ def test_gptq_and_awq_beat_round_to_nearest_on_every_weight():
         if method == "gptq":  # per-channel: 16 levels at most in each column
             for col in np.asarray(out.params["mlp"]["up"])[1].T:
                 assert len(np.unique(col)) <= 16
+
+
+def test_result_config_quantizes_what_the_config_quantizes_besides_the_weights():
+    params, batches = _setup()
+    int8 = qbits.Quantizer(qbits.IntNumerics(bits=8))
+    w4a8 = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(lhs=int8, rhs=INT4))
+    config = qbits.QuantConfig((qbits.Rule("mlp/down", None),), w4a8)
+    out = ptq.quantize_weights(_model, params, batches, config, method="rtn")
+    rules = {r.pattern: r.config for r in out.config.rules}
+    assert rules["mlp/up"].fwd == qbits.MatmulConfig(lhs=int8)  # weight removed
+    assert out.config.rules[-1] == config.rules[0] and out.config.default == w4a8
+    # RTN weights (on their grids) with the activation-only rules give the
+    # engine's W4A8 output.
+    want = qbits.quantize(_model, config)(params, batches[0])
+    got = qbits.quantize(_model, out.config)(out.params, batches[0])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(qbits.InvalidArgumentError, match="either batches or stats"):
+        ptq.quantize_weights(_model, params, None, config)
 
 
 def test_float_rules_keep_their_weights_and_errors_name_the_layer():

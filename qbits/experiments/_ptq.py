@@ -1,0 +1,204 @@
+"""Post-training quantization of a trained example model (``qbits ptq``).
+
+:func:`post_train` reads the float32 params that ``qbits train`` saves
+(``runs/float32__seed<S>.params`` in its output folder), quantizes their
+weights with :func:`qbits.ptq.quantize_weights` by each method on
+calibration batches of the training data (drawn from keys that training
+never uses), evaluates each result on the held-out batches that training
+evaluated on, and writes the same table, CSV, JSON and plots as a sweep
+(:func:`~qbits.experiments.write_report`), the float32 model first.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import qbits
+from qbits import ptq
+from qbits._errors import InvalidArgumentError, check_int
+from qbits.experiments._models import spec as model_spec
+from qbits.experiments._report import write_report
+from qbits.experiments._sweep import read_run
+from qbits.experiments._sweep_file import config_bits
+from qbits.experiments._train import (
+    build_model,
+    eval_batches,
+    loss_and_accuracy,
+    train_batch,
+)
+
+__all__ = ["post_train"]
+
+_OWNER = "qbits.experiments.post_train"
+#: Calibration batches are training batches at steps from here on: no
+#: training run of the example models gets that far.
+_CALIBRATION_STEP = 2**30
+
+
+def _saved_run(run_dir: pathlib.Path, seed: int | None) -> tuple[dict, pathlib.Path]:
+    """The data of the run whose params were saved in ``run_dir``, and their path."""
+    found = sorted((run_dir / "runs").glob("*__seed*.params"))
+    if seed is not None:
+        found = [p for p in found if p.stem.endswith(f"__seed{seed}")]
+    where = os.fspath(run_dir) + ("" if seed is None else f" (seed {seed})")
+    if not found:
+        raise InvalidArgumentError(
+            _OWNER,
+            "run_dir",
+            where,
+            "the output folder of 'qbits train' (it saves the float32 params as "
+            "runs/float32__seed<S>.params)",
+            why="it holds no saved params",
+        )
+    if len(found) > 1:
+        runs = ", ".join(p.stem for p in found)
+        raise InvalidArgumentError(
+            _OWNER, "seed", seed, f"the seed of one of the saved runs: {runs}"
+        )
+    data = read_run(found[0].with_suffix(".json"))
+    if data is None:
+        raise InvalidArgumentError(
+            _OWNER,
+            "run_dir",
+            where,
+            "a folder whose run finished: rerun 'qbits train'",
+            why=f"runs/{found[0].with_suffix('.json').name} is missing or unreadable",
+        )
+    return data, found[0]
+
+
+def post_train(
+    run_dir: str | os.PathLike,
+    config: Any,
+    out: str | os.PathLike,
+    *,
+    name: str = "ptq",
+    methods: Sequence[str] = ("rtn", "gptq", "awq"),
+    calibration: int = 16,
+    seed: int | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] = lambda _: None,
+) -> list[dict[str, Any]]:
+    """Quantizes a trained float32 example model after training, by each method.
+
+    Each method's weights are evaluated with the rest of the config applied
+    (:attr:`qbits.ptq.PtqResult.config`: a weight-only config runs the float
+    model on the quantized weights; W8A8 quantizes the activations too).
+
+    Args:
+      run_dir: The output folder of ``qbits train``.
+      config: The weight rules: a :class:`~qbits.QuantConfig`, a config, a
+        preset name or a YAML path.
+      out: The folder the report is written to (made when the results are
+        in: a call that fails leaves nothing behind).
+      name: The config's name in the table (rows ``<name> <method>``).
+      methods: Methods of :func:`qbits.ptq.quantize_weights`.
+      calibration: Number of calibration batches (training batches at steps
+        training never reaches).
+      seed: Which saved run (needed only when ``run_dir`` has several).
+      progress: A progress bar over the layers of each method.
+      log: Called with one line per method.
+
+    Returns:
+      The summary rows (:func:`~qbits.experiments.summarize`): float32 first.
+
+    Raises:
+      InvalidArgumentError: For a folder without saved params (or with
+        several, and no ``seed``), ``calibration < 1``, and the errors of
+        :func:`qbits.ptq.quantize_weights`.
+      ConfigError: For a bad config.
+
+    Example:
+      After ``qbits train --out run`` (which saves the float32 params),
+      ``post_train("run", "w4g128_asym", "run/ptq")`` writes the report. A
+      folder without them is refused:
+
+      >>> import tempfile
+      >>> from qbits.experiments import post_train
+      >>> post_train(tempfile.mkdtemp(), "nf4", "out")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      qbits.InvalidArgumentError: qbits.experiments.post_train: run_dir=... is not
+      allowed (it holds no saved params); expected the output folder of 'qbits
+      train' (it saves the float32 params as runs/float32__seed<S>.params).
+    """
+    check_int(_OWNER, "calibration", calibration, 1, 1 << 20)
+    quant = qbits.config.as_quant_config(_OWNER, config)
+    run, saved = _saved_run(pathlib.Path(run_dir), seed)
+    spec = model_spec(run["model"], run["size"])
+    model, data = build_model(spec, run["seed"])
+    fn, template = qbits.nnx.as_function(model)
+    target = qbits.serving.ServingParams(template, {}, ())
+    params = qbits.serving.restore(saved, target).params
+    steps = range(_CALIBRATION_STEP, _CALIBRATION_STEP + calibration)
+    batches = [train_batch(spec, data, run["seed"], s)[0] for s in steps]
+    eval_x, eval_y = eval_batches(spec, data)
+
+    def evaluate(fn: Callable[..., Any], params: Any) -> tuple[float, float]:
+        @jax.jit
+        def metrics(params):
+            def one(x, y):
+                return jnp.stack(loss_and_accuracy(fn(params, x)[0], y))
+
+            return jax.lax.map(lambda xy: one(*xy), (eval_x, eval_y)).mean(0)
+
+        loss, accuracy = metrics(params)
+        return float(loss), float(accuracy)
+
+    loss, accuracy = evaluate(fn, params)
+    result, nan = run["result"], math.nan
+    runs = [_row(run["name"], run, 32.0, result["train_loss"], loss, accuracy, nan)]
+    bits = config_bits(quant)
+    tic = time.perf_counter()
+    stats = ptq.collect_stats(fn, params, batches, config=quant)
+    collect_seconds = time.perf_counter() - tic
+    for method in methods:
+        tic = time.perf_counter()
+        got = ptq.quantize_weights(
+            fn, params, None, quant, stats=stats, method=method, progress=progress
+        )
+        # Each method's time includes collecting the statistics once.
+        seconds = time.perf_counter() - tic + collect_seconds
+        # A key for configs whose backward rounds stochastically (unused).
+        quantized = qbits.quantize(fn, got.config, key=jax.random.key(0))
+        loss, accuracy = evaluate(quantized, got.params)
+        runs.append(_row(f"{name} {method}", run, bits, nan, loss, accuracy, seconds))
+        log(f"{name} {method}: eval loss {loss:.4f} ({seconds:.1f} s)")
+    pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+    title = f"qbits ptq {run['model']} {name} ({run['name']}, seed {run['seed']})"
+    return write_report(title, runs, out, baseline=run["name"])
+
+
+def _row(
+    name: str,
+    run: dict[str, Any],
+    bits: float,
+    train_loss: float,
+    eval_loss: float,
+    accuracy: float,
+    seconds: float,
+) -> dict[str, Any]:
+    """One row in the run-file format that :func:`write_report` reads."""
+    curves = run["result"] if name == run["name"] else {"curve": [], "eval_curve": []}
+    return {
+        "name": name,
+        "seed": run["seed"],
+        "bits": bits,
+        "model": run["model"],
+        "size": run["size"],
+        "result": {
+            "train_loss": train_loss,
+            "eval_loss": eval_loss,
+            "eval_accuracy": accuracy,
+            "curve": curves["curve"],
+            "eval_curve": curves["eval_curve"],
+            "seconds": seconds,
+        },
+    }
