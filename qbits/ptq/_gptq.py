@@ -27,7 +27,7 @@ from qbits._errors import InvalidArgumentError, check_bool, check_float, check_i
 from qbits._formats import compute_dtype
 from qbits._quantizer import Quantizer
 from qbits.granularity import Tiled
-from qbits.numerics import NoNumerics
+from qbits.numerics import NoNumerics, UintNumerics
 
 __all__ = ["GptqResult", "gptq", "output_error"]
 
@@ -37,15 +37,23 @@ class GptqResult(NamedTuple):
 
     Attributes:
       weight: The quantized weight, dequantized: ``(K, N)``, ``w``'s dtype.
-        Every entry is a grid value times its block's scale.
+        Every entry is a grid value times its block's scale (minus its zero
+        point, times the tensor scale, where the format has them).
       scale: The scales it used, in the quantizer's layout for ``w`` (one
-        entry per scale block: ``(K // group, N // block_n)``), float32.
+        entry per scale block: ``(K // group, N // block_n)``), float32
+        (NVFP4: the E4M3 block scales, as float32). For a symmetric grid,
         ``quantizer.quant_vjp(weight, scale=scale, contracting_axes=(0,),
         store=True)`` gives the stored codes.
+      zero_point: The zero points (:class:`~qbits.numerics.UintNumerics`),
+        same layout, integer-valued float32; else ``None``.
+      tensor_scale: The float32 tensor scale (``scale_rounding="e4m3"``),
+        shape ``()``; else ``None``.
     """
 
     weight: jax.Array
     scale: jax.Array
+    zero_point: jax.Array | None = None
+    tensor_scale: jax.Array | None = None
 
 
 def gptq(
@@ -76,12 +84,17 @@ def gptq(
     granularity for ``w`` with contracting axis 0 (``qbits.PerChannel()``:
     one group of all ``K`` rows, one scale per output channel;
     ``qbits.Tiled(tile_size=128)``: groups of 128 input channels, the
-    reference's ``groupsize=128``). A group's scales are computed when the
-    group starts, from its rows with every earlier row's error applied (the
+    reference's ``groupsize=128``). A group's scales (and zero points, for a
+    :class:`~qbits.numerics.UintNumerics` grid) are computed when the group
+    starts, from its rows with every earlier row's error applied (the
     reference computes them from rows that miss the updates made inside the
     current block of ``block_size`` rows when a group starts inside one; the
     two agree when ``block_size`` is a multiple of the group, e.g. both
-    128). With one group the scales come from ``w`` itself.
+    128), and every row of the group is rounded with them, clipped where it
+    has moved outside their range. With one group the scales come from ``w``
+    itself. Two-level scales (``scale_rounding="e4m3"``, NVFP4) share one
+    tensor scale, which needs the whole weight: their scales all come from
+    ``w`` itself, as with ``act_order``.
 
     With ``act_order`` the rows are processed in order of descending
     ``diag(H)`` (the most active inputs first) and the result is put back in
@@ -146,7 +159,7 @@ def gptq(
     if isinstance(quantizer.numerics, NoNumerics) or w.size == 0:
         return GptqResult(w, jnp.ones(scale_shape, jnp.float32))
     block = _block_rows(k, group, block_size)
-    weight, scale, ok = _gptq(
+    weight, params, ok = _gptq(
         w,
         hessian,
         damping,
@@ -167,6 +180,11 @@ def gptq(
             "(positive semidefinite)",
             why=f"the Hessian of {layer} is not positive definite after damping",
         )
+    scale, zero_point, tensor_scale = params
+    if isinstance(quantizer.numerics, UintNumerics):
+        return GptqResult(weight, scale, zero_point=zero_point)
+    if quantizer.scale_rounding == "e4m3":
+        return GptqResult(weight, scale, tensor_scale=tensor_scale)
     return GptqResult(weight, scale)
 
 
@@ -316,8 +334,8 @@ def _gptq(
     group: int,
     block_n: int,
     block: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """GPTQ's numbers: ``(weight, scale, positive_definite)``."""
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """GPTQ's numbers: ``(weight, (scale, zero point, tensor scale), ok)``."""
     k, n = w.shape
     dtype = compute_dtype(w.dtype)
     h = hessian.astype(dtype)
@@ -328,66 +346,91 @@ def _gptq(
     groups = blocks_quantizer(quantizer, group, block_n)
     rows = blocks_quantizer(quantizer, 1, block_n)
     n_groups = k // group
+    asymmetric = isinstance(quantizer.numerics, UintNumerics)
+    two_level = quantizer.scale_rounding == "e4m3"
+    # Two-level scales: one tensor scale for the whole weight, so static.
+    static = act_order or two_level
 
+    def calibrate(now: jax.Array) -> jax.Array:
+        """``(3, groups, N // block_n)``: scale, zero point, tensor scale."""
+        qt = groups.quant(now)
+        zero = jnp.zeros(qt.scale.shape, jnp.float32)
+        z = qt.zero_point.astype(jnp.float32) if asymmetric else zero
+        g = zero + qt.tensor_scale.reshape(()) if two_level else zero
+        return jnp.stack([qt.scale.astype(jnp.float32), z, g])
+
+    if static:  # from w itself (act_order: the reference's static groups)
+        params = calibrate(wf)
+    else:
+        params = jnp.zeros((3, n_groups, n // block_n), jnp.float32)
     if act_order:
         perm = jnp.argsort(-jnp.diagonal(h), stable=True)
-        scales = groups.quant(wf).scale  # static groups: from w itself
         wf, h = wf[perm], h[perm][:, perm]
         group_of = perm // group
     else:
         perm = None
-        scales = jnp.zeros((n_groups, n // block_n), jnp.float32)
         group_of = jnp.arange(k) // group
+
+    def round_row(row: jax.Array, p: jax.Array) -> jax.Array:
+        """One row (float32) on the grid of its group's parameters ``p``."""
+        if not (asymmetric or two_level):
+            # float32: qbits' given scales are float32 (quant_vjp(scale=)
+            # refuses float64 input under x64).
+            qt, _ = rows.quant_vjp(row[None], scale=p[0][None])
+            return qt.dequant()[0]
+        # The formats' own arithmetic (see qbits' zero-point and two-level
+        # quantizers), with the group's parameters kept.
+        s = jnp.repeat(p[0] * p[2] if two_level else p[0], block_n)
+        z = jnp.repeat(p[1], block_n)
+        empty = s == 0  # a two-level block of zeros
+        y = row / jnp.where(empty, 1.0, s) + z
+        q = (quantizer.numerics.fwd(y, None) - z) * s
+        return jnp.where(empty, 0.0, q)
+
     eye = jnp.eye(k, dtype=dtype)
     h = h + (damping * jnp.mean(jnp.diagonal(h))).astype(dtype) * eye
     upper = _inverse_cholesky(h, eye)
     ok = jnp.all(jnp.isfinite(upper)) & jnp.all(jnp.diagonal(upper) > 0)
 
-    def calibrate(rows_now: jax.Array) -> jax.Array:
-        return groups.quant(rows_now).scale[0]
-
     def one_block(b: jax.Array, carry: Any) -> Any:
-        wf, scales, out = carry
+        wf, params, out = carry
         start = b * block
         w1 = lax.dynamic_slice_in_dim(wf, start, block, 0)
         u = lax.dynamic_slice(upper, (start, 0), (block, k))
         u1 = lax.dynamic_slice_in_dim(u, start, block, 1)
 
         def one_row(j: jax.Array, inner: Any) -> Any:
-            w1, scales, q1, e1 = inner
+            w1, params, q1, e1 = inner
             i = start + j
-            if not act_order:  # a group starts: its scales, from rows now
+            if not static:  # a group starts: its parameters, from rows now
                 if group <= block:
                     now = lax.dynamic_slice_in_dim(w1, j, group, 0)
                 else:  # the group starts at this block: wf is up to date
                     now = lax.dynamic_slice_in_dim(wf, i, group, 0)
-                scales = lax.cond(
+                params = lax.cond(
                     i % group == 0,
-                    lambda: scales.at[i // group].set(calibrate(now)),
-                    lambda: scales,
+                    lambda: params.at[:, i // group].set(calibrate(now)[:, 0]),
+                    lambda: params,
                 )
             row = w1[j]
-            # float32: qbits' given scales are float32 (quant_vjp(scale=)
-            # refuses float64 input under x64).
-            qt, _ = rows.quant_vjp(
-                row.astype(jnp.float32)[None], scale=scales[group_of[i]][None]
-            )
-            q = qt.dequant()[0].astype(dtype)
+            p = params[:, group_of[i]]
+            q = round_row(row.astype(jnp.float32), p).astype(dtype)
             err = (row - q) / u1[j, j]
             w1 = w1 - u1[j][:, None] * err[None, :]  # u1[j, :j] is 0
-            return w1, scales, q1.at[j].set(q), e1.at[j].set(err)
+            return w1, params, q1.at[j].set(q), e1.at[j].set(err)
 
         zeros = jnp.zeros((block, n), dtype)
-        _, scales, q1, e1 = lax.fori_loop(0, block, one_row, (w1, scales, zeros, zeros))
+        _, params, q1, e1 = lax.fori_loop(0, block, one_row, (w1, params, zeros, zeros))
         # The lazy batch update of every later row (earlier rows get 0 from
         # the triangular factor; this block's own rows are done).
         wf = wf - jnp.matmul(u.T, e1, precision=lax.Precision.HIGHEST)
         out = lax.dynamic_update_slice_in_dim(out, q1, start, 0)
-        return wf, scales, out
+        return wf, params, out
 
     out = jnp.zeros((k, n), dtype)
-    _, scales, out = lax.fori_loop(0, k // block, one_block, (wf, scales, out))
+    _, params, out = lax.fori_loop(0, k // block, one_block, (wf, params, out))
     if act_order:
         out = out[jnp.argsort(perm)]
     out = jnp.where(ok, out, jnp.full_like(out, jnp.nan))  # NaN, not garbage
-    return out.astype(w.dtype), scales, ok
+    scale, zero_point, tensor_scale = params
+    return out.astype(w.dtype), (scale, zero_point, tensor_scale[0, 0]), ok

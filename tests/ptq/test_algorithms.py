@@ -103,6 +103,46 @@ def test_gptq_equals_the_reference_and_beats_round_to_nearest(group, act_order):
                 ptq.gptq(w, -h, quantizer, act_order=True, block_size=16, name="mlp/up")
 
 
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+@pytest.mark.parametrize("fmt", ["uint4_g8", "nvfp4"])
+def test_gptq_rounds_every_row_onto_its_groups_zero_points_and_two_level_scales(fmt):
+    """Formats whose blocks carry more than a scale keep each group's numbers.
+
+    (Their rows were once re-calibrated one by one: off the grid, "exact".)
+    """
+    _, w, h = _calibration(1)
+    w = w.astype(np.float32)
+    if fmt == "nvfp4":
+        quantizer = qbits.presets.get("nvfp4_weight_only").fwd.rhs  # blocks of 16
+    else:
+        quantizer = qbits.Quantizer(
+            qbits.numerics.UintNumerics(bits=4), granularity=qbits.Tiled(tile_size=8)
+        )
+    out = ptq.gptq(w, h, quantizer)
+    group = quantizer.granularity.tile_size
+    scale = np.repeat(np.asarray(out.scale), group, axis=0)
+    weight = np.asarray(out.weight)
+    if fmt == "nvfp4":
+        rtn = quantizer.quant(jnp.asarray(w), contracting_axes=(0,))
+        assert out.zero_point is None
+        assert out.tensor_scale == rtn.tensor_scale.reshape(())  # from all of w
+        b = np.asarray(out.scale)
+        np.testing.assert_array_equal(b, b.astype(qbits.numerics.FpNumerics(
+            "float8_e4m3fn").get_dtype()).astype(np.float32))  # fmt: skip
+        codes = np.abs(weight / (scale * float(out.tensor_scale)))
+        assert np.isin(np.round(codes, 5), E2M1).all()
+    else:
+        assert out.tensor_scale is None
+        codes = weight / scale + np.repeat(np.asarray(out.zero_point), group, axis=0)
+        np.testing.assert_allclose(codes, np.round(codes), atol=1e-3)
+        assert codes.min() > -1e-3 and codes.max() < 15 + 1e-3
+        rtn = quantizer.quant(jnp.asarray(w), contracting_axes=(0,))
+    rtn = np.asarray(rtn.dequant())
+    assert _np_error(w, weight, h) < 0.8 * _np_error(w, rtn, h)
+
+
 def test_gptq_bad_arguments_raise():
     _, w, h = _calibration(0)
     with pytest.raises(qbits.InvalidArgumentError, match="tile_size=12"):
