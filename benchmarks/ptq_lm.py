@@ -40,7 +40,9 @@ FORMATS = {
     "w4 per channel": _weight_only(4, None),
     "w4 g32": _weight_only(4, 32),
     "w3 g32": _weight_only(3, 32),
+    "w4 g128 asym": "w4g128_asym",
     "nf4 g64": "nf4",
+    "nvfp4": "nvfp4_weight_only",
 }
 METHODS = ("rtn", "gptq", "awq")
 
@@ -72,10 +74,15 @@ def run(seed: int, steps: int | None, n_calibration: int) -> list[dict]:
     rows = [{"seed": seed, "format": "float32", "method": "", "eval_loss": base,
              "ratio": 1.0, "train_eval_loss": result.eval_loss}]  # fmt: skip
     for name, config in FORMATS.items():
+        tic = time.perf_counter()
+        stats = ptq.collect_stats(fn, params, calibration, config=config)
+        collect = time.perf_counter() - tic
         for method in METHODS:
             tic = time.perf_counter()
-            out = ptq.quantize_weights(fn, params, calibration, config, method=method)
-            seconds = time.perf_counter() - tic
+            out = ptq.quantize_weights(
+                fn, params, None, config, stats=stats, method=method
+            )
+            seconds = time.perf_counter() - tic + collect  # statistics included
             loss = float(eval_loss(out.params))
             rows.append({
                 "seed": seed, "format": name, "method": method, "eval_loss": loss,
@@ -105,6 +112,21 @@ def markdown(rows: list[dict]) -> str:
             ratios = ", ".join(f"{r['ratio']:.4f}" for r in got)
             err = sum(r["error_vs_rtn"] for r in got) / len(got)
             cells.append(ratios if method == "rtn" else f"{ratios} ({err:.2f}x)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Seconds per model (13 weight matmuls; calibration statistics included; "
+        "mean over seeds; CPU, machine-dependent)",
+        "",
+        "| format | RTN | GPTQ | AWQ |",
+        "|---|---|---|---|",
+    ]
+    for name in FORMATS:
+        cells = []
+        for method in METHODS:
+            got = [r["seconds"] for r in rows
+                   if r["format"] == name and r["method"] == method]  # fmt: skip
+            cells.append(f"{sum(got) / len(got):.1f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

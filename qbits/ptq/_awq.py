@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from qbits._errors import check_int
 from qbits._formats import compute_dtype
 from qbits._quantizer import Quantizer
+from qbits.calibration import AbsMax
 from qbits.ptq._gptq import check_hessian, check_quantizer, check_weight
 from qbits.ptq._smoothquant import check_channels
 
@@ -36,12 +39,16 @@ class AwqResult(NamedTuple):
       alpha: The chosen exponent, a float32 scalar.
       error: The output error of ``weight`` (:func:`~qbits.ptq.output_error`),
         a float32 scalar.
+      clip: The clipping ratio chosen for each scale block of the scaled
+        weight (the quantizer's layout, ``(K // group, N // block_n)``),
+        float32; all 1 without the clipping search.
     """
 
     weight: jax.Array
     scales: jax.Array
     alpha: jax.Array
     error: jax.Array
+    clip: jax.Array
 
 
 def awq(
@@ -51,6 +58,7 @@ def awq(
     quantizer: Quantizer,
     *,
     grid: int = 20,
+    clip_grid: int = 11,
 ) -> AwqResult:
     r"""Searches AWQ's per-input-channel scales for the weight of ``x @ w``.
 
@@ -71,9 +79,21 @@ def awq(
     ``alpha = 0`` gives ``s = 1``: plain round-to-nearest, so the result is
     never worse than it on the calibration set. (The reference searches
     ``alpha`` in ``arange(grid) / grid``, without 1, and measures the error
-    of a whole block's output; AWQ's clipping search is not part of this.)
+    of a whole block's output.)
 
-    Jittable: the search is a ``lax.map`` over the grid.
+    Then AWQ's clipping search (the reference's ``auto_clip``): with ``s``
+    fixed, each scale block of ``diag(s) w`` gets the clipping ratio ``r``
+    in ``linspace(1, 0.5, clip_grid)`` (its bound ``r`` times the
+    calibration's, :class:`~qbits.AbsMax` ``clip_factor``) whose error on
+    the block's own input channels, ``d^T H_{gg} d`` (``H_{gg}`` the
+    block's diagonal block of ``H``, as the reference measures each group's
+    output alone), is least. Blocks are rounded independently, so the
+    chosen ratios make one weight on the format's grid; it is kept if its
+    full error is below the unclipped one's. The search needs an
+    :class:`~qbits.AbsMax` calibration: with another, or ``clip_grid=1``,
+    every ratio is 1.
+
+    Jittable: the searches are ``lax.map`` s over their grids.
 
     Args:
       w: The weight, ``(K, N)``, floating point.
@@ -82,6 +102,7 @@ def awq(
       quantizer: The target grid (a :class:`~qbits.Quantizer` with a
         calibration), applied to the scaled weight with contracting axis 0.
       grid: The number of ``alpha`` values tried, >= 1.
+      clip_grid: The number of clipping ratios tried, >= 1 (1: no search).
 
     Returns:
       An :class:`AwqResult`: the effective weight, the scales, ``alpha`` and
@@ -90,7 +111,7 @@ def awq(
     Raises:
       InvalidArgumentError: For a ``w`` that is not a 2-D float array, a
         ``hessian`` not ``(K, K)``, an ``act_absmean`` not ``(K,)``, a
-        quantizer with a scale provider or ``grid`` < 1.
+        quantizer with a scale provider or ``grid`` or ``clip_grid`` < 1.
 
     Example:
       >>> rng = np.random.default_rng(0)
@@ -100,8 +121,8 @@ def awq(
       >>> int3 = qbits.Quantizer(qbits.IntNumerics(bits=3),
       ...                        granularity=qbits.PerChannel())
       >>> out = qbits.ptq.awq(w, x.T @ x, np.abs(x).mean(0), int3, grid=5)
-      >>> float(out.alpha), out.scales.shape, out.weight.shape
-      (0.25, (16,), (16, 8))
+      >>> float(out.alpha), out.scales.shape, out.weight.shape, out.clip.shape
+      (0.25, (16,), (16, 8), (1, 8))
     """
     owner = "awq"
     w = check_weight(owner, w)
@@ -109,7 +130,12 @@ def awq(
     act_absmean = check_channels(owner, "act_absmean", act_absmean, w.shape[0])
     check_quantizer(owner, quantizer)
     check_int(owner, "grid", grid, 1)
-    return _awq(w, hessian, act_absmean, quantizer=quantizer, grid=grid)
+    check_int(owner, "clip_grid", clip_grid, 1)
+    if not isinstance(quantizer.calibration, AbsMax):
+        clip_grid = 1
+    return _awq(
+        w, hessian, act_absmean, quantizer=quantizer, grid=grid, clip_grid=clip_grid
+    )
 
 
 def awq_scales(act_absmean: jax.Array, alpha: jax.Array) -> jax.Array:
@@ -118,7 +144,7 @@ def awq_scales(act_absmean: jax.Array, alpha: jax.Array) -> jax.Array:
     return s / jnp.sqrt(jnp.max(s) * jnp.min(s))
 
 
-@functools.partial(jax.jit, static_argnames=("quantizer", "grid"))
+@functools.partial(jax.jit, static_argnames=("quantizer", "grid", "clip_grid"))
 def _awq(
     w: jax.Array,
     hessian: jax.Array,
@@ -126,6 +152,7 @@ def _awq(
     *,
     quantizer: Quantizer,
     grid: int,
+    clip_grid: int,
 ) -> AwqResult:
     dtype = compute_dtype(w.dtype)
     wf, h = w.astype(dtype), hessian.astype(dtype)
@@ -135,15 +162,71 @@ def _awq(
         q = quantizer.quant(wf * s, contracting_axes=(0,)).dequant()
         return q.astype(dtype) / s, s[:, 0]
 
-    def error(alpha: jax.Array) -> jax.Array:
-        d = wf - effective(alpha)[0]
+    def full_error(w_hat: jax.Array) -> jax.Array:
+        d = wf - w_hat
         hd = jnp.matmul(h, d, precision=lax.Precision.HIGHEST)
         return jnp.sum(d * hd).astype(jnp.float32)
 
     alphas = jnp.linspace(0.0, 1.0, grid, dtype=jnp.float32)
-    errors = lax.map(error, alphas)
+    errors = lax.map(lambda a: full_error(effective(a)[0]), alphas)
     best = jnp.argmin(errors)
     weight, s = effective(alphas[best])
+    k, n = w.shape
+    group, block_n = quantizer.granularity.block_sizes(w.shape, (0,))[:2]
+    blocks = (k // group, n // block_n)
+    clip = jnp.ones(blocks, jnp.float32)
+    error = errors[best]
+    if clip_grid > 1:
+        weight, clip, error = _clip_search(
+            wf, h, s, quantizer, group, block_n, clip_grid, weight, error, full_error
+        )
     return AwqResult(
-        weight.astype(w.dtype), s.astype(jnp.float32), alphas[best], errors[best]
+        weight.astype(w.dtype), s.astype(jnp.float32), alphas[best], error, clip
+    )
+
+
+def _clip_search(
+    wf: jax.Array,
+    h: jax.Array,
+    s: jax.Array,
+    quantizer: Quantizer,
+    group: int,
+    block_n: int,
+    clip_grid: int,
+    weight: jax.Array,
+    error: jax.Array,
+    full_error: Callable[[jax.Array], jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """AWQ's per-block clipping ratios for the scaled weight ``s w`` (see awq).
+
+    Returns ``(weight, ratios, error)``: the clipped weight and its ratios if
+    its error is below ``error`` (of ``weight``), else ``weight``, ones and
+    ``error``.
+    """
+    k, n = wf.shape
+    base = quantizer.calibration.clip_factor
+    ws = wf * s[:, None]
+    # The diagonal blocks H_gg of the groups of input channels.
+    hg = h.reshape(k // group, group, k // group, group)
+    hg = jnp.diagonal(hg, axis1=0, axis2=2).transpose(2, 0, 1)  # (G, group, group)
+
+    ratios = np.linspace(1.0, 0.5, clip_grid)
+    candidates = jnp.stack([
+        quantizer.replace(calibration=AbsMax(clip_factor=base * float(r)))
+        .quant(ws, contracting_axes=(0,)).dequant().astype(wf.dtype) / s[:, None]
+        for r in ratios
+    ])  # (R, K, N)  # fmt: skip
+    d = (wf[None] - candidates).reshape(clip_grid, k // group, group, n)
+    errs = jnp.einsum("rgin,gij,rgjn->rgn", d, hg, d,
+                      precision=lax.Precision.HIGHEST)  # fmt: skip
+    errs = errs.reshape(clip_grid, k // group, n // block_n, block_n).sum(-1)
+    pick = jnp.argmin(errs, axis=0)  # (G, N // block_n): the first on a tie
+    rows = jnp.repeat(jnp.repeat(pick, group, 0), block_n, 1)
+    chosen = jnp.take_along_axis(candidates, rows[None], axis=0)[0]
+    chosen_error = full_error(chosen)
+    better = chosen_error < error
+    return (
+        jnp.where(better, chosen, weight),
+        jnp.where(better, jnp.asarray(ratios, jnp.float32)[pick], 1.0),
+        jnp.where(better, chosen_error, error),
     )

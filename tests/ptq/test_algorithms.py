@@ -174,7 +174,7 @@ def test_awq_picks_the_best_alpha_of_the_grid():
     x, w = x.astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     h, m = x.T @ x, np.abs(x).mean(0)
     quantizer = _int4(qbits.PerChannel())
-    out = ptq.awq(w, h, m, quantizer, grid=grid)
+    out = ptq.awq(w, h, m, quantizer, grid=grid, clip_grid=1)  # scales alone
 
     def reference(alpha):  # brute force, in float64, through the activations
         s = np.maximum(m.astype(np.float64) ** alpha, 1e-4)
@@ -192,6 +192,35 @@ def test_awq_picks_the_best_alpha_of_the_grid():
     np.testing.assert_allclose(out.weight, eff, rtol=1e-4, atol=1e-5)
     # alpha = 0 is round-to-nearest: AWQ is never worse, here much better.
     assert out.error <= errors[0] * (1 + 1e-5) and errors[best] < 0.9 * errors[0]
+
+
+def test_awq_clip_search_picks_each_blocks_best_ratio():
+    rng = np.random.default_rng(1)
+    k, n, group, ratios = 32, 8, 8, np.linspace(1.0, 0.5, 6)
+    x = (rng.standard_normal((256, k)) * rng.uniform(0.3, 3.0, k)).astype(np.float32)
+    w = rng.standard_t(3, (k, n)).astype(np.float32)  # heavy tails: clipping pays
+    h = (x.T @ x).astype(np.float64)
+    quantizer = _int4(qbits.Tiled(tile_size=group))
+    base = ptq.awq(w, h, np.abs(x).mean(0), quantizer, grid=3, clip_grid=1)
+    out = ptq.awq(w, h, np.abs(x).mean(0), quantizer, grid=3, clip_grid=6)
+    assert float(out.alpha) == float(base.alpha)  # the scales come first
+    s = np.asarray(out.scales, np.float64)[:, None]
+    sw = s * w
+    blocks = [slice(i, i + group) for i in range(0, k, group)]
+    picked = np.empty((k // group, n))
+    for g, rows in enumerate(blocks):  # brute force, per block and column
+        errs = []
+        for r in ratios:
+            eff = _np_quant(sw[rows], r * _np_scale(sw[rows])) / s[rows]
+            d = w[rows] - eff
+            errs.append(np.einsum("in,ij,jn->n", d, h[rows, rows], d))
+        picked[g] = ratios[np.argmin(errs, axis=0)]
+    assert (picked < 1).any()  # the search does something here
+    np.testing.assert_allclose(out.clip, picked, rtol=1e-6)
+    assert float(out.error) < float(base.error)
+    np.testing.assert_allclose(
+        out.error, _np_error(w, np.asarray(out.weight, np.float64), h), rtol=1e-3
+    )
 
 
 def test_awq_bad_arguments_raise():
