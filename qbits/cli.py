@@ -141,6 +141,18 @@ def _log(quiet: bool):
     return log
 
 
+def _wrote(out: pathlib.Path, runs: int) -> str:
+    """The last line of ``train`` and ``sweep``: every file of the report.
+
+    The report lists them in ``results.json`` (``quality_vs_bits.png`` is
+    drawn only for more than one bit width).
+    """
+    import json
+
+    files = json.loads((out / "results.json").read_text(encoding="utf-8"))["files"]
+    return f"wrote {out}/{', '.join(files)}; {runs} run files in {out / 'runs'}/"
+
+
 def _train(args: argparse.Namespace) -> int:
     from qbits.experiments import Entry, Sweep, config_bits, run_sweep, spec
 
@@ -183,7 +195,7 @@ def _train(args: argparse.Namespace) -> int:
             f"{r['ratio']:>10.4f} {r['eval_accuracy']:>13.3f} {r['seconds']:>6.0f}s "
             f"{r['compile_seconds']:>7.1f}s {1000 * r['step_seconds']:>7.1f}ms"
         )
-    print(f"\nwrote {out}/results.md, results.csv, results.json, loss_curves.png")
+    print(f"\n{_wrote(out, len(runs))}")
     return 0
 
 
@@ -200,7 +212,7 @@ def _sweep(args: argparse.Namespace) -> int:
             f"({sweep.size}, {sweep.steps} steps); results in {out}"
         )
     with _progress(args.quiet, sweep.steps) as progress:
-        run_sweep(
+        runs = run_sweep(
             sweep,
             out,
             resume=not args.rerun,
@@ -209,10 +221,7 @@ def _sweep(args: argparse.Namespace) -> int:
         )
     if not args.quiet:
         print((out / "results.md").read_text(encoding="utf-8"))
-    print(
-        f"wrote {out}/results.md, results.csv, results.json, loss_curves.png, "
-        "quality_vs_bits.png"
-    )
+    print(_wrote(out, len(runs)))
     return 0
 
 
@@ -311,8 +320,9 @@ def _parser() -> argparse.ArgumentParser:
         "sweep",
         help="run an ablation sweep from a YAML file",
         description="Run every config x seed of SWEEP.yaml (runs finished before "
-        "are skipped), then write results.{md,csv,json}, loss_curves.png and "
-        "quality_vs_bits.png to --out.",
+        "are skipped), then write results.{md,csv,json}, loss_curves.png and, "
+        "when the configs have more than one bit width, quality_vs_bits.png to "
+        "--out.",
     )
     sweep.add_argument("file", metavar="SWEEP.yaml", help="the sweep file")
     sweep.add_argument("--out", help="output folder (default: runs/NAME)")

@@ -7,10 +7,13 @@ import matplotlib
 import numpy as np
 import pytest
 
+from qbits.cli import main
 from qbits.experiments import _plots as plots
 from qbits.experiments import _report as report_lib
+from qbits.experiments import _sweep as sweep_lib
 from qbits.experiments import summarize, write_report
 from qbits.experiments._loss_curves import loss_figure
+from qbits.experiments._train import RunResult
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -208,3 +211,31 @@ def test_quality_vs_bits_only_for_several_bit_widths(tmp_path, no_png):
         "loss_curves.png",
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(summary["files"])
+
+
+def fake_train(spec, config, *, seed, steps, progress=None):
+    loss = 2.0 if config is None else 2.0 + 0.01 * seed
+    return RunResult(loss, loss, 0.5, [loss] * steps, [(steps, loss)], 0.0)
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_wrote_line_lists_every_file(command, tmp_path, monkeypatch, capsys, no_png):
+    monkeypatch.setattr(sweep_lib, "train", fake_train)
+    out = tmp_path / "out"
+    if command == "train":
+        argv = ["train", "int8", "--size", "tiny", "--steps", "3", "--out", str(out)]
+    else:
+        (tmp_path / "s.yaml").write_text(
+            "model: mlp\nsize: tiny\nsteps: 3\nconfigs: [none]\n"
+            "grid: {fwd_bits: [8, 4]}\n"
+        )
+        argv = ["sweep", str(tmp_path / "s.yaml"), "--out", str(out)]
+    assert main([*argv, "-q"]) == 0
+    wrote = capsys.readouterr().out.strip().splitlines()[-1]
+    files = sorted(p.name for p in out.iterdir() if p.is_file())
+    assert ("quality_vs_bits.png" in files) == (command == "sweep")
+    runs = 2 if command == "train" else 3
+    listed = json.loads((out / "results.json").read_text())["files"]
+    assert wrote == f"wrote {out}/{', '.join(listed)}; {runs} run files in {out}/runs/"
+    for name in files:
+        assert name in wrote
