@@ -142,6 +142,19 @@ def _log(quiet: bool):
     return log
 
 
+def _wrote(out: pathlib.Path, runs: int | None = None) -> str:
+    """The last line of ``train``, ``sweep`` and ``ptq``: every file of the report.
+
+    The report lists them in ``results.json`` (``quality_vs_bits.png`` is
+    drawn only for more than one bit width).
+    """
+    import json
+
+    files = json.loads((out / "results.json").read_text(encoding="utf-8"))["files"]
+    wrote = f"wrote {out}/{', '.join(files)}"
+    return wrote if runs is None else f"{wrote}; {runs} run files in {out / 'runs'}/"
+
+
 def _train(args: argparse.Namespace) -> int:
     from qbits.experiments import Entry, Sweep, config_bits, run_sweep, spec
 
@@ -181,9 +194,9 @@ def _train(args: argparse.Namespace) -> int:
     metric = "char accuracy" if args.model == "lm" else "accuracy"
     _print_rows(rows, metric)
     print(
-        f"\nwrote {out}/results.md, results.csv, results.json, loss_curves.png; "
-        f"the float32 params in {out}/runs/float32__seed{args.seed}.params "
-        f"(for qbits ptq CONFIG --run {out})"
+        f"\n{_wrote(out, len(runs))}; the float32 params in "
+        f"{out}/runs/float32__seed{args.seed}.params (for qbits ptq CONFIG --run "
+        f"{out})"
     )
     return 0
 
@@ -237,7 +250,7 @@ def _ptq(args: argparse.Namespace) -> int:
         log=_log(args.quiet),
     )
     _print_rows(rows, "accuracy")
-    print(f"\nwrote {out}/results.md, results.csv, results.json, loss_curves.png")
+    print(f"\n{_wrote(out)}")
     return 0
 
 
@@ -254,7 +267,7 @@ def _sweep(args: argparse.Namespace) -> int:
             f"({sweep.size}, {sweep.steps} steps); results in {out}"
         )
     with _progress(args.quiet, sweep.steps) as progress:
-        run_sweep(
+        runs = run_sweep(
             sweep,
             out,
             resume=not args.rerun,
@@ -263,10 +276,7 @@ def _sweep(args: argparse.Namespace) -> int:
         )
     if not args.quiet:
         print((out / "results.md").read_text(encoding="utf-8"))
-    print(
-        f"wrote {out}/results.md, results.csv, results.json, loss_curves.png, "
-        "quality_vs_bits.png"
-    )
+    print(_wrote(out, len(runs)))
     return 0
 
 
@@ -365,8 +375,9 @@ def _parser() -> argparse.ArgumentParser:
         "sweep",
         help="run an ablation sweep from a YAML file",
         description="Run every config x seed of SWEEP.yaml (runs finished before "
-        "are skipped), then write results.{md,csv,json}, loss_curves.png and "
-        "quality_vs_bits.png to --out.",
+        "are skipped), then write results.{md,csv,json}, loss_curves.png and, "
+        "when the configs have more than one bit width, quality_vs_bits.png to "
+        "--out.",
     )
     sweep.add_argument("file", metavar="SWEEP.yaml", help="the sweep file")
     sweep.add_argument("--out", help="output folder (default: runs/NAME)")

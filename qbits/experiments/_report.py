@@ -7,9 +7,16 @@
   baseline, accuracy, time per run;
 - ``results.csv`` and ``results.json``: the same rows as data (the JSON also
   has every run);
-- ``loss_curves.png``: training loss per step (smoothed) and the evaluations;
+- ``loss_curves.png``: the training loss (all steps, and the tail), its
+  ratio to the baseline's at the same step, the eval loss;
 - ``quality_vs_bits.png``: eval loss relative to the baseline against the
-  forward weight bits.
+  forward weight bits, only when the configs other than the baseline have
+  more than one bit width below 32 (else one left by an earlier report in
+  the folder is removed).
+
+The plots are drawn by :mod:`qbits.experiments._loss_curves` and
+:mod:`qbits.experiments._plots` (what they show; when a run has diverged).
+``results.json`` lists the files written, under ``"files"``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from qbits.experiments._loss_curves import loss_figure
+from qbits.experiments._plots import quality_figure
 
 __all__ = ["replace_file", "summarize", "write_report"]
 
@@ -113,71 +123,6 @@ def _markdown(name: str, rows: list[dict[str, Any]], baseline: str | None) -> st
     return f"# {name}\n\n" + "\n".join(lines) + "\n"
 
 
-def _plots(
-    name: str, runs: Sequence[dict[str, Any]], rows: list[dict[str, Any]], out
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = [r["config"] for r in rows]
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, config in enumerate(names):
-        group = [r for r in runs if r["name"] == config]
-        curves = [np.asarray(r["result"]["curve"], np.float64) for r in group]
-        length = min(len(c) for c in curves)
-        if length == 0:
-            continue
-        curve = np.mean([c[:length] for c in curves], axis=0)
-        window = max(1, length // 25)
-        smooth = np.convolve(curve, np.ones(window) / window, mode="valid")
-        color = colors[i % len(colors)]
-        steps = np.arange(window, length + 1)
-        ax.plot(steps, smooth, color=color, lw=1.2, label=f"{config} (train)")
-        evals = group[0]["result"]["eval_curve"]
-        if evals:
-            points = np.mean(
-                [[p[1] for p in r["result"]["eval_curve"]] for r in group], axis=0
-            )
-            ax.plot([p[0] for p in evals], points, "o--", color=color, ms=3, lw=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (solid: train, smoothed; dots: eval)")
-    ax.set_title(f"{name}: loss curves")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    _save(fig, out / "loss_curves.png")
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    has_ratio = any(not math.isnan(r["ratio"]) for r in rows)
-    key = "ratio" if has_ratio else "eval_loss"
-    labels_at: dict[float, int] = {}
-    for r in sorted(rows, key=lambda r: (r["bits"], -r[key])):
-        color = colors[names.index(r["config"]) % len(colors)]
-        ax.scatter(r["bits"], r[key], color=color, zorder=3)
-        n = labels_at[r["bits"]] = labels_at.get(r["bits"], -1) + 1
-        ax.annotate(
-            r["config"],
-            (r["bits"], r[key]),
-            textcoords="offset points",
-            xytext=(6, 4 - 11 * n),  # points at the same bits: labels stacked
-            fontsize=8,
-            color=color,
-        )
-    ax.set_xscale("log", base=2)
-    ticks = sorted({r["bits"] for r in rows})
-    ax.set_xticks(ticks, [("float32" if t >= 32 else f"{t:g}") for t in ticks])
-    ax.set_xlabel("forward weight bits")
-    ax.set_ylabel("eval loss / baseline" if has_ratio else "eval loss")
-    if has_ratio:
-        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.set_title(f"{name}: quality vs bits")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    _save(fig, out / "quality_vs_bits.png")
-
-
 def _save(fig: Any, path: pathlib.Path) -> None:
     """Saves a figure as PNG, atomically (see :func:`replace_file`); closes it."""
     import matplotlib.pyplot as plt
@@ -250,8 +195,8 @@ def write_report(
       >>> out = pathlib.Path(tempfile.mkdtemp())
       >>> rows = qbits.experiments.write_report(
       ...     "demo", [run("none", 2.0), run("int8", 2.02)], out, "none")
-      >>> sorted(p.name for p in out.iterdir())[:3]
-      ['loss_curves.png', 'quality_vs_bits.png', 'results.csv']
+      >>> sorted(p.name for p in out.iterdir())  # one bit width: no quality plot
+      ['loss_curves.png', 'results.csv', 'results.json', 'results.md']
     """
     import json
 
@@ -269,6 +214,23 @@ def write_report(
         "rows": [{k: (None if v != v else v) for k, v in r.items()} for r in rows],
         "runs": [{k: v for k, v in r.items() if k != "config"} for r in runs],
     }
-    replace_file(out / "results.json", json.dumps(summary, indent=1))
-    _plots(name, runs, rows, out)
+    names = [r["config"] for r in rows]
+    figures: dict[str, Any] = {}
+    try:
+        figures["loss_curves.png"] = loss_figure(name, runs, names, baseline)
+        figures["quality_vs_bits.png"] = quality_figure(name, runs, rows, baseline)
+        written = [f for f, fig in figures.items() if fig is not None]
+        summary["files"] = ["results.md", "results.csv", "results.json", *written]
+        replace_file(out / "results.json", json.dumps(summary, indent=1))
+        for file, fig in list(figures.items()):
+            if fig is None:  # not drawn: one of an earlier report would mislead
+                (out / file).unlink(missing_ok=True)
+            else:
+                _save(figures.pop(file), out / file)
+    finally:  # a figure not saved (an error while drawing or writing) is closed
+        import matplotlib.pyplot as plt
+
+        for fig in figures.values():
+            if fig is not None:
+                plt.close(fig)
     return rows

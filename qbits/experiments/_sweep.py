@@ -107,9 +107,8 @@ def run_sweep(
       >>> text = "model: mlp\nsize: tiny\nsteps: 2\nconfigs: [none]"
       >>> _ = (d / "s.yaml").write_text(text)
       >>> runs = run_sweep(load_sweep(d / "s.yaml"), d / "out")
-      >>> sorted(p.name for p in (d / "out").iterdir())
-      ['loss_curves.png', 'quality_vs_bits.png', 'results.csv', 'results.json',
-       'results.md', 'runs']
+      >>> sorted(p.name for p in (d / "out").iterdir())  # one config: no bits plot
+      ['loss_curves.png', 'results.csv', 'results.json', 'results.md', 'runs']
     """
     from qbits.experiments._report import write_report
 
