@@ -45,12 +45,14 @@ def test_python_examples_run():
     """Each ```python block runs on its own; a block seen before runs once."""
     seen = set()
     for path in _markdown_files():
-        blocks = re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
-        for block in blocks:
+        text = path.read_text()
+        for m in re.finditer(r"```python\n(.*?)```", text, re.S):
+            block = m.group(1)
             if block in seen:
                 continue  # e.g. a README example repeated in its guide
             seen.add(block)
-            exec(compile(block, str(path.relative_to(ROOT)), "exec"), {})
+            line = text.count("\n", 0, m.start(1))  # tracebacks name the file's line
+            exec(compile("\n" * line + block, str(path), "exec"), {})
     assert seen
 
 
