@@ -104,7 +104,7 @@ def test_every_public_name_is_in_the_api_reference():
 
 
 def test_links_resolve():
-    """Relative links point at files; repository links at files that exist."""
+    """Links point at files of the repository that exist, and at their headings."""
     link = re.compile(r"\]\(([^)\s]+)\)")
     problems = []
     for path in _markdown_files():
@@ -118,13 +118,23 @@ def test_links_resolve():
                 else:
                     problems.append(f"{path.name}: {target}")
                     continue
-            elif re.match(r"\w+:", target) or target.startswith("#"):
-                continue  # another site; an anchor on the same page
-            else:
-                file = path.parent / target.split("#")[0]
+            elif re.match(r"\w+:", target):
+                continue  # another site
+            else:  # relative, or "#heading" on the same page
+                file = path.parent / target.split("#")[0] if target[0] != "#" else path
+            anchor = target.partition("#")[2]
             if not file.exists():
                 problems.append(f"{path.relative_to(ROOT)}: {target}")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                problems.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
     assert not problems, "links to nothing:\n" + "\n".join(problems)
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    """GitHub's (and MyST's) anchors of a page's headings."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ (.*)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
 
 
 def test_docs_build_without_warnings(tmp_path):
