@@ -531,11 +531,7 @@ def formats() -> str:
     rows = [
         [w] + [f"{row[n]:.4f}" for n in names] for w, row in data["results"].items()
     ]
-    return (
-        _table(["weights"] + [f"`{n}`" for n in names], rows)
-        + "\n"
-        + _source("formats_cpu.json")
-    )
+    return _table(["weights", *names], rows) + "\n" + _source("formats_cpu.json")
 
 
 @figure("scalify_mlp", "scalify_mlp_cpu.json")
