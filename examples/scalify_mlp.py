@@ -8,15 +8,20 @@ the same init and batches for every precision:
 - float16: parameters, activations and gradients are float16 ScaledArrays;
 - fp8: float16 storage, E4M3 matmul operands forward, E5M2 gradients.
 
-Run: python examples/scalify_mlp.py [--steps 1000]
+Run: python examples/scalify_mlp.py [--steps 1000] [--json OUT.json]
+(the committed run: benchmarks/results/scalify_mlp_cpu.json)
 """
 
 import argparse
+import json
+
+import jax
 
 from qbits.experiments import train_scalify_mlp
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=1000)
+parser.add_argument("--json", help="also write the results to this file")
 args = parser.parse_args()
 
 results = {
@@ -31,3 +36,16 @@ for name, r in results.items():
         f"| {name} | {train:.4f} | {train / base.final_loss:.4f} | {evl:.4f} | "
         f"{evl / base.eval_loss:.4f} | {r.eval_accuracy:.4f} |"
     )
+if args.json:
+    rows = {
+        name: {
+            "train_loss": r.final_loss,
+            "eval_loss": r.eval_loss,
+            "eval_accuracy": r.eval_accuracy,
+        }
+        for name, r in results.items()
+    }
+    meta = {"example": "examples/scalify_mlp.py", "steps": args.steps}
+    meta["jax"] = jax.__version__
+    with open(args.json, "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=1)

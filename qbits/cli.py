@@ -9,7 +9,7 @@
     qbits presets
 
 CONFIG is a preset name (``qbits presets``) or a YAML config file (a single
-config, or per-layer rules; see the README's config reference). Every user
+config, or per-layer rules; see docs/guides/configs.md). Every user
 error (bad argument, bad file, unknown preset, unwritable folder or full
 disk, a config that does not fit a layer) prints one line,
 ``qbits: error: ...``, and exits with status 2; an interrupted command

@@ -1,7 +1,8 @@
 """The architecture is enforced: imports go down the layers, the API is pinned.
 
-The layers are read from the table in the README's Design section, so the
-README and the code cannot drift apart.
+The layers are read from the table in qbits/LAYERS.md (which the design guide,
+docs/guides/design.md, includes), so the documentation and the code cannot
+drift apart.
 """
 
 import ast
@@ -15,15 +16,13 @@ import qbits
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qbits"
 API_FILE = ROOT / "tests" / "public_api.txt"
+LAYERS_FILE = PACKAGE / "LAYERS.md"
 
 
 def _layers() -> dict[str, int]:
-    """``{top-level module or package of qbits: layer}`` from the README."""
-    readme = (ROOT / "README.md").read_text()
-    design = readme[readme.index("## Design") :]
-    table = design[
-        design.index("```") + 3 : design.index("```", design.index("```") + 3)
-    ]
+    """``{top-level module or package of qbits: layer}`` from qbits/LAYERS.md."""
+    text = LAYERS_FILE.read_text()
+    table = text[text.index("```") + 3 : text.index("```", text.index("```") + 3)]
     layers: dict[str, int] = {}
     for line in table.splitlines():
         m = re.match(r"\s+([\w/.,_ ]+?)\s+(\d+)\. ", line)
@@ -69,8 +68,8 @@ def test_every_module_of_qbits_has_a_layer():
         for p in PACKAGE.iterdir()
         if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
     }
-    assert tops - set(layers) == set(), "add them to the README's Design table"
-    assert set(layers) - tops == set(), "the README's Design table names these"
+    assert tops - set(layers) == set(), "add them to the table in qbits/LAYERS.md"
+    assert set(layers) - tops == set(), "qbits/LAYERS.md names these"
 
 
 def test_imports_go_only_down_and_through_public_faces():

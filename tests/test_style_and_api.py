@@ -2,7 +2,6 @@
 
 import inspect
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -50,11 +49,3 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = [line for line in ci.splitlines() if line.startswith("python3 -m venv")]
     assert len(command) == 1 and command[0] in readme
-
-
-def test_readme_python_blocks_run():
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    assert blocks
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), {})

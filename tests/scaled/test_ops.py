@@ -135,7 +135,7 @@ def test_wasted_bits():
 
 
 def test_mlp_trained_in_fp8_tracks_float32():
-    """The README's scalify example, shortened (full run: examples/scalify_mlp.py)."""
+    """docs/guides/scalify.md's MLP, shortened (full run: examples/scalify_mlp.py)."""
     kwargs = dict(steps=60, hidden=64, n_train=2048, n_eval=512)
     base = train_scalify_mlp("float32", **kwargs)
     assert base.losses[-1] < 0.8 * base.losses[0]
