@@ -76,7 +76,7 @@ class PtqResult(NamedTuple):
 
     params: Any
     layers: tuple[LayerReport, ...]
-    config: QuantConfig
+    config: Any  # a qbits.QuantConfig (Any: one link target in the docs)
 
 
 def quantize_weights(
