@@ -535,7 +535,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     generate.add_argument(
         "--size",
-        choices=("default", "tiny", "deep"),
+        choices=("default", "tiny"),
         default="default",
         help="model size (trained, or of --params); tiny is for smoke tests "
         "(default: %(default)s)",

@@ -63,7 +63,7 @@ def _one_error_line(capsys):
     [
         (["--cache", "int8"], "cache='int8' is not allowed; expected"),
         (["--cache", "nosuch.yaml"], "cache='nosuch.yaml' is not allowed (no such"),
-        (["--size", "deep"], "scanned blocks"),
+        (["--size", "deep"], "invalid choice: 'deep'"),
         (["--prompt", "é"], "characters the model does not know: ['é']"),
         (["--prompt", ""], "the prompt is empty"),
         (["--tokens", "0"], "--tokens: expected an int in 1..1000000, got 0"),
