@@ -112,7 +112,6 @@ def generate(
         samples the same tokens).
       progress: Called as ``progress(i)`` once the ``i``-th token is
         computed (without it, decoding runs ahead of Python).
-
       return_logits: Also return the logits each new token was drawn from.
 
     Returns:
