@@ -298,6 +298,130 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """``qbits generate``: decode text from the example LM with a KV cache."""
+    import time
+
+    import flax.nnx as nnx
+    import jax.numpy as jnp
+    import numpy as np
+
+    from qbits import kvcache
+    from qbits.experiments import build_model, load_trained, spec, train
+
+    config = kvcache.as_cache_config("qbits generate", args.cache)
+    if args.run_dir and (args.steps or args.size != "default"):
+        raise UsageError("--steps and --size train a model; --run loads one")
+    if not 1 <= args.tokens <= 1_000_000:
+        raise UsageError(f"--tokens: expected an int in 1..1000000, got {args.tokens}")
+    if not 0 <= args.temperature < float("inf"):
+        raise UsageError(
+            f"--temperature: expected a finite number >= 0, got {args.temperature}"
+        )
+    prompt = args.prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompt = f.read(1_000_000)
+        except UnicodeDecodeError:
+            raise UsageError(f"{args.prompt_file}: not UTF-8 text") from None
+    if args.run_dir:  # the float32 model that qbits train saved
+        model, data, run = load_trained(args.run_dir, owner="qbits generate")
+        if run["model"] != "lm":
+            raise UsageError(
+                f"--run {args.run_dir}: a {run['model']} model; qbits generate "
+                "decodes the lm (qbits train --model lm)"
+            )
+        model_spec = spec("lm", run["size"])
+    else:
+        model_spec = spec("lm", args.size)
+        built: list = []  # the data; the model's graph only, no weights computed
+
+        def build() -> nnx.Module:
+            model, data = build_model(model_spec, args.seed)
+            built.append(data)
+            return model
+
+        model = nnx.eval_shape(build)
+        data = built[0]
+    missing = sorted({c for c in prompt if c not in data.chars})
+    if not prompt or missing:
+        raise UsageError(
+            "the prompt is empty"
+            if not prompt
+            else f"the prompt has characters the model does not know: {missing!r}"
+            f"; expected characters among {data.chars!r}"
+        )
+    float_bytes = sum(c.nbytes for c in model.init_cache(1, None))
+    cache_bytes = sum(c.nbytes for c in model.init_cache(1, config))  # or refuses
+    if not args.run_dir:
+        steps = model_spec.steps if args.steps is None else args.steps
+        if not args.quiet:
+            print(
+                f"training lm ({args.size}) in float32 for {steps} "
+                f"steps, seed {args.seed} (--run DIR loads what qbits train saved)",
+                file=sys.stderr,
+            )
+        kept: list = []
+        with _progress(args.quiet, steps) as progress:
+            update = progress("float32", 0, 1) if progress else None
+            train(
+                model_spec,
+                None,
+                seed=args.seed,
+                steps=steps,
+                progress=update,
+                on_trained=kept.append,
+            )
+        model = kept[0]
+    tokens = jnp.asarray([data.chars.index(c) for c in prompt], jnp.int32)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=args.tokens,
+        desc=f"generate ({args.cache})",
+        unit="token",
+        leave=False,
+        ncols=shutil.get_terminal_size().columns or 100,
+        file=sys.stderr,
+        disable=args.quiet or not sys.stderr.isatty(),
+    )
+    times = [time.perf_counter()]
+
+    def progress(i: int) -> None:
+        times.append(time.perf_counter())
+        bar.update(1)
+
+    try:
+        out = kvcache.generate(
+            model,
+            tokens,
+            args.tokens,
+            cache=config,
+            temperature=args.temperature,
+            seed=args.seed,
+            progress=progress,
+        )
+        text = "".join(data.chars[i] for i in np.asarray(out))
+    finally:
+        bar.close()
+    print(prompt + text)
+    if not args.quiet:
+        rest = (
+            f", then {(args.tokens - 1) / (times[-1] - times[1]):.0f} tokens/s"
+            if args.tokens > 1
+            else ""
+        )
+        print(
+            f"\n{args.tokens} tokens in {times[-1] - times[0]:.1f}s: the first after "
+            f"{times[1] - times[0]:.1f}s (compiling){rest}; cache {args.cache} "
+            f"({config.describe()}): {cache_bytes / 1024:.1f} KiB, "
+            f"{cache_bytes / float_bytes:.3f}x float32's",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def _presets(args: argparse.Namespace) -> int:
     import qbits
 
@@ -440,6 +564,65 @@ def _parser() -> argparse.ArgumentParser:
         "--model", choices=("lm", "mlp"), default="lm", help=model_help
     )
     inspect.set_defaults(run=_inspect)
+
+    generate = sub.add_parser(
+        "generate",
+        help="generate text with the example transformer and a KV cache",
+        description="Decode text after a prompt with the example transformer "
+        "(lm), token by token, its keys and values kept in a KV cache stored as "
+        "--cache says (quantized once per token, when it is written). Without "
+        "--run (the output folder of qbits train, which saves the float32 "
+        "model), the model is first trained in float32 (--size, --steps). The "
+        "cache presets: kv_float, kv_int8, kv_fp8, "
+        "kv_int8_per_head, kv_fp8_per_head; or a YAML file (keys, values, "
+        "granularity).",
+    )
+    text = generate.add_mutually_exclusive_group()
+    text.add_argument(
+        "--prompt", default="The ", help="the prompt (default: %(default)r)"
+    )
+    text.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE")
+    generate.add_argument(
+        "--tokens", type=int, default=200, help="tokens to generate (default: 200)"
+    )
+    generate.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (default); > 0: sample from softmax(logits / T)",
+    )
+    generate.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        help="seed of the model (when trained) and of sampling (default: 0)",
+    )
+    generate.add_argument(
+        "--cache",
+        default="kv_int8",
+        metavar="CACHE",
+        help="a cache preset or a YAML cache config (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--run",
+        metavar="DIR",
+        dest="run_dir",
+        help="the output folder of qbits train: decode with its float32 model",
+    )
+    generate.add_argument(
+        "--size",
+        choices=("default", "tiny"),
+        default="default",
+        help="size of the model trained first; tiny is for smoke tests "
+        "(default: %(default)s)",
+    )
+    generate.add_argument(
+        "--steps", type=_steps, help=f"training steps, 1..{_MAX_STEPS}"
+    )
+    generate.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bars, text only"
+    )
+    generate.set_defaults(run=_generate)
 
     presets = sub.add_parser(
         "presets",

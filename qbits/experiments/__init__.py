@@ -17,6 +17,7 @@ What the ``qbits`` command runs (:mod:`qbits.cli`), usable from Python too:
 from qbits.experiments._models import Classifier, ModelSpec, TransformerLM, spec
 from qbits.experiments._ptq import post_train
 from qbits.experiments._report import summarize, write_report
+from qbits.experiments._saved import load_trained
 from qbits.experiments._scalify_mlp import train_scalify_mlp
 from qbits.experiments._sweep import run_sweep
 from qbits.experiments._sweep_file import (
@@ -39,6 +40,7 @@ __all__ = [
     "build_model",
     "config_bits",
     "load_sweep",
+    "load_trained",
     "post_train",
     "run_sweep",
     "sample_batch",

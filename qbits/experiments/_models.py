@@ -1,9 +1,13 @@
 """The example models: a character-level transformer LM and an MLP classifier.
 
-Both are plain Flax nnx models (nothing in them knows about qbits); the
-training loop quantizes them with :func:`qbits.nnx.quantize`, so every
-``nnx.Linear``, ``nnx.LinearGeneral`` and both attention einsums follow the
-config. The embedding lookup is a gather, not a matmul, and stays float.
+Both are plain Flax nnx models (their forward passes know nothing about
+qbits); the training loop quantizes them with :func:`qbits.nnx.quantize`, so
+every ``nnx.Linear``, ``nnx.LinearGeneral`` and both attention einsums
+follow the config. The embedding lookup is a gather, not a matmul, and stays
+float. The LM also decodes token by token with a KV cache
+(:meth:`TransformerLM.init_cache`, :meth:`TransformerLM.decode`; stored as a
+:class:`qbits.kvcache.CacheConfig` says), which :func:`qbits.kvcache.generate`
+drives.
 
 Layer paths (for per-layer rules, see ``qbits inspect``):
 
@@ -16,9 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import flax.nnx as nnx
 import jax
+
+from qbits import kvcache
+from qbits._errors import InvalidArgumentError
 
 __all__ = ["MODELS", "SIZES", "Classifier", "ModelSpec", "TransformerLM", "spec"]
 
@@ -164,6 +172,149 @@ class TransformerLM(nnx.Module):
             )
         self.norm = nnx.LayerNorm(spec.width, rngs=rngs)
         self.head = nnx.Linear(spec.width, vocab, rngs=rngs)
+
+    def _check_decodes(self, owner: str) -> None:
+        """Raises unless this model can decode with a KV cache."""
+        if self.scan:
+            raise InvalidArgumentError(
+                owner,
+                "model",
+                "TransformerLM with scanned blocks",
+                "a TransformerLM whose blocks are a list (sizes default and tiny)",
+                why="the deep size runs its blocks under nnx.scan, which has no "
+                "KV cache yet",
+            )
+        if getattr(self, "qbits", None) is not None:
+            raise InvalidArgumentError(
+                owner,
+                "model",
+                "a quantized copy (qbits.nnx.quantize or a serving copy)",
+                "the float TransformerLM",
+                why="decoding calls the layers directly, outside the engine, so "
+                "its matmuls would not be quantized; the cache's own config is "
+                "given to init_cache",
+            )
+
+    def init_cache(self, batch: int, config: Any = None) -> tuple[kvcache.KVCache, ...]:
+        """An empty KV cache for :meth:`decode`: one per block, ``context`` positions.
+
+        Args:
+          batch: Sequences decoded together.
+          config: How keys and values are stored: a
+            :class:`qbits.kvcache.CacheConfig`, ``None`` (float), a cache
+            preset name (``"kv_int8"``) or a YAML file.
+
+        Returns:
+          A tuple of :class:`qbits.kvcache.KVCache`, one per block.
+
+        Raises:
+          InvalidArgumentError: For a bad config, or a model that has no KV
+            cache: scanned blocks (size ``deep``), or a quantized copy of
+            the model (decoding runs the float layers).
+
+        Example:
+          >>> import flax.nnx as nnx
+          >>> from qbits.experiments import TransformerLM, spec
+          >>> make = lambda: TransformerLM(10, spec("lm", "tiny"), rngs=nnx.Rngs(0))
+          >>> lm = nnx.eval_shape(make)  # the graph only: caches need no weights
+          >>> cache = lm.init_cache(2, "kv_int8")
+          >>> len(cache), cache[0].keys.qvalue.shape, cache[0].keys.qvalue.dtype
+          (1, (2, 16, 2, 8), dtype('int8'))
+        """
+        owner = "TransformerLM.init_cache"
+        self._check_decodes(owner)
+        config = kvcache.as_cache_config(owner, config)
+        context, dtype = self.pos.shape[0], self.pos.dtype
+        return tuple(
+            kvcache.KVCache.create(
+                config, batch, context, b.attn.num_heads, b.attn.head_dim, dtype
+            )
+            for b in self.blocks
+        )
+
+    def decode(
+        self, tokens: jax.Array, cache: tuple[kvcache.KVCache, ...]
+    ) -> tuple[jax.Array, tuple[kvcache.KVCache, ...]]:
+        """Logits of new tokens after the cached ones, and the grown cache.
+
+        The same computation as :meth:`__call__` over the whole sequence,
+        one chunk at a time: ``tokens`` sit at positions ``cache length ..
+        cache length + n - 1``; each block appends their keys and values to
+        its cache (quantized once, as the cache's config says) and attends
+        over everything the cache holds (:func:`qbits.kvcache.attend`).
+
+        Args:
+          tokens: int tokens ``[batch, n]``: the prompt (prefill), then one
+            token at a time.
+          cache: What :meth:`init_cache` (or the previous call) returned.
+            Under ``jit`` the caller keeps the cache length plus ``n`` within
+            the context length; outside ``jit`` more is an error.
+
+        Returns:
+          ``(logits [batch, n, vocab], cache)``.
+
+        Raises:
+          InvalidArgumentError: For a cache that is not this model's, tokens
+            that do not fit it, or a model without a KV cache (see
+            :meth:`init_cache`).
+
+        Example:
+          A prompt of 3 tokens, then one more (shapes only, here; see
+          :func:`qbits.kvcache.generate` for the decoding loop):
+
+          >>> import flax.nnx as nnx
+          >>> from qbits.experiments import TransformerLM, spec
+          >>> make = lambda: TransformerLM(10, spec("lm", "tiny"), rngs=nnx.Rngs(0))
+          >>> lm = nnx.eval_shape(make)
+          >>> decode = lambda m, t, c: m.decode(t, c)
+          >>> prompt = jax.ShapeDtypeStruct((2, 3), jnp.int32)
+          >>> logits, cache = nnx.eval_shape(decode, lm, prompt, lm.init_cache(2))
+          >>> next_token = jax.ShapeDtypeStruct((2, 1), jnp.int32)
+          >>> logits, cache = nnx.eval_shape(decode, lm, next_token, cache)
+          >>> logits.shape, cache[0].keys.shape
+          ((2, 1, 10), (2, 16, 2, 8))
+        """
+        owner = "TransformerLM.decode"
+        self._check_decodes(owner)
+        blocks = list(self.blocks)
+        if not (
+            isinstance(cache, tuple)
+            and len(cache) == len(blocks)
+            and all(isinstance(c, kvcache.KVCache) for c in cache)
+        ):
+            raise InvalidArgumentError(
+                owner,
+                "cache",
+                type(cache).__name__,
+                f"the tuple of {len(blocks)} KVCache that init_cache returns",
+            )
+        context = self.pos.shape[0]
+        shape = getattr(tokens, "shape", None)
+        if (
+            shape is None
+            or len(shape) != 2
+            or not jax.numpy.issubdtype(tokens.dtype, jax.numpy.integer)
+            or not 1 <= shape[1] <= context
+        ):
+            raise InvalidArgumentError(
+                owner,
+                "tokens",
+                tokens if shape is None else f"{tokens.dtype}{list(shape)}",
+                f"int tokens [batch, n] with 1 <= n <= {context} (the context)",
+            )
+        n = shape[1]
+        start = cache[0].length
+        positions = jax.lax.dynamic_slice_in_dim(self.pos[...], start, n)
+        x = self.embed(tokens) + positions
+        grown = []
+        for block, c in zip(blocks, cache, strict=True):
+            attn = block.attn
+            h = block.norm1(x)
+            c = c.append(attn.key(h), attn.value(h))
+            x = x + attn.out(kvcache.attend(attn.query(h), c))
+            x = x + block.mlp(block.norm2(x))
+            grown.append(c)
+        return self.head(self.norm(x)), tuple(grown)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Next-character logits ``[batch, length, vocab]`` of int ``tokens``."""

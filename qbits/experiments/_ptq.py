@@ -23,13 +23,12 @@ import jax.numpy as jnp
 
 import qbits
 from qbits import ptq
-from qbits._errors import InvalidArgumentError, check_int
+from qbits._errors import check_int
 from qbits.experiments._models import spec as model_spec
 from qbits.experiments._report import write_report
-from qbits.experiments._sweep import read_run
+from qbits.experiments._saved import load_trained
 from qbits.experiments._sweep_file import config_bits
 from qbits.experiments._train import (
-    build_model,
     eval_batches,
     loss_and_accuracy,
     train_batch,
@@ -41,38 +40,6 @@ _OWNER = "qbits.experiments.post_train"
 #: Calibration batches are training batches at steps from here on: no
 #: training run of the example models gets that far.
 _CALIBRATION_STEP = 2**30
-
-
-def _saved_run(run_dir: pathlib.Path, seed: int | None) -> tuple[dict, pathlib.Path]:
-    """The data of the run whose params were saved in ``run_dir``, and their path."""
-    found = sorted((run_dir / "runs").glob("*__seed*.params"))
-    if seed is not None:
-        found = [p for p in found if p.stem.endswith(f"__seed{seed}")]
-    where = os.fspath(run_dir) + ("" if seed is None else f" (seed {seed})")
-    if not found:
-        raise InvalidArgumentError(
-            _OWNER,
-            "run_dir",
-            where,
-            "the output folder of 'qbits train' (it saves the float32 params as "
-            "runs/float32__seed<S>.params)",
-            why="it holds no saved params",
-        )
-    if len(found) > 1:
-        runs = ", ".join(p.stem for p in found)
-        raise InvalidArgumentError(
-            _OWNER, "seed", seed, f"the seed of one of the saved runs: {runs}"
-        )
-    data = read_run(found[0].with_suffix(".json"))
-    if data is None:
-        raise InvalidArgumentError(
-            _OWNER,
-            "run_dir",
-            where,
-            "a folder whose run finished: rerun 'qbits train'",
-            why=f"runs/{found[0].with_suffix('.json').name} is missing or unreadable",
-        )
-    return data, found[0]
 
 
 def post_train(
@@ -131,12 +98,9 @@ def post_train(
     """
     check_int(_OWNER, "calibration", calibration, 1, 1 << 20)
     quant = qbits.config.as_quant_config(_OWNER, config)
-    run, saved = _saved_run(pathlib.Path(run_dir), seed)
+    model, data, run = load_trained(run_dir, seed, owner=_OWNER)
     spec = model_spec(run["model"], run["size"])
-    model, data = build_model(spec, run["seed"])
-    fn, template = qbits.nnx.as_function(model)
-    target = qbits.serving.ServingParams(template, {}, ())
-    params = qbits.serving.restore(saved, target).params
+    fn, params = qbits.nnx.as_function(model)
     steps = range(_CALIBRATION_STEP, _CALIBRATION_STEP + calibration)
     batches = [train_batch(spec, data, run["seed"], s)[0] for s in steps]
     eval_x, eval_y = eval_batches(spec, data)

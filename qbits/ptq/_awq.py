@@ -42,6 +42,13 @@ class AwqResult(NamedTuple):
       clip: The clipping ratio chosen for each scale block of the scaled
         weight (the quantizer's layout, ``(K // group, N // block_n)``),
         float32; all 1 without the clipping search.
+
+    Example:
+      >>> one = jnp.ones(())
+      >>> out = qbits.ptq.AwqResult(jnp.zeros((4, 2)), jnp.ones(4), one, one,
+      ...                           jnp.ones((1, 2)))
+      >>> out.scales.shape, out.clip.shape
+      ((4,), (1, 2))
     """
 
     weight: jax.Array

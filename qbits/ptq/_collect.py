@@ -57,6 +57,14 @@ class MatmulStats:
         ``shape[batch]`` after ``layers``); ``False`` for a weight broadcast
         along its batch axes (one matrix: the groups' rows are its rows).
       stats: The :class:`InputStats` of its activation, over ``K``.
+
+    Example:
+      >>> def head(params, x):
+      ...     return x @ params["w"]
+      >>> params, x = {"w": jnp.ones((4, 3))}, jnp.ones((2, 4))
+      >>> ms = qbits.ptq.collect_stats(head, params, [x])["w"]
+      >>> ms.side, ms.shape, ms.stats.hessian.shape, ms.matrix(params["w"]).shape
+      ('lhs', (4, 3), (4, 4), (4, 3))
     """
 
     path: str = dataclasses.field(metadata={"static": True})

@@ -48,6 +48,11 @@ class GptqResult(NamedTuple):
         same layout, integer-valued float32; else ``None``.
       tensor_scale: The float32 tensor scale (``scale_rounding="e4m3"``),
         shape ``()``; else ``None``.
+
+    Example:
+      >>> out = qbits.ptq.GptqResult(jnp.zeros((4, 2)), jnp.ones((1, 2)))
+      >>> out.zero_point is None and out.tensor_scale is None
+      True
     """
 
     weight: jax.Array

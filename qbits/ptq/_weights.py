@@ -50,6 +50,11 @@ class LayerReport:
         set, ``tr((w - w_hat)^T H (w - w_hat)) / rows``, summed over the
         layer's scan steps and groups.
       error: The same for ``method``'s weight.
+
+    Example:
+      >>> r = qbits.ptq.LayerReport("fc1", "['fc1']['kernel']", "gptq", 2.0, 0.5)
+      >>> r.error / r.error_rtn
+      0.25
     """
 
     path: str
@@ -72,6 +77,11 @@ class PtqResult(NamedTuple):
         are on their grids already), so ``qbits.quantize(fn, result.config)``
         quantizes only what the config quantizes besides those weights
         (activations: W8A8). For a weight-only config it quantizes nothing.
+
+    Example:
+      >>> out = qbits.ptq.PtqResult({"w": jnp.ones((2, 2))}, (), qbits.QuantConfig())
+      >>> out.layers, out.config.default is None
+      ((), True)
     """
 
     params: Any
