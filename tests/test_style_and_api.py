@@ -28,7 +28,8 @@ def test_public_api_is_small_explicit_and_documented():
     from tests.test_layering import _public_api, _public_modules
 
     assert sorted(qbits.__all__) == qbits.__all__
-    assert len(qbits.__all__) <= 40 and len(_public_api()) <= 150
+    # 151: qbits.ops.ragged_dot (the top level stays at 40).
+    assert len(qbits.__all__) <= 40 and len(_public_api()) <= 151
     for module, public in _public_modules().items():
         for name in public.__all__:
             obj = getattr(public, name)
