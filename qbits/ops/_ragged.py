@@ -59,12 +59,8 @@ def _hashable(x: Any) -> Any:
     return tuple(x) if isinstance(x, list) else x
 
 
-def _check_group_sizes(owner: str, group_sizes: Any, rhs: Any, group: int) -> None:
-    """Integer sizes, one per group of ``rhs`` (its axis ``group``).
-
-    Raises:
-      InvalidArgumentError: Naming ``group_sizes`` and what it must be.
-    """
+def _check_dtype(owner: str, group_sizes: Any) -> None:
+    """Raises InvalidArgumentError unless ``group_sizes`` holds integers."""
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise InvalidArgumentError(
             owner,
@@ -72,6 +68,15 @@ def _check_group_sizes(owner: str, group_sizes: Any, rhs: Any, group: int) -> No
             jnp.dtype(group_sizes.dtype),
             "an integer dtype (int32): the number of lhs rows of each group",
         )
+
+
+def _check_group_sizes(owner: str, group_sizes: Any, rhs: Any, group: int) -> None:
+    """Integer sizes, one per group of ``rhs`` (its axis ``group``).
+
+    Raises:
+      InvalidArgumentError: Naming ``group_sizes`` and what it must be.
+    """
+    _check_dtype(owner, group_sizes)
     if len(rhs.shape) <= group:
         return  # lax names the rank
     count = rhs.shape[group]
@@ -149,9 +154,10 @@ class RaggedDot:
 
     Example:
       >>> rd = qbits.ops.ragged_dot(qbits.presets.get("int8_fwd"))
-      >>> x, w = jnp.ones((5, 8)), jnp.ones((2, 8, 3))
-      >>> rd(x, w, jnp.array([2, 3])).shape
-      (5, 3)
+      >>> rd == qbits.ops.ragged_dot(qbits.presets.get("int8_fwd"))
+      True
+      >>> rd.config.fwd.rhs.numerics.bits
+      8
     """
 
     config: DotGeneralConfig
@@ -231,11 +237,12 @@ class RaggedDot:
 
         Example:
           >>> rd = qbits.ops.ragged_dot(qbits.presets.get("int8_fwd"))
-          >>> dn = jax.lax.RaggedDotDimensionNumbers(
+          >>> dn = jax.lax.RaggedDotDimensionNumbers(  # lax.ragged_dot's
           ...     (((1,), (1,)), ((), ())), lhs_ragged_dimensions=(0,),
           ...     rhs_group_dimensions=(0,))
           >>> x, w = jnp.ones((5, 8)), jnp.ones((2, 8, 3))
-          >>> rd.general(x, w, jnp.array([2, 3]), dn).shape
+          >>> jax.eval_shape(lambda x, w: rd.general(x, w, jnp.array([2, 3]), dn),
+          ...                x, w).shape
           (5, 3)
         """
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
@@ -367,8 +374,7 @@ def _contraction(
     Raises:
       InvalidArgumentError: As :meth:`RaggedDot.general`.
     """
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        _check_group_sizes(owner, group_sizes, rhs, 0)
+    _check_dtype(owner, group_sizes)
     rd = RaggedDims.create(
         dimension_numbers,
         len(lhs.shape),

@@ -292,13 +292,7 @@ def expand(x: jax.Array, group_sizes: jax.Array, axis: int) -> jax.Array:
     """``x`` expanded per group along its ragged ``axis``: ``[g, *x.shape]``.
 
     Slice ``j`` keeps group ``j``'s indices along ``axis`` and is zero
-    elsewhere.
-
-    Example:
-      >>> from qbits.ops._ragged_dims import expand
-      >>> expand(jnp.arange(1.0, 4.0), jnp.array([1, 2]), 0)
-      Array([[1., 0., 0.],
-             [0., 2., 3.]], dtype=float32)
+    elsewhere: ``expand([1, 2, 3], [1, 2], 0)`` is ``[[1, 0, 0], [0, 2, 3]]``.
     """
     mask = group_mask(group_sizes, x.shape, axis)
     wide = lax.broadcast_in_dim(x, mask.shape, tuple(range(1, x.ndim + 1)))
