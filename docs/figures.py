@@ -485,6 +485,29 @@ def lm_deep() -> str:
     )
 
 
+@figure("moe", "moe_cpu.json")
+def moe() -> str:
+    data = _json("moe_cpu.json")
+    rows = data["rows"]
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    base = {r["seed"]: r["eval_loss"] for r in rows if r["config"] == "float32"}
+    table = []
+    for c in configs[1:]:
+        got = sorted((r for r in rows if r["config"] == c), key=lambda r: r["seed"])
+        table.append(
+            [f"`{c}`"] + [f"{r['eval_loss'] / base[r['seed']]:.4f}" for r in got]
+        )
+    seeds = sorted(base)
+    setup = data["setup"]
+    return (
+        _table(["config", *(f"seed {s}" for s in seeds)], table)
+        + "\n"
+        + f"({setup['experts']} experts, top-{setup['top_k']}, {setup['steps']} "
+        "Adam steps; held-out loss / float32 of the same seed.)\n\n"
+        + _source("moe_cpu.json")
+    )
+
+
 @figure("kv_cache", "kv_cache_cpu.md")
 def kv_cache() -> str:
     rows = _md_table("kv_cache_cpu.md")

@@ -15,9 +15,10 @@ in this file):
    :class:`~qbits.scaled.ScaledArray` and :func:`~qbits.scaled.scalify`,
    scale propagation through a whole graph (float16 and fp8 training
    without overflow).
-4. ops: :func:`dot_general`, :func:`einsum` and :func:`conv_general_dilated`,
-   configured by :class:`DotGeneralConfig` and :class:`MatmulConfig`, one
-   quantized-matmul core (scale state through ``state=``; :mod:`qbits.ops`).
+4. ops: :func:`dot_general`, :func:`einsum` and :func:`conv_general_dilated`
+   (and :func:`qbits.ops.ragged_dot`, grouped matmuls), configured by
+   :class:`DotGeneralConfig` and :class:`MatmulConfig`, one quantized-matmul
+   core (scale state through ``state=``; :mod:`qbits.ops`).
 5. config: YAML files (:func:`load_config`, :mod:`qbits.config`),
    :mod:`presets`, per-layer rules (:class:`QuantConfig`, :class:`Rule`);
    bad configs raise :class:`ConfigError`; :func:`freeze_ranges` turns

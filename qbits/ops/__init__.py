@@ -1,4 +1,4 @@
-"""Layer 4: quantized dot_general, einsum and conv.
+"""Layer 4: quantized dot_general, einsum, conv and ragged_dot.
 
 One core (one custom VJP) computes the three quantized matmuls of each;
 scales come from calibration or from scale state (see
@@ -11,6 +11,7 @@ from qbits.ops._dims import Dims
 from qbits.ops._dot_general import DotGeneral, dot_general
 from qbits.ops._einsum import Einsum, einsum
 from qbits.ops._hlo import dot_dtypes, jaxpr_dot_dtypes
+from qbits.ops._ragged import ragged_dot
 from qbits.ops._state import combine_state, max_combining, per_tensor_state
 from qbits.ops._stored import store_weight, stored_matmul
 
@@ -29,6 +30,7 @@ __all__ = [
     "jaxpr_dot_dtypes",
     "max_combining",
     "per_tensor_state",
+    "ragged_dot",
     "store_weight",
     "stored_matmul",
 ]

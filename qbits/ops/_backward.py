@@ -42,10 +42,14 @@ class Gradient:
     Attributes:
       cfg: The matmul's config.
       contraction: The gradient contraction.
-      g: The output gradient (times the reused operand's scale where it was
-        folded in).
-      other: The forward operand, quantized for this matmul already.
-      operand: ``g`` to quantize, or ``None`` (a float matmul).
+      g: The output gradient, prepared for the contraction
+        (:meth:`~qbits.ops._operands.Contraction.prepare`; times the reused
+        operand's scale where it was folded in); as it came for a float
+        matmul.
+      other: The forward operand, quantized for this matmul already (as it
+        came for a float matmul).
+      operand: ``g`` to quantize, or ``None`` (a float matmul: the
+        contraction's :meth:`~qbits.ops._operands.Contraction.direct`).
       shareable: What makes ``g``'s quantization the same as another
         matmul's (``None``: never shared).
       uses: The matmul whose quantized ``g`` this one takes.
@@ -70,22 +74,23 @@ class Gradient:
         gscale: jax.Array | None,
     ) -> Gradient:
         if cfg.is_identity and not isinstance(other, QTensor | Reused):
-            return cls(cfg, c, g, other, None, None)
+            return cls(cfg, c, g, other, None, None)  # call operands: direct
+        g = c.prepare(g, "lhs")
         real = cfg.mode == "real"
         folded = False
         if isinstance(other, Reused):
             # One that is not plain (a zero point, NVFP4) is dequantized.
-            plain = other.qtensor.is_plain
-            oq = c.reuse(other.qtensor) if plain else other.qtensor
+            qt = c.prepare(other.qtensor, "rhs")
+            oq = c.reuse(qt) if qt.is_plain else qt
             if oq is None:  # its scale varies along axes this matmul contracts
-                g = c.fold(g, other.qtensor)
-                ones = jnp.ones((1,) * other.qtensor.ndim, jnp.float32)
-                oq = other.qtensor.replace(scale=ones)
+                g = c.fold(g, qt)
+                ones = jnp.ones((1,) * qt.ndim, jnp.float32)
+                oq = qt.replace(scale=ones)
                 folded = True
         elif isinstance(other, QTensor):
-            oq = other
+            oq = other  # quantized for this matmul (prepared) already
         else:
-            oq = unquantized(other)
+            oq = unquantized(c.prepare(other, "rhs"))
         lc = c.contracting[0]
         operand = Operand(cfg.lhs, g, lc, slot, real, gscale)
         shareable = None if folded else cls.shareable_of(cfg, g.shape, lc)
@@ -107,7 +112,7 @@ class Gradient:
         straight-through derivative (:mod:`qbits.ops._straight_through`).
         """
         if self.operand is None:
-            return self.contraction.plain(self.g, self.other)
+            return self.contraction.direct(self.g, self.other)
         a = straight_through(self.g, gq.dequant(), grad)
         b = self.other.dequant()
         dtype = jnp.promote_types(a.dtype, b.dtype)
@@ -116,7 +121,7 @@ class Gradient:
     def contract(self, gq: QTensor | None) -> jax.Array:
         """The gradient, from ``g`` quantized (``None`` for a float matmul)."""
         if self.operand is None:
-            return self.contraction.plain(self.g, self.other)
+            return self.contraction.direct(self.g, self.other)
         return self.contraction(gq, self.other, self.cfg)
 
 
@@ -130,6 +135,7 @@ def backward_matmuls(
     lhs_b: Any,
     key: jax.Array | None,
     gscale: jax.Array | None,
+    data: Any = None,
 ) -> tuple[dict[str, jax.Array], dict[str, tuple[QTensor, Grad]]]:
     """The backward matmuls ``needed`` (``"dlhs"``, ``"drhs"``) of ``g``.
 
@@ -145,11 +151,13 @@ def backward_matmuls(
       lhs_b: What the forward pass kept for ``drhs`` (from the lhs).
       key: The call's key (stochastic rounding), or ``None``.
       gscale: The output gradient's given scale, or ``None``.
+      data: The call's data, bound to ``c`` (:meth:`Contraction.bind`).
 
     Returns:
       Each needed matmul's output, laid out like its forward operand; and
       for each that quantizes ``g``, ``g`` quantized (``(QTensor, grad)``).
     """
+    c = c.bind(data)
     specs = _specs(config, c, rhs_b, lhs_b)
     matmuls = {
         name: Gradient.create(cfg, cg, g, other, slot, gscale)
@@ -166,13 +174,16 @@ def backward_matmuls(
     for name, (cfg, cg, _, slot) in specs.items():
         if name not in needed:
             lc = cg.contracting[0]
-            if cfg.lhs == IDENTITY or not fits(cfg.lhs, g, lc):
+            if cfg.lhs == IDENTITY:
                 continue
-            shareable = Gradient.shareable_of(cfg, g.shape, lc)
+            gp = jax.eval_shape(lambda g, cg=cg: cg.prepare(g, "lhs"), g)
+            if not fits(cfg.lhs, gp, lc):
+                continue
+            shareable = Gradient.shareable_of(cfg, gp.shape, lc)
             if shareable is None or all(
                 m.shareable != shareable for m in matmuls.values()
             ):
-                spec = jax.ShapeDtypeStruct(g.shape, g.dtype)
+                spec = jax.ShapeDtypeStruct(gp.shape, gp.dtype)
                 operands[name] = Operand(cfg.lhs, spec, lc, slot, False, gscale)
             continue
         m = matmuls[name]
@@ -214,11 +225,11 @@ def _backward_matmuls_jvp(
     primals: tuple[Any, ...],
     tangents: tuple[Any, ...],
 ) -> tuple[Any, Any]:
-    g, rhs_b, lhs_b, _, gscale = primals
+    g, rhs_b, lhs_b, _, gscale, data = primals
     grads, quantized = backward_matmuls(config, c, needed, *primals)
 
     def emulated(g: jax.Array, rhs_b: Any, lhs_b: Any) -> dict[str, jax.Array]:
-        specs = _specs(config, c, rhs_b, lhs_b)
+        specs = _specs(config, c.bind(data), rhs_b, lhs_b)
         out = {}
         for name in needed:
             cfg, cg, other, slot = specs[name]

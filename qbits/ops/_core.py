@@ -1,4 +1,4 @@
-"""The quantized-matmul core: one custom VJP for dot_general, einsum and conv.
+"""The quantized-matmul core: one custom VJP for every quantized matmul.
 
 A quantized matmul is three contractions of two quantized operands each
 (see :class:`~qbits.DotGeneralConfig`): the forward ``out = C(lhs, rhs)``,
@@ -6,8 +6,11 @@ and the two that give the gradients, ``d_lhs = C_l(g, rhs)`` and
 ``d_rhs = C_r(g, lhs)``. A :class:`Contraction` says what the three
 contract and computes each from quantized operands (a ``dot_general`` for
 :func:`qbits.dot_general` and :func:`qbits.einsum`, a convolution and its
-transposes for :func:`qbits.conv_general_dilated`); :func:`apply` ties the
-three together with the one ``jax.custom_vjp`` of qbits.
+transposes for :func:`qbits.conv_general_dilated`, ragged dots for
+:func:`qbits.ops.ragged_dot`); :func:`apply` ties the three together with
+the one ``jax.custom_vjp`` of qbits. A contraction may need arrays besides
+its operands (``ragged_dot``'s group sizes: ``apply``'s ``data``) and work
+on another form of an operand (:meth:`Contraction.prepare`).
 
 Scales:
   Each operand's scale is computed from the operand by its quantizer's
@@ -125,6 +128,7 @@ def apply(
     rhs: jax.Array,
     key: jax.Array | None,
     scales: dict[str, jax.Array],
+    data: Any = None,
 ) -> jax.Array:
     """The quantized matmul of ``plan``: ``C(lhs, rhs)`` with its custom VJP.
 
@@ -140,6 +144,9 @@ def apply(
         the layer's key.
       scales: The given scale of each tensor with a scale provider, shaped
         like the scale its quantizers compute (one entry per block).
+      data: Arrays the contraction needs besides the operands (a pytree,
+        not differentiated; ``ragged_dot``'s group sizes), bound to it where
+        it is traced (:meth:`Contraction.bind`); ``None`` for most.
 
     Returns:
       The output, in the dtype the unquantized operation gives.
@@ -155,7 +162,7 @@ def apply(
     key = next_key(key) if key is not None and plan.config.needs_key else None
     lhs, rhs, scales = reverse_mode_only((lhs, rhs, scales))
     try:
-        return _jit_core(plan, lhs, rhs, key, scales)
+        return _jit_core(plan, lhs, rhs, key, scales, data)
     except TypeError as e:  # JAX's own, where it meets the forward mode first
         if "forward-mode" not in str(e):
             raise
@@ -169,10 +176,11 @@ def _core(
     rhs: jax.Array,
     key: jax.Array | None,
     scales: dict[str, jax.Array],
+    data: Any,
 ) -> jax.Array:
     # Without differentiation only the forward matmul is traced: nothing of
     # the backward matmuls (their operands, their configs' checks).
-    return _forward(plan, lhs, rhs, key, scales)[0]
+    return _forward(plan, lhs, rhs, key, scales, data)[0]
 
 
 def _forward(
@@ -181,6 +189,7 @@ def _forward(
     rhs: jax.Array,
     key: jax.Array | None,
     scales: dict[str, jax.Array],
+    data: Any,
     *,
     kept: tuple[str, ...] | None = None,
 ) -> tuple[jax.Array, dict[str, Any]]:
@@ -194,7 +203,7 @@ def _forward(
     :class:`~qbits._quantizer.Request`), so that the kernels are those of a
     call that keeps both.
     """
-    config, c = plan.config, plan.contraction
+    config, c = plan.config, plan.contraction.bind(data)
     fwd = config.fwd
     lc, rc = c.contracting
     operands: dict[str, Operand] = {}
@@ -208,9 +217,11 @@ def _forward(
     }
     for name in () if kept is None else ("dlhs", "drhs"):
         cfg, side, x, tensor, slot = backward[name]
-        axes = c.gradient(side).contracting[1]
+        cg = c.gradient(side)
+        axes = cg.contracting[1]
         if cfg.use_fwd_quant or cfg.rhs == IDENTITY:
             continue
+        x = cg.prepare(x, "rhs")
         if name not in kept:
             if not fits(cfg.rhs, x, axes):  # no place to keep
                 continue
@@ -237,6 +248,7 @@ def _fwd(
     rhs: Any,
     key: Any,
     scales: dict[str, Any],
+    data: Any,
 ) -> tuple[jax.Array, tuple[Any, ...]]:
     # Symbolic zeros: each argument comes with whether it is differentiated
     # (``perturbed``). A backward matmul whose gradient nobody needs (the
@@ -249,9 +261,10 @@ def _fwd(
     )
     lhs, rhs = lhs.value, rhs.value
     key = jax.tree.map(lambda k: k.value, key)
+    data = jax.tree.map(lambda d: d.value, data)
     scales = {t: s.value for t, s in scales.items()}
     fwd, c = plan.config.fwd, plan.contraction
-    out, done = _kept_forward(plan, needed, lhs, rhs, key, scales)
+    out, done = _kept_forward(plan, needed, lhs, rhs, key, scales, data)
     lc, rc = c.contracting
     amax = {
         t: block_amax(q, x, axes)
@@ -279,6 +292,7 @@ def _fwd(
         scales.get("grad"),
         amax,
         {t: jnp.zeros_like(s) for t, s in scales.items()},
+        data,
     )
     return out, residuals
 
@@ -291,6 +305,7 @@ def _kept_forward(
     rhs: jax.Array,
     key: jax.Array | None,
     scales: dict[str, jax.Array],
+    data: Any,
 ) -> tuple[jax.Array, dict[str, Any]]:
     """:func:`_forward`, keeping the operands of the backward matmuls ``needed``.
 
@@ -298,15 +313,15 @@ def _kept_forward(
     straight-through: ``C(dlhs, Q(rhs)) + C(Q(lhs), drhs)``
     (:mod:`qbits.ops._straight_through`).
     """
-    return _forward(plan, lhs, rhs, key, scales, kept=needed)
+    return _forward(plan, lhs, rhs, key, scales, data, kept=needed)
 
 
 def _kept_forward_jvp(
     plan: Plan, needed: tuple[str, ...], primals: tuple[Any, ...], tangents: Any
 ) -> tuple[Any, Any]:
-    lhs, rhs, key, scales = primals
+    lhs, rhs, key, scales, data = primals
     dl, dr = tangents[0], tangents[1]
-    out, done = _kept_forward(plan, needed, lhs, rhs, key, scales)
+    out, done = _kept_forward(plan, needed, lhs, rhs, key, scales, data)
     # What the backward matmuls keep: a float operand carries its derivative,
     # quantized codes carry none (scales and masks have derivative zero).
     t_done = zero_from_primal(done, True)
@@ -321,7 +336,7 @@ def _kept_forward_jvp(
     def emulated(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
         a = straight_through(lhs, lq.dequant(), lgrad)
         b = straight_through(rhs, rq.dequant(), rgrad)
-        return plan.contraction.plain(a, b).astype(out.dtype)
+        return plan.contraction.bind(data).plain(a, b).astype(out.dtype)
 
     args = (lhs, rhs)
     _, t_out = jax.jvp(emulated, args, instantiate((dl, dr), args))
@@ -366,13 +381,13 @@ def _for_backward(
 
 def _bwd(
     plan: Plan, residuals: tuple[Any, ...], g: Any
-) -> tuple[jax.Array | None, jax.Array | None, None, dict[str, Any]]:
-    rhs_b, lhs_b, needs, lgrad, rgrad, key, gscale, amax, zeros = residuals
+) -> tuple[jax.Array | None, jax.Array | None, None, dict[str, Any], None]:
+    rhs_b, lhs_b, needs, lgrad, rgrad, key, gscale, amax, zeros, data = residuals
     config, c = plan.config, plan.contraction
     if isinstance(g, SymbolicZero):  # nothing flows back
-        return None, None, None, {t: None for t in zeros}
+        return None, None, None, {t: None for t in zeros}, None
     needed = tuple(n for n, k in zip(("dlhs", "drhs"), needs.shape, strict=True) if k)
-    grads, _ = backward_matmuls(config, c, needed, g, rhs_b, lhs_b, key, gscale)
+    grads, _ = backward_matmuls(config, c, needed, g, rhs_b, lhs_b, key, gscale, data)
     vma = dict(plan.vma)
     dl = dr = None
     if "dlhs" in grads:
@@ -386,14 +401,15 @@ def _bwd(
     if "grad" in plan.observe:
         side = "lhs" if provider(config.dlhs.lhs) else "rhs"
         q = config.dlhs.lhs if side == "lhs" else config.drhs.lhs
-        observed["grad"] = block_amax(q, g, c.gradient(side).contracting[0])
+        cg = c.bind(data).gradient(side)
+        observed["grad"] = block_amax(q, cg.prepare(g, "lhs"), cg.contracting[0])
     for t in observed:
         observed[t] = _match_vma(
             observed[t].reshape(zeros[t].shape),
             vma.get(f"{t}_scale", frozenset()),
             lax.pmax,
         )
-    return dl, dr, None, observed
+    return dl, dr, None, observed, None
 
 
 def _identity(g: jax.Array) -> jax.Array:

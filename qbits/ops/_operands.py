@@ -104,6 +104,33 @@ class Contraction(abc.ABC):
     def gradient(self, side: str) -> Contraction:
         """The contraction ``(g, other) -> d side``, laid out like ``side``."""
 
+    def bind(self, data: Any) -> Contraction:
+        """This contraction with the call's ``data`` (see :func:`~._core.apply`).
+
+        Arrays a contraction needs besides its operands and cannot hold as a
+        static argument (``ragged_dot``'s group sizes); the core binds them
+        where it traces the contraction. Without data: ``self``.
+        """
+        return self
+
+    def prepare(self, x: Any, side: str) -> Any:
+        """The tensor this contraction quantizes and contracts as ``side``.
+
+        From the call's own tensor (an array, or a QTensor that a backward
+        matmul reuses): itself, unless the contraction works on another form
+        of it (``ragged_dot``'s weight gradient: per group). :meth:`plain`
+        and :meth:`__call__` take prepared operands.
+        """
+        return x
+
+    def direct(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        """The unquantized operation on the call's own operands.
+
+        :meth:`plain` of the prepared operands, unless the contraction has a
+        way of its own (what JAX itself computes for them).
+        """
+        return self.plain(self.prepare(lhs, "lhs"), self.prepare(rhs, "rhs"))
+
     def reuse(self, rhs: QTensor) -> QTensor | None:
         """A forward operand reused as this contraction's rhs.
 

@@ -381,8 +381,12 @@ def run(
     key: jax.Array | None,
     state: dict[str, jax.Array] | None,
     owner: str,
+    data: Any = None,
 ) -> jax.Array:
     """The quantized matmul, its providers' scales taken from ``state``.
+
+    ``data``: the contraction's arrays besides the operands (see
+    :func:`qbits.ops._core.apply`).
 
     Raises:
       InvalidArgumentError: For state that does not match the config and
@@ -394,8 +398,9 @@ def run(
         if state:
             _check_state(owner, {}, state)
         plan = core.Plan(config, contraction, dtypes, (), tuple(vma))
-        return core.apply(plan, lhs, rhs, key, {})
-    states = tensor_states(config, contraction, _shapes(contraction, lhs, rhs), owner)
+        return core.apply(plan, lhs, rhs, key, {}, data)
+    bound = contraction.bind(data)
+    states = tensor_states(config, bound, _shapes(bound, lhs, rhs), owner)
     if state is None:
         raise InvalidArgumentError(
             owner,
@@ -409,7 +414,7 @@ def run(
     expected = jax.eval_shape(
         lambda: init_state(
             config,
-            contraction,
+            bound,
             jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
             jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
             owner,
@@ -431,4 +436,4 @@ def run(
         vma.append((f"{t}_scale", core.varying(scales[t])))
     observe = tuple(t for t, ts in states.items() if ts.provider.observes)
     plan = core.Plan(config, contraction, dtypes, observe, tuple(vma))
-    return core.apply(plan, operands["lhs"], operands["rhs"], key, scales)
+    return core.apply(plan, operands["lhs"], operands["rhs"], key, scales, data)

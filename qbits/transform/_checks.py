@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qbits import ops
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits.ops import Dims, DotGeneralConfig
 
-__all__ = ["check_conv_operands", "check_operands"]
+__all__ = ["check_conv_operands", "check_operands", "check_ragged_operands"]
 
 
 def _out_shape(dims: Dims, lhs: Sequence[int], rhs: Sequence[int]) -> tuple[int, ...]:
@@ -138,6 +139,54 @@ def check_conv_operands(
         layer,
         source,
     )
+
+
+def check_ragged_operands(
+    config: DotGeneralConfig,
+    lhs_shape: Sequence[int],
+    rhs_shape: Sequence[int],
+    dimension_numbers: Any,
+    where: str = "",
+    *,
+    layer: str | None = None,
+    source: str | None = None,
+) -> None:
+    """:func:`check_operands` for a ``lax.ragged_dot_general`` call.
+
+    Also what :func:`qbits.ops.ragged_dot` asks of a config (scale providers
+    per tensor; the weight gradient's operands calibrated by absmax).
+
+    Raises:
+      ConfigError: Naming e.g. ``default.drhs.lhs.calibration``.
+
+    Example:
+      >>> cfg = qbits.presets.get("int4_weight_only")
+      >>> try:
+      ...     qbits.transform._checks.check_ragged_operands(
+      ...         cfg, (6, 48), (2, 48, 4), jax.lax.RaggedDotDimensionNumbers(
+      ...             (((1,), (1,)), ((), ())), (0,), (0,)), "default",
+      ...         layer="experts")
+      ... except qbits.ConfigError as e:
+      ...     print(str(e)[:63])
+      default.fwd.rhs.granularity.tile_size: expected a divisor of 48
+    """
+    # A key only to build the op: the config is checked, nothing is drawn.
+    key = jax.random.key(0) if config.needs_key else None
+    try:
+        op = ops.ragged_dot(config, key)
+    except InvalidArgumentError as e:
+        raise ConfigError(
+            f"{where}.{e.argument.removeprefix('config.')}".lstrip("."),
+            e.value,
+            e.allowed,
+            why=e.why,
+            layer=layer,
+            source=source,
+        ) from None
+    operands = op.quantized_operands(
+        tuple(lhs_shape), tuple(rhs_shape), dimension_numbers
+    )
+    _check_quantizers(config, operands, where, layer, source)
 
 
 def _check_quantizers(

@@ -1,7 +1,8 @@
 """Finding every matmul a function computes, and naming it.
 
-A function is traced once to a jaxpr. Every ``dot_general`` and
-``conv_general_dilated`` equation in it (at any depth: inside ``jit``,
+A function is traced once to a jaxpr. Every ``dot_general``,
+``conv_general_dilated`` and ``ragged_dot_general`` (grouped matmuls,
+``lax.ragged_dot``) equation in it (at any depth: inside ``jit``,
 ``scan``, ``remat``, ``cond`` and ``while`` bodies) is a *site*. A site is
 named by the parameter that feeds it: parameters are the leaves of one
 argument (the model's variables or state), and their paths are followed
@@ -21,8 +22,10 @@ Sites inside a ``custom_jvp`` or ``custom_vjp`` rule (a model's own
 quantized function, or a hand-written gradient), inside other primitives
 whose bodies cannot be re-run (``shard_map`` and the like) and inside a
 ``while_loop``'s condition are listed but kept as they are; so are
-``ragged_dot`` s (grouped matmuls) and matmuls of integer operands (exact,
-as ``lax`` computes them). A ``dot_general`` that contracts no axis (an
+matmuls of integer operands (exact, as ``lax`` computes them) and ragged
+dots that :func:`qbits.ops.ragged_dot` does not quantize (a ragged
+dimension contracted or batched, as in the weight gradients JAX derives;
+group sizes per batch; a ``group_offset``). A ``dot_general`` that contracts no axis (an
 elementwise product, such as a norm's scale) is not a matmul: it is
 neither listed nor quantized.
 
@@ -42,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from qbits import ops
 from qbits._errors import InvalidArgumentError
 from qbits._jaxpr import scan_counts
 from qbits.transform._names import (
@@ -73,8 +77,14 @@ _CUSTOM = frozenset(
     ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
 )
 MATMULS = frozenset(("dot_general", "conv_general_dilated"))
-# Grouped matmuls: listed, not quantized (yet).
-_RAGGED = frozenset(("ragged_dot_general", "ragged_dot"))
+# Grouped matmuls (``ragged_dot``: the primitive of older JAX versions).
+RAGGED = frozenset(("ragged_dot_general", "ragged_dot"))
+#: The dimension numbers of ``lax.ragged_dot`` (a ``ragged_dot`` equation).
+RAGGED_DOT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (1,)), ((), ())),
+    lhs_ragged_dimensions=(0,),
+    rhs_group_dimensions=(0,),
+)
 # At most this many producing modules are remembered per value: the scope of
 # an activation x activation matmul is their common path prefix.
 _MAX_ORIGINS = 8
@@ -115,7 +125,8 @@ class Site:
     Attributes:
       ctx: Where the equation is: equation indices from the outermost jaxpr
         down through the bodies that hold it (and a ``cond``'s branch index).
-      primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+      primitive: ``"dot_general"``, ``"conv_general_dilated"`` or
+        ``"ragged_dot"`` (a ``ragged_dot_general`` equation).
       operands: The operand types, e.g. ``"f32[8,16] x f32[16,32]"``.
       lhs, rhs: The parameters feeding each operand (empty: activation).
       label: The einsum subscripts the jaxpr recorded, or ``""``.
@@ -133,6 +144,8 @@ class Site:
         written first operand).
       integer: Whether an operand is not floating point (an integer
         matmul: exact, kept as it is).
+      unsupported: Why qbits cannot quantize the matmul (a ragged dot of
+        another mode: ``qbits.ops.ragged_dot(...).unsupported``), or ``""``.
       path: The site's unique name (set by :func:`~._names.name_sites`).
       eqn: The jaxpr equation (its operand types and parameters).
     """
@@ -150,6 +163,7 @@ class Site:
     contracting: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     flipped: bool = False
     integer: bool = False
+    unsupported: str = ""
     path: str = ""
     eqn: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -163,9 +177,9 @@ class Site:
         """Why the site runs as it is whatever the rules say, or ``""``."""
         if self.frozen:
             return f"inside {self.frozen}"
-        if self.primitive == "ragged_dot":
-            return "grouped matmuls are not quantized yet"
-        return "integer operands" if self.integer else ""
+        if self.integer:
+            return "integer operands"
+        return self.unsupported
 
     @property
     def weights(self) -> frozenset[Weight]:
@@ -292,7 +306,7 @@ class _Walker:
         n_out = len(eqn.outvars)
         if name == "dot_general" and not eqn.params["dimension_numbers"][0][0]:
             return [self.lose(ins)] * n_out  # an elementwise product, no matmul
-        if name in MATMULS or name in _RAGGED:
+        if name in MATMULS or name in RAGGED:
             lhs, rhs = ins[0], ins[1]
             if at.frozen and not (lhs.weights or rhs.weights) and self.region:
                 rhs = _Value(self.region, rhs.origins)
@@ -301,8 +315,10 @@ class _Walker:
                 if (lhs.weights or rhs.weights)
                 else common(lhs.origins | rhs.origins)
             )
-            if name in _RAGGED:
+            unsupported = ""
+            if name in RAGGED:
                 name = "ragged_dot"
+                unsupported = _ragged_unsupported(eqn)
             label = einsum_label(at.stack) if name == "dot_general" else ""
             acts = not (lhs.weights or rhs.weights)
             swapped = bool(label) and acts and flipped(label, eqn)
@@ -329,6 +345,7 @@ class _Walker:
                 integer=not all(
                     jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars[:2]
                 ),
+                unsupported=unsupported,
                 eqn=eqn,
             )
             self.sites.append(site)
@@ -402,6 +419,15 @@ class _Walker:
         body = dataclasses.replace(at, loops=(*at.loops, length))
         outs = self.walk(p["jaxpr"].jaxpr, inputs, body)
         return [self.lose([v]) for v in outs]
+
+
+def _ragged_unsupported(eqn: Any) -> str:
+    """Why :func:`qbits.ops.ragged_dot` cannot quantize this equation, or ``""``."""
+    p = eqn.params
+    lhs, rhs, sizes = (v.aval for v in eqn.invars[:3])
+    dims = p.get("ragged_dot_dimension_numbers", RAGGED_DOT)
+    op = ops.ragged_dot(ops.DotGeneralConfig())
+    return op.unsupported(lhs, rhs, sizes, dims, p.get("group_offset"))
 
 
 def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:

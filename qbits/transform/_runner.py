@@ -4,10 +4,11 @@ A :class:`Plan` decides, from the rules, which sites of a
 :class:`~qbits.transform._program.Program` run quantized, with which
 config, key stream, scale state or stored weight. The :class:`Runner` then
 runs the program's jaxpr again equation by equation on the actual
-arguments, with each planned site's ``dot_general`` or
-``conv_general_dilated`` replaced by qbits' core (:func:`qbits.dot_general`,
-:func:`qbits.conv_general_dilated`): one custom VJP whose backward matmuls
-are quantized as configured. Everything else runs as JAX would run it;
+arguments, with each planned site's ``dot_general``,
+``conv_general_dilated`` or ``ragged_dot_general`` replaced by qbits' core
+(:func:`qbits.dot_general`, :func:`qbits.conv_general_dilated`,
+:func:`qbits.ops.ragged_dot`): one custom VJP whose backward matmuls are
+quantized as configured. Everything else runs as JAX would run it;
 bodies that hold a planned site are rebuilt (``jit`` inlined,
 ``scan``/``cond``/``while`` re-entered, ``remat`` with its policy).
 
@@ -35,7 +36,11 @@ from qbits._jaxpr import bind, scan_counts
 from qbits.config import QuantConfig, Resolution
 from qbits.numerics import NoNumerics, next_key
 from qbits.tensor import QTensor
-from qbits.transform._checks import check_conv_operands, check_operands
+from qbits.transform._checks import (
+    check_conv_operands,
+    check_operands,
+    check_ragged_operands,
+)
 from qbits.transform._observe import (
     ObservedMatmul,
     Observer,
@@ -43,7 +48,7 @@ from qbits.transform._observe import (
     describe,
     record,
 )
-from qbits.transform._program import Ctx, Program, Site
+from qbits.transform._program import RAGGED_DOT, Ctx, Program, Site
 from qbits.transform._swap import permuted_sharding, swapped
 
 __all__ = ["Caller", "Frame", "Plan", "Runner", "run_program"]
@@ -218,6 +223,11 @@ class Plan:
             check_operands(
                 config, lhs.shape, rhs.shape, dn, where, layer=site.path, source=source
             )
+        elif site.primitive == "ragged_dot":
+            dn = p.get("ragged_dot_dimension_numbers", RAGGED_DOT)
+            check_ragged_operands(
+                config, lhs.shape, rhs.shape, dn, where, layer=site.path, source=source
+            )
         else:
             check_conv_operands(
                 config, lhs, rhs, p["window_strides"], p["padding"],
@@ -354,6 +364,16 @@ class Runner:
             args = (lhs, rhs, dn, precision, p.get("preferred_element_type"))
             if out_sharding is not None:
                 kwargs["out_sharding"] = out_sharding
+        elif site.primitive == "ragged_dot":
+
+            def make(config: Any, key: Any = None) -> Any:
+                return ops.ragged_dot(config, key).general
+
+            dn = p.get("ragged_dot_dimension_numbers", RAGGED_DOT)
+            pet = p.get("preferred_element_type")
+            args = (*invals[:3], dn, p.get("precision"), pet)
+            if p.get("out_sharding") is not None:
+                kwargs["out_sharding"] = p["out_sharding"]
         else:
             make = ops.conv_general_dilated
             args = (
@@ -386,8 +406,12 @@ class Runner:
             )  # fmt: skip
         elif state_name is not None and frame.collect is not None:
             # initialising: the state from the actual operands, float forward
+            if site.primitive == "ragged_dot":
+                init = ops.ragged_dot(config).init_state
+            else:
+                init = make(config).init_state
             n = 5 if make is ops.dot_general else len(args)  # without out_sharding
-            frame.collect[state_name] = make(config).init_state(*args[:n])
+            frame.collect[state_name] = init(*args[:n])
             return bind(eqn, invals)
         else:
             site_key = frame.next_key() if config.needs_key else None

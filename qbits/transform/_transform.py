@@ -108,9 +108,14 @@ def quantize(
     the modules that produced their operands plus the einsum subscripts
     (``attn/btnh,bsnh->bnts``; Flax's attention einsums are ``attn/qk`` and
     ``attn/pv``); a config's ``lhs`` is the einsum's written first operand.
-    :func:`layer_table` lists them all. Integer matmuls stay exact (as
-    ``lax`` computes them), and grouped matmuls (``ragged_dot``) and those
-    in a ``while_loop``'s condition run as they are: listed as kept.
+    :func:`layer_table` lists them all. Grouped matmuls
+    (``lax.ragged_dot``, a mixture of experts' experts) are named by their
+    weight like the others and run as :func:`qbits.ops.ragged_dot`: each
+    group's matmul quantized as :func:`qbits.dot_general` quantizes one.
+    Integer matmuls stay exact (as ``lax`` computes them); ragged dots of
+    another mode (a ragged dimension contracted or batched, as in the
+    weight gradients JAX derives) and matmuls in a ``while_loop``'s
+    condition run as they are: listed as kept, with the reason.
 
     Batching: ``jax.vmap(quantize(f))`` quantizes each example's tensors on
     their own (what vmap promises: each example as if ``f`` ran on it
@@ -317,10 +322,11 @@ def layer_table(
     run as they are whatever the rules say are listed as kept, with the
     reason: inside a model's own custom-gradient function (a model that
     passes its own quantized ``dot_general``), integer matmuls (exact),
-    grouped matmuls (``ragged_dot``) and matmuls in a ``while_loop``'s
-    condition. Rules that match no matmul are reported as unused, saying
-    when they match a module that holds parameters but multiplies with none
-    of them.
+    ragged dots that :func:`qbits.ops.ragged_dot` does not quantize (a
+    ragged dimension contracted or batched) and matmuls in a
+    ``while_loop``'s condition. Rules that match no matmul are reported as
+    unused, saying when they match a module that holds parameters but
+    multiplies with none of them.
 
     Args:
       fn: The function, as for :func:`quantize`.

@@ -581,12 +581,14 @@ def test_each_site_draws_its_own_noise():
 
 def test_kept_matmuls_are_listed_with_the_reason():
     """Integer matmuls stay exact (a rule that quantizes one is an error
-    naming it); grouped matmuls and a while_loop's condition are listed and
-    run as they are."""
+    naming it); a ragged dot contracting its ragged dimension (a weight
+    gradient JAX derives) and a while_loop's condition are listed and run
+    as they are."""
+    weight_grad = jax.lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), (0,), ())
 
     def f(p, x, ids, groups):
         counts = ids @ p["table"]  # integer: exact
-        moe = jax.lax.ragged_dot(x, p["experts"], groups)
+        moe = jax.lax.ragged_dot_general(x, p["experts"], groups, weight_grad)
         i = jax.lax.while_loop(
             lambda c: jnp.sum(c[1] @ p["probe"]) < 10.0,
             lambda c: (c[0] + 1, c[1] + 1.0),
@@ -596,14 +598,14 @@ def test_kept_matmuls_are_listed_with_the_reason():
 
     p = {
         "table": jnp.ones((4, 3), jnp.int32),
-        "experts": jnp.ones((2, 4, 5)),
+        "experts": jnp.ones((6, 5)),
         "probe": jnp.ones((4, 1)),
     }
     args = (p, jnp.ones((6, 4)), jnp.ones((6, 4), jnp.int32), jnp.array([3, 3]))
     table = qbits.layer_table(f, "int8_fwd", *args)
     assert [(r.path, r.kept) for r in table.rows] == [
         ("table", "integer operands"),
-        ("experts", "grouped matmuls are not quantized yet"),
+        ("experts", "ragged_dot_general with the ragged dimension contracted"),
         ("probe", "inside a while_loop condition"),
     ]
     out = qbits.quantize(f, "int8_fwd")(*args)
