@@ -396,13 +396,14 @@ def apply(model: Any, config: Any, *args: Any, key: Any, **kwargs: Any) -> Lora:
     found = transform.weight_matmuls(fn, params, *args, caller=caller, **kwargs)
     chosen = _choose(config, found)
     base_rules, stored_rules = _base_rules(config, found)
-    stored = (
-        transform.store_weights(
-            fn, stored_rules, params, *args, caller=caller, **kwargs
-        )
-        if stored_rules.rules
-        else {}
-    )
+    stored = {}
+    if stored_rules.rules:
+        try:
+            stored = transform.store_weights(
+                fn, stored_rules, params, *args, caller=caller, **kwargs
+            )
+        except ConfigError as e:  # named as in the base config
+            raise _in_base(e, base_rules, stored_rules) from None
     base = _frozen_base(params, stored)
     layers = []
     for path, m in found.items():
@@ -519,6 +520,18 @@ def _base_rules(
         exact.append((("#" not in path), Rule(re.escape(path), cfg)))
     ordered = tuple(r for _, r in sorted(exact, key=lambda e: e[0]))
     return rules, QuantConfig(rules=ordered, default=None)
+
+
+def _in_base(e: ConfigError, rules: QuantConfig, exact: QuantConfig) -> ConfigError:
+    """An error about the exact rules, as the base config's (its place in it)."""
+    found = re.fullmatch(r"rules\[(\d+)\]\.config(.*)", e.path)
+    if found is None:
+        return e
+    path = exact.rules[int(found.group(1))].pattern.replace("\\", "")
+    where = f"base.{rules.resolve(path).where}{found.group(2)}"
+    return ConfigError(
+        where, e.value, e.allowed, why=e.why, source=rules.source, layer=e.layer
+    )
 
 
 def _frozen_base(params: Any, stored: dict[str, Any]) -> LoraBase:

@@ -1,5 +1,7 @@
 """qbits.lora: LoRA and QLoRA on unmodified functions, linen and nnx models."""
 
+import functools
+
 import flax.linen as nn
 import flax.nnx as nnx
 import jax
@@ -96,12 +98,12 @@ def float_lora():
     return lora.apply(model, cfg, PARAMS, X, key=jax.random.key(0))
 
 
-def test_only_the_adapters_train(float_lora):
-    fn, base, adapters = float_lora
-    y = jnp.asarray(RNG.normal(size=(2, 3, 8)), jnp.float32)
+def test_only_the_adapters_train_through_the_quantized_base(qlora):
+    _, fn, base, adapters, _ = qlora
+    y = jnp.asarray(RNG.normal(size=(2, 3, 8)).astype(np.float32))
     opt = optax.adam(1e-2)  # sees the adapters only
 
-    def loss(ad, base):
+    def loss(ad, base, fn=fn):
         return jnp.mean((fn(ad, base, X) - y) ** 2)
 
     @jax.jit
@@ -117,11 +119,24 @@ def test_only_the_adapters_train(float_lora):
         ad, state, value, g = step(ad, state, base)
         losses.append(float(value))
         if i == 0:  # gradients for the adapters only; A's is zero while B = 0
-            assert jax.tree.structure(g) == jax.tree.structure(adapters)
-            assert not np.asarray(g["head"]["a"]).any()
-            assert np.asarray(g["head"]["b"]).any()
+            first = g
     assert losses[-1] < losses[0]
     assert _same(base, frozen)
+    assert jax.tree.structure(first) == jax.tree.structure(adapters)
+    assert not np.asarray(first["head"]["a"]).any()
+    # The gradient reaches every adapter through the NF4 base's matmuls as it
+    # would through their dequantized weights held in float.
+    dequantized = lora.merge(fn, adapters, base)  # B = 0: the base's weights
+    ffn, fbase, fad = lora.apply(
+        model, lora.LoraConfig(rank=4), dequantized, X, key=jax.random.key(0)
+    )
+    assert _same(fad, adapters)  # the same A: the same key and paths
+    want = jax.jit(jax.grad(functools.partial(loss, fn=ffn)))(adapters, fbase)
+    for path in adapters:
+        assert np.asarray(first[path]["b"]).any()
+        np.testing.assert_allclose(
+            first[path]["b"], want[path]["b"], rtol=1e-4, atol=1e-6
+        )
 
 
 def test_dropout_only_with_a_key():
@@ -140,10 +155,13 @@ def test_dropout_only_with_a_key():
         keys = jax.random.key(0), jax.random.key(1), None
         return [fn(ad, base, x, dropout_key=k) for k in keys]
 
-    a, b, c = (np.asarray(y) for y in outs(ad, base, X[0, :, :8]))
+    x = np.asarray(X[0, :, :8])
+    a, b, c = (np.asarray(y) for y in outs(ad, base, x))
     assert not np.allclose(a, b) and not np.allclose(a, c)
-    merged = np.asarray(lora.merge(fn, ad, base)["w"])
-    np.testing.assert_allclose(c, np.asarray(X[0, :, :8]) @ merged, rtol=1e-5)
+    no_dropout = x @ np.asarray(base.params["w"]) + (
+        x @ np.asarray(ad["w"]["a"]) @ np.asarray(ad["w"]["b"]) * fn.layers[0].scale
+    )
+    np.testing.assert_allclose(c, no_dropout, rtol=1e-5, atol=1e-5)
 
 
 def test_merge_float_and_quantized_base(float_lora, qlora):
@@ -318,6 +336,13 @@ def test_rules_that_do_not_fit_the_model(qlora):
         apply(lora.LoraConfig(rules=(lora.LoraRule("head", rank=9),)))
     with pytest.raises(qbits.ConfigError, match=r"weight-only config.*'wq'"):
         apply(lora.LoraConfig(base="int8_fwd"))
+    with pytest.raises(
+        qbits.ConfigError, match=r"^base\.default\.fwd\.rhs\.granularity"
+    ):
+        lora.apply(  # NF4's blocks of 64 along K = 32: named in the base config
+            lambda p, x: x @ p["w"], lora.LoraConfig(rank=2, base="nf4"),
+            {"w": jnp.ones((32, 4))}, jnp.ones((1, 32)), key=jax.random.key(0),
+        )  # fmt: skip
     with pytest.raises(qbits.ConfigError, match="no matmul gets an adapter"):
         apply(lora.LoraConfig(rules=(lora.LoraRule(".*", adapt=False),)))
     with pytest.raises(qbits.InvalidArgumentError, match="key=None"):

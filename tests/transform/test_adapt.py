@@ -82,27 +82,6 @@ def test_adapter_equals_its_update_folded_into_the_weight_in_every_layout():
         )
 
 
-def test_gradients_reach_the_adapter_and_the_activation():
-    def f(p, x):
-        return jnp.tanh(x @ p["w"])
-
-    params = {
-        "w": jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
-    }
-    x, d = jnp.ones((2, 4)), jnp.full((4, 3), 0.1)
-
-    def loss(d, x):
-        return transform.adapt(f, None, ADD, {"w": d})(params, x).sum()
-
-    def merged(d, x):
-        return f({"w": params["w"] + d}, x).sum()
-
-    got = jax.jit(jax.grad(loss, (0, 1)))(d, x)
-    want = jax.jit(jax.grad(merged, (0, 1)))(d, x)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-6)
-
-
 def test_non_weight_matmuls_are_refused():
     def f(p, x):
         h = x @ p["w"]
