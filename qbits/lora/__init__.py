@@ -23,16 +23,10 @@ base plus the adapters. It returns ``(fn, base, adapters)``:
 - :func:`nbytes`: the bytes of a pytree (base, adapters).
 """
 
-from qbits.lora._apply import (
-    AdaptedLayer,
-    Lora,
-    LoraBase,
-    LoraFunction,
-    apply,
-    nbytes,
-)
+from qbits.lora._apply import apply
 from qbits.lora._checkpoint import restore_adapters, save_adapters
 from qbits.lora._config import INITS, LoraConfig, LoraRule
+from qbits.lora._function import AdaptedLayer, Lora, LoraBase, LoraFunction, nbytes
 from qbits.lora._merge import delta, merge
 
 __all__ = [

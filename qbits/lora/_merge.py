@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qbits._errors import InvalidArgumentError
-from qbits.lora._apply import AdaptedLayer, LoraBase, LoraFunction
+from qbits.lora._function import AdaptedLayer, LoraBase, LoraFunction
 
 __all__ = ["delta", "merge"]
 
