@@ -508,6 +508,17 @@ def moe() -> str:
     )
 
 
+@figure("lora", "lora_lm_cpu.md")
+def lora() -> str:
+    rows = _md_table("lora_lm_cpu.md")
+    keys = list(rows[0])
+    return (
+        _table(keys, [[r[k] for k in keys] for r in rows])
+        + "\n"
+        + _source("lora_lm_cpu.md", note="; one seed")
+    )
+
+
 @figure("kv_cache", "kv_cache_cpu.md")
 def kv_cache() -> str:
     rows = _md_table("kv_cache_cpu.md")

@@ -9,11 +9,16 @@ delayed and learned scales; :func:`collect_ranges` measures activation
 ranges for :func:`qbits.freeze_ranges`; :func:`store_weights` quantizes the
 weights once, for serving (``quantize(..., stored=...)``);
 :func:`observe_matmuls` hands every weight matmul's activation to an
-:class:`Observer` (ranges, post-training statistics). The linen and nnx
-adapters, serving and post-training quantization run through these
-functions (:class:`Caller` names them in errors).
+:class:`Observer` (ranges, post-training statistics); :func:`adapt` runs
+a function whose weight matmuls add an :class:`Adapter`'s output
+(low-rank adapters), :func:`weight_matmuls` lists which can be adapted
+(:class:`WeightMatmul`). The linen and nnx adapters, serving,
+post-training quantization and LoRA run through these functions
+(:class:`Caller` names them in errors).
 """
 
+from qbits.transform._adapt import WeightMatmul, adapt, weight_matmuls
+from qbits.transform._adapter import Adapter
 from qbits.transform._observe import ObservedMatmul, Observer
 from qbits.transform._runner import Caller
 from qbits.transform._store import StoredMatmul, store_weights
@@ -26,14 +31,18 @@ from qbits.transform._transform import (
 )
 
 __all__ = [
+    "Adapter",
     "Caller",
     "ObservedMatmul",
     "Observer",
     "StoredMatmul",
+    "WeightMatmul",
+    "adapt",
     "collect_ranges",
     "init_state",
     "layer_table",
     "observe_matmuls",
     "quantize",
     "store_weights",
+    "weight_matmuls",
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
@@ -36,6 +36,7 @@ from qbits._jaxpr import bind, scan_counts
 from qbits.config import QuantConfig, Resolution
 from qbits.numerics import NoNumerics, next_key
 from qbits.tensor import QTensor
+from qbits.transform._adapter import DATA, Adapter, adapter_output
 from qbits.transform._checks import (
     check_conv_operands,
     check_operands,
@@ -102,6 +103,11 @@ class Plan:
         outside ``cond`` and ``while`` bodies (what they record could not
         leave the body), run in float and hand their activation to it.
       every: With ``observe``: observe every weight matmul.
+      adapter: Adapting weight matmuls: what the ones in ``adapted`` add
+        to their output (their data: ``frame.states[DATA + path]``).
+      adapted: The paths of the weight ``dot_general`` s to adapt (the
+        caller checks that they are such matmuls, outside ``cond`` and
+        ``while`` bodies).
 
     Raises:
       ConfigError: For a rule that gives an integer matmul a config, or (with
@@ -120,6 +126,8 @@ class Plan:
         store: bool = False,
         observe: Observer | None = None,
         every: bool = False,
+        adapter: Adapter | None = None,
+        adapted: Collection[str] = (),
     ):
         self.rules = rules
         self.caller = caller
@@ -142,7 +150,13 @@ class Plan:
         self.observed: dict[Ctx, ObservedMatmul] = {}
         self.holds: set[Ctx] = set()  # bodies holding a planned site
         self.needs_key: list[str] = []
+        # Adapted weight matmuls: how the adapter sees each, its data's name.
+        self.adapter = adapter
+        self.adapted: dict[Ctx, ObservedMatmul] = {}
+        self.adapter_data: dict[Ctx, str] = {}
         for site in program.sites:
+            if site.path in adapted:
+                self._adapt(site, program)
             res = rules.resolve(site.path)
             config = res.config
             if site.integer and not site.frozen:
@@ -209,6 +223,14 @@ class Plan:
         if config is not None:
             self._check_fits(site, config, res)
 
+    def _adapt(self, site: Site, program: Program) -> None:
+        weight_left = bool(site.lhs and not site.rhs)
+        self.adapted[site.ctx] = describe(site, program, weight_left)
+        name = self.adapter_data[site.ctx] = DATA + site.path
+        self.sliced[name] = next(iter(site.weights)).sliced
+        for n in range(1, len(site.ctx)):
+            self.holds.add(site.ctx[:n])
+
     def _check_fits(self, site: Site, config: Any, res: Resolution) -> None:
         """Raises a ConfigError naming the rule and the matmul for a misfit."""
         eqn, p = site.eqn, site.eqn.params
@@ -253,11 +275,12 @@ class Plan:
         )
 
     def names_under(self, ctx: Ctx) -> list[str]:
-        """The data names (state, stored weights) of the sites inside ``ctx``."""
-        named = {**self.state_keys, **self.stored}
+        """The data names (state, stored weights, adapters) of sites in ``ctx``."""
+        named = [*self.state_keys.items(), *self.stored.items(),
+                 *self.adapter_data.items()]  # fmt: skip
         return [
             name
-            for site, name in named.items()
+            for site, name in named
             if len(site) > len(ctx) and site[: len(ctx)] == ctx
         ]
 
@@ -342,6 +365,8 @@ class Runner:
             else:
                 out = bind(eqn, invals)
                 outs = out if eqn.primitive.multiple_results else [out]
+            if here in self.plan.adapted:
+                outs = [self._adapted(eqn, invals, here, frame, outs[0])]
             for v, val in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(v, jax.extend.core.DropVar):
                     env[v] = val
@@ -421,6 +446,19 @@ class Runner:
         if swap:  # back to the equation's own output layout
             out = jnp.transpose(out, np.argsort(perm))
         return out
+
+    def _adapted(
+        self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame, out: Any
+    ) -> Any:
+        """``out`` plus what the plan's adapter adds to this weight matmul."""
+        adapter = self.plan.adapter
+        key = frame.next_key() if adapter.needs_key else None  # type: ignore[union-attr]
+        data = frame.states[self.plan.adapter_data[here]]
+        added = adapter_output(
+            adapter, self.plan.adapted[here], invals[0], invals[1],  # type: ignore[arg-type]
+            eqn.params["dimension_numbers"], data, key,
+        )  # fmt: skip
+        return out + added.astype(out.dtype)
 
     def _check_stored(
         self, name: str, qt: Any, weight: Any, config: Any, dims: Any

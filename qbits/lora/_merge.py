@@ -1,0 +1,161 @@
+"""``merge``: adapters folded back into the model's float parameters.
+
+Each adapted weight becomes ``W + (alpha / rank) * A B``, reshaped from the
+``(K, N)`` matrix the adapter works on back to the weight's own axes (one
+matrix per group and per stacked layer); each stored base weight becomes
+its dequantized value first. The result is the model's parameters, the
+same tree, shapes and dtypes as given to :func:`~qbits.lora.apply`: serve
+them float, or quantize them again (:func:`qbits.serving.convert` with
+the base's config; the merged weights then round to the grid once more).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qbits._errors import InvalidArgumentError
+from qbits.lora._function import AdaptedLayer, LoraBase, LoraFunction
+
+__all__ = ["delta", "merge"]
+
+_OWNER = "qbits.lora.merge"
+
+
+def delta(layer: AdaptedLayer, adapter: Mapping[str, Any]) -> jax.Array:
+    """One adapter's update of its matmul's weight operand, ``(alpha/rank) A B``.
+
+    Args:
+      layer: The matmul (one of :attr:`LoraFunction.layers
+        <qbits.lora.LoraFunction.layers>`, with an adapter).
+      adapter: Its ``{"a": A, "b": B}``.
+
+    Returns:
+      The update in the weight operand's own layout, stacked along the
+      scans over stacked layers: shape ``(*layers, *operand shape)``.
+
+    Example:
+      >>> def f(params, x):
+      ...     return jnp.einsum("bd,hd->bh", x, params["w"])  # w as (N, K)
+      >>> fn, base, ad = qbits.lora.apply(
+      ...     f, qbits.lora.LoraConfig(rank=1, alpha=1), {"w": jnp.zeros((3, 4))},
+      ...     jnp.ones((2, 4)), key=jax.random.key(0))
+      >>> ad = {"w": {"a": jnp.ones((4, 1)), "b": jnp.arange(3.0)[None]}}
+      >>> qbits.lora.delta(fn.layers[0], ad["w"])  # K = 4 contracted, N = 3
+      Array([[0., 0., 0., 0.],
+             [1., 1., 1., 1.],
+             [2., 2., 2., 2.]], dtype=float32)
+    """
+    m = layer.matmul
+    if m is None or layer.rank is None:
+        raise InvalidArgumentError(
+            "qbits.lora.delta", "layer", layer.path, "a layer with an adapter"
+        )
+    ab = adapter["a"] @ adapter["b"] * jnp.asarray(layer.scale, adapter["a"].dtype)
+    lead = m.layers
+    order = (*m.batch, *m.contracting, *m.free)
+    if not m.grouped and m.batch:  # one matrix, broadcast along the batch axes
+        ab = jnp.broadcast_to(
+            ab[..., None, :, :],
+            (*lead, *(m.shape[a] for a in m.batch), m.k, m.n),
+        )
+    moved = ab.reshape(*lead, *(m.shape[a] for a in order))
+    n = len(lead)
+    return jnp.transpose(moved, (*range(n), *(n + a for a in np.argsort(order))))
+
+
+def merge(fn: LoraFunction, adapters: Mapping[str, Any], base: LoraBase) -> Any:
+    """The model's float parameters with the adapters folded in.
+
+    Stored base weights are dequantized, then every adapted weight gets
+    its update (:func:`delta`) added, in float32, and is cast back to the
+    parameter's dtype. ``fn.fn(merged, x)`` (the model itself, in float)
+    then equals ``fn(adapters, base, x)`` within float rounding; quantize
+    ``merged`` again for a quantized server (the weights then move to
+    their grids once more: within one quantization step of the adapted
+    weights).
+
+    Args:
+      fn: The adapted model, from :func:`~qbits.lora.apply`.
+      adapters: Its adapters (trained).
+      base: Its frozen base.
+
+    Returns:
+      The parameters, the same tree, shapes and dtypes as those given to
+      :func:`~qbits.lora.apply` (an nnx model's state: ``nnx.update``
+      the model with it).
+
+    Raises:
+      InvalidArgumentError: For adapters or a base of another model, or a
+        weight that cannot be folded back (the layer's
+        :attr:`~qbits.lora.AdaptedLayer.merge` says why: a parameter read
+        by another matmul or a lookup too, or reshaped before its matmul).
+
+    Example:
+      >>> def mlp(params, x):
+      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+      >>> k1, k2 = jax.random.split(jax.random.key(0))
+      >>> params = {"w1": jax.random.normal(k1, (64, 32)),
+      ...           "w2": jax.random.normal(k2, (32, 4))}
+      >>> x = jnp.ones((2, 64))
+      >>> fn, base, ad = qbits.lora.apply(mlp, qbits.lora.LoraConfig(rank=4),
+      ...                                 params, x, key=jax.random.key(1))
+      >>> ad = jax.tree.map(lambda v: v + 0.1, ad)  # as if trained
+      >>> merged = qbits.lora.merge(fn, ad, base)
+      >>> bool(jnp.allclose(mlp(merged, x), fn(ad, base, x), rtol=1e-5, atol=1e-4))
+      True
+    """
+    if not isinstance(fn, LoraFunction):
+        raise InvalidArgumentError(
+            _OWNER, "fn", type(fn).__name__, "the LoraFunction qbits.lora.apply gave"
+        )
+    fn._check(adapters, base)
+    layers = []
+    for layer in fn.layers:
+        if layer.path not in base.weights and layer.rank is None:
+            continue
+        if layer.merge:
+            what = "adapter" if layer.rank is not None else "stored weight"
+            raise InvalidArgumentError(
+                _OWNER, "adapters" if layer.rank is not None else "base",
+                f"the {what} of {layer.path!r}",
+                "weights that fold back into their parameters (exclude the "
+                "layer from the rules with LoraRule(pattern, adapt=False), or "
+                "keep the adapters unmerged)",
+                why=layer.merge,
+            )  # fmt: skip
+        layers.append(layer)
+    return jax.jit(functools.partial(_merged, tuple(layers)))(adapters, base)
+
+
+def _merged(layers: tuple[AdaptedLayer, ...], adapters: Any, base: LoraBase) -> Any:
+    by_keys: dict[Any, jax.Array] = {}
+    for layer in layers:
+        keys = layer.matmul.keys
+        stored = base.weights.get(layer.path)
+        if stored is not None:
+            by_keys[keys] = stored.dequant().astype(jnp.float32)
+        if layer.rank is not None:
+            update = delta(layer, adapters[layer.path]).astype(jnp.float32)
+            by_keys[keys] = by_keys.get(keys, _leaf(base.params, keys)) + update
+    shapes = {path: (shape, dtype) for path, shape, dtype in base.fills}
+
+    def leaf(path: Any, x: Any) -> Any:
+        key = tuple(path)
+        if key in by_keys:
+            name = jax.tree_util.keystr(path)
+            dtype = shapes[name][1] if name in shapes else x.dtype
+            return by_keys[key].astype(dtype)
+        return x
+
+    return jax.tree_util.tree_map_with_path(leaf, base.params)
+
+
+def _leaf(params: Any, keys: tuple[Any, ...]) -> jax.Array:
+    leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    return jnp.asarray(leaves[keys], jnp.float32)

@@ -1,0 +1,100 @@
+"""Adapters: what a weight matmul adds to its own output.
+
+An adapted weight matmul ``x . w`` runs as it would without the adapter
+(float, quantized, or on its stored weight) and adds what an
+:class:`Adapter` computes from the activation ``x`` and the adapter's own
+data (low-rank adapters: ``(x A) B``). The adapter sees the activation as
+the engine's observers do (:func:`~._observe.activation_rows`): rows of
+``K`` values over the weight's contraction channels, per group for a
+weight with batch axes of its own, and returns rows of ``N`` values over
+the weight's output channels; the engine puts them back in the matmul's
+output layout. Its data come in by the matmul's path, sliced per layer
+along a scan over stacked layers, like scale state and stored weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qbits.transform._observe import ObservedMatmul, activation_rows
+from qbits.transform._swap import swapped
+
+__all__ = ["DATA", "Adapter", "adapter_output"]
+
+# The prefix of an adapter's data name among a run's per-site data: a
+# matmul's path never starts with "/", so it never meets a stored weight's
+# or a scale state's name.
+DATA = "/adapter/"
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """What an adapted weight matmul adds to its output.
+
+    Attributes:
+      apply: ``(matmul, rows, data, key) -> rows``: ``rows`` is the
+        activation as ``(*matmul.groups, M, K)`` (as the observers of
+        :func:`~qbits.transform.observe_matmuls` get it); ``data`` is the
+        adapter's data for this matmul (one layer's, for a scan over stacked
+        layers); ``key`` a PRNG key (``None`` unless ``needs_key``). Returns
+        ``(*matmul.groups, M, N)``: what is added to the matmul's output,
+        over its ``N`` output channels (the weight's free axes flattened in
+        order).
+      needs_key: Whether ``apply`` draws random numbers (dropout): each
+        adapted matmul, each scan iteration, gets a key of its own.
+
+    Example:
+      >>> double = qbits.transform.Adapter(lambda m, rows, w, key: rows @ w)
+      >>> def f(params, x):
+      ...     return x @ params["w"]
+      >>> params, x = {"w": jnp.ones((4, 2))}, jnp.ones((3, 4))
+      >>> adapted = qbits.transform.adapt(f, None, double, {"w": params["w"]})
+      >>> adapted(params, x)[0].tolist()  # x @ w + x @ w
+      [8.0, 8.0]
+    """
+
+    apply: Callable[[ObservedMatmul, jax.Array, Any, Any], jax.Array]
+    needs_key: bool = False
+
+
+def adapter_output(
+    adapter: Adapter,
+    matmul: ObservedMatmul,
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: Any,
+    data: Any,
+    key: Any,
+) -> jax.Array:
+    """What ``adapter`` adds to ``lax.dot_general(lhs, rhs, dimension_numbers)``.
+
+    In the equation's own output layout (its batch axes, then the lhs's
+    free axes, then the rhs's), whichever operand the weight is.
+    """
+    perm = None
+    dn = dimension_numbers
+    if matmul.side == "rhs":  # the weight is the lhs: the activation first
+        lhs, rhs, dn, _, perm = swapped(lhs, rhs, dn, None)
+    (lc, _), (lb, rb) = dn
+    rows = activation_rows(lhs, dn, matmul.grouped)
+    out = adapter.apply(matmul, rows, data, key)
+    # activation_rows orders the batch axes as the weight's: back to the
+    # equation's order, then the activation's free axes, then the weight's.
+    by_weight = sorted(range(len(lb)), key=lambda i: rb[i])
+    free = [a for a in range(jnp.ndim(lhs)) if a not in lc and a not in lb]
+    shape = (
+        *(jnp.shape(lhs)[lb[i]] for i in by_weight),
+        *(jnp.shape(lhs)[a] for a in free),
+        *(matmul.shape[a] for a in matmul.free),
+    )
+    out = jnp.reshape(out, shape)
+    out = jnp.transpose(out, (*np.argsort(by_weight), *range(len(lb), len(shape))))
+    if perm is not None:  # back to the equation's own output layout
+        out = jnp.transpose(out, np.argsort(perm))
+    return out
