@@ -24,6 +24,7 @@ import importlib.metadata
 import os
 import pathlib
 import shutil
+import signal
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -675,8 +676,11 @@ def _seed(text: str) -> int:
     return value
 
 
-def _exit_now(status: int) -> None:
-    """Flushes stdout and stderr and ends the process, skipping its teardown.
+def _exit_now(status: int, message: str) -> None:
+    """Writes ``message``, flushes stdout and stderr, ends the process at once.
+
+    Called from the SIGINT handler: the message goes to file descriptor 2
+    directly (a buffered write could be the one the signal interrupted).
 
     After Ctrl-C, XLA may still be compiling on its own threads (the
     interrupt only stops Python waiting for it). Tearing the interpreter
@@ -686,8 +690,10 @@ def _exit_now(status: int) -> None:
     atomically as each run finishes.
     """
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
             stream.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, f"\n{message}\n".encode())
     os._exit(status)
 
 
@@ -715,17 +721,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    kept = (
+        "; finished runs are kept, rerun the command to continue"
+        if args.command in ("train", "sweep")
+        else ""
+    )
+    message = f"{_PROG}: interrupted{kept}"
+    if argv is None:
+        # As the command, Ctrl-C ends the process at once: a KeyboardInterrupt
+        # raised inside JAX's Python frames can be swallowed or turned into
+        # another error (seen: a run that kept training, a traceback).
+        signal.signal(signal.SIGINT, lambda *_: _exit_now(130, message))
     try:
         return _run(args)
     except KeyboardInterrupt:
-        kept = (
-            "; finished runs are kept, rerun the command to continue"
-            if args.command in ("train", "sweep")
-            else ""
-        )
-        print(f"{_PROG}: interrupted{kept}", file=sys.stderr)
-        if argv is None:
-            _exit_now(130)
+        print(message, file=sys.stderr)
         return 130
 
 
