@@ -100,6 +100,7 @@ def quantize_weights(
     damping: float = 0.01,
     act_order: bool = False,
     grid: int = 20,
+    clip_grid: int = 11,
     progress: bool = False,
 ) -> PtqResult:
     """Quantizes every weight of ``fn(params, batch)`` after training.
@@ -129,6 +130,7 @@ def quantize_weights(
       damping: GPTQ's damping.
       act_order: GPTQ's activation order.
       grid: AWQ's number of exponents searched.
+      clip_grid: AWQ's number of clipping ratios searched (1: none).
       progress: Show a progress bar over the layers.
 
     Returns:
@@ -145,11 +147,10 @@ def quantize_weights(
       >>> def mlp(params, x):
       ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
       >>> k = jax.random.split(jax.random.key(0), 3)
-      >>> params = {"w1": jax.random.normal(k[0], (128, 256)),
-      ...           "w2": jax.random.normal(k[1], (256, 8))}
-      >>> batches = [jax.random.normal(k[2], (64, 128))]
-      >>> out = qbits.ptq.quantize_weights(mlp, params, batches,
-      ...                                  "int4_weight_only")
+      >>> params = {"w1": jax.random.normal(k[0], (16, 32)),
+      ...           "w2": jax.random.normal(k[1], (32, 8))}
+      >>> batches = [jax.random.normal(k[2], (64, 16))]
+      >>> out = qbits.ptq.quantize_weights(mlp, params, batches, "int8_fwd")
       >>> [(r.path, r.error <= r.error_rtn) for r in out.layers]
       [('w1', True), ('w2', True)]
     """
@@ -189,7 +190,7 @@ def quantize_weights(
         try:
             check_quantizer(_OWNER, quantizer)
             new, report = _one_weight(ms, values[i], quantizer, method, damping,
-                                      act_order, grid)  # fmt: skip
+                                      act_order, grid, clip_grid)  # fmt: skip
         except InvalidArgumentError as e:
             if f"{ms.path!r}" in str(e):
                 raise
@@ -227,6 +228,7 @@ def _one_weight(
     damping: float,
     act_order: bool,
     grid: int,
+    clip_grid: int,
 ) -> tuple[jax.Array, LayerReport]:
     """The new weight parameter and its report: each layer and group alone."""
     lead = ms.layers
@@ -256,7 +258,8 @@ def _one_weight(
                 w_new = gptq(w, s.hessian, quantizer, damping=damping,
                              act_order=act_order, name=ms.path).weight  # fmt: skip
             else:
-                w_new = awq(w, s.hessian, s.absmean, quantizer, grid=grid).weight
+                w_new = awq(w, s.hessian, s.absmean, quantizer, grid=grid,
+                            clip_grid=clip_grid).weight  # fmt: skip
             errors = _errors(w, w_rtn, w_new, s.hessian, s.rows)
             err_rtn, err = err_rtn + float(errors[0]), err + float(errors[1])
             new_mats.append(w_new)

@@ -65,7 +65,14 @@ def test_gptq_and_awq_beat_round_to_nearest_on_every_weight():
     stats = ptq.collect_stats(_model, params, batches, config=config)
     for method in ("gptq", "awq"):  # the statistics once, for both methods
         out = ptq.quantize_weights(
-            _model, params, None, config, stats=stats, method=method
+            _model,
+            params,
+            None,
+            config,
+            stats=stats,
+            method=method,
+            grid=6,
+            clip_grid=3,
         )
         assert jax.tree.map(jnp.shape, out.params) == jax.tree.map(jnp.shape, params)
         for r in out.layers:
