@@ -41,19 +41,37 @@ def test_readme_is_a_front_door():
     assert size <= 12 * 1024, f"README.md is {size} bytes: move detail to docs/"
 
 
-def test_python_examples_run():
-    """Each ```python block runs on its own; a block seen before runs once."""
-    seen = set()
+def _examples() -> dict[pathlib.Path, list[tuple[int, str]]]:
+    """Each file's ```python blocks and their lines; a block seen before is left out.
+
+    (E.g. a README example repeated in its guide runs once.)
+    """
+    seen, out = set(), {}
     for path in _markdown_files():
         text = path.read_text()
         for m in re.finditer(r"```python\n(.*?)```", text, re.S):
             block = m.group(1)
-            if block in seen:
-                continue  # e.g. a README example repeated in its guide
-            seen.add(block)
-            line = text.count("\n", 0, m.start(1))  # tracebacks name the file's line
-            exec(compile("\n" * line + block, str(path), "exec"), {})
-    assert seen
+            if block not in seen:
+                seen.add(block)
+                line = text.count("\n", 0, m.start(1))
+                out.setdefault(path, []).append((line, block))
+    return out
+
+
+# One test per file: the workers share the examples' compile time.
+EXAMPLES = _examples()
+
+
+@pytest.mark.parametrize("path", list(EXAMPLES), ids=lambda p: p.name)
+def test_python_examples_run(path):
+    """Each ```python block runs on its own."""
+    for line, block in EXAMPLES[path]:
+        # Tracebacks name the markdown file's line.
+        exec(compile("\n" * line + block, str(path), "exec"), {})
+
+
+def test_docs_have_python_examples():
+    assert EXAMPLES
 
 
 def test_figures_agree_with_their_results_files():
