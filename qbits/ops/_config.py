@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import jax
@@ -255,3 +256,26 @@ def check_config(owner: str, config: Any, key: Any) -> jax.Array | None:
             why="the config rounds stochastically",
         )
     return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Configured:
+    """A quantized op's config and PRNG key (``DotGeneral``, ``RaggedDot``).
+
+    Two are equal when their configs are and they hold the same key object,
+    so that ``jit`` caches on them as static arguments and Flax compares
+    layers that hold them.
+    """
+
+    config: DotGeneralConfig
+    key: jax.Array | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is type(self)
+            and other.config == self.config
+            and other.key is self.key
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.config, id(self.key)))

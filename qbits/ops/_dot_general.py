@@ -15,7 +15,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from qbits._errors import InvalidArgumentError
 from qbits.ops import _core as core
 from qbits.ops import _state as state_lib
-from qbits.ops._config import DotGeneralConfig, MatmulConfig, check_config
+from qbits.ops._config import (
+    Configured,
+    DotGeneralConfig,
+    MatmulConfig,
+    check_config,
+)
 from qbits.ops._dims import Axes, Dims
 from qbits.ops._matmul import contract, fold_scale_into_lhs, result_dtype, stored_rhs
 from qbits.scaled import is_scaled, scalify
@@ -147,7 +152,7 @@ def _grad_sharding(sharding: Any, perm: tuple[int, ...]) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DotGeneral:
+class DotGeneral(Configured):
     """A drop-in ``jax.lax.dot_general`` that quantizes as its config says.
 
     Made by :func:`dot_general`; call it exactly like ``lax.dot_general``.
@@ -167,19 +172,6 @@ class DotGeneral:
       >>> isinstance(layer.dot_general, qbits.ops.DotGeneral)
       True
     """
-
-    config: DotGeneralConfig
-    key: jax.Array | None = None
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, DotGeneral)
-            and other.config == self.config
-            and other.key is self.key
-        )
-
-    def __hash__(self) -> int:
-        return hash((self.config, id(self.key)))
 
     def __call__(
         self,

@@ -46,7 +46,7 @@ from qbits.calibration import AbsMax, ConstantBound
 from qbits.granularity import PerTensor
 from qbits.numerics import NoNumerics, UintNumerics
 from qbits.ops import _state as state_lib
-from qbits.ops._config import DotGeneralConfig, check_config
+from qbits.ops._config import Configured, DotGeneralConfig, check_config
 from qbits.ops._ragged_contract import RaggedContraction
 from qbits.ops._ragged_dims import BASIC, RaggedDims, unsupported
 
@@ -140,7 +140,7 @@ def _check_config(config: DotGeneralConfig, owner: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class RaggedDot:
+class RaggedDot(Configured):
     """A drop-in ``jax.lax.ragged_dot`` that quantizes as its config says.
 
     Made by :func:`ragged_dot`; call it exactly like ``lax.ragged_dot``, or
@@ -159,19 +159,6 @@ class RaggedDot:
       >>> rd.config.fwd.rhs.numerics.bits
       8
     """
-
-    config: DotGeneralConfig
-    key: jax.Array | None = None
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, RaggedDot)
-            and other.config == self.config
-            and other.key is self.key
-        )
-
-    def __hash__(self) -> int:
-        return hash((self.config, id(self.key)))
 
     def __call__(
         self,
