@@ -27,7 +27,7 @@ import shutil
 import signal
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 __all__ = [
     "main",
@@ -639,29 +639,25 @@ def _shown(text: str) -> str:
     return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
 
 
-def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:  # not an int, or more than 4300 digits
-        value = 0
-    if not 1 <= value <= _MAX_STEPS:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive int of at most {_MAX_STEPS} (the step counter "
-            f"is an int32), got {_shown(text)}"
-        )
-    return value
+def _positive(top: int, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an int in ``1..top`` (``why`` says where ``top`` is from)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # not an int, or more than 4300 digits
+            value = 0
+        if not 1 <= value <= top:
+            raise argparse.ArgumentTypeError(
+                f"expected a positive int of at most {top}{why}, got {_shown(text)}"
+            )
+        return value
+
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 1 << 20:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive int of at most {1 << 20}, got {_shown(text)}"
-        )
-    return value
+_steps = _positive(_MAX_STEPS, " (the step counter is an int32)")
+_count = _positive(1 << 20)
 
 
 def _seed(text: str) -> int:
