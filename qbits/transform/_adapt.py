@@ -149,13 +149,14 @@ def adapt(
     stored: Mapping[str, Any] | None = None,
     caller: Caller = _ADAPT,
 ) -> Callable[..., Any]:
-    """``fn`` with each weight matmul of ``adapters`` adding ``adapter``'s output.
+    """``fn`` with each weight matmul of ``adapters`` adapted by ``adapter``.
 
     :func:`qbits.quantize` (the same tracing, names, rules, keys and
     stored weights), with the weight matmuls named in ``adapters`` adding
-    ``adapter.apply(matmul, rows, adapters[path], key)`` to their output.
-    Gradients reach the adapters' data through that addition (and the
-    activation through both).
+    ``adapter.apply(matmul, rows, adapters[path], key)`` to their output,
+    and multiplying ``adapter.before(matmul, rows, adapters[path])`` instead
+    of their activation where the adapter has ``before``. Gradients reach
+    the adapters' data through both (and the activation).
 
     Args:
       fn: ``fn(params, *args, **kwargs)``.
@@ -192,9 +193,15 @@ def adapt(
     quant = as_quant_config(caller.owner, config, allow_none=True)
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
-    if not isinstance(adapter, Adapter):
+    if not isinstance(adapter, Adapter) or (
+        adapter.apply is None and adapter.before is None
+    ):
         raise InvalidArgumentError(
-            caller.owner, "adapter", adapter, "a qbits.transform.Adapter"
+            caller.owner,
+            "adapter",
+            adapter,
+            "a qbits.transform.Adapter with apply (what it adds to the output), "
+            "before (what it makes of the input) or both",
         )
     if not isinstance(adapters, Mapping):
         raise InvalidArgumentError(

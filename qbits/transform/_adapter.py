@@ -1,9 +1,11 @@
-"""Adapters: what a weight matmul adds to its own output.
+"""Adapters: what a weight matmul does to its input and adds to its output.
 
 An adapted weight matmul ``x . w`` runs as it would without the adapter
 (float, quantized, or on its stored weight) and adds what an
 :class:`Adapter` computes from the activation ``x`` and the adapter's own
-data (low-rank adapters: ``(x A) B``). The adapter sees the activation as
+data (low-rank adapters: ``(x A) B``). An adapter may also transform the
+activation before the matmul quantizes it (SmoothQuant's ``x / s``, a
+rotation's ``x Q``: :mod:`qbits.ptq`). The adapter sees the activation as
 the engine's observers do (:func:`~._observe.activation_rows`): rows of
 ``K`` values over the weight's contraction channels, per group for a
 weight with batch axes of its own, and returns rows of ``N`` values over
@@ -25,7 +27,7 @@ import numpy as np
 from qbits.transform._observe import ObservedMatmul, activation_rows
 from qbits.transform._swap import swapped
 
-__all__ = ["DATA", "Adapter", "adapter_output"]
+__all__ = ["DATA", "Adapter", "adapter_input", "adapter_output"]
 
 # The prefix of an adapter's data name among a run's per-site data: a
 # matmul's path never starts with "/", so it never meets a stored weight's
@@ -35,19 +37,27 @@ DATA = "/adapter/"
 
 @dataclasses.dataclass(frozen=True)
 class Adapter:
-    """What an adapted weight matmul adds to its output.
+    """What an adapted weight matmul does to its input and adds to its output.
 
     Attributes:
-      apply: ``(matmul, rows, data, key) -> rows``: ``rows`` is the
+      apply: ``(matmul, rows, data, key) -> rows``, or ``None`` (nothing
+        added): ``rows`` is the
         activation as ``(*matmul.groups, M, K)`` (as the observers of
         :func:`~qbits.transform.observe_matmuls` get it); ``data`` is the
         adapter's data for this matmul (one layer's, for a scan over stacked
         layers); ``key`` a PRNG key (``None`` unless ``needs_key``). Returns
         ``(*matmul.groups, M, N)``: what is added to the matmul's output,
         over its ``N`` output channels (the weight's free axes flattened in
-        order).
+        order). It sees the activation as the model computed it (before
+        ``before``).
       needs_key: Whether ``apply`` draws random numbers (dropout): each
         adapted matmul, each scan iteration, gets a key of its own.
+      before: ``(matmul, rows, data) -> rows``, or ``None``: replaces the
+        activation the matmul itself multiplies (and quantizes) by what it
+        returns from the activation's rows (the same shape, ``K`` values
+        per row): a function of the input channels (SmoothQuant's division
+        by per-channel scales, a rotation). Gradients flow through it to
+        the activation and the data.
 
     Example:
       >>> double = qbits.transform.Adapter(lambda m, rows, w, key: rows @ w)
@@ -57,10 +67,59 @@ class Adapter:
       >>> adapted = qbits.transform.adapt(f, None, double, {"w": params["w"]})
       >>> adapted(params, x)[0].tolist()  # x @ w + x @ w
       [8.0, 8.0]
+      >>> halve = qbits.transform.Adapter(before=lambda m, rows, s: rows / s)
+      >>> halved = qbits.transform.adapt(f, None, halve, {"w": jnp.full(4, 2.0)})
+      >>> halved(params, x)[0].tolist()  # (x / 2) @ w
+      [2.0, 2.0]
     """
 
-    apply: Callable[[ObservedMatmul, jax.Array, Any, Any], jax.Array]
+    apply: Callable[[ObservedMatmul, jax.Array, Any, Any], jax.Array] | None = None
     needs_key: bool = False
+    before: Callable[[ObservedMatmul, jax.Array, Any], jax.Array] | None = None
+
+
+def adapter_input(
+    adapter: Adapter,
+    matmul: ObservedMatmul,
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: Any,
+    data: Any,
+) -> tuple[Any, Any]:
+    """``(lhs, rhs)`` with the activation replaced by ``adapter.before``'s.
+
+    The activation (the operand that is not the weight) goes to the adapter
+    as rows of ``K`` values (:func:`~._observe.activation_rows`) and comes
+    back in its own layout; the weight is unchanged.
+    """
+    weight_left = matmul.side == "rhs"
+    x, dn = (
+        (rhs, _flipped(dimension_numbers)) if weight_left else (lhs, dimension_numbers)
+    )
+    (xc, wc), (xb, wb) = dn
+    rows = activation_rows(x, dn, matmul.grouped)
+    new = adapter.before(matmul, rows, data)  # type: ignore[misc]
+    if jnp.shape(new) != jnp.shape(rows):
+        raise ValueError(
+            f"an Adapter's before() returned shape {jnp.shape(new)} for the "
+            f"activation rows of {matmul.path!r} of shape {jnp.shape(rows)}; "
+            "it must keep the rows' shape"
+        )
+    # activation_rows: transposed to (batch, free, contracting) in the
+    # weight's order, then flattened; undo both.
+    xc = [a for _, a in sorted(zip(wc, xc, strict=True))]
+    xb = [a for _, a in sorted(zip(wb, xb, strict=True))]
+    free = [a for a in range(jnp.ndim(x)) if a not in xc and a not in xb]
+    order = (*xb, *free, *xc)
+    moved = jnp.reshape(new, tuple(jnp.shape(x)[a] for a in order))
+    x = jnp.transpose(moved, np.argsort(order)).astype(x.dtype)
+    return (lhs, x) if weight_left else (x, rhs)
+
+
+def _flipped(dn: Any) -> Any:
+    """Dimension numbers with the operands' roles exchanged."""
+    (lc, rc), (lb, rb) = dn
+    return (rc, lc), (rb, lb)
 
 
 def adapter_output(

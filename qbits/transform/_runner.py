@@ -36,7 +36,7 @@ from qbits._jaxpr import bind, scan_counts
 from qbits.config import QuantConfig, Resolution
 from qbits.numerics import NoNumerics, next_key
 from qbits.tensor import QTensor
-from qbits.transform._adapter import DATA, Adapter, adapter_output
+from qbits.transform._adapter import DATA, Adapter, adapter_input, adapter_output
 from qbits.transform._checks import (
     check_conv_operands,
     check_operands,
@@ -357,7 +357,10 @@ class Runner:
             env[v] = a
         for i, eqn in enumerate(jaxpr.eqns):
             here = (*ctx, i)
-            invals = [read(v) for v in eqn.invars]
+            invals = given = [read(v) for v in eqn.invars]
+            adapter = self.plan.adapter if here in self.plan.adapted else None
+            if adapter is not None and adapter.before is not None:
+                invals = self._before(eqn, invals, here, frame)
             if here in self.plan.planned:
                 outs = [self._matmul(eqn, invals, here, frame)]
             elif here in self.plan.holds:
@@ -365,8 +368,8 @@ class Runner:
             else:
                 out = bind(eqn, invals)
                 outs = out if eqn.primitive.multiple_results else [out]
-            if here in self.plan.adapted:
-                outs = [self._adapted(eqn, invals, here, frame, outs[0])]
+            if adapter is not None and adapter.apply is not None:
+                outs = [self._adapted(eqn, given, here, frame, outs[0])]
             for v, val in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(v, jax.extend.core.DropVar):
                     env[v] = val
@@ -446,6 +449,16 @@ class Runner:
         if swap:  # back to the equation's own output layout
             out = jnp.transpose(out, np.argsort(perm))
         return out
+
+    def _before(
+        self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame
+    ) -> list[Any]:
+        """The operands with the activation as the plan's adapter transforms it."""
+        lhs, rhs = adapter_input(
+            self.plan.adapter, self.plan.adapted[here], invals[0], invals[1],  # type: ignore[arg-type]
+            eqn.params["dimension_numbers"], frame.states[self.plan.adapter_data[here]],
+        )  # fmt: skip
+        return [lhs, rhs, *invals[2:]]
 
     def _adapted(
         self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame, out: Any

@@ -95,3 +95,55 @@ def test_non_weight_matmuls_are_refused():
     needs = transform.Adapter(ADD.apply, needs_key=True)
     with pytest.raises(qbits.InvalidArgumentError, match="draws random numbers"):
         transform.adapt(f, None, needs, {"w": jnp.ones((4, 3))})
+
+
+ROTATE = transform.Adapter(before=lambda m, rows, r: rows @ r)
+
+
+def _matrix(m, w):
+    """The weight operand (``(*layers, *shape)``) as ``(*layers, *groups, K, N)``."""
+    n = len(m.layers)
+    order = (*m.batch, *m.contracting, *m.free)
+    moved = np.transpose(w, (*range(n), *(n + a for a in order)))
+    return moved.reshape(*m.layers, *m.groups, m.k, m.n)
+
+
+def test_before_equals_its_transform_folded_into_the_weight_in_every_layout():
+    # (x R) W == x (R W): an adapter that multiplies the activation's rows by
+    # R gives the model with each weight matrix replaced by R W.
+    params, xs = _inputs()
+    found = transform.weight_matmuls(model, params, xs)
+    rng = np.random.default_rng(2)
+    data, merged = {}, {}
+    for name, w in params.items():
+        m = found[name].matmul
+        r = rng.normal(size=(*m.layers, *m.groups, m.k, m.k)).astype(np.float32)
+        data[name] = r
+        if name == "bcast":  # one (K, N) matrix, the parameter itself
+            merged[name] = r @ w
+        else:
+            merged[name] = _unmatrix(m, r @ _matrix(m, w))
+    got = jax.jit(transform.adapt(model, None, ROTATE, data))(params, xs)
+    want = jax.jit(model)(merged, xs)
+    for name in params:
+        np.testing.assert_allclose(
+            got[name], want[name], rtol=1e-4, atol=1e-4, err_msg=name
+        )
+
+
+def test_before_runs_ahead_of_quantization_and_is_differentiated():
+    def f(p, x):
+        return x @ p["w"]
+
+    rng = np.random.default_rng(3)
+    p = {"w": rng.normal(size=(8, 4)).astype(np.float32)}
+    x = rng.normal(size=(5, 8)).astype(np.float32)
+    s = np.linspace(0.5, 4.0, 8).astype(np.float32)
+    divide = transform.Adapter(before=lambda m, rows, s: rows / s)
+    got = transform.adapt(f, "int8_fwd", divide, {"w": s})
+    want = qbits.quantize(lambda p, x: f(p, x / s), "int8_fwd")
+    np.testing.assert_array_equal(got(p, x), want(p, x))
+    loss = lambda g: lambda x: jnp.sum(g(p, x) ** 2)  # noqa: E731
+    np.testing.assert_array_equal(jax.grad(loss(got))(x), jax.grad(loss(want))(x))
+    with pytest.raises(qbits.InvalidArgumentError, match="apply .* before"):
+        transform.adapt(f, None, transform.Adapter(), {"w": s})
