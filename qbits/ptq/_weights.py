@@ -8,7 +8,9 @@ weight by what round-to-nearest, GPTQ or AWQ makes of it, layer by layer
 (one layer of a scan over stacked layers, one group of a per-group weight
 at a time). The result is float parameters whose weights lie on their
 grids (AWQ: the effective weight ``Q(s w) / s``), ready to evaluate and
-to compare.
+to compare. SmoothQuant scales and rotations (:mod:`._transforms`) change
+the weights and the activations they meet: :meth:`PtqResult.function` runs
+the model with both.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import functools
 import itertools
 import re
+import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -25,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from qbits._errors import InvalidArgumentError
+from qbits import transform
+from qbits._errors import InvalidArgumentError, check_bool, check_float
 from qbits._quantizer import Quantizer
 from qbits.config import QuantConfig, Rule, as_quant_config
 from qbits.numerics import NoNumerics
@@ -33,6 +37,7 @@ from qbits.ops import DotGeneralConfig
 from qbits.ptq._awq import awq
 from qbits.ptq._collect import MatmulStats, collect_stats
 from qbits.ptq._gptq import blocks_quantizer, check_quantizer, gptq, output_error
+from qbits.ptq._transforms import ACTIVATION, Transform
 
 _OWNER = "qbits.ptq.quantize_weights"
 METHODS = ("rtn", "gptq", "awq")
@@ -77,16 +82,52 @@ class PtqResult(NamedTuple):
         are on their grids already), so ``qbits.quantize(fn, result.config)``
         quantizes only what the config quantizes besides those weights
         (activations: W8A8). For a weight-only config it quantizes nothing.
+      transforms: ``{matmul path: {"scale": s, "rotation": Q}}`` for the
+        matmuls whose activation is transformed online (``smooth``,
+        ``rotate``; empty without): their weights in ``params`` are the
+        transformed ones, so run the model with :meth:`function`.
 
     Example:
       >>> out = qbits.ptq.PtqResult({"w": jnp.ones((2, 2))}, (), qbits.QuantConfig())
-      >>> out.layers, out.config.default is None
-      ((), True)
+      >>> out.layers, out.config.default is None, dict(out.transforms)
+      ((), True, {})
     """
 
     params: Any
     layers: tuple[LayerReport, ...]
     config: Any  # a qbits.QuantConfig (Any: one link target in the docs)
+    transforms: Mapping[str, Any] = types.MappingProxyType({})
+
+    def function(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as it runs on :attr:`params`: the one way to evaluate the result.
+
+        ``qbits.quantize(fn, self.config)`` (the quantizers besides the
+        weights written, W8A8's activations), with each transformed
+        matmul's activation divided by its SmoothQuant scales and rotated
+        before it is quantized (:func:`qbits.transform.adapt`).
+
+        Args:
+          fn: The function given to :func:`quantize_weights`.
+
+        Returns:
+          A function with ``fn``'s signature: call it with :attr:`params`.
+
+        Example:
+          >>> def f(params, x):
+          ...     return x @ params["w"]
+          >>> params = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}
+          >>> x = jnp.array([[8.0, 1.0]])
+          >>> out = qbits.ptq.quantize_weights(f, params, [x], "int8_fwd",
+          ...                                  method="rtn", smooth=0.5)
+          >>> sorted(out.transforms["w"])
+          ['scale']
+          >>> y = out.function(f)(out.params, x)  # W8A8 of x @ w = [[11, 20]]
+          >>> [round(v, 1) for v in y[0].tolist()]
+          [11.0, 19.9]
+        """
+        if not self.transforms:
+            return transform.quantize(fn, self.config)
+        return transform.adapt(fn, self.config, ACTIVATION, dict(self.transforms))
 
 
 def quantize_weights(
@@ -101,6 +142,9 @@ def quantize_weights(
     act_order: bool = False,
     grid: int = 20,
     clip_grid: int = 11,
+    smooth: float | None = None,
+    rotate: bool = False,
+    key: jax.Array | None = None,
     progress: bool = False,
 ) -> PtqResult:
     """Quantizes every weight of ``fn(params, batch)`` after training.
@@ -113,7 +157,17 @@ def quantize_weights(
     quantizes only the activation, keep their weight. Weight-only configs
     are evaluated as ``fn(result.params, x)`` in float; a config that also
     quantizes activations, with ``qbits.quantize`` and a config that
-    quantizes only those: ``qbits.quantize(fn, result.config)``.
+    quantizes only those: ``qbits.quantize(fn, result.config)``; either
+    way, ``result.function(fn)(result.params, x)`` (which also applies
+    ``smooth`` and ``rotate``).
+
+    ``smooth`` and ``rotate`` transform each quantized matmul ``x @ w``
+    first, leaving the float model unchanged (:mod:`qbits.ptq`'s
+    SmoothQuant and rotations): the weight once, here, before ``method``
+    quantizes it on the transformed activation's statistics; the
+    activation online, before the matmul quantizes it. They help where the
+    activations are quantized too (W8A8), and rotations also spread a
+    weight's outliers (GPTQ + rotation).
 
     Args:
       fn: ``fn(params, batch)``: a linen model's ``apply``, any function.
@@ -131,15 +185,25 @@ def quantize_weights(
       act_order: GPTQ's activation order.
       grid: AWQ's number of exponents searched.
       clip_grid: AWQ's number of clipping ratios searched (1: none).
+      smooth: SmoothQuant's migration strength ``alpha`` in [0, 1]
+        (:func:`smooth_scales` from the calibration set's ``max |x|``), or
+        ``None`` for none.
+      rotate: Rotate every quantized matmul's input channels by a Hadamard
+        matrix (:func:`hadamard`; ``K`` must have a construction).
+      key: With ``rotate``: random signs for the Hadamard matrices
+        (QuaRot's randomized transform); ``None``: the plain matrix.
       progress: Show a progress bar over the layers.
 
     Returns:
-      A :class:`PtqResult`: the new params and a report per layer.
+      A :class:`PtqResult`: the new params, a report per layer, the config
+      and the transforms to run them with (:meth:`PtqResult.function`).
 
     Raises:
       InvalidArgumentError: For an unknown method, no batches (or both
         batches and stats), a weight quantizer with a scale provider or
-        stochastic rounding, and the errors of :func:`collect_stats` and
+        stochastic rounding, ``smooth`` outside [0, 1], AWQ with
+        ``rotate`` (its search needs ``mean |x Q|``), a ``K`` with no
+        Hadamard matrix, and the errors of :func:`collect_stats` and
         :func:`gptq` (named by layer).
       ConfigError: For a bad config.
 
@@ -159,6 +223,18 @@ def quantize_weights(
             _OWNER, "method", method, "one of " + ", ".join(METHODS)
         )
     quant = as_quant_config(_OWNER, config)
+    if smooth is not None:
+        check_float(_OWNER, "smooth", smooth, lo=0.0, hi=1.0)
+    check_bool(_OWNER, "rotate", rotate)
+    if rotate and method == "awq":
+        raise InvalidArgumentError(
+            _OWNER,
+            "rotate",
+            True,
+            "method='gptq' or 'rtn' with rotate=True, or AWQ without it",
+            why="AWQ's scale search needs the mean |x Q| of the rotated "
+            "activation, which the statistics do not give",
+        )
     if (batches is None) == (stats is None):
         raise InvalidArgumentError(
             _OWNER,
@@ -175,7 +251,7 @@ def quantize_weights(
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     index = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(leaves)}
     values = [leaf for _, leaf in leaves]
-    reports, written = [], []
+    reports, written, transforms = [], [], {}
     for ms in tqdm(
         list(stats.values()), desc="ptq", unit="layer", disable=not progress
     ):
@@ -185,12 +261,22 @@ def quantize_weights(
         quantizer = cfg.fwd.rhs if ms.side == "lhs" else cfg.fwd.lhs
         if isinstance(quantizer.numerics, NoNumerics):  # activations only
             continue
-        key = jax.tree_util.keystr(ms.keys)
-        i = index[key]
+        name = jax.tree_util.keystr(ms.keys)
+        i = index[name]
+        k = ms.stats.hessian.shape[-1]
+        try:
+            t = Transform.create(smooth, rotate, key, k)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(
+                _OWNER, "rotate", True,
+                f"rotate=False, or a model whose {ms.path!r} has a K with a "
+                "Hadamard matrix", why=f"{ms.path!r} has K = {k}: {e}",
+            ) from None  # fmt: skip
         try:
             check_quantizer(_OWNER, quantizer)
-            new, report = _one_weight(ms, values[i], quantizer, method, damping,
-                                      act_order, grid, clip_grid)  # fmt: skip
+            new, report, data = _one_weight(ms, values[i], quantizer, method,
+                                            damping, act_order, grid, clip_grid,
+                                            t)  # fmt: skip
         except InvalidArgumentError as e:
             if f"{ms.path!r}" in str(e):
                 raise
@@ -200,11 +286,13 @@ def quantize_weights(
                 "and rounds to nearest", why=str(e),
             ) from None  # fmt: skip
         values[i] = new
-        reports.append(dataclasses.replace(report, param=key))
+        if data:
+            transforms[ms.path] = data
+        reports.append(dataclasses.replace(report, param=name))
         written.append(_without_weight(ms.path, cfg, ms.side))
     new_params = jax.tree_util.tree_unflatten(treedef, values)
     rules = QuantConfig((*written, *quant.rules), quant.default, source=quant.source)
-    return PtqResult(new_params, tuple(reports), rules)
+    return PtqResult(new_params, tuple(reports), rules, transforms)
 
 
 def _without_weight(path: str, cfg: DotGeneralConfig, side: str) -> Rule:
@@ -229,8 +317,13 @@ def _one_weight(
     act_order: bool,
     grid: int,
     clip_grid: int,
-) -> tuple[jax.Array, LayerReport]:
-    """The new weight parameter and its report: each layer and group alone."""
+    t: Transform,
+) -> tuple[jax.Array, LayerReport, dict[str, jax.Array]]:
+    """The new weight parameter, its report and its transform's data.
+
+    Each layer and group alone; the data stacked like the statistics
+    (``(*layers, *groups, ...)``).
+    """
     lead = ms.layers
     w_all = jnp.asarray(weight)
     if w_all.shape != (*lead, *ms.shape):
@@ -242,7 +335,7 @@ def _one_weight(
             f"{list((*lead, *ms.shape))} (a model that reshapes or transposes "
             "a parameter before multiplying is not supported yet)",
         )
-    out = []
+    out, datas = [], []
     err_rtn = err = 0.0
     for layer in np.ndindex(*lead):
         mats = ms.matrix(w_all[layer])
@@ -252,22 +345,30 @@ def _one_weight(
             s = jax.tree.map(lambda a, g=g, layer=layer: a[(*layer, *g)], ms.stats)
             w = mats[g]
             w_rtn = _rtn(w, quantizer)
+            wt, h, absmean, data = t.apply(w, s)
             if method == "rtn":
-                w_new = w_rtn
+                w_new = w_rtn if t.identity else _rtn(wt, quantizer)
             elif method == "gptq":
-                w_new = gptq(w, s.hessian, quantizer, damping=damping,
+                w_new = gptq(wt, h, quantizer, damping=damping,
                              act_order=act_order, name=ms.path).weight  # fmt: skip
             else:
-                w_new = awq(w, s.hessian, s.absmean, quantizer, grid=grid,
+                w_new = awq(wt, h, absmean, quantizer, grid=grid,
                             clip_grid=clip_grid).weight  # fmt: skip
-            errors = _errors(w, w_rtn, w_new, s.hessian, s.rows)
+            w_eff = w_new if t.identity else t.effective(w_new, data)
+            errors = _errors(w, w_rtn, w_eff, s.hessian, s.rows)
             err_rtn, err = err_rtn + float(errors[0]), err + float(errors[1])
             new_mats.append(w_new)
+            datas.append(data)
         stacked = jnp.stack(new_mats).reshape(mats.shape)
         out.append(_unmatrix(ms, stacked))
     new = jnp.stack(out).reshape(w_all.shape) if lead else out[0]
     report = LayerReport(ms.path, "", method, err_rtn, err)
-    return new.astype(w_all.dtype), report
+    shape = (*lead, *ms.stats.rows.shape[len(lead) :])
+    data = {
+        name: jnp.stack([d[name] for d in datas]).reshape(*shape, *v.shape)
+        for name, v in (datas[0] if datas else {}).items()
+    }
+    return new.astype(w_all.dtype), report, data
 
 
 @functools.partial(jax.jit, static_argnames=("quantizer",))

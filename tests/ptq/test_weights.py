@@ -1,5 +1,7 @@
 """qbits.ptq.quantize_weights: the driver, on a model that is no Flax layer stack."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +121,57 @@ def test_float_rules_keep_their_weights_and_errors_name_the_layer():
         ptq.quantize_weights(_model, params, batches, config, method="sgd")
     with pytest.raises(qbits.InvalidArgumentError, match="batches"):
         ptq.quantize_weights(_model, params, iter([]), config)
+
+
+def _transformed_reference(params, x, transforms):
+    """``_model`` with each matmul's activation divided and rotated by hand."""
+
+    def act(x, data):  # over the last axis (K)
+        if "scale" in data:
+            x = ptq.scale_activation(x, data["scale"])
+        if "rotation" in data:
+            x = ptq.rotate_activation(x, data["rotation"])
+        return x
+
+    t = transforms
+    q = jnp.einsum("btd,dnh->btnh", act(x, t["wq"]), params["wq"])
+    h = jax.nn.tanh(q).reshape(*q.shape[:2], -1)  # K = (n, h) flattened
+    x = x + jnp.einsum("btk,kd->btd", act(h, t["wo"]), params["wo"].reshape(-1, D))
+    for i in range(LAYERS):
+        up = jax.tree.map(lambda a, i=i: a[i], t["mlp/up"])
+        down = jax.tree.map(lambda a, i=i: a[i], t["mlp/down"])
+        w = jax.tree.map(lambda a, i=i: a[i], params["mlp"])
+        x = x + act(jax.nn.gelu(act(x, up) @ w["up"]), down) @ w["down"]
+    return x
+
+
+def test_smoothing_and_rotation_run_online_in_every_layout_and_cut_w8a8_error():
+    params, batches = _setup()
+    x = batches[0]
+    stats = ptq.collect_stats(_model, params, batches, config="int8_fwd")
+    run = functools.partial(ptq.quantize_weights, _model, params, None, stats=stats)
+    # Weight-only: the transformed model is the reference's, layout by layout
+    # (scanned layers, two contracting axes), in float.
+    both = run(qbits.QuantConfig(default=W4), method="rtn", smooth=0.5,
+               rotate=True, key=jax.random.key(1))  # fmt: skip
+    assert set(both.transforms) == {"wq", "wo", "mlp/up", "mlp/down"}
+    assert both.transforms["mlp/up"]["scale"].shape == (LAYERS, D)
+    got = both.function(_model)(both.params, x)
+    want = _transformed_reference(both.params, x, both.transforms)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # W8A8 on loud input channels: both transforms cut the model's error.
+    errors = {}
+    for name, kw in {
+        "rtn": {},
+        "smooth": {"smooth": 0.5},
+        "rotate": {"rotate": True, "key": jax.random.key(2)},
+    }.items():
+        out = run("int8_fwd", method="rtn", **kw)
+        errors[name] = float(jnp.sum((out.function(_model)(out.params, x)
+                                      - _model(params, x)) ** 2))  # fmt: skip
+    assert errors["smooth"] < 0.7 * errors["rtn"], errors
+    assert errors["rotate"] < 0.7 * errors["rtn"], errors
+    with pytest.raises(qbits.InvalidArgumentError, match="mean .x Q."):
+        run("int8_fwd", method="awq", rotate=True)
+    with pytest.raises(qbits.InvalidArgumentError, match="smooth"):
+        run("int8_fwd", smooth=1.5)
