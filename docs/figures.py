@@ -546,46 +546,96 @@ def kv_cache() -> str:
 
 @figure("ptq", "ptq_lm_cpu.json")
 def ptq() -> str:
-    rows = _json("ptq_lm_cpu.json")["rows"]
+    rows = [r for r in _json("ptq_lm_cpu.json")["rows"] if r["format"] != "w8a8"]
     formats = list(dict.fromkeys(r["format"] for r in rows if r["method"]))
     seeds = sorted({r["seed"] for r in rows})
     get = {(r["format"], r["method"], r["seed"]): r for r in rows}
-    table, closed, closed_awq, worse = [], [], [], 0
+    methods = ("rtn", "gptq", "awq", "gptq+rot")
+    table, worse = [], 0
+    closed: dict[str, list[float]] = {m: [] for m in methods[1:]}
     for f in formats:
         cells = [f]
-        for method in ("rtn", "gptq", "awq"):
+        for method in methods:
             runs = [get[f, method, s] for s in seeds]
             ratios = ", ".join(f"{r['ratio']:.4f}" for r in runs)
             err = statistics.mean(r["error_vs_rtn"] for r in runs)
             cells.append(ratios if method == "rtn" else f"{ratios} ({err:.2f}x)")
         table.append(cells)
         for s in seeds:
-            rtn, gptq, awq = (get[f, m, s]["ratio"] for m in ("rtn", "gptq", "awq"))
-            closed.append((rtn - gptq) / (rtn - 1))
-            closed_awq.append((rtn - awq) / (rtn - 1))
-            worse += awq > rtn
+            rtn = get[f, "rtn", s]["ratio"]
+            for m in methods[1:]:
+                closed[m].append((rtn - get[f, m, s]["ratio"]) / (rtn - 1))
+            worse += get[f, "awq", s]["ratio"] > rtn
     awq_err = [r["error_vs_rtn"] for r in rows if r["method"] == "awq"]
     seconds = {
         m: statistics.mean(r["seconds"] for r in rows if r["method"] == m)
-        for m in ("rtn", "gptq", "awq")
+        for m in methods
     }
+
+    def span(m: str) -> str:
+        return f"{100 * min(closed[m]):.0f}-{100 * max(closed[m]):.0f}%"
+
     verdict = (
         "better than RTN on held-out text in every run"
         if not worse
-        else f"worse than RTN on held-out text in {worse} of {len(closed)} runs"
+        else f"worse than RTN on held-out text in {worse} of {len(closed['awq'])} runs"
+    )
+    rot_better = sum(
+        get[f, "gptq+rot", s]["ratio"] < get[f, "gptq", s]["ratio"]
+        for f in formats
+        for s in seeds
     )
     text = (
-        f"GPTQ closes {100 * min(closed):.0f}-{100 * max(closed):.0f}% of RTN's "
-        "gap to float32 in every run; AWQ (scale and clipping search) lowers the "
-        f"calibration error by {100 * (1 - max(awq_err)):.0f}-"
-        f"{100 * (1 - min(awq_err)):.0f}%, closes {100 * min(closed_awq):.0f}-"
-        f"{100 * max(closed_awq):.0f}% of the gap and is {verdict}. One model's "
-        f"13 weights take {seconds['rtn']:.0f} s (RTN), {seconds['gptq']:.0f} s "
-        f"(GPTQ) and {seconds['awq']:.0f} s (AWQ) on average, statistics "
-        "included (2 CPU cores shared with other work: times are rough).\n"
+        f"GPTQ closes {span('gptq')} of RTN's gap to float32 in every run; "
+        f"AWQ (scale and clipping search) lowers the calibration error by "
+        f"{100 * (1 - max(awq_err)):.0f}-{100 * (1 - min(awq_err)):.0f}%, "
+        f"closes {span('awq')} of the gap and is {verdict}. GPTQ after a "
+        f"randomized Hadamard rotation closes {span('gptq+rot')}, better than "
+        f"GPTQ alone in {rot_better} of {len(closed['gptq'])} runs. One "
+        f"model's 13 weights take {seconds['rtn']:.0f} s (RTN), "
+        f"{seconds['gptq']:.0f} s (GPTQ), {seconds['awq']:.0f} s (AWQ) and "
+        f"{seconds['gptq+rot']:.0f} s (GPTQ + rotation) on average, "
+        "statistics included (2 CPU cores shared with other work: times are "
+        "rough).\n"
     )
     return (
-        _table(["format", "RTN", "GPTQ", "AWQ"], table)
+        _table(["format", "RTN", "GPTQ", "AWQ", "GPTQ + rotation"], table)
+        + "\n"
+        + text
+        + "\n"
+        + _source("ptq_lm_cpu.json")
+    )
+
+
+@figure("smoothquant", "ptq_lm_cpu.json")
+def smoothquant() -> str:
+    rows = [r for r in _json("ptq_lm_cpu.json")["rows"] if r["format"] == "w8a8"]
+    seeds = sorted({r["seed"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    get = {(r["model"], r["method"], r["seed"]): r for r in rows}
+    table = []
+    for model in ("trained", "outliers"):
+        spread = max(get[model, "float32", s]["absmax_over_median"] for s in seeds)
+        cells = [f"{model} (max/median {spread:.0f}x)"]
+        for m in methods:
+            cells.append(", ".join(f"{get[model, m, s]['ratio']:.4f}" for s in seeds))
+        table.append(cells)
+
+    def gap(method: str) -> str:
+        shares = []
+        for s in seeds:
+            base = get["outliers", "float32", s]["ratio"]
+            rtn = get["outliers", "RTN", s]["ratio"] - base
+            shares.append((rtn - (get["outliers", method, s]["ratio"] - base)) / rtn)
+        return f"{100 * min(shares):.0f}-{100 * max(shares):.0f}%"
+
+    text = (
+        f"On the outlier copy, SmoothQuant closes {gap('SmoothQuant')} of W8A8 "
+        f"RTN's gap to float32 and the rotation {gap('rotation')} (seeds "
+        f"{', '.join(map(str, seeds))}).\n"
+    )
+    return (
+        _table(["model", *methods], table)
         + "\n"
         + text
         + "\n"

@@ -4,7 +4,7 @@
 
     qbits train [CONFIG] [--model lm|mlp] [--steps N] [--seed S] [--out DIR] [--rerun]
     qbits sweep SWEEP.yaml [--out DIR] [--rerun]
-    qbits ptq CONFIG --run DIR [--method rtn gptq awq] [--calibration N] [--out DIR]
+    qbits ptq CONFIG --run DIR [--method rtn gptq awq ...] [--calibration N] [--out DIR]
     qbits inspect CONFIG [--model lm|mlp]
     qbits presets
 
@@ -534,9 +534,11 @@ def _parser() -> argparse.ArgumentParser:
     ptq.add_argument(
         "--method",
         nargs="+",
-        choices=("rtn", "gptq", "awq"),
+        choices=("rtn", "gptq", "awq", "smoothquant", "rtn+rot", "gptq+rot"),
         default=["rtn", "gptq", "awq"],
-        help="methods to compare (default: rtn gptq awq)",
+        help="methods to compare (default: rtn gptq awq): round to nearest, "
+        "GPTQ, AWQ; smoothquant: RTN after SmoothQuant's scales (alpha 0.5, "
+        "for W8A8); rtn+rot, gptq+rot: after a random Hadamard rotation",
     )
     ptq.add_argument(
         "--calibration",

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import qbits
 from qbits import ptq
-from qbits._errors import check_int
+from qbits._errors import InvalidArgumentError, check_int
 from qbits.experiments._models import spec as model_spec
 from qbits.experiments._report import write_report
 from qbits.experiments._saved import load_trained
@@ -40,6 +40,17 @@ _OWNER = "qbits.experiments.post_train"
 #: Calibration batches are training batches at steps from here on: no
 #: training run of the example models gets that far.
 _CALIBRATION_STEP = 2**30
+
+
+#: The methods of ``qbits ptq``: :func:`qbits.ptq.quantize_weights`' keywords.
+METHODS = {
+    "rtn": {"method": "rtn"},
+    "gptq": {"method": "gptq"},
+    "awq": {"method": "awq"},
+    "smoothquant": {"method": "rtn", "smooth": 0.5},
+    "rtn+rot": {"method": "rtn", "rotate": True},
+    "gptq+rot": {"method": "gptq", "rotate": True},
+}
 
 
 def post_train(
@@ -67,7 +78,11 @@ def post_train(
       out: The folder the report is written to (made when the results are
         in: a call that fails leaves nothing behind).
       name: The config's name in the table (rows ``<name> <method>``).
-      methods: Methods of :func:`qbits.ptq.quantize_weights`.
+      methods: Names in :data:`METHODS`: ``"rtn"``, ``"gptq"``, ``"awq"``
+        (:func:`qbits.ptq.quantize_weights`' methods), ``"smoothquant"``
+        (round to nearest after SmoothQuant's scales, alpha 0.5: for W8A8),
+        ``"rtn+rot"`` and ``"gptq+rot"`` (after a randomized Hadamard
+        rotation of every quantized matmul's input channels).
       calibration: Number of calibration batches (training batches at steps
         training never reaches).
       seed: Which saved run (needed only when ``run_dir`` has several).
@@ -97,6 +112,11 @@ def post_train(
       train' (it saves the float32 params as runs/float32__seed<S>.params).
     """
     check_int(_OWNER, "calibration", calibration, 1, 1 << 20)
+    for method in methods:
+        if method not in METHODS:
+            raise InvalidArgumentError(
+                _OWNER, "methods", method, "names among " + ", ".join(METHODS)
+            )
     quant = qbits.config.as_quant_config(_OWNER, config)
     model, data, run = load_trained(run_dir, seed, owner=_OWNER)
     spec = model_spec(run["model"], run["size"])
@@ -125,13 +145,16 @@ def post_train(
     collect_seconds = time.perf_counter() - tic
     for method in methods:
         tic = time.perf_counter()
+        kwargs = dict(METHODS[method])
+        if kwargs.get("rotate"):  # QuaRot's random signs, the run's seed
+            kwargs["key"] = jax.random.key(run["seed"])
         got = ptq.quantize_weights(
-            fn, params, None, quant, stats=stats, method=method, progress=progress
+            fn, params, None, quant, stats=stats, progress=progress, **kwargs
         )
         # Each method's time includes collecting the statistics once.
         seconds = time.perf_counter() - tic + collect_seconds
         # A key for configs whose backward rounds stochastically (unused).
-        quantized = qbits.quantize(fn, got.config, key=jax.random.key(0))
+        quantized = got.function(fn, key=jax.random.key(0))
         loss, accuracy = evaluate(quantized, got.params)
         runs.append(_row(f"{name} {method}", run, bits, nan, loss, accuracy, seconds))
         log(f"{name} {method}: eval loss {loss:.4f} ({seconds:.1f} s)")

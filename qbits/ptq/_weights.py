@@ -98,7 +98,9 @@ class PtqResult(NamedTuple):
     config: Any  # a qbits.QuantConfig (Any: one link target in the docs)
     transforms: Mapping[str, Any] = types.MappingProxyType({})
 
-    def function(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def function(
+        self, fn: Callable[..., Any], key: jax.Array | None = None
+    ) -> Callable[..., Any]:
         """``fn`` as it runs on :attr:`params`: the one way to evaluate the result.
 
         ``qbits.quantize(fn, self.config)`` (the quantizers besides the
@@ -108,6 +110,8 @@ class PtqResult(NamedTuple):
 
         Args:
           fn: The function given to :func:`quantize_weights`.
+          key: A PRNG key, for a config that rounds stochastically (its
+            backward matmuls), as for :func:`qbits.quantize`.
 
         Returns:
           A function with ``fn``'s signature: call it with :attr:`params`.
@@ -126,8 +130,10 @@ class PtqResult(NamedTuple):
           [11.0, 19.9]
         """
         if not self.transforms:
-            return transform.quantize(fn, self.config)
-        return transform.adapt(fn, self.config, ACTIVATION, dict(self.transforms))
+            return transform.quantize(fn, self.config, key=key)
+        return transform.adapt(
+            fn, self.config, ACTIVATION, dict(self.transforms), key=key
+        )
 
 
 def quantize_weights(
