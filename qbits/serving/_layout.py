@@ -165,15 +165,6 @@ def stored_parts(quantizer: Quantizer) -> tuple[str, ...]:
     return parts
 
 
-def plain_storage(quantizer: Quantizer) -> bool:
-    """Whether a weight stored by ``quantizer`` is values and scales alone.
-
-    Not so for zero points, NF4's codebook or NVFP4's tensor scale.
-    """
-    codebook = isinstance(quantizer.numerics, Nf4Numerics)
-    return stored_parts(quantizer) == ("qvalue", "scale") and not codebook
-
-
 def stored_qtensor(
     info: LayerInfo, arrays: Mapping[str, jax.Array], quantizer: Quantizer
 ) -> QTensor:
