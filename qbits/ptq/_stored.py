@@ -9,15 +9,18 @@ the quantizer along the operand's contracting axes, 4-bit values packed
 along the last axis, scanned layers stacked first). :func:`stored_weight`
 maps the one onto the other: each per-block parameter (scale, zero point,
 tensor scale) is spread over its block's entries, moved to the operand's
-layout by the inverse of ``matrix``, and read back per block of the
-operand's own quantization; the codes are the weight's values on that
-grid. Dequantized, the stored weight is the method's float weight.
+layout by the inverse of ``matrix``, and read back once per block of the
+operand's own quantization (on the host: these are small); the codes are
+the weight's values on that grid. Dequantized, the stored weight is the
+method's float weight, bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,84 +55,120 @@ def stored_weight(
       :func:`qbits.transform.store_weights` gives for this matmul, with the
       given grids' scales in place of freshly calibrated ones), or ``None``
       where the grids' blocks are not the operand's own (a weight with
-      several contracting axes tiled along their flattening, a tensor scale
+      several contracting axes tiled across their flattening, a tensor scale
       per group of a grouped weight): serving then quantizes that weight
       again.
     """
     weight = jnp.asarray(weight)
-    per_layer = len(grids) // max(1, math.prod(ms.layers))
-    out = []
-    for i, layer in enumerate(np.ndindex(*ms.layers)):
+    one = jax.ShapeDtypeStruct(ms.shape, weight.dtype)
+    ref = jax.eval_shape(
+        functools.partial(
+            store_weight, cfg=MatmulConfig(rhs=quantizer), contracting=ms.contracting
+        ),
+        one,
+    )
+    # Which entry of the operand each entry of the (K, N) matrices is.
+    where = np.asarray(ms.matrix(jnp.arange(math.prod(ms.shape)).reshape(ms.shape)))
+    names = ["scale"]
+    shapes = [ref.scale.shape]
+    if ref.zero_point is not None:
+        names.append("zero_point")
+        shapes.append(ref.scale.shape)
+    if ref.tensor_scale is not None:
+        names.append("tensor_scale")
+        shapes.append(ref.tensor_scale.shape)
+    layers = max(1, math.prod(ms.layers))
+    per_layer = len(grids) // layers
+    found: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    for i in range(layers):
         mine = grids[i * per_layer : (i + 1) * per_layer]
-        qt = _one_layer(ms, weight[layer], quantizer, mine)
-        if qt is None:
-            return None
-        out.append(qt)
-    if not ms.layers:
-        return out[0]
-    return jax.tree.map(lambda *a: jnp.stack(a).reshape(*ms.layers, *a[0].shape), *out)
+        for name, shape in zip(names, shapes, strict=True):
+            full = _spread(ms, where, [getattr(g, name) for g in mine])
+            block = _per_block(full, shape)
+            if block is None:
+                return None
+            found[name].append(block)
+    arrays = {name: np.stack(v) for name, v in found.items()}  # layers flattened
+    layout = (
+        np.dtype(ref.storage_dtype).name,
+        np.dtype(ref.scale.dtype).name,
+        np.dtype(ref.qdtype).name,
+        None if ref.zero_point is None else np.dtype(ref.zero_point.dtype).name,
+        ref.codebook,
+        ref.packed_axis,
+    )
+    return _encode_layers(
+        weight, arrays, quantizer, ms.contracting, layout, tuple(ms.layers)
+    )
 
 
-def _spread(ms: MatmulStats, parts: Sequence[jax.Array]) -> jax.Array:
+def _spread(ms: MatmulStats, where: np.ndarray, parts: Sequence[Any]) -> np.ndarray:
     """Per-block parameters of each ``(K, N)`` matrix, per entry of the operand.
 
     ``parts``: one array of blocks per matrix (per group, for a grouped
     weight), or a scalar (a tensor scale).
     """
-    # The inverse of ms.matrix: which entry of the operand each matrix
-    # entry is.
-    where = ms.matrix(jnp.arange(math.prod(ms.shape)).reshape(ms.shape))
     k, n = where.shape[-2:]
     full = []
     for p in parts:
-        p = jnp.asarray(p, jnp.float32).reshape((1, 1) if jnp.ndim(p) == 0 else p.shape)
-        full.append(jnp.repeat(jnp.repeat(p, k // p.shape[0], 0), n // p.shape[1], 1))
-    mats = jnp.stack(full) if ms.grouped else full[0]
-    flat = jnp.zeros(math.prod(ms.shape), jnp.float32)
-    return flat.at[where.reshape(-1)].set(mats.reshape(-1)).reshape(ms.shape)
+        p = np.asarray(p, np.float32)
+        p = p.reshape((1, 1) if p.ndim == 0 else p.shape)
+        full.append(np.repeat(np.repeat(p, k // p.shape[0], 0), n // p.shape[1], 1))
+    mats = np.stack(full) if ms.grouped else full[0]
+    out = np.zeros(math.prod(ms.shape), np.float32)
+    out[where.reshape(-1)] = mats.reshape(-1)
+    return out.reshape(ms.shape)
 
 
-def _per_block(full: jax.Array, shape: tuple[int, ...]) -> jax.Array | None:
+def _per_block(full: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
     """``full`` once per block of a scale of ``shape``; ``None`` if it varies inside."""
     steps = tuple(n // s for n, s in zip(full.shape, shape, strict=True))
     block = full[tuple(slice(None, None, s) for s in steps)]
     spread = block
     for axis, s in enumerate(steps):
-        spread = jnp.repeat(spread, s, axis)
-    return block if bool(jnp.array_equal(spread, full)) else None
+        spread = np.repeat(spread, s, axis)
+    return block if np.array_equal(spread, full) else None
 
 
-def _one_layer(
-    ms: MatmulStats, w: jax.Array, quantizer: Quantizer, grids: Sequence[GptqResult]
-) -> QTensor | None:
-    """One layer's stored weight (``w`` in the operand's layout)."""
-    ref = store_weight(w, MatmulConfig(rhs=quantizer), ms.contracting)
-    scale = _per_block(_spread(ms, [g.scale for g in grids]), ref.scale.shape)
-    if scale is None:
-        return None
-    zero = tensor = None
-    if ref.zero_point is not None:
-        zero = _per_block(_spread(ms, [g.zero_point for g in grids]), scale.shape)
-        if zero is None:
-            return None
-    if ref.tensor_scale is not None:
-        tensor = _per_block(_spread(ms, [g.tensor_scale for g in grids]), (1,) * w.ndim)
-        if tensor is None:
-            return None
-    return _encode(w, quantizer, ref, scale, zero, tensor, ms.contracting)
+@functools.partial(
+    jax.jit, static_argnames=("quantizer", "contracting", "layout", "layers")
+)
+def _encode_layers(
+    w: jax.Array,
+    arrays: dict[str, jax.Array],
+    quantizer: Quantizer,
+    contracting: tuple[int, ...],
+    layout: tuple[Any, ...],
+    layers: tuple[int, ...],
+) -> QTensor:
+    """:func:`_encode` of each layer (``arrays`` per layer, flattened), stacked."""
+    encode = functools.partial(
+        _encode, quantizer=quantizer, contracting=contracting, layout=layout
+    )
+    if not layers:
+        return encode(w, jax.tree.map(lambda a: a[0], arrays))
+    n = math.prod(layers)
+    qt = jax.vmap(encode)(w.reshape(n, *w.shape[len(layers) :]), arrays)
+    return jax.tree.map(lambda a: a.reshape(*layers, *a.shape[1:]), qt)
 
 
 def _encode(
     w: jax.Array,
+    arrays: dict[str, jax.Array],
     quantizer: Quantizer,
-    ref: QTensor,
-    scale: jax.Array,
-    zero: jax.Array | None,
-    tensor: jax.Array | None,
     contracting: tuple[int, ...],
+    layout: tuple[Any, ...],
 ) -> QTensor:
-    """The codes of ``w`` (on the grid) with these parameters, stored as ``ref``."""
+    """The codes of one layer's ``w`` (on the grid) with these parameters.
+
+    ``arrays``: its scale (and zero point, tensor scale) per block;
+    ``layout``: the stored dtypes of the values, scales, format and zero
+    points, the codebook and the packed axis.
+    """
+    storage, scale_dtype, qdtype, zero_dtype, codebook, packed_axis = layout
     numerics = quantizer.numerics
+    scale = arrays["scale"]
+    zero, tensor = arrays.get("zero_point"), arrays.get("tensor_scale")
     if zero is None and tensor is None:  # values and scales: the quantizer's path
         qt, _ = quantizer.quant_vjp(
             w, store=True, contracting_axes=contracting, scale=scale
@@ -151,14 +190,14 @@ def _encode(
         if hasattr(numerics, "codes"):  # a codebook's indices (NF4)
             q = numerics.codes(q)
         qt = QTensor(
-            q.astype(ref.storage_dtype),
-            scale.astype(ref.scale.dtype),
-            qdtype=ref.qdtype,
+            q.astype(storage),
+            scale.astype(scale_dtype),
+            qdtype=np.dtype(qdtype),
             dtype=w.dtype,
-            zero_point=None if zero is None else zero.astype(ref.zero_point.dtype),
+            zero_point=None if zero is None else zero.astype(zero_dtype),
             tensor_scale=None if tensor is None else tensor.astype(jnp.float32),
-            codebook=ref.codebook,
+            codebook=codebook,
         )
-    if ref.packed_axis is not None:
-        qt = qt.pack(axis=ref.packed_axis)
+    if packed_axis is not None:
+        qt = qt.pack(axis=packed_axis)
     return qt

@@ -1,0 +1,122 @@
+"""Serving what PTQ quantized: GPTQ's (and RTN's) own codes and scales.
+
+``quantize_weights`` hands over each weight stored as serving stores it
+(``PtqResult.stored``); ``serving.convert(fn, config, result, x)`` keeps
+them, instead of quantizing the weights on their grids again.
+"""
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qbits
+import qbits.serving as serving
+from qbits import ptq
+
+# One format per weight, in a scan over two stacked layers: symmetric int4
+# in groups of 128, uint4 with zero points (an einsum's transposed weight),
+# NF4, NVFP4. Bytes of one [K, N] layer, as convert stores them.
+CONFIG = qbits.QuantConfig(
+    rules=(
+        qbits.Rule(r".*asym.*", "w4g128_asym"),
+        qbits.Rule(r".*nf4.*", "nf4"),
+        qbits.Rule(r".*nvfp4.*", "nvfp4_weight_only"),
+    ),
+    default="int4_weight_only",
+)
+BYTES = {  # packed codes; float32 scales, int16 zero points, e4m3 + one float32
+    "int4": 128 * 64 + 128 * 4,
+    "asym": 128 * 64 + 128 * 6,
+    "nf4": 128 * 64 + 256 * 4,
+    "nvfp4": 128 * 64 + 1024 + 4,
+}
+
+
+def model(params, x):
+    def layer(h, p):
+        h = jax.nn.relu(h @ p["int4"])
+        h = jax.nn.relu(jnp.einsum("bk,nk->bn", h, p["asym"]))  # (N, K) weight
+        h = jax.nn.relu(h @ p["nf4"])
+        return jax.nn.relu(h @ p["nvfp4"]), None
+
+    return jax.lax.scan(layer, x, params)[0]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    rng = np.random.default_rng(0)
+
+    def w(*shape, shift=0.0):
+        return (rng.standard_normal(shape) * 0.1 + shift).astype(np.float32)
+
+    params = {"int4": w(2, 128, 128), "asym": w(2, 128, 128, shift=0.03),
+              "nf4": w(2, 128, 128), "nvfp4": w(2, 128, 128)}  # fmt: skip
+    scales = np.geomspace(0.1, 10, 128).astype(np.float32)  # outlier channels
+    x = rng.standard_normal((64, 128)).astype(np.float32) * scales
+    return params, x
+
+
+def _mse(a, b):
+    return float(jnp.mean((a - b) ** 2))
+
+
+def test_gptq_serves_its_own_codes_and_scales_in_every_format(setup):
+    params, x = setup
+    out = ptq.quantize_weights(model, params, [x], CONFIG, method="gptq")
+    assert list(out.stored) == list(params)
+    # Each stored weight dequantizes to GPTQ's weight bit for bit (the
+    # transposed einsum weight as its operand, the scan's layers stacked).
+    dequant = jax.jit(lambda s: {k: qt.dequant() for k, qt in s.items()})
+    for path, w in dequant(out.stored).items():
+        assert out.stored[path].shape == params[path].shape
+        np.testing.assert_array_equal(w, out.params[path], err_msg=path)
+
+    # Served as serving.convert(model, CONFIG, out, x) serves it (the next
+    # test): on the stored weights.
+    y = jax.jit(qbits.quantize(model, CONFIG, stored=out.stored))(out.params, x)
+    fake = model(out.params, x)  # GPTQ's weights in float
+    # Equal up to the int4 matmul's rounding (its scales multiply the dot);
+    # the served error is GPTQ's.
+    np.testing.assert_allclose(y, fake, rtol=1e-5, atol=1e-5)
+    ref = model(params, x)
+    assert _mse(y, ref) == pytest.approx(_mse(fake, ref), rel=1e-4)
+    for path, qt in out.stored.items():  # the bytes convert stores
+        assert sum(a.nbytes for a in jax.tree.leaves(qt)) == 2 * BYTES[path], path
+
+
+def test_round_to_nearest_stores_what_convert_stores_and_errors_say_why():
+    rng = np.random.default_rng(1)
+    params = {"w": rng.standard_normal((128, 16)).astype(np.float32)}
+    x = rng.standard_normal((8, 128)).astype(np.float32)
+
+    def f(p, x):
+        return x @ p["w"]
+
+    out = ptq.quantize_weights(f, params, [x], "int4_weight_only", method="rtn")
+    # RTN's grid is the engine's own: its stored weight is bit for bit what
+    # convert stores from the float weight (the rounded weight, rounded
+    # again, gets other scales on a symmetric grid).
+    sp = serving.convert(f, "int4_weight_only", out, x)
+    fwd = qbits.presets.get("int4_weight_only").fwd
+    want = dict(qbits.ops.store_weight(params["w"], fwd, (0,)).__dict__)
+    for k in ("qvalue", "scale"):
+        np.testing.assert_array_equal(sp.weights["w"][k], want[k])
+    served = jax.jit(serving.serve(f, "int4_weight_only"))(sp, x)
+    np.testing.assert_allclose(served, f(out.params, x), rtol=1e-5, atol=1e-5)
+    with pytest.warns(UserWarning, match="'w' again"):  # as AWQ: nothing stored
+        again = serving.convert(f, "int4_weight_only", out._replace(stored={}), x)
+    assert not np.array_equal(again.weights["w"]["scale"], want["scale"])
+
+    with pytest.raises(qbits.InvalidArgumentError, match=r"stored\['w'\]"):
+        serving.convert(f, "nf4", out, x)  # NF4's groups of 64, not 128
+    with pytest.raises(qbits.InvalidArgumentError, match="'v'"):
+        serving.convert(
+            f, "int4_weight_only", out._replace(stored={**out.stored, "v": 0}), x
+        )
+    with pytest.raises(qbits.InvalidArgumentError, match="online"):
+        smoothed = out._replace(transforms={"w": {"scale": jnp.ones(128)}})
+        serving.convert(f, "int4_weight_only", smoothed, x)
+    with pytest.raises(qbits.InvalidArgumentError, match="as_function"):
+        serving.convert(nnx.Linear(128, 16, rngs=nnx.Rngs(0)), "nf4", out)
