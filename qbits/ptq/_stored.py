@@ -54,10 +54,9 @@ def stored_weight(
       The stored :class:`~qbits.QTensor` (what
       :func:`qbits.transform.store_weights` gives for this matmul, with the
       given grids' scales in place of freshly calibrated ones), or ``None``
-      where the grids' blocks are not the operand's own (a weight with
-      several contracting axes tiled across their flattening, a tensor scale
-      per group of a grouped weight): serving then quantizes that weight
-      again.
+      where the grids' blocks are not the operand's own (a tensor scale per
+      group of a grouped weight, where the operand has one): serving then
+      quantizes that weight again.
     """
     weight = jnp.asarray(weight)
     one = jax.ShapeDtypeStruct(ms.shape, weight.dtype)

@@ -101,12 +101,13 @@ class PtqResult(NamedTuple):
         config given to :func:`quantize_weights`) takes them, as does
         ``qbits.quantize(fn, config, stored=result.stored)``. AWQ's weights
         (``Q(s w) / s``) are left out, and so is a weight whose scale blocks
-        on ``(K, N)`` are not those of its operand (several contracting
-        axes tiled across): serving quantizes those again.
+        on ``(K, N)`` are not those of its operand (NVFP4's tensor scale,
+        one per ``(K, N)`` matrix, of a weight with a matrix per group):
+        serving quantizes those again.
 
     Example:
       >>> out = qbits.ptq.PtqResult({"w": jnp.ones((2, 2))}, (), qbits.QuantConfig())
-      >>> out.layers, out.config.default is None, dict(out.transforms), out.stored
+      >>> out.layers, out.config.default is None, dict(out.transforms), dict(out.stored)
       ((), True, {}, {})
     """
 

@@ -177,7 +177,8 @@ def _warn_if_requantized(result: PtqResult) -> None:
             f"qbits.serving.convert quantizes {', '.join(map(repr, again))} "
             "again, with scales of its own: the PtqResult has no stored weight "
             "for them (AWQ's weights Q(s w) / s need their activation scales; "
-            "a weight whose scale blocks are not its operand's)",
+            "NVFP4's tensor scale per group of a grouped weight has no "
+            "stored form)",
             UserWarning,
             stacklevel=3,
         )

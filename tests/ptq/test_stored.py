@@ -88,11 +88,11 @@ def test_gptq_serves_its_own_codes_and_scales_in_every_format(setup):
 
 def test_round_to_nearest_stores_what_convert_stores_and_errors_say_why():
     rng = np.random.default_rng(1)
-    params = {"w": rng.standard_normal((128, 16)).astype(np.float32)}
-    x = rng.standard_normal((8, 128)).astype(np.float32)
+    params = {"w": rng.standard_normal((2, 128, 16)).astype(np.float32)}
+    x = rng.standard_normal((2, 8, 128)).astype(np.float32)
 
-    def f(p, x):
-        return x @ p["w"]
+    def f(p, x):  # a weight per group (head): one (K, N) matrix each
+        return jnp.einsum("hbk,hkn->hbn", x, p["w"])
 
     out = ptq.quantize_weights(f, params, [x], "int4_weight_only", method="rtn")
     # RTN's grid is the engine's own: its stored weight is bit for bit what
@@ -100,7 +100,7 @@ def test_round_to_nearest_stores_what_convert_stores_and_errors_say_why():
     # again, gets other scales on a symmetric grid).
     sp = serving.convert(f, "int4_weight_only", out, x)
     fwd = qbits.presets.get("int4_weight_only").fwd
-    want = dict(qbits.ops.store_weight(params["w"], fwd, (0,)).__dict__)
+    want = dict(qbits.ops.store_weight(params["w"], fwd, (1,)).__dict__)
     for k in ("qvalue", "scale"):
         np.testing.assert_array_equal(sp.weights["w"][k], want[k])
     served = jax.jit(serving.serve(f, "int4_weight_only"))(sp, x)
@@ -116,7 +116,7 @@ def test_round_to_nearest_stores_what_convert_stores_and_errors_say_why():
             f, "int4_weight_only", out._replace(stored={**out.stored, "v": 0}), x
         )
     with pytest.raises(qbits.InvalidArgumentError, match="online"):
-        smoothed = out._replace(transforms={"w": {"scale": jnp.ones(128)}})
+        smoothed = out._replace(transforms={"w": {"scale": jnp.ones((2, 128))}})
         serving.convert(f, "int4_weight_only", smoothed, x)
     with pytest.raises(qbits.InvalidArgumentError, match="as_function"):
         serving.convert(nnx.Linear(128, 16, rngs=nnx.Rngs(0)), "nf4", out)
