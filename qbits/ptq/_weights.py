@@ -177,8 +177,9 @@ def quantize_weights(
     The statistics come from running ``fn`` in float on ``batches`` (they
     stream: one ``K x K`` Hessian per matmul in memory). Each weight matmul
     whose rule (``config``, as for :func:`qbits.quantize`) quantizes its
-    weight in the forward matmul gets that quantizer's grid: ``fwd.rhs`` for
-    ``x @ w``, ``fwd.lhs`` for ``w @ x``; matmuls whose rule is float, or
+    weight in the forward matmul gets that quantizer's grid, ``fwd.rhs``
+    (the engine runs ``w @ x`` as ``x @ w``, so the weight is always the
+    rhs, as in :func:`qbits.quantize`); matmuls whose rule is float, or
     quantizes only the activation, keep their weight. Weight-only configs
     are evaluated as ``fn(result.params, x)`` in float; a config that also
     quantizes activations, with ``qbits.quantize`` and a config that
@@ -283,7 +284,7 @@ def quantize_weights(
         cfg = quant.resolve(ms.path).config
         if cfg is None:
             continue
-        quantizer = cfg.fwd.rhs if ms.side == "lhs" else cfg.fwd.lhs
+        quantizer = cfg.fwd.rhs  # the weight's side, whichever side it is on
         if isinstance(quantizer.numerics, NoNumerics):  # activations only
             continue
         name = jax.tree_util.keystr(ms.keys)
@@ -316,20 +317,19 @@ def quantize_weights(
         if qt is not None:
             stored[ms.path] = qt
         reports.append(dataclasses.replace(report, param=name))
-        written.append(_without_weight(ms.path, cfg, ms.side))
+        written.append(_without_weight(ms.path, cfg))
     new_params = jax.tree_util.tree_unflatten(treedef, values)
     rules = QuantConfig((*written, *quant.rules), quant.default, source=quant.source)
     return PtqResult(new_params, tuple(reports), rules, transforms, stored)
 
 
-def _without_weight(path: str, cfg: DotGeneralConfig, side: str) -> Rule:
+def _without_weight(path: str, cfg: DotGeneralConfig) -> Rule:
     """A rule for exactly ``path``: ``cfg`` without its forward weight quantizer.
 
-    ``side`` is the activation's side (``"lhs"`` for ``x @ w``).
+    The weight's is ``fwd.rhs`` whichever operand the weight is: the engine
+    runs a matmul whose weight is its lhs with the operands swapped.
     """
-    fwd = cfg.fwd.replace(
-        **{"rhs" if side == "lhs" else "lhs": Quantizer(NoNumerics())}
-    )
+    fwd = cfg.fwd.replace(rhs=Quantizer(NoNumerics()))
     kept = cfg.replace(fwd=fwd)
     plain = all(m.is_identity for m in (kept.fwd, kept.dlhs, kept.drhs))
     return Rule(re.escape(path), None if plain else kept)

@@ -89,10 +89,10 @@ def test_gptq_serves_its_own_codes_and_scales_in_every_format(setup):
 def test_round_to_nearest_stores_what_convert_stores_and_errors_say_why():
     rng = np.random.default_rng(1)
     params = {"w": rng.standard_normal((2, 128, 16)).astype(np.float32)}
-    x = rng.standard_normal((2, 8, 128)).astype(np.float32)
+    x = rng.standard_normal((8, 2, 128)).astype(np.float32)
 
-    def f(p, x):  # a weight per group (head): one (K, N) matrix each
-        return jnp.einsum("hbk,hkn->hbn", x, p["w"])
+    def f(p, x):  # a weight per head (its own (K, N) matrix), run as w @ x
+        return jnp.einsum("bhk,hkn->bhn", x, p["w"])
 
     out = ptq.quantize_weights(f, params, [x], "int4_weight_only", method="rtn")
     # RTN's grid is the engine's own: its stored weight is bit for bit what
