@@ -55,7 +55,9 @@ def convert(
         (``model.init(...)``; the function's ``params``), or the
         :class:`~qbits.ptq.PtqResult` of post-training quantization
         (:func:`qbits.ptq.quantize_weights` with this config), then sample
-        inputs. nnx models: sample inputs. Sample inputs may be
+        inputs. nnx models: sample inputs, after the ``PtqResult`` of
+        ``quantize_weights`` on the model's ``qbits.nnx.as_function`` (the
+        model gets its params). Sample inputs may be
         ``jax.ShapeDtypeStruct`` s: only their shapes matter. From a
         ``PtqResult`` the weights it stored keep their codes and scales
         (GPTQ's own; the float weights on their grids would be quantized
@@ -104,17 +106,12 @@ def convert(
             raise InvalidArgumentError(
                 owner, "method", method, "None for an nnx model (linen models only)"
             )
-        if args and isinstance(args[0], PtqResult):
-            raise InvalidArgumentError(
-                owner,
-                "*args",
-                "a PtqResult",
-                "an nnx model's PtqResult converted as a function: fn, state = "
-                "qbits.nnx.as_function(model); result = "
-                "qbits.ptq.quantize_weights(fn, state, batches, config); "
-                "qbits.serving.convert(fn, config, result, x)",
-                why="an nnx model's convert takes sample inputs only",
-            )
+        given = None
+        if args and isinstance(args[0], PtqResult):  # the model, on its params
+            result, args = args[0], args[1:]
+            given = _stored_of(owner, result)
+            model = nnx.clone(model)
+            nnx.update(model, result.params)
         if not (args or kwargs):
             raise InvalidArgumentError(
                 owner,
@@ -123,7 +120,7 @@ def convert(
                 "sample inputs for the model's __call__: convert(model, config, x)",
                 why="convert traces the model to find its matmuls",
             )
-        served = convert_nnx(owner, model, rules, args, kwargs)
+        served = convert_nnx(owner, model, rules, args, kwargs, given)
         _warn_if_empty(len(served_layers(served)), rules)
         return served
     if isinstance(model, nn.Module) or callable(model):
@@ -138,17 +135,7 @@ def convert(
         params, args = args[0], args[1:]
         given = None
         if isinstance(params, PtqResult):
-            if params.transforms:
-                raise InvalidArgumentError(
-                    owner,
-                    "params",
-                    "a PtqResult with transforms (quantize_weights(smooth=, rotate=))",
-                    "a PtqResult of quantize_weights without smooth and rotate",
-                    why="serving does not yet divide or rotate the activations "
-                    "online (PtqResult.function does)",
-                )
-            _warn_if_requantized(params)
-            params, given = params.params, dict(params.stored)
+            params, given = params.params, _stored_of(owner, params)
         if isinstance(model, nn.Module):
             served = convert_linen(
                 model, rules, params, *args, method=method, given=given, **kwargs
@@ -169,8 +156,17 @@ def convert(
     )
 
 
-def _warn_if_requantized(result: PtqResult) -> None:
-    """Warns when a weight that PTQ wrote has no stored weight to keep."""
+def _stored_of(owner: str, result: PtqResult) -> dict[str, Any]:
+    """The stored weights of a PTQ result, checked; warns for weights without."""
+    if result.transforms:
+        raise InvalidArgumentError(
+            owner,
+            "params",
+            "a PtqResult with transforms (quantize_weights(smooth=, rotate=))",
+            "a PtqResult of quantize_weights without smooth and rotate",
+            why="serving does not yet divide or rotate the activations "
+            "online (PtqResult.function does)",
+        )
     again = [r.path for r in result.layers if r.path not in result.stored]
     if again:
         warnings.warn(
@@ -182,6 +178,7 @@ def _warn_if_requantized(result: PtqResult) -> None:
             UserWarning,
             stacklevel=3,
         )
+    return dict(result.stored)
 
 
 def _warn_if_empty(stored: int, rules: QuantConfig) -> None:

@@ -27,11 +27,19 @@ __all__ = ["convert_nnx", "served_layers"]
 
 
 def convert_nnx(
-    owner: str, model: nnx.Module, config: QuantConfig, args: Any, kwargs: Any
+    owner: str,
+    model: nnx.Module,
+    config: QuantConfig,
+    args: Any,
+    kwargs: Any,
+    given: Any = None,
 ) -> nnx.Module:
-    """The serving copy of an nnx model: see :func:`qbits.serving.convert`."""
+    """The serving copy of an nnx model: see :func:`qbits.serving.convert`.
+
+    ``given``: stored weights to keep (see :func:`~qbits.serving._params.store`).
+    """
     fn, state = qnnx.as_function(model)
-    stored, fills, layers = store(owner, fn, config, state, args, kwargs)
+    stored, fills, layers = store(owner, fn, config, state, args, kwargs, given)
     served = qnnx.serving_copy(model, forward_only(config), stored, fills)
     served.qbits.info = tuple(layers)
     return served

@@ -76,48 +76,50 @@ def test_gptq_serves_its_own_codes_and_scales_in_every_format(setup):
     # Served as serving.convert(model, CONFIG, out, x) serves it (the next
     # test): on the stored weights.
     y = jax.jit(qbits.quantize(model, CONFIG, stored=out.stored))(out.params, x)
-    fake = model(out.params, x)  # GPTQ's weights in float
+    fake = jax.jit(model)(out.params, x)  # GPTQ's weights in float
     # Equal up to the int4 matmul's rounding (its scales multiply the dot);
     # the served error is GPTQ's.
     assert np.abs(y - fake).max() < 1e-6 * np.abs(fake).max()
-    ref = model(params, x)
+    ref = jax.jit(model)(params, x)
     assert _mse(y, ref) == pytest.approx(_mse(fake, ref), rel=1e-4)
     for path, qt in out.stored.items():  # the bytes convert stores
         assert sum(a.nbytes for a in jax.tree.leaves(qt)) == 2 * BYTES[path], path
 
 
+class Heads(nnx.Module):  # a weight per head, its own (K, N) matrix: w @ x
+    def __init__(self, w):
+        self.w = nnx.Param(jnp.asarray(w))
+
+    def __call__(self, x):
+        return jnp.einsum("bhk,hkn->bhn", x, self.w[...])
+
+
 def test_round_to_nearest_stores_what_convert_stores_and_errors_say_why():
     rng = np.random.default_rng(1)
-    params = {"w": rng.standard_normal((2, 128, 16)).astype(np.float32)}
+    w = rng.standard_normal((2, 128, 16)).astype(np.float32)
     x = rng.standard_normal((8, 2, 128)).astype(np.float32)
-
-    def f(p, x):  # a weight per head (its own (K, N) matrix), run as w @ x
-        return jnp.einsum("bhk,hkn->bhn", x, p["w"])
-
-    out = ptq.quantize_weights(f, params, [x], "int4_weight_only", method="rtn")
+    model, int4 = Heads(w), "int4_weight_only"
+    fn, state = qbits.nnx.as_function(model)  # PTQ runs on the model's function
+    out = ptq.quantize_weights(fn, state, [x], int4, method="rtn")
+    served = serving.convert(model, int4, out, x)  # the model on out.params
     # RTN's grid is the engine's own: its stored weight is bit for bit what
     # convert stores from the float weight (the rounded weight, rounded
     # again, gets other scales on a symmetric grid).
-    sp = serving.convert(f, "int4_weight_only", out, x)
-    fwd = qbits.presets.get("int4_weight_only").fwd
-    want = dict(qbits.ops.store_weight(params["w"], fwd, (1,)).__dict__)
+    want = qbits.ops.store_weight(w, qbits.presets.get(int4).fwd, (1,))
     for k in ("qvalue", "scale"):
-        np.testing.assert_array_equal(sp.weights["w"][k], want[k])
-    served = jax.jit(serving.serve(f, "int4_weight_only"))(sp, x)
-    fake = f(out.params, x)
-    assert np.abs(served - fake).max() < 1e-6 * np.abs(fake).max()
+        got = served.qbits.stored["w"][k][...]
+        np.testing.assert_array_equal(got, getattr(want, k), err_msg=k)
+    y = nnx.jit(lambda m, x: m(x))(served, x)
+    fake = jax.jit(fn)(out.params, x)[0]
+    assert np.abs(y - fake).max() < 1e-6 * np.abs(fake).max()
     with pytest.warns(UserWarning, match="'w' again"):  # as AWQ: nothing stored
-        again = serving.convert(f, "int4_weight_only", out._replace(stored={}), x)
-    assert not np.array_equal(again.weights["w"]["scale"], want["scale"])
+        again = serving.convert(model, int4, out._replace(stored={}), x)
+    assert not np.array_equal(again.qbits.stored["w"]["scale"][...], want.scale)
 
     with pytest.raises(qbits.InvalidArgumentError, match=r"stored\['w'\]"):
-        serving.convert(f, "nf4", out, x)  # NF4's groups of 64, not 128
+        serving.convert(model, "nf4", out, x)  # NF4's groups of 64, not 128
     with pytest.raises(qbits.InvalidArgumentError, match="'v'"):
-        serving.convert(
-            f, "int4_weight_only", out._replace(stored={**out.stored, "v": 0}), x
-        )
+        serving.convert(model, int4, out._replace(stored={**out.stored, "v": 0}), x)
     with pytest.raises(qbits.InvalidArgumentError, match="online"):
         smoothed = out._replace(transforms={"w": {"scale": jnp.ones((2, 128))}})
-        serving.convert(f, "int4_weight_only", smoothed, x)
-    with pytest.raises(qbits.InvalidArgumentError, match="as_function"):
-        serving.convert(nnx.Linear(128, 16, rngs=nnx.Rngs(0)), "nf4", out)
+        serving.convert(fn, int4, smoothed, x)
