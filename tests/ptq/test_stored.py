@@ -73,17 +73,16 @@ def test_gptq_serves_its_own_codes_and_scales_in_every_format(setup):
         assert out.stored[path].shape == params[path].shape
         np.testing.assert_array_equal(w, out.params[path], err_msg=path)
 
-    # Served as serving.convert(model, CONFIG, out, x) serves it (the next
-    # test): on the stored weights.
-    y = jax.jit(qbits.quantize(model, CONFIG, stored=out.stored))(out.params, x)
+    sp = serving.convert(model, CONFIG, out, x)  # the one way to serve it
+    y = jax.jit(serving.serve(model, CONFIG))(sp, x)
     fake = jax.jit(model)(out.params, x)  # GPTQ's weights in float
     # Equal up to the int4 matmul's rounding (its scales multiply the dot);
     # the served error is GPTQ's.
     assert np.abs(y - fake).max() < 1e-6 * np.abs(fake).max()
     ref = jax.jit(model)(params, x)
     assert _mse(y, ref) == pytest.approx(_mse(fake, ref), rel=1e-4)
-    for path, qt in out.stored.items():  # the bytes convert stores
-        assert sum(a.nbytes for a in jax.tree.leaves(qt)) == 2 * BYTES[path], path
+    for r in serving.size_report(sp).layers:  # the bytes convert stores
+        assert r.bytes == 2 * BYTES[r.path], r.path
 
 
 class Heads(nnx.Module):  # a weight per head, its own (K, N) matrix: w @ x
