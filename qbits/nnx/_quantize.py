@@ -112,8 +112,8 @@ class _Quantization(nnx.Module):
         self.state = nnx.data({})
         self.stored = nnx.data({})
         # Static layout of the stored weights, and the float weights they
-        # replace: ((path, qdtype, dtype, packed_axis, packed_pad), ...) and
-        # ((key path, shape, dtype), ...).
+        # replace: ((path, qdtype, dtype, packed_axis, packed_pad, codebook),
+        # ...) and ((key path, shape, dtype), ...).
         self.layout: tuple[tuple[Any, ...], ...] = ()
         self.fills: tuple[tuple[str, tuple[int, ...], str], ...] = ()
         # What serving records of the stored weights (static; its own type).
@@ -218,17 +218,20 @@ def _run(module: Any, method: Callable[..., Any], args: Any, kwargs: Any) -> Any
              for path, entries in node.state.items()}  # fmt: skip
     stored = None
     if node.layout:
-        stored = {
-            path: QTensor(
-                node.stored[path]["qvalue"][...],
-                node.stored[path]["scale"][...],
+        stored = {}
+        for path, qdtype, dtype, packed_axis, packed_pad, codebook in node.layout:
+            arrays = {k: v[...] for k, v in node.stored[path].items()}
+            stored[path] = QTensor(
+                arrays["qvalue"],
+                arrays["scale"],
                 qdtype=np.dtype(qdtype),
                 dtype=np.dtype(dtype),
                 packed_axis=packed_axis,
                 packed_pad=packed_pad,
+                zero_point=arrays.get("zero_point"),
+                tensor_scale=arrays.get("tensor_scale"),
+                codebook=codebook,
             )
-            for path, qdtype, dtype, packed_axis, packed_pad in node.layout
-        }
     run = transform.quantize(
         fn, node.config, key, state=scale or None, stored=stored, caller=_CALLER
     )
@@ -397,7 +400,10 @@ def serving_copy(
     Args:
       model: The float model.
       config: The forward-only rules it serves with.
-      stored: ``{matmul path: QTensor}`` of the stored weights.
+      stored: ``{matmul path: QTensor}`` of the stored weights (values and
+        scales; zero points, tensor scales and codebooks where they have
+        them: kept as :class:`StoredWeight` s ``"zero_point"`` and
+        ``"tensor_scale"``, the codebook as static data).
       fills: ``{key path (jax.tree_util.keystr of the model's state): (shape,
         dtype)}`` of the float weights the copy drops (a
         :class:`Placeholder` each).
@@ -419,13 +425,14 @@ def serving_copy(
     new = _copy(model, config, None)
     node: _Quantization = getattr(new, _ATTR)
     for path, qt in stored.items():
+        parts = {"qvalue": qt.qvalue, "scale": qt.scale, "zero_point": qt.zero_point,
+                 "tensor_scale": qt.tensor_scale}  # fmt: skip
         node.stored[path] = {
-            "qvalue": StoredWeight(qt.qvalue),
-            "scale": StoredWeight(qt.scale),
+            k: StoredWeight(v) for k, v in parts.items() if v is not None
         }
     node.layout = tuple(
         (path, np.dtype(qt.qdtype).name, np.dtype(qt.dtype).name, qt.packed_axis,
-         qt.packed_pad)
+         qt.packed_pad, qt.codebook)
         for path, qt in stored.items()
     )  # fmt: skip
     node.fills = tuple(

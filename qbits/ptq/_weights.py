@@ -36,7 +36,14 @@ from qbits.numerics import NoNumerics
 from qbits.ops import DotGeneralConfig
 from qbits.ptq._awq import awq
 from qbits.ptq._collect import MatmulStats, collect_stats
-from qbits.ptq._gptq import blocks_quantizer, check_quantizer, gptq, output_error
+from qbits.ptq._gptq import (
+    GptqResult,
+    blocks_quantizer,
+    check_quantizer,
+    gptq,
+    output_error,
+)
+from qbits.ptq._stored import stored_weight
 from qbits.ptq._transforms import ACTIVATION, Transform
 
 _OWNER = "qbits.ptq.quantize_weights"
@@ -86,17 +93,29 @@ class PtqResult(NamedTuple):
         matmuls whose activation is transformed online (``smooth``,
         ``rotate``; empty without): their weights in ``params`` are the
         transformed ones, so run the model with :meth:`function`.
+      stored: ``{matmul path: QTensor}``: each weight the method put on its
+        quantizer's grid (``"rtn"``, ``"gptq"``), stored as serving stores
+        it (:func:`qbits.transform.store_weights`) with the method's own
+        codes and scales, zero points and tensor scale, so that serving
+        keeps them: ``qbits.serving.convert(fn, config, result, x)`` (the
+        config given to :func:`quantize_weights`) takes them, as does
+        ``qbits.quantize(fn, config, stored=result.stored)``. AWQ's weights
+        (``Q(s w) / s``) are left out, and so is a weight whose scale blocks
+        on ``(K, N)`` are not those of its operand (NVFP4's tensor scale,
+        one per ``(K, N)`` matrix, of a weight with a matrix per group):
+        serving quantizes those again.
 
     Example:
       >>> out = qbits.ptq.PtqResult({"w": jnp.ones((2, 2))}, (), qbits.QuantConfig())
-      >>> out.layers, out.config.default is None, dict(out.transforms)
-      ((), True, {})
+      >>> out.layers, out.config.default is None, dict(out.transforms), dict(out.stored)
+      ((), True, {}, {})
     """
 
     params: Any
     layers: tuple[LayerReport, ...]
     config: Any  # a qbits.QuantConfig (Any: one link target in the docs)
     transforms: Mapping[str, Any] = types.MappingProxyType({})
+    stored: Mapping[str, Any] = types.MappingProxyType({})
 
     def function(
         self, fn: Callable[..., Any], key: jax.Array | None = None
@@ -158,8 +177,9 @@ def quantize_weights(
     The statistics come from running ``fn`` in float on ``batches`` (they
     stream: one ``K x K`` Hessian per matmul in memory). Each weight matmul
     whose rule (``config``, as for :func:`qbits.quantize`) quantizes its
-    weight in the forward matmul gets that quantizer's grid: ``fwd.rhs`` for
-    ``x @ w``, ``fwd.lhs`` for ``w @ x``; matmuls whose rule is float, or
+    weight in the forward matmul gets that quantizer's grid, ``fwd.rhs``
+    (the engine runs ``w @ x`` as ``x @ w``, so the weight is always the
+    rhs, as in :func:`qbits.quantize`); matmuls whose rule is float, or
     quantizes only the activation, keep their weight. Weight-only configs
     are evaluated as ``fn(result.params, x)`` in float; a config that also
     quantizes activations, with ``qbits.quantize`` and a config that
@@ -257,14 +277,14 @@ def quantize_weights(
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     index = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(leaves)}
     values = [leaf for _, leaf in leaves]
-    reports, written, transforms = [], [], {}
+    reports, written, transforms, stored = [], [], {}, {}
     for ms in tqdm(
         list(stats.values()), desc="ptq", unit="layer", disable=not progress
     ):
         cfg = quant.resolve(ms.path).config
         if cfg is None:
             continue
-        quantizer = cfg.fwd.rhs if ms.side == "lhs" else cfg.fwd.lhs
+        quantizer = cfg.fwd.rhs  # the weight's side, whichever side it is on
         if isinstance(quantizer.numerics, NoNumerics):  # activations only
             continue
         name = jax.tree_util.keystr(ms.keys)
@@ -280,9 +300,9 @@ def quantize_weights(
             ) from None  # fmt: skip
         try:
             check_quantizer(_OWNER, quantizer)
-            new, report, data = _one_weight(ms, values[i], quantizer, method,
-                                            damping, act_order, grid, clip_grid,
-                                            t)  # fmt: skip
+            new, report, data, qt = _one_weight(ms, values[i], quantizer, method,
+                                                damping, act_order, grid,
+                                                clip_grid, t)  # fmt: skip
         except InvalidArgumentError as e:
             if f"{ms.path!r}" in str(e):
                 raise
@@ -294,21 +314,22 @@ def quantize_weights(
         values[i] = new
         if data:
             transforms[ms.path] = data
+        if qt is not None:
+            stored[ms.path] = qt
         reports.append(dataclasses.replace(report, param=name))
-        written.append(_without_weight(ms.path, cfg, ms.side))
+        written.append(_without_weight(ms.path, cfg))
     new_params = jax.tree_util.tree_unflatten(treedef, values)
     rules = QuantConfig((*written, *quant.rules), quant.default, source=quant.source)
-    return PtqResult(new_params, tuple(reports), rules, transforms)
+    return PtqResult(new_params, tuple(reports), rules, transforms, stored)
 
 
-def _without_weight(path: str, cfg: DotGeneralConfig, side: str) -> Rule:
+def _without_weight(path: str, cfg: DotGeneralConfig) -> Rule:
     """A rule for exactly ``path``: ``cfg`` without its forward weight quantizer.
 
-    ``side`` is the activation's side (``"lhs"`` for ``x @ w``).
+    The weight's is ``fwd.rhs`` whichever operand the weight is: the engine
+    runs a matmul whose weight is its lhs with the operands swapped.
     """
-    fwd = cfg.fwd.replace(
-        **{"rhs" if side == "lhs" else "lhs": Quantizer(NoNumerics())}
-    )
+    fwd = cfg.fwd.replace(rhs=Quantizer(NoNumerics()))
     kept = cfg.replace(fwd=fwd)
     plain = all(m.is_identity for m in (kept.fwd, kept.dlhs, kept.drhs))
     return Rule(re.escape(path), None if plain else kept)
@@ -324,11 +345,12 @@ def _one_weight(
     grid: int,
     clip_grid: int,
     t: Transform,
-) -> tuple[jax.Array, LayerReport, dict[str, jax.Array]]:
-    """The new weight parameter, its report and its transform's data.
+) -> tuple[jax.Array, LayerReport, dict[str, jax.Array], Any]:
+    """The new weight parameter, its report, its transform's data, its QTensor.
 
     Each layer and group alone; the data stacked like the statistics
-    (``(*layers, *groups, ...)``).
+    (``(*layers, *groups, ...)``); the stored weight (or ``None``) as
+    :attr:`PtqResult.stored` holds it.
     """
     lead = ms.layers
     w_all = jnp.asarray(weight)
@@ -341,7 +363,7 @@ def _one_weight(
             f"{list((*lead, *ms.shape))} (a model that reshapes or transposes "
             "a parameter before multiplying is not supported yet)",
         )
-    out, datas = [], []
+    out, datas, grids = [], [], []
     err_rtn = err = 0.0
     for layer in np.ndindex(*lead):
         mats = ms.matrix(w_all[layer])
@@ -350,16 +372,20 @@ def _one_weight(
         for g in np.ndindex(*groups):
             s = jax.tree.map(lambda a, g=g, layer=layer: a[(*layer, *g)], ms.stats)
             w = mats[g]
-            w_rtn = _rtn(w, quantizer)
+            rtn = _rtn(w, quantizer)
+            w_rtn = rtn.weight
             wt, h, absmean, data = t.apply(w, s)
-            if method == "rtn":
-                w_new = w_rtn if t.identity else _rtn(wt, quantizer)
-            elif method == "gptq":
-                w_new = gptq(wt, h, quantizer, damping=damping,
-                             act_order=act_order, name=ms.path).weight  # fmt: skip
-            else:
+            if method == "awq":
                 w_new = awq(wt, h, absmean, quantizer, grid=grid,
                             clip_grid=clip_grid).weight  # fmt: skip
+            else:  # on the grid, with its scales (for the stored weight)
+                if method == "rtn":
+                    on_grid = rtn if t.identity else _rtn(wt, quantizer)
+                else:
+                    on_grid = gptq(wt, h, quantizer, damping=damping,
+                                   act_order=act_order, name=ms.path)  # fmt: skip
+                w_new = on_grid.weight
+                grids.append(on_grid)
             w_eff = w_new if t.identity else t.effective(w_new, data)
             errors = _errors(w, w_rtn, w_eff, s.hessian, s.rows)
             err_rtn, err = err_rtn + float(errors[0]), err + float(errors[1])
@@ -367,23 +393,25 @@ def _one_weight(
             datas.append(data)
         stacked = jnp.stack(new_mats).reshape(mats.shape)
         out.append(_unmatrix(ms, stacked))
-    new = jnp.stack(out).reshape(w_all.shape) if lead else out[0]
+    new = (jnp.stack(out).reshape(w_all.shape) if lead else out[0]).astype(w_all.dtype)
     report = LayerReport(ms.path, "", method, err_rtn, err)
+    qt = stored_weight(ms, new, quantizer, grids) if grids else None
     shape = (*lead, *ms.stats.rows.shape[len(lead) :])
     data = {
         name: jnp.stack([d[name] for d in datas]).reshape(*shape, *v.shape)
         for name, v in (datas[0] if datas else {}).items()
     }
-    return new.astype(w_all.dtype), report, data
+    return new, report, data, qt
 
 
 @functools.partial(jax.jit, static_argnames=("quantizer",))
-def _rtn(w: jax.Array, quantizer: Quantizer) -> jax.Array:
+def _rtn(w: jax.Array, quantizer: Quantizer) -> GptqResult:
     """Round to nearest with the quantizer's blocks along ``K`` of ``(K, N)``."""
     group, block_n = quantizer.granularity.block_sizes(w.shape, (0,))[:2]
-    return (
-        blocks_quantizer(quantizer, group, block_n).quant(w).dequant().astype(w.dtype)
-    )
+    qt = blocks_quantizer(quantizer, group, block_n).quant(w)
+    zero = None if qt.zero_point is None else qt.zero_point.astype(jnp.float32)
+    tensor = None if qt.tensor_scale is None else qt.tensor_scale.reshape(())
+    return GptqResult(qt.dequant().astype(w.dtype), qt.scale, zero, tensor)
 
 
 @jax.jit

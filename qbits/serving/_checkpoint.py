@@ -98,7 +98,7 @@ def _split(owner: str, serving: Any) -> tuple[str, Any, tuple[LayerInfo, ...]]:
         tree = {"params": _saved_params(serving), "weights": serving.weights}
         return "params", tree, serving.layers
     if isinstance(serving, nnx.Module):
-        layers = tuple(info for info, _, _ in served_layers(serving))
+        layers = tuple(info for info, _ in served_layers(serving))
         if not layers:
             raise InvalidArgumentError(
                 owner,

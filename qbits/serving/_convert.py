@@ -12,6 +12,7 @@ import flax.nnx as nnx
 from qbits._errors import InvalidArgumentError
 from qbits.config import QuantConfig, as_quant_config
 from qbits.flax import Quantized
+from qbits.ptq import PtqResult
 from qbits.serving._linen import convert_linen
 from qbits.serving._nnx import convert_nnx, served_layers
 from qbits.serving._params import ServingParams, convert_params
@@ -51,9 +52,17 @@ def convert(
         preset name or the path of a YAML file. Only forward matmuls
         matter.
       *args: linen models and functions: the float parameters
-        (``model.init(...)``; the function's ``params``), then sample
-        inputs. nnx models: sample inputs. Sample inputs may be
-        ``jax.ShapeDtypeStruct`` s: only their shapes matter.
+        (``model.init(...)``; the function's ``params``), or the
+        :class:`~qbits.ptq.PtqResult` of post-training quantization
+        (:func:`qbits.ptq.quantize_weights` with this config), then sample
+        inputs. nnx models: sample inputs, after the ``PtqResult`` of
+        ``quantize_weights`` on the model's ``qbits.nnx.as_function`` (the
+        model gets its params). Sample inputs may be
+        ``jax.ShapeDtypeStruct`` s: only their shapes matter. From a
+        ``PtqResult`` the weights it stored keep their codes and scales
+        (GPTQ's own; the float weights on their grids would be quantized
+        again, with scales of their own); the rest of its params are
+        converted as float parameters are.
       method: linen only: the method to trace, as in ``apply``.
       **kwargs: Keyword arguments of the traced method or function.
 
@@ -73,7 +82,9 @@ def convert(
     Warns:
       UserWarning: When no weight gets stored (no weight matmul's config
         quantizes its weight): the result serves float weights.
-        ``qbits.layer_table`` lists the model's matmuls.
+        ``qbits.layer_table`` lists the model's matmuls. From a
+        ``PtqResult``: when a weight it wrote has no stored weight (AWQ's),
+        so that it is quantized again.
 
     Example:
       >>> import flax.linen as nn
@@ -95,6 +106,12 @@ def convert(
             raise InvalidArgumentError(
                 owner, "method", method, "None for an nnx model (linen models only)"
             )
+        given = None
+        if args and isinstance(args[0], PtqResult):  # the model, on its params
+            result, args = args[0], args[1:]
+            given = _stored_of(owner, result)
+            model = nnx.clone(model)
+            nnx.update(model, result.params)
         if not (args or kwargs):
             raise InvalidArgumentError(
                 owner,
@@ -103,7 +120,7 @@ def convert(
                 "sample inputs for the model's __call__: convert(model, config, x)",
                 why="convert traces the model to find its matmuls",
             )
-        served = convert_nnx(owner, model, rules, args, kwargs)
+        served = convert_nnx(owner, model, rules, args, kwargs, given)
         _warn_if_empty(len(served_layers(served)), rules)
         return served
     if isinstance(model, nn.Module) or callable(model):
@@ -116,14 +133,19 @@ def convert(
                 "sample inputs: convert(model, config, params, x)",
             )
         params, args = args[0], args[1:]
+        given = None
+        if isinstance(params, PtqResult):
+            params, given = params.params, _stored_of(owner, params)
         if isinstance(model, nn.Module):
-            served = convert_linen(model, rules, params, *args, method=method, **kwargs)
+            served = convert_linen(
+                model, rules, params, *args, method=method, given=given, **kwargs
+            )
         elif method is not None:
             raise InvalidArgumentError(
                 owner, "method", method, "None for a function (linen models only)"
             )
         else:
-            served = convert_params(owner, model, rules, params, args, kwargs)
+            served = convert_params(owner, model, rules, params, args, kwargs, given)
         _warn_if_empty(len(served.layers), rules)
         return served
     raise InvalidArgumentError(
@@ -132,6 +154,31 @@ def convert(
         model,
         "a flax.linen.Module, a flax.nnx.Module or a function of (params, ...)",
     )
+
+
+def _stored_of(owner: str, result: PtqResult) -> dict[str, Any]:
+    """The stored weights of a PTQ result, checked; warns for weights without."""
+    if result.transforms:
+        raise InvalidArgumentError(
+            owner,
+            "params",
+            "a PtqResult with transforms (quantize_weights(smooth=, rotate=))",
+            "a PtqResult of quantize_weights without smooth and rotate",
+            why="serving does not yet divide or rotate the activations "
+            "online (PtqResult.function does)",
+        )
+    again = [r.path for r in result.layers if r.path not in result.stored]
+    if again:
+        warnings.warn(
+            f"qbits.serving.convert quantizes {', '.join(map(repr, again))} "
+            "again, with scales of its own: the PtqResult has no stored weight "
+            "for them (AWQ's weights Q(s w) / s need their activation scales; "
+            "NVFP4's tensor scale per group of a grouped weight has no "
+            "stored form)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return dict(result.stored)
 
 
 def _warn_if_empty(stored: int, rules: QuantConfig) -> None:

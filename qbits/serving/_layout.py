@@ -165,15 +165,6 @@ def stored_parts(quantizer: Quantizer) -> tuple[str, ...]:
     return parts
 
 
-def plain_storage(quantizer: Quantizer) -> bool:
-    """Whether a weight stored by ``quantizer`` is values and scales alone.
-
-    Not so for zero points, NF4's codebook or NVFP4's tensor scale.
-    """
-    codebook = isinstance(quantizer.numerics, Nf4Numerics)
-    return stored_parts(quantizer) == ("qvalue", "scale") and not codebook
-
-
 def stored_qtensor(
     info: LayerInfo, arrays: Mapping[str, jax.Array], quantizer: Quantizer
 ) -> QTensor:
@@ -232,9 +223,10 @@ def check_stored(
             f"a float array of rank {len(info.shape)}",
             why=f"layer {_show(info.path)}",
         )
+    tensor = extra.get("tensor_scale")
     for name, kind, shape in (
         ("zero_point", jnp.integer, tuple(scale.shape)),
-        ("tensor_scale", jnp.floating, (1,) * len(info.shape)),
+        ("tensor_scale", jnp.floating, _tensor_scale_shape(tensor, scale, info)),
     ):
         x = extra.get(name)
         if x is not None and not (
@@ -248,6 +240,22 @@ def check_stored(
                 f"shape {list(shape)}",
                 why=f"layer {_show(info.path)}",
             )
+
+
+def _tensor_scale_shape(tensor: Any, scale: Any, info: LayerInfo) -> tuple[int, ...]:
+    """The shape a stored tensor scale may have: one per scanned layer, or one.
+
+    ``(*layers, 1, ..., 1)``: the scale's leading (scanned layers') sizes,
+    then ones (``tensor`` tells how many leading axes it keeps); ``(1,) *
+    rank`` without scanned layers.
+    """
+    rank = len(info.shape)
+    if tensor is None or jnp.ndim(tensor) != rank:
+        return (1,) * rank
+    lead = 0
+    while lead < rank - 1 and tensor.shape[lead] == scale.shape[lead] != 1:
+        lead += 1
+    return (*scale.shape[:lead], *(1,) * (rank - lead))
 
 
 def check_layers(

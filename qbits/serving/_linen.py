@@ -142,16 +142,21 @@ def convert_linen(
     variables: Any,
     *args: Any,
     method: Any = None,
+    given: Any = None,
     **kwargs: Any,
 ) -> ServingParams:
-    """Serving params of a linen model: see :func:`qbits.serving.convert`."""
+    """Serving params of a linen model: see :func:`qbits.serving.convert`.
+
+    ``given``: stored weights to keep (see :func:`~qbits.serving._params.store`).
+    """
     owner = "qbits.serving.convert"
     if isinstance(model, Quantized):
         model = model.model
     method = _as_method(method, owner)
     _check_inputs(owner, model, method, bool(args or kwargs))
     rules = as_quant_config(owner, config)
-    return convert_params(owner, _apply(model, method), rules, variables, args, kwargs)
+    fn = _apply(model, method)
+    return convert_params(owner, fn, rules, variables, args, kwargs, given)
 
 
 def serve(model: nn.Module | Callable[..., Any], config: Any) -> Any:

@@ -5,7 +5,8 @@ An nnx model is served as its ``__call__`` over its state is
 the weight of every matmul whose forward config quantizes it (``Linear``,
 ``Einsum``, attention, custom layers alike), and the serving copy
 (:func:`qbits.nnx.serving_copy`) holds them as
-:class:`~qbits.nnx.StoredWeight` Variables, with an empty
+:class:`~qbits.nnx.StoredWeight` Variables (values and scales; zero points
+and NVFP4's tensor scale where the format has them), with an empty
 :class:`~qbits.nnx.Placeholder` in place of each float weight they replace.
 Its output equals the quantized copy's (``qbits.nnx.quantize(model,
 config)``) bit for bit.
@@ -18,47 +19,41 @@ from typing import Any
 import flax.nnx as nnx
 
 from qbits import nnx as qnnx
-from qbits._errors import InvalidArgumentError
 from qbits.config import QuantConfig
-from qbits.serving._layout import LayerInfo, forward_only, plain_storage
+from qbits.serving._layout import LayerInfo, forward_only
 from qbits.serving._params import store
 
 __all__ = ["convert_nnx", "served_layers"]
 
 
 def convert_nnx(
-    owner: str, model: nnx.Module, config: QuantConfig, args: Any, kwargs: Any
+    owner: str,
+    model: nnx.Module,
+    config: QuantConfig,
+    args: Any,
+    kwargs: Any,
+    given: Any = None,
 ) -> nnx.Module:
-    """The serving copy of an nnx model: see :func:`qbits.serving.convert`."""
-    for cfg in config.all_configs():
-        if not plain_storage(cfg.fwd.rhs):
-            raise InvalidArgumentError(
-                owner,
-                "config",
-                cfg.fwd.rhs.numerics,
-                "a format whose stored weight is values and scales (int8, "
-                "int4, fp8, MX, ...) for an nnx model; serve this model as a "
-                "function instead: fn, state = qbits.nnx.as_function(model); "
-                "qbits.serving.convert(fn, config, state, x)",
-                why="zero points, NF4 codes and tensor scales are not kept by "
-                "nnx serving copies yet",
-            )
+    """The serving copy of an nnx model: see :func:`qbits.serving.convert`.
+
+    ``given``: stored weights to keep (see :func:`~qbits.serving._params.store`).
+    """
     fn, state = qnnx.as_function(model)
-    stored, fills, layers = store(owner, fn, config, state, args, kwargs)
+    stored, fills, layers = store(owner, fn, config, state, args, kwargs, given)
     served = qnnx.serving_copy(model, forward_only(config), stored, fills)
     served.qbits.info = tuple(layers)
     return served
 
 
-def served_layers(model: nnx.Module) -> list[tuple[LayerInfo, Any, Any]]:
-    """``(info, qvalue, scale)`` of every stored weight of a serving copy."""
+def served_layers(model: nnx.Module) -> list[tuple[LayerInfo, dict[str, Any]]]:
+    """``(info, arrays)`` of every stored weight of a serving copy.
+
+    ``arrays``: ``{"qvalue": ..., "scale": ...}``, with ``"zero_point"`` and
+    ``"tensor_scale"`` where the format has them.
+    """
     node = getattr(model, "qbits", None)
     infos = getattr(node, "info", ()) if node is not None else ()
     return [
-        (
-            info,
-            node.stored[info.path]["qvalue"].get_raw_value(),
-            node.stored[info.path]["scale"].get_raw_value(),
-        )
+        (info, {k: v.get_raw_value() for k, v in node.stored[info.path].items()})
         for info in infos
     ]

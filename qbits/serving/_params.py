@@ -23,6 +23,7 @@ the float parameters bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -120,8 +121,13 @@ def store(
     params: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    given: Mapping[str, QTensor] | None = None,
 ) -> tuple[dict[str, QTensor], dict[str, tuple[tuple[int, ...], Any]], list]:
     """The stored weights of ``fn(params, *args)``, what they replace, and infos.
+
+    ``given``: stored weights to keep instead of quantizing the float
+    weights (post-training quantization's own codes and scales), each
+    checked against the layout the config stores.
 
     Returns:
       ``(stored, fills, layers)``: ``{matmul path: QTensor}``; ``{key path
@@ -131,6 +137,17 @@ def store(
     fwd = forward_only(config)
     caller = transform.Caller(owner)
     found = transform.store_weights(fn, fwd, params, *args, caller=caller, **kwargs)
+    for name, qt in (given or {}).items():
+        if name not in found:
+            raise InvalidArgumentError(
+                owner,
+                "stored",
+                f"a stored weight for {name!r}",
+                "stored weights of the matmuls whose config stores a weight ("
+                + (", ".join(repr(n) for n in found) or "none")
+                + "): quantize_weights with the config given to convert",
+            )
+        found[name] = replace(found[name], weight=_given(owner, name, qt, found[name]))
     stored: dict[str, QTensor] = {}
     fills: dict[str, tuple[tuple[int, ...], Any]] = {}
     layers = []
@@ -161,6 +178,41 @@ def store(
     return stored, fills, layers
 
 
+def _layout(qt: QTensor) -> str:
+    """How a stored weight is laid out: formats, shapes and packing."""
+
+    def part(label: str, x: Any) -> str:
+        if x is None:
+            return ""
+        return f", {label} {np.dtype(x.dtype).name}{list(np.shape(x))}"
+
+    packed = ", packed" if qt.packed_axis is not None else ""
+    return (
+        f"{np.dtype(qt.qdtype).name}{list(qt.shape)}{packed} as "
+        f"{np.dtype(qt.qvalue.dtype).name}{list(qt.qvalue.shape)}"
+        + part("scale", qt.scale)
+        + part("zero point", qt.zero_point)
+        + part("tensor scale", qt.tensor_scale)
+        + (", codebook" if qt.codebook is not None else "")
+    )
+
+
+def _given(owner: str, name: str, qt: Any, found: Any) -> QTensor:
+    """A given stored weight, checked against the one the config stores."""
+    want = _layout(found.weight)
+    got = _layout(qt) if isinstance(qt, QTensor) else f"a {type(qt).__name__}"
+    if got != want or qt.codebook != found.weight.codebook:
+        raise InvalidArgumentError(
+            owner,
+            f"stored[{name!r}]",
+            got,
+            f"{want}, the weight this config stores",
+            why="quantized with another config? Run quantize_weights with the "
+            "config given to convert",
+        )
+    return qt.replace(dtype=found.weight.dtype)
+
+
 def replaced(tree: Any, fills: Mapping[str, Any], fill: Callable[..., Any]) -> Any:
     """``tree`` with each leaf at a key path of ``fills`` replaced by ``fill``."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -178,10 +230,11 @@ def convert_params(
     params: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    given: Mapping[str, QTensor] | None = None,
 ) -> ServingParams:
     """Serving params of ``fn(params, *args, **kwargs)``; see ``convert``."""
     params = _params(owner, params)
-    stored, fills, layers = store(owner, fn, config, params, args, kwargs)
+    stored, fills, layers = store(owner, fn, config, params, args, kwargs, given)
     served = replaced(params, fills, lambda leaf, _, dtype: jnp.zeros((0,), dtype))
     weights = {name: _arrays(qt) for name, qt in stored.items()}
     return ServingParams(served, weights, tuple(layers))

@@ -204,10 +204,7 @@ def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
         rows = [_row(info, serving.weights[info.path]) for info in serving.layers]
         others = _arrays(serving.params)
     elif isinstance(serving, nnx.Module) and served_layers(serving):
-        rows = [
-            _row(info, {"qvalue": qvalue, "scale": scale})
-            for info, qvalue, scale in served_layers(serving)
-        ]
+        rows = [_row(info, arrays) for info, arrays in served_layers(serving)]
         # The key streams a trained copy may keep (nnx.RngState): not weights.
         skip = nnx.Any(nnx.PathContains("qbits"), qnnx.Placeholder, nnx.RngState)
         others = _arrays(nnx.state(serving, nnx.Not(skip)))

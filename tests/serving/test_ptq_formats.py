@@ -1,7 +1,7 @@
 """Serving the PTQ formats: zero points, NF4 codes, NVFP4's two-level scales.
 
 Each model mixes two formats (one rule per layer), so that two models
-cover the four presets.
+cover the four presets; an nnx serving copy holds the extra arrays too.
 """
 
 import flax.linen as nn
@@ -102,13 +102,69 @@ def test_a_linen_model_serves_bit_for_bit(setup):
     _check(sp, presets, model.apply, params, x, serving.serve(model, config).apply)
 
 
-def test_missing_arrays_and_nnx_are_refused(setup):
+class NnxMlp(nnx.Module):
+    def __init__(self, rngs):
+        rng = np.random.default_rng(2)  # NumPy draws: nothing to compile
+
+        def init(key, shape, dtype):
+            return jnp.asarray(rng.standard_normal(shape) * 0.05, dtype)
+
+        self.w1 = nnx.Linear(256, 128, kernel_init=init, rngs=rngs)
+        self.w2 = nnx.Linear(128, 128, kernel_init=init, rngs=rngs)
+        self.w3 = nnx.Linear(128, 32, kernel_init=init, rngs=rngs)
+
+    def __call__(self, x):
+        return self.w3(nnx.relu(self.w2(nnx.relu(self.w1(x)))))
+
+
+UINT8 = qbits.DotGeneralConfig(  # zero points, one per output channel, unpacked
+    fwd=qbits.MatmulConfig(
+        rhs=qbits.Quantizer(
+            qbits.numerics.UintNumerics(bits=8), granularity=qbits.PerChannel()
+        )
+    )
+)
+
+
+def test_an_nnx_copy_serves_bit_for_bit_and_checkpoints(tmp_path, setup):
+    _, x = setup
+    config = qbits.QuantConfig(
+        rules=(qbits.Rule("w1", UINT8), qbits.Rule("w2", "nf4")),
+        default="nvfp4_weight_only",
+    )
+    model = NnxMlp(nnx.Rngs(0))
+    served = serving.convert(model, config, x)
+    stored = served.qbits.stored
+    assert {k: sorted(v) for k, v in stored.items()} == {
+        "w1": ["qvalue", "scale", "zero_point"],
+        "w2": ["qvalue", "scale"],
+        "w3": ["qvalue", "scale", "tensor_scale"],
+    }
+    assert stored["w1"]["qvalue"][...].dtype == np.uint8  # uint8 codes, unpacked
+    assert stored["w1"]["zero_point"][...].dtype == np.int16
+    assert stored["w2"]["qvalue"][...].shape == (128, 64)  # packed NF4 codes
+    assert stored["w3"]["scale"][...].dtype == jnp.float8_e4m3fn
+    sizes = [(r.path, r.bytes) for r in serving.size_report(served).layers]
+    assert sizes == [("w1", 256 * 128 + 128 * 6), ("w2", nf4(128, 128)),
+                     ("w3", nvfp4(128, 32))]  # fmt: skip
+    run = nnx.jit(lambda m, x: m(x))
+    out = run(served, x)
+    np.testing.assert_array_equal(out, run(qbits.nnx.quantize(model, config, x), x))
+    assert not np.array_equal(out, run(model, x))
+    serving.save(tmp_path / "ckpt", served)  # the extra arrays round-trip
+    target = nnx.clone(served)
+    zeros = jax.tree.map(jnp.zeros_like, nnx.state(target, qbits.nnx.StoredWeight))
+    nnx.update(target, zeros)
+    back = serving.restore(tmp_path / "ckpt", target).qbits.stored
+    for path, arrays in stored.items():
+        for name, v in arrays.items():
+            np.testing.assert_array_equal(back[path][name][...], v[...])
+
+
+def test_missing_arrays_are_refused(setup):
     params, x = setup
     sp = serving.convert(mlp, "nvfp4_weight_only", params, x)
     weights = {**sp.weights, "w1": dict(sp.weights["w1"])}
     del weights["w1"]["tensor_scale"]
     with pytest.raises(qbits.InvalidArgumentError, match=r"'tensor_scale': array"):
         serving.serve(mlp, "nvfp4_weight_only")(sp.replace(weights=weights), x)
-    model = nnx.Linear(64, 8, rngs=nnx.Rngs(0))
-    with pytest.raises(qbits.InvalidArgumentError, match="as_function"):
-        serving.convert(model, "nf4", jnp.ones((2, 64)))
