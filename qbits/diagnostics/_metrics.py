@@ -140,11 +140,10 @@ def read(grads: Mapping[str, Any]) -> Metrics:
       >>> def f(params, x):
       ...     return jnp.sum(x @ params["w"])
       >>> params, x = {"w": jnp.ones((4, 2))}, jnp.ones((3, 4))
-      >>> probes = qbits.diagnostics.init(f, "int8", params, x)
+      >>> probes = qbits.diagnostics.init(f, "fp8", params, x)
       >>> def loss(params, probes):
-      ...     return qbits.quantize(f, "int8", jax.random.key(0),
-      ...                           diagnostics=probes)(params, x)
-      >>> grads, raw = jax.grad(loss, argnums=(0, 1))(params, probes)
+      ...     return qbits.quantize(f, "fp8", diagnostics=probes)(params, x)
+      >>> grads, raw = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, probes)
       >>> float(qbits.diagnostics.read(raw).values["w"]["fwd.rhs"]["clipped"])
       0.0
     """

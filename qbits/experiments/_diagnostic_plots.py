@@ -166,8 +166,7 @@ def _heatmap(name: str, records: list[dict[str, Any]]) -> Any:
         sharey=True,
         layout="constrained",
     )
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("0.85")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="0.85")
     image = None
     for i, config in enumerate(configs):
         mine = [r for r in records if r["config"] == config]

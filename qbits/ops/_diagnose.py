@@ -206,7 +206,7 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
       >>> w = jax.random.normal(jax.random.key(1), (16, 4))
       >>> loss = lambda w, probe: dg(x, w, (((1,), (0,)), ((), ())),
       ...                             diagnostics=probe).sum()
-      >>> raw = jax.grad(loss, argnums=1)(w, qbits.ops.init_probe())
+      >>> raw = jax.jit(jax.grad(loss, argnums=1))(w, qbits.ops.init_probe())
       >>> m = qbits.ops.read_probe(raw)
       >>> bool(m["fwd.rhs"]["sqnr_db"] > 30), float(m["fwd.rhs"]["clipped"])
       (True, 0.0)
