@@ -178,6 +178,17 @@ def replace_file(path: pathlib.Path, data: str | bytes) -> None:
         ) from None
 
 
+def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
+    """A run in ``results.json``, without its config text and diagnostics.
+
+    (Its diagnostics are in ``diagnostics.csv`` and in its run file.)
+    """
+    out = {k: v for k, v in run.items() if k != "config"}
+    if "diagnostics" in run["result"]:
+        out["result"] = {k: v for k, v in run["result"].items() if k != "diagnostics"}
+    return out
+
+
 def write_report(
     name: str,
     runs: Sequence[dict[str, Any]],
@@ -221,7 +232,7 @@ def write_report(
         "name": name,
         "baseline": baseline,
         "rows": [{k: (None if v != v else v) for k, v in r.items()} for r in rows],
-        "runs": [{k: v for k, v in r.items() if k != "config"} for r in runs],
+        "runs": [_run_summary(r) for r in runs],
     }
     names = [r["config"] for r in rows]
     tables = ["results.md", "results.csv", "results.json"]

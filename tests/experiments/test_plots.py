@@ -286,6 +286,5 @@ def test_diagnostics_tables_and_plots(tmp_path, monkeypatch, capsys):
     # A finished run measured otherwise is run again; one measured alike is not.
     assert main([*argv, "--diagnostics", "2"]) == 0
     assert main([*argv, "--diagnostics", "4"]) == 0
-    steps = {r["step"] for r in json.loads((out / "results.json").read_text())
-             ["runs"][2]["result"]["diagnostics"]}  # fmt: skip
-    assert steps == {4}
+    run = json.loads((out / "runs" / "int8__seed0.json").read_text())
+    assert {r["step"] for r in run["result"]["diagnostics"]} == {4}
