@@ -22,6 +22,14 @@ Scales:
   the backward pass this way and no other (:mod:`qbits.ops._state` turns it
   into the provider's next state).
 
+Diagnostics:
+  A call given a probe (``plan.diagnose``; :mod:`qbits.ops._diagnose`)
+  measures each quantized operand: the forward operands and the operands
+  the backward matmuls keep where they are quantized (in the forward pass,
+  kept as small residuals), the output gradient where the backward matmuls
+  quantize it. The measurements are the probe's cotangent, as an observed
+  amax is a given scale's. Without a probe nothing of it is traced.
+
 Residuals:
   The forward pass keeps the forward operands as the backward matmuls will
   use them: quantized already (a stored int8/fp8 array is a quarter of a
