@@ -313,7 +313,7 @@ def train(
         ):
             raw = diagnose(state, jnp.asarray(step, jnp.int32))
             metrics = _in_order(qbits.diagnostics.read(raw), order)
-            measured += [{"step": step + 1, **row} for row in metrics.rows()]
+            measured += [_record(step + 1, row) for row in metrics.rows()]
         if step + 1 in eval_at:
             ev, acc = eval_fn(state)
             eval_loss, accuracy = float(ev), float(acc)
@@ -383,6 +383,13 @@ def diagnose_batches(
     }
     table = qbits.nnx.layer_table(model, config, sample_batch(spec, data))
     return _in_order(qbits.diagnostics.Metrics(values), [r.path for r in table.rows])
+
+
+def _record(step: int, row: dict[str, Any]) -> dict[str, Any]:
+    """One diagnostics record of a run file: metrics to 5 significant digits."""
+    return {"step": step} | {
+        k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in row.items()
+    }
 
 
 def _in_order(metrics: qbits.diagnostics.Metrics, paths: list[str]) -> Any:
