@@ -181,6 +181,9 @@ def _heatmap(name: str, records: list[dict[str, Any]]) -> Any:
                         "sqnr_db"
                     ]
             ax = axes[i, j]
+            if np.all(np.isnan(grid)):
+                ax.text(0.5, 0.5, "not quantized", ha="center", va="center",
+                        transform=ax.transAxes, fontsize=8, color="0.4")  # fmt: skip
             image = ax.imshow(
                 np.ma.masked_invalid(np.minimum(grid, hi)),
                 aspect="auto",
@@ -262,7 +265,12 @@ def _bars(name: str, records: list[dict[str, Any]], baseline: str | None) -> Any
             if label not in labels:
                 handles.append(h)
                 labels.append(label)
-    axes[0, 0].legend(handles, labels, fontsize=7, ncol=min(4, len(labels)), loc="best")
+    fig.legend(
+        handles,
+        labels,
+        fontsize=8,
+        loc="outside right upper",
+    )
     fig.suptitle(f"{name}: SQNR per matmul at the last measurement (mean over seeds)")
     return fig
 
