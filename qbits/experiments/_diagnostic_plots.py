@@ -8,8 +8,8 @@ steps (:attr:`~qbits.experiments.RunResult.diagnostics`). From them
 - ``diagnostics.csv``: every record of every run (config, seed, step,
   matmul, operand and the metrics of :class:`qbits.diagnostics.Metrics`);
 - ``diagnostics.md``: per config, the SQNR (dB) of each operand of each
-  matmul at the last measurement, mean over seeds, and which operands are
-  clipped or flushed;
+  matmul at the last measurement, mean over seeds, and the fractions
+  flushed to zero and clipped (where any reaches 0.1%);
 - ``diagnostics_sqnr.png``: per config (a row of panels) and operand (a
   column), a heatmap of SQNR over matmuls (y) and training steps (x), of
   the first seed; a shared colour scale, grey where an operand is not
@@ -89,6 +89,14 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
+# (metric, heading, scale, format): the tables of each config in diagnostics.md.
+_TABLES = (
+    ("sqnr_db", "SQNR (dB):", 1, ".1f"),
+    ("flushed", "Flushed to zero (% of the nonzero values):", 100, ".1f"),
+    ("clipped", "Clipped (% of the values):", 100, ".2f"),
+)
+
+
 def diagnostics_table(runs: Sequence[dict[str, Any]]) -> str | None:
     """``diagnostics.md`` (see the module), or ``None`` without diagnostics."""
     records = _records(runs)
@@ -98,8 +106,10 @@ def diagnostics_table(runs: Sequence[dict[str, Any]]) -> str | None:
     lines = [
         "# Diagnostics",
         "",
-        "SQNR in dB of each quantized operand at the last measurement (mean "
-        "over seeds); a blank cell is an operand that is not quantized. "
+        "Each quantized operand at the last measurement (mean over seeds): "
+        "its SQNR, and where any value is flushed to zero or clipped, the "
+        "fractions (tables left out where none reaches 0.1%); a blank cell "
+        "is an operand that is not quantized. "
         "Operands: `fwd.lhs` the activation, `fwd.rhs` the weight (for the "
         "attention einsums, q and the scores), `dlhs.grad`/`drhs.grad` the "
         "output gradient as each backward matmul quantizes it, `dlhs.rhs` "
@@ -114,26 +124,22 @@ def diagnostics_table(runs: Sequence[dict[str, Any]]) -> str | None:
             if any(r["sqnr_db"] == r["sqnr_db"] for r in mine if r["operand"] == op)
         ]
         step = max(r["step"] for r in mine)
-        lines += ["", f"## {config} (step {step})", ""]
-        lines.append("| matmul | " + " | ".join(operands) + " |")
-        lines.append("|---" * (len(operands) + 1) + "|")
-        notes = []
-        for matmul in _ordered(mine, "matmul"):
-            cells = []
-            for op in operands:
-                recs = last.get((config, matmul, op), [])
-                v = _mean([r["sqnr_db"] for r in recs])
-                cells.append("" if v != v else f"{v:.1f}")
-                for metric in ("clipped", "flushed"):
-                    f = _mean([r[metric] for r in recs])
-                    if f == f and f >= 1e-3:
-                        notes.append(f"{matmul} {op}: {100 * f:.1f}% {metric}")
-            lines.append(f"| {matmul} | " + " | ".join(cells) + " |")
-        if notes:
-            lines += [
-                "",
-                "Clipped or flushed (at least 0.1%): " + "; ".join(notes) + ".",
-            ]
+        lines += ["", f"## {config} (step {step})"]
+        for metric, title, scale, fmt in _TABLES:
+            rows = []
+            for matmul in _ordered(mine, "matmul"):
+                values = [
+                    _mean([r[metric] for r in last.get((config, matmul, op), [])])
+                    for op in operands
+                ]
+                cells = ["" if v != v else format(scale * v, fmt) for v in values]
+                rows.append(f"| {matmul} | " + " | ".join(cells) + " |")
+            if metric != "sqnr_db" and all(
+                not (r[metric] >= 1e-3) for r in mine if r["step"] == step
+            ):
+                continue  # nothing clipped (flushed) worth a table
+            lines += ["", title, "", "| matmul | " + " | ".join(operands) + " |"]
+            lines += ["|---" * (len(operands) + 1) + "|", *rows]
     return "\n".join(lines) + "\n"
 
 

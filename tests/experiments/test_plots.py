@@ -279,7 +279,8 @@ def test_diagnostics_tables_and_plots(tmp_path, monkeypatch, capsys):
         assert name in listed and (out / name).is_file()
     table = (out / "diagnostics.md").read_text()
     assert "| layers/0 | 20.5 | 20.5 | 20.5 |" in table  # the last step, mean of seeds
-    assert "layers/0 fwd.rhs: 0.2% flushed" in table
+    assert "| layers/0 | 0.0 | 0.2 | 0.0 |" in table  # flushed, in %
+    assert "Clipped" not in table  # nothing clipped
     lines = (out / "diagnostics.csv").read_text().splitlines()
     assert lines[0].startswith("config,seed,step,matmul,operand,sqnr_db")
     assert len(lines) == 1 + 2 * 2 * 2 * 3  # seeds x steps x matmuls x operands
