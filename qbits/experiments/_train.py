@@ -57,7 +57,7 @@ class RunResult:
       >>> from qbits.experiments import spec, train
       >>> result = train(spec("mlp", "tiny"), "int8_fwd", steps=2)
       >>> sorted(result.as_dict())[:3]
-      ['compile_seconds', 'curve', 'eval_accuracy']
+      ['compile_seconds', 'curve', 'diagnostics']
     """
 
     train_loss: float
