@@ -188,6 +188,7 @@ def _train(args: argparse.Namespace) -> int:
             progress=progress,
             log=_log(args.quiet),
             save_params="float32",
+            diagnostics=args.diagnostics,
         )
     from qbits.experiments import summarize
 
@@ -274,6 +275,7 @@ def _sweep(args: argparse.Namespace) -> int:
             resume=not args.rerun,
             progress=progress,
             log=_log(args.quiet),
+            diagnostics=args.diagnostics,
         )
     if not args.quiet:
         print((out / "results.md").read_text(encoding="utf-8"))
@@ -296,6 +298,22 @@ def _inspect(args: argparse.Namespace) -> int:
     print(table)
     message = table.unused_message()
     print(f"\nunused rules: {message}" if message else "\nunused rules: none")
+    if args.diagnostics:
+        if config is None:
+            raise UsageError("--diagnostics: config 'none' quantizes nothing")
+        from qbits.experiments import diagnose_batches
+
+        metrics = diagnose_batches(model_spec, config, args.diagnostics)
+        print(
+            f"\nSQNR (dB) of each quantized operand, mean over {args.diagnostics} "
+            f"training batches of the model at initialisation (seed 0):\n"
+        )
+        print(metrics.table())
+        for metric, digits in (("clipped", 4), ("flushed", 4)):
+            values = [r[metric] for r in metrics.rows()]
+            if any(v > 0 for v in values):
+                print(f"\n{metric} (fraction of values):\n")
+                print(metrics.table(metric, digits))
     return 0
 
 
@@ -438,9 +456,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
-    """The options of the commands that run training: --rerun, -q."""
+    """The options of the commands that run training: --rerun, -q, --diagnostics."""
     parser.add_argument(
         "--rerun", action="store_true", help="rerun runs that are already finished"
+    )
+    parser.add_argument(
+        "--diagnostics",
+        type=_steps,
+        default=0,
+        metavar="EVERY_N",
+        help="every EVERY_N steps, measure each quantized operand of each layer "
+        "(SQNR, clipped, flushed, wasted bits): diagnostics.{md,csv} and heatmaps",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
@@ -565,6 +591,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument(
         "--model", choices=("lm", "mlp"), default="lm", help=model_help
+    )
+    inspect.add_argument(
+        "--diagnostics",
+        nargs="?",
+        type=_count,
+        const=4,
+        default=0,
+        metavar="BATCHES",
+        help="also run BATCHES training batches (default 4) through the model "
+        "and print each quantized operand's SQNR per layer",
     )
     inspect.set_defaults(run=_inspect)
 

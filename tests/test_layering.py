@@ -94,14 +94,14 @@ def test_imports_go_only_down_and_through_public_faces():
 
 
 def _public_modules() -> dict[str, object]:
-    """The public modules: qbits, those it exports, ptq, lora, kvcache, the CLI..."""
+    """The public modules: qbits, those it exports, the subpackages, the CLI..."""
     modules = {"qbits": qbits}
     for n in qbits.__all__:
         if inspect.ismodule(getattr(qbits, n)):
             modules[f"qbits.{n}"] = getattr(qbits, n)
     # Subpackages imported on their own (not in qbits.__all__), the command
     # and the examples.
-    subpackages = ("qbits.ptq", "qbits.lora", "qbits.kvcache")
+    subpackages = ("qbits.ptq", "qbits.lora", "qbits.kvcache", "qbits.diagnostics")
     for name in (*subpackages, "qbits.cli", "qbits.experiments"):
         modules[name] = importlib.import_module(name)
     return modules

@@ -6,7 +6,9 @@ What the ``qbits`` command runs (:mod:`qbits.cli`), usable from Python too:
   transformer on a corpus that ships with qbits) and ``mlp`` (a classifier on
   generated data) example models, at ``default`` or ``tiny`` size.
 - :func:`train`: trains one with every matmul quantized as a per-layer
-  config says (:func:`qbits.nnx.quantize`); :class:`RunResult`.
+  config says (:func:`qbits.nnx.quantize`); :class:`RunResult`; with
+  ``diagnostics=N``, every quantized operand measured every ``N`` steps
+  (:mod:`qbits.diagnostics`; :func:`diagnose_batches` at initialisation).
 - :func:`load_sweep`, :func:`run_sweep`: a grid of configs and seeds from a
   YAML file, one result file per run (a rerun skips finished runs), then the
   table and plots (:func:`write_report`).
@@ -27,7 +29,13 @@ from qbits.experiments._sweep_file import (
     config_bits,
     load_sweep,
 )
-from qbits.experiments._train import RunResult, build_model, sample_batch, train
+from qbits.experiments._train import (
+    RunResult,
+    build_model,
+    diagnose_batches,
+    sample_batch,
+    train,
+)
 
 __all__ = [
     "Classifier",
@@ -39,6 +47,7 @@ __all__ = [
     "TransformerLM",
     "build_model",
     "config_bits",
+    "diagnose_batches",
     "load_sweep",
     "load_trained",
     "post_train",

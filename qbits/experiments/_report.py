@@ -16,6 +16,10 @@
 
 The plots are drawn by :mod:`qbits.experiments._loss_curves` and
 :mod:`qbits.experiments._plots` (what they show; when a run has diverged).
+With runs trained with diagnostics (``--diagnostics N``), also
+``diagnostics.{md,csv}``, ``diagnostics_sqnr.png`` and
+``diagnostics_layers.png`` (:mod:`qbits.experiments._diagnostic_plots`).
+
 ``results.json`` lists the files written, under ``"files"``.
 """
 
@@ -32,6 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from qbits.experiments._diagnostic_plots import (
+    diagnostics_figures,
+    diagnostics_table,
+    write_csv,
+)
 from qbits.experiments._loss_curves import loss_figure
 from qbits.experiments._plots import quality_figure
 
@@ -169,6 +178,17 @@ def replace_file(path: pathlib.Path, data: str | bytes) -> None:
         ) from None
 
 
+def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
+    """A run in ``results.json``, without its config text and diagnostics.
+
+    (Its diagnostics are in ``diagnostics.csv`` and in its run file.)
+    """
+    out = {k: v for k, v in run.items() if k != "config"}
+    if "diagnostics" in run["result"]:
+        out["result"] = {k: v for k, v in run["result"].items() if k != "diagnostics"}
+    return out
+
+
 def write_report(
     name: str,
     runs: Sequence[dict[str, Any]],
@@ -212,15 +232,22 @@ def write_report(
         "name": name,
         "baseline": baseline,
         "rows": [{k: (None if v != v else v) for k, v in r.items()} for r in rows],
-        "runs": [{k: v for k, v in r.items() if k != "config"} for r in runs],
+        "runs": [_run_summary(r) for r in runs],
     }
     names = [r["config"] for r in rows]
+    tables = ["results.md", "results.csv", "results.json"]
+    diagnosed = diagnostics_table(runs)
+    if diagnosed is not None:
+        replace_file(out / "diagnostics.md", diagnosed)
+        replace_file(out / "diagnostics.csv", write_csv(runs))
+        tables += ["diagnostics.md", "diagnostics.csv"]
     figures: dict[str, Any] = {}
     try:
         figures["loss_curves.png"] = loss_figure(name, runs, names, baseline)
         figures["quality_vs_bits.png"] = quality_figure(name, runs, rows, baseline)
+        figures.update(diagnostics_figures(name, runs, baseline))
         written = [f for f, fig in figures.items() if fig is not None]
-        summary["files"] = ["results.md", "results.csv", "results.json", *written]
+        summary["files"] = [*tables, *written]
         replace_file(out / "results.json", json.dumps(summary, indent=1))
         for file, fig in list(figures.items()):
             if fig is None:  # not drawn: one of an earlier report would mislead

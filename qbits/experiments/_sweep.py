@@ -74,6 +74,7 @@ def run_sweep(
     | None = None,
     log: Callable[[str], None] = lambda _: None,
     save_params: str | None = None,
+    diagnostics: int = 0,
 ) -> list[dict[str, Any]]:
     r"""Runs every (config, seed) of ``sweep`` not yet finished, and reports.
 
@@ -89,6 +90,10 @@ def run_sweep(
         of :func:`qbits.nnx.as_function`'s params, read back by
         :func:`post_train`); a finished run whose checkpoint is missing is
         run again.
+      diagnostics: Measure every quantized operand every this many steps
+        (:func:`train`'s ``diagnostics``; ``0``: never); the report then
+        has their tables and plots. A finished quantized run measured
+        otherwise is run again.
 
     Returns:
       The data of every run file, in sweep order.
@@ -126,6 +131,13 @@ def run_sweep(
         saved = params_dir(path)
         if keep and not saved.is_dir():
             done = None
+        if (
+            diagnostics
+            and entry.config is not None
+            and done is not None
+            and done.get("diagnostics") != diagnostics
+        ):
+            done = None  # measured otherwise (or not at all)
         if done is not None and done.get("fingerprint") == fingerprint:
             log(f"[{index + 1}/{len(todo)}] {run_id}: done before, skipped")
             runs.append(done)
@@ -140,6 +152,7 @@ def run_sweep(
                 steps=sweep.steps,
                 progress=callback,
                 on_trained=trained.append if keep else None,
+                diagnostics=diagnostics,
             )
         except qbits.ConfigError as e:  # found when a layer was traced
             raise entry.locate(e) from None
@@ -158,6 +171,8 @@ def run_sweep(
             else qbits.config.dumps(entry.config),
             "result": result.as_dict(),
         }
+        if diagnostics and entry.config is not None:
+            data["diagnostics"] = diagnostics
         write_json_atomic(path, data)
         if result.unused_rules:
             log(f"warning: {entry.name}: {result.unused_rules}")

@@ -24,11 +24,12 @@ import numpy as np
 import optax
 
 import qbits
+import qbits.diagnostics
 from qbits._errors import check_int
 from qbits.experiments import _data as data_lib
 from qbits.experiments._models import Classifier, ModelSpec, TransformerLM
 
-__all__ = ["RunResult", "build_model", "train"]
+__all__ = ["RunResult", "build_model", "diagnose_batches", "train"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +48,16 @@ class RunResult:
       step_seconds: Median wall-clock time of one training step (compiled).
       unused_rules: A sentence naming the config's rules that matched no
         matmul, or ``""``.
+      diagnostics: With ``train(..., diagnostics=N)``: the quantization
+        metrics of every quantized operand every ``N`` steps and after the
+        last, one record per step, matmul (and layer) and operand
+        (:meth:`qbits.diagnostics.Metrics.rows` with ``"step"``).
 
     Example:
       >>> from qbits.experiments import spec, train
       >>> result = train(spec("mlp", "tiny"), "int8_fwd", steps=2)
       >>> sorted(result.as_dict())[:3]
-      ['compile_seconds', 'curve', 'eval_accuracy']
+      ['compile_seconds', 'curve', 'diagnostics']
     """
 
     train_loss: float
@@ -64,6 +69,7 @@ class RunResult:
     unused_rules: str = ""
     compile_seconds: float = math.nan
     step_seconds: float = math.nan
+    diagnostics: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The result as plain JSON-able data."""
@@ -182,6 +188,7 @@ def train(
     steps: int | None = None,
     progress: Callable[[int, float], None] | None = None,
     on_trained: Callable[[nnx.Module], Any] | None = None,
+    diagnostics: int = 0,
 ) -> RunResult:
     """Trains the example model of ``spec`` with its matmuls quantized by ``config``.
 
@@ -197,6 +204,11 @@ def train(
       on_trained: Called with the trained model (the nnx module, quantized
         as ``config`` says) before returning: to keep it, e.g. for
         post-training quantization of a float32 run.
+      diagnostics: Every this many steps (and after the last), measure
+        every quantized operand on that step's batch
+        (:mod:`qbits.diagnostics`: a separate jitted gradient with respect
+        to the probes, outside the training step, which stays as it is);
+        ``0``: never.
 
     Returns:
       A :class:`RunResult`.
@@ -218,7 +230,12 @@ def train(
     check_int("train", "seed", seed, 0, 2**32 - 1)
     steps = spec.steps if steps is None else steps
     check_int("train", "steps", steps, 0, 2**31 - 1)  # the step counter is int32
+    check_int("train", "diagnostics", diagnostics, 0, 2**31 - 1)
     model, data = build_model(spec, seed)
+    order = []
+    if diagnostics and config is not None:  # the matmuls in the model's order
+        table = qbits.nnx.layer_table(model, config, sample_batch(spec, data))
+        order = [row.path for row in table.rows]
     unused = ""
     if config is not None:
         with warnings.catch_warnings(record=True) as caught:
@@ -272,6 +289,10 @@ def train(
             hits.append(hit)
         return jnp.stack(losses).mean(), jnp.stack(hits).mean()
 
+    diagnose = None
+    if diagnostics and config is not None:
+        diagnose = _diagnostics_step(graphdef, config, batch_of, seed, jit)
+    measured: list[dict[str, Any]] = []
     eval_at = {round(steps * (i + 1) / spec.evals) for i in range(spec.evals)} | {steps}
     curve: list[float] = []
     eval_curve: list[tuple[int, float]] = []
@@ -287,6 +308,12 @@ def train(
         step_times.append(time.perf_counter() - tic)
         if progress is not None:
             progress(step + 1, curve[-1])
+        if diagnose is not None and (
+            (step + 1) % diagnostics == 0 or step + 1 == steps
+        ):
+            raw = diagnose(state, jnp.asarray(step, jnp.int32))
+            metrics = _in_order(qbits.diagnostics.read(raw), order)
+            measured += [_record(step + 1, row) for row in metrics.rows()]
         if step + 1 in eval_at:
             ev, acc = eval_fn(state)
             eval_loss, accuracy = float(ev), float(acc)
@@ -307,4 +334,102 @@ def train(
         compile_seconds=compile_seconds,
         step_seconds=float(np.median(step_times)) if step_times else math.nan,
         unused_rules=unused,
+        diagnostics=measured,
     )
+
+
+def diagnose_batches(
+    spec: ModelSpec, config: Any, batches: int = 4, seed: int = 0
+) -> qbits.diagnostics.Metrics:
+    """The diagnostics of the example model at initialisation, over batches.
+
+    The model of ``spec`` (initialised from ``seed``) quantized by
+    ``config``, its training loss on ``batches`` training batches
+    differentiated as a training step would (:func:`qbits.diagnostics.diagnose`);
+    each metric is the mean over the batches (``qbits inspect --diagnostics``).
+
+    Example:
+      >>> from qbits.experiments import diagnose_batches, spec
+      >>> m = diagnose_batches(spec("mlp", "tiny"), "w4a8")  # doctest: +SKIP
+      >>> print(m.table())  # doctest: +SKIP
+      | sqnr_db | fwd.lhs | fwd.rhs |
+      |---|---|---|
+      | layers/0 | 38.1 | 20.3 |
+      | head | 40.2 | 20.9 |
+    """
+    check_int("diagnose_batches", "batches", batches, 1, 1 << 20)
+    model, data = build_model(spec, seed)
+    fn, params = qbits.nnx.as_function(model)
+
+    def loss(params: Any, x: Any, y: Any) -> jax.Array:
+        return loss_and_accuracy(fn(params, x)[0], y)[0]
+
+    diagnose = qbits.diagnostics.diagnose(loss, config, jax.random.key(seed))
+    found = [
+        diagnose(params, *train_batch(spec, data, seed, i))[1] for i in range(batches)
+    ]
+
+    def mean(arrays: list[np.ndarray]) -> np.ndarray:  # NaN where none measured
+        stacked = np.stack(arrays)
+        n = np.sum(~np.isnan(stacked), axis=0)
+        return np.where(n > 0, np.nansum(stacked, axis=0) / np.maximum(n, 1), np.nan)
+
+    values = {
+        path: {
+            op: {k: mean([m.values[path][op][k] for m in found]) for k in by_metric}
+            for op, by_metric in by_op.items()
+        }
+        for path, by_op in found[0].values.items()
+    }
+    table = qbits.nnx.layer_table(model, config, sample_batch(spec, data))
+    return _in_order(qbits.diagnostics.Metrics(values), [r.path for r in table.rows])
+
+
+def _record(step: int, row: dict[str, Any]) -> dict[str, Any]:
+    """One diagnostics record of a run file: metrics to 5 significant digits."""
+    return {"step": step} | {
+        k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in row.items()
+    }
+
+
+def _in_order(metrics: qbits.diagnostics.Metrics, paths: list[str]) -> Any:
+    """``metrics`` with its matmuls in the order of ``paths`` (the model's)."""
+    rank = {p: i for i, p in enumerate(paths)}
+    ordered = sorted(metrics.values, key=lambda p: (rank.get(p, len(rank)), p))
+    return qbits.diagnostics.Metrics({p: metrics.values[p] for p in ordered})
+
+
+def _diagnostics_step(
+    graphdef: Any, config: Any, batch_of: Callable[[Any], Any], seed: int, jit: Any
+) -> Callable[[Any, Any], Any]:
+    """A jitted ``(state, step) -> probe gradients`` of the training loss.
+
+    The model's forward (:func:`qbits.nnx.as_function`) quantized by
+    ``config`` with probes (:func:`qbits.diagnostics.init`), its loss on
+    the step's batch differentiated with respect to the parameters and the
+    probes, as the training step differentiates it; its own key stream
+    (the training's is not advanced) and the model's scale state.
+    """
+
+    @jit
+    def diagnose(state: Any, step: Any) -> Any:
+        model, _ = nnx.merge(graphdef, state)
+        fn, params = qbits.nnx.as_function(model)
+        x, y = batch_of(step)
+        node = model.qbits  # the quantized copy's own node (qbits.nnx)
+        scale = {p: {k: v[...] for k, v in e.items()} for p, e in node.state.items()}
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        quantized = functools.partial(
+            qbits.quantize, fn, config, key, state=scale or None
+        )
+        probes = qbits.diagnostics.init(fn, config, params, x)
+
+        def loss(params: Any, probes: Any) -> jax.Array:
+            out, _ = quantized(diagnostics=probes)(params, x)
+            return loss_and_accuracy(out, y)[0]
+
+        # The parameters too: the weight-gradient matmuls then run (and
+        # their operands are measured) as in training.
+        return jax.grad(loss, argnums=(0, 1))(params, probes)[1]
+
+    return diagnose

@@ -7,6 +7,7 @@ scales come from calibration or from scale state (see
 
 from qbits.ops._config import DotGeneralConfig, MatmulConfig
 from qbits.ops._conv import ConvGeneralDilated, conv_general_dilated
+from qbits.ops._diagnose import init_probe, read_probe
 from qbits.ops._dims import Dims
 from qbits.ops._dot_general import DotGeneral, dot_general
 from qbits.ops._einsum import Einsum, einsum
@@ -27,10 +28,12 @@ __all__ = [
     "dot_dtypes",
     "dot_general",
     "einsum",
+    "init_probe",
     "jaxpr_dot_dtypes",
     "max_combining",
     "per_tensor_state",
     "ragged_dot",
+    "read_probe",
     "store_weight",
     "stored_matmul",
 ]

@@ -32,7 +32,7 @@ from qbits.ops._operands import (
 from qbits.ops._straight_through import instantiate, straight_through
 from qbits.tensor import QTensor
 
-__all__ = ["Gradient", "backward_matmuls"]
+__all__ = ["Gradient", "backward_matmuls", "gradient_operands"]
 
 
 @dataclasses.dataclass
@@ -206,6 +206,32 @@ def backward_matmuls(
         if m.operand is not None
     }
     return grads, quantized
+
+
+def gradient_operands(
+    config: DotGeneralConfig,
+    c: Contraction,
+    needed: tuple[str, ...],
+    g: jax.Array,
+    rhs_b: Any,
+    lhs_b: Any,
+    gscale: jax.Array | None,
+    data: Any = None,
+) -> dict[str, Operand]:
+    """The output gradient as each needed backward matmul quantizes it.
+
+    What :func:`backward_matmuls` quantizes (prepared, with a reused
+    operand's scale folded in), for the matmuls that quantize ``g``: the
+    diagnostics measure it (:mod:`qbits.ops._diagnose`).
+    """
+    specs = _specs(config, c.bind(data), rhs_b, lhs_b)
+    out = {}
+    for name in needed:
+        cfg, cg, other, slot = specs[name]
+        m = Gradient.create(cfg, cg, g, other, slot, gscale)
+        if m.operand is not None and cfg.lhs != IDENTITY:
+            out[name] = m.operand
+    return out
 
 
 def _specs(

@@ -133,12 +133,14 @@ class ConvGeneralDilated:
         out_sharding: Any = None,
         *,
         state: dict[str, jax.Array] | None = None,
+        diagnostics: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
         """Computes ``lax.conv_general_dilated`` with quantized convolutions.
 
         ScaledArray operands give a ScaledArray result (:mod:`qbits.scaled`).
         ``state`` holds the scale state of the config's providers
-        (:meth:`init_state`).
+        (:meth:`init_state`); ``diagnostics`` a probe, as for
+        :class:`~qbits.ops.DotGeneral`.
         """
         rest = (
             window_strides,
@@ -153,14 +155,17 @@ class ConvGeneralDilated:
             out_sharding,
         )
         if is_scaled(lhs) or is_scaled(rhs):
-            return scalify(lambda a, b: self(a, b, *rest, state=state))(lhs, rhs)
+            return scalify(
+                lambda a, b: self(a, b, *rest, state=state, diagnostics=diagnostics)
+            )(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        if self.config.is_identity and not state:
+        if self.config.is_identity and not state and diagnostics is None:
             return lax.conv_general_dilated(lhs, rhs, *rest)
         c = _contraction(lhs, rhs, *rest)
         return state_lib.run(
-            self.config, c, lhs, rhs, self.key, state, "conv_general_dilated"
-        )
+            self.config, c, lhs, rhs, self.key, state, "conv_general_dilated",
+            probe=diagnostics,
+        )  # fmt: skip
 
     def init_state(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> Any:
         """The initial scale state for these operands (see :mod:`qbits.ops._state`).

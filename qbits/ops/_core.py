@@ -22,6 +22,14 @@ Scales:
   the backward pass this way and no other (:mod:`qbits.ops._state` turns it
   into the provider's next state).
 
+Diagnostics:
+  A call given a probe (``plan.diagnose``; :mod:`qbits.ops._diagnose`)
+  measures each quantized operand: the forward operands and the operands
+  the backward matmuls keep where they are quantized (in the forward pass,
+  kept as small residuals), the output gradient where the backward matmuls
+  quantize it. The measurements are the probe's cotangent, as an observed
+  amax is a given scale's. Without a probe nothing of it is traced.
+
 Residuals:
   The forward pass keeps the forward operands as the backward matmuls will
   use them: quantized already (a stored int8/fp8 array is a quarter of a
@@ -62,8 +70,9 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
 from qbits.numerics import next_key
-from qbits.ops._backward import backward_matmuls
+from qbits.ops._backward import backward_matmuls, gradient_operands
 from qbits.ops._config import IDENTITY, DotGeneralConfig, MatmulConfig
+from qbits.ops._diagnose import as_cotangent, init_probe, measure, to_probe
 from qbits.ops._operands import (
     SLOTS,
     TENSORS,
@@ -113,6 +122,9 @@ class Plan:
       vma: The varying manual mesh axes of ``lhs``, ``rhs`` and of each
         given scale (``"<tensor>_scale"``), inside ``shard_map``; empty
         elsewhere.
+      diagnose: Whether the call is given a probe (:mod:`._diagnose`):
+        every quantized operand is measured, and the measurements are the
+        probe's cotangent.
     """
 
     config: DotGeneralConfig
@@ -120,6 +132,7 @@ class Plan:
     dtypes: tuple[np.dtype, np.dtype]
     observe: tuple[str, ...] = ()
     vma: tuple[tuple[str, frozenset], ...] = ()
+    diagnose: bool = False
 
 
 def apply(
@@ -129,6 +142,7 @@ def apply(
     key: jax.Array | None,
     scales: dict[str, jax.Array],
     data: Any = None,
+    probe: Any = None,
 ) -> jax.Array:
     """The quantized matmul of ``plan``: ``C(lhs, rhs)`` with its custom VJP.
 
@@ -147,6 +161,9 @@ def apply(
       data: Arrays the contraction needs besides the operands (a pytree,
         not differentiated; ``ragged_dot``'s group sizes), bound to it where
         it is traced (:meth:`Contraction.bind`); ``None`` for most.
+      probe: With ``plan.diagnose``, a probe (:func:`~._diagnose.init_probe`)
+        whose cotangent is the measurements of every quantized operand
+        (:mod:`qbits.ops._diagnose`); ``None`` otherwise.
 
     Returns:
       The output, in the dtype the unquantized operation gives.
@@ -162,7 +179,7 @@ def apply(
     key = next_key(key) if key is not None and plan.config.needs_key else None
     lhs, rhs, scales = reverse_mode_only((lhs, rhs, scales))
     try:
-        return _jit_core(plan, lhs, rhs, key, scales, data)
+        return _jit_core(plan, lhs, rhs, key, scales, data, probe)
     except TypeError as e:  # JAX's own, where it meets the forward mode first
         if "forward-mode" not in str(e):
             raise
@@ -177,6 +194,7 @@ def _core(
     key: jax.Array | None,
     scales: dict[str, jax.Array],
     data: Any,
+    probe: Any,
 ) -> jax.Array:
     # Without differentiation only the forward matmul is traced: nothing of
     # the backward matmuls (their operands, their configs' checks).
@@ -236,10 +254,39 @@ def _forward(
         out = c.plain(lhs, rhs)
     else:
         out = c(done["lhs"][0], done["rhs"][0], fwd)
+    if plan.diagnose and kept is not None:
+        done["measured"] = _measure_forward(plan, operands, done, kept)
     for name in kept or ():
         cfg, _, x, tensor, _ = backward[name]
         done[name] = _for_backward(cfg, x, done[tensor][0], done.get(name))
     return out, done
+
+
+def _measure_forward(
+    plan: Plan,
+    operands: dict[str, Operand],
+    done: dict[str, Any],
+    kept: tuple[str, ...],
+) -> dict[str, Any]:
+    """The measurements of the operands the forward pass quantizes."""
+    measured = {}
+    for name, slot in (("lhs", "fwd.lhs"), ("rhs", "fwd.rhs")):
+        if name in operands:
+            o = operands[name]
+            measured[slot] = measure(o.quantizer, o.x, done[name][0], o.contracting)
+    for name, tensor, slot in (
+        ("dlhs", "rhs", "dlhs.rhs"),
+        ("drhs", "lhs", "drhs.lhs"),
+    ):
+        if name not in kept:
+            continue
+        if getattr(plan.config, name).use_fwd_quant:
+            if f"fwd.{tensor}" in measured:
+                measured[slot] = measured[f"fwd.{tensor}"]
+        elif name in operands and name in done:
+            o = operands[name]
+            measured[slot] = measure(o.quantizer, o.x, done[name][0], o.contracting)
+    return measured
 
 
 def _fwd(
@@ -249,6 +296,7 @@ def _fwd(
     key: Any,
     scales: dict[str, Any],
     data: Any,
+    probe: Any,
 ) -> tuple[jax.Array, tuple[Any, ...]]:
     # Symbolic zeros: each argument comes with whether it is differentiated
     # (``perturbed``). A backward matmul whose gradient nobody needs (the
@@ -262,9 +310,14 @@ def _fwd(
     lhs, rhs = lhs.value, rhs.value
     key = jax.tree.map(lambda k: k.value, key)
     data = jax.tree.map(lambda d: d.value, data)
+    probe = jax.tree.map(lambda p: p.value, probe)
     scales = {t: s.value for t, s in scales.items()}
     fwd, c = plan.config.fwd, plan.contraction
     out, done = _kept_forward(plan, needed, lhs, rhs, key, scales, data)
+    # The forward measurements, in the probe's layout (a fixed structure).
+    measured = None
+    if probe is not None:
+        measured = (to_probe(init_probe(), done.pop("measured")), probe)
     lc, rc = c.contracting
     amax = {
         t: block_amax(q, x, axes)
@@ -293,6 +346,7 @@ def _fwd(
         amax,
         {t: jnp.zeros_like(s) for t, s in scales.items()},
         data,
+        measured,
     )
     return out, residuals
 
@@ -379,15 +433,20 @@ def _for_backward(
     return quantized[0]
 
 
-def _bwd(
-    plan: Plan, residuals: tuple[Any, ...], g: Any
-) -> tuple[jax.Array | None, jax.Array | None, None, dict[str, Any], None]:
-    rhs_b, lhs_b, needs, lgrad, rgrad, key, gscale, amax, zeros, data = residuals
+def _bwd(plan: Plan, residuals: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
+    (rhs_b, lhs_b, needs, lgrad, rgrad, key, gscale, amax, zeros, data,
+     measured) = residuals  # fmt: skip
     config, c = plan.config, plan.contraction
     if isinstance(g, SymbolicZero):  # nothing flows back
-        return None, None, None, {t: None for t in zeros}, None
+        probe = None if measured is None else as_cotangent(*measured)
+        return None, None, None, {t: None for t in zeros}, None, probe
     needed = tuple(n for n, k in zip(("dlhs", "drhs"), needs.shape, strict=True) if k)
-    grads, _ = backward_matmuls(config, c, needed, g, rhs_b, lhs_b, key, gscale, data)
+    grads, gq = backward_matmuls(config, c, needed, g, rhs_b, lhs_b, key, gscale, data)
+    if measured is not None:
+        found, probe = measured
+        found = _measure_backward(plan, found, needed, g, rhs_b, lhs_b, gscale,
+                                  data, gq)  # fmt: skip
+        measured = as_cotangent(found, probe)
     vma = dict(plan.vma)
     dl = dr = None
     if "dlhs" in grads:
@@ -409,7 +468,30 @@ def _bwd(
             vma.get(f"{t}_scale", frozenset()),
             lax.pmax,
         )
-    return dl, dr, None, observed, None
+    return dl, dr, None, observed, None, measured
+
+
+def _measure_backward(
+    plan: Plan,
+    measured: dict[str, jax.Array],
+    needed: tuple[str, ...],
+    g: jax.Array,
+    rhs_b: Any,
+    lhs_b: Any,
+    gscale: Any,
+    data: Any,
+    quantized: dict[str, Any],
+) -> dict[str, jax.Array]:
+    """``measured`` with the output gradient's measurements added."""
+    operands = gradient_operands(
+        plan.config, plan.contraction, needed, g, rhs_b, lhs_b, gscale, data
+    )
+    found = {
+        f"{name}.grad": measure(o.quantizer, o.x, quantized[name][0], o.contracting)
+        for name, o in operands.items()
+        if name in quantized
+    }
+    return to_probe(measured, found)
 
 
 def _identity(g: jax.Array) -> jax.Array:

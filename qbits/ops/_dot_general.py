@@ -183,6 +183,7 @@ class DotGeneral(Configured):
         *,
         out_sharding: Any = None,
         state: dict[str, jax.Array] | None = None,
+        diagnostics: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
         """Computes ``lax.dot_general(lhs, rhs, ...)`` with quantized matmuls.
 
@@ -190,7 +191,9 @@ class DotGeneral(Configured):
         result (the quantization runs on its data; see :mod:`qbits.scaled`).
         ``state`` holds the scale state of the config's providers
         (:meth:`init_state`); its gradient is the next state (see
-        :mod:`qbits.ops._state`).
+        :mod:`qbits.ops._state`). ``diagnostics``, a probe
+        (:func:`~qbits.ops.init_probe`): its gradient measures every
+        quantized operand (:func:`~qbits.ops.read_probe`).
         """
         if is_scaled(lhs) or is_scaled(rhs):
             return scalify(
@@ -202,10 +205,11 @@ class DotGeneral(Configured):
                     preferred_element_type,
                     out_sharding=out_sharding,
                     state=state,
+                    diagnostics=diagnostics,
                 )
             )(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        if self.config.is_identity and not state:
+        if self.config.is_identity and not state and diagnostics is None:
             return lax.dot_general(
                 lhs,
                 rhs,
@@ -217,7 +221,10 @@ class DotGeneral(Configured):
         c = self._contraction(
             lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding
         )
-        return state_lib.run(self.config, c, lhs, rhs, self.key, state, "dot_general")
+        return state_lib.run(
+            self.config, c, lhs, rhs, self.key, state, "dot_general",
+            probe=diagnostics,
+        )  # fmt: skip
 
     def init_state(
         self,

@@ -171,13 +171,15 @@ class RaggedDot(Configured):
         out_sharding: Any = None,
         *,
         state: dict[str, jax.Array] | None = None,
+        diagnostics: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
         """Computes ``lax.ragged_dot(lhs, rhs, group_sizes, ...)``, quantized.
 
         ``lhs`` is ``[m, k]``, ``rhs`` ``[g, k, n]``, ``group_sizes`` ``[g]``
         (integers: rows ``0..group_sizes[0]-1`` use ``rhs[0]``, and so on;
         rows past their sum give zeros). ``state``: the scale state of the
-        config's providers (:meth:`init_state`).
+        config's providers (:meth:`init_state`); ``diagnostics`` a probe, as
+        for :class:`~qbits.ops.DotGeneral`.
 
         Raises:
           InvalidArgumentError: For ``group_sizes`` that are not integers or
@@ -187,14 +189,15 @@ class RaggedDot(Configured):
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         group_sizes = jnp.asarray(group_sizes)
         _check_group_sizes("ragged_dot", group_sizes, rhs, 0)
-        if self.config.is_identity and not state:
+        if self.config.is_identity and not state and diagnostics is None:
             return lax.ragged_dot(
                 lhs, rhs, group_sizes, precision, preferred_element_type,
                 group_offset, out_sharding,
             )  # fmt: skip
         return self.general(
             lhs, rhs, group_sizes, BASIC, precision, preferred_element_type,
-            group_offset, out_sharding, state=state, _owner="ragged_dot",
+            group_offset, out_sharding, state=state, diagnostics=diagnostics,
+            _owner="ragged_dot",
         )  # fmt: skip
 
     def general(
@@ -209,6 +212,7 @@ class RaggedDot(Configured):
         out_sharding: Any = None,
         *,
         state: dict[str, jax.Array] | None = None,
+        diagnostics: dict[str, jax.Array] | None = None,
         _owner: str = "ragged_dot_general",
     ) -> jax.Array:
         """Computes ``lax.ragged_dot_general(...)``, quantized.
@@ -235,7 +239,7 @@ class RaggedDot(Configured):
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         group_sizes = jnp.asarray(group_sizes)
         rdn = ragged_dot_dimension_numbers
-        if self.config.is_identity and not state:
+        if self.config.is_identity and not state and diagnostics is None:
             return lax.ragged_dot_general(
                 lhs, rhs, group_sizes, rdn, precision, preferred_element_type,
                 group_offset, out_sharding,
@@ -245,8 +249,9 @@ class RaggedDot(Configured):
             group_offset, out_sharding,
         )  # fmt: skip
         return state_lib.run(
-            self.config, c, lhs, rhs, self.key, state, _owner, data=group_sizes
-        )
+            self.config, c, lhs, rhs, self.key, state, _owner, data=group_sizes,
+            probe=diagnostics,
+        )  # fmt: skip
 
     def init_state(
         self,

@@ -68,6 +68,7 @@ from qbits._quantizer import Quantizer
 from qbits.granularity import PerTensor
 from qbits.ops import _core as core
 from qbits.ops._config import DotGeneralConfig
+from qbits.ops._diagnose import init_probe
 from qbits.providers import ScaleProvider
 
 __all__ = [
@@ -382,11 +383,13 @@ def run(
     state: dict[str, jax.Array] | None,
     owner: str,
     data: Any = None,
+    probe: Any = None,
 ) -> jax.Array:
     """The quantized matmul, its providers' scales taken from ``state``.
 
     ``data``: the contraction's arrays besides the operands (see
-    :func:`qbits.ops._core.apply`).
+    :func:`qbits.ops._core.apply`). ``probe``: a diagnostics probe
+    (:func:`~qbits.ops.init_probe`), or ``None``.
 
     Raises:
       InvalidArgumentError: For state that does not match the config and
@@ -394,11 +397,14 @@ def run(
     """
     dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
     vma = [("lhs", core.varying(lhs)), ("rhs", core.varying(rhs))]
+    diagnose = probe is not None
+    if diagnose:
+        probe = _check_probe(owner, probe)
     if not config.needs_state:
         if state:
             _check_state(owner, {}, state)
-        plan = core.Plan(config, contraction, dtypes, (), tuple(vma))
-        return core.apply(plan, lhs, rhs, key, {}, data)
+        plan = core.Plan(config, contraction, dtypes, (), tuple(vma), diagnose)
+        return core.apply(plan, lhs, rhs, key, {}, data, probe)
     bound = contraction.bind(data)
     states = tensor_states(config, bound, _shapes(bound, lhs, rhs), owner)
     if state is None:
@@ -435,5 +441,23 @@ def run(
         scales[t] = jnp.reshape(scale, ts.scale_shape).astype(jnp.float32)
         vma.append((f"{t}_scale", core.varying(scales[t])))
     observe = tuple(t for t, ts in states.items() if ts.provider.observes)
-    plan = core.Plan(config, contraction, dtypes, observe, tuple(vma))
-    return core.apply(plan, operands["lhs"], operands["rhs"], key, scales, data)
+    plan = core.Plan(config, contraction, dtypes, observe, tuple(vma), diagnose)
+    return core.apply(plan, operands["lhs"], operands["rhs"], key, scales, data, probe)
+
+
+def _check_probe(owner: str, probe: Any) -> dict[str, jax.Array]:
+    """The probe, its maxima max-combining (:func:`max_combining`)."""
+    want = jax.eval_shape(init_probe)
+    if (
+        not isinstance(probe, dict)
+        or set(probe) != set(want)
+        or any(jnp.shape(probe[k]) != want[k].shape for k in want)
+    ):
+        raise InvalidArgumentError(
+            owner,
+            "diagnostics",
+            jax.tree.map(jnp.shape, probe),
+            "a probe from qbits.ops.init_probe() (one matmul's; "
+            "qbits.diagnostics.init gives every matmul of a function theirs)",
+        )
+    return {"sums": probe["sums"], "maxima": max_combining(probe["maxima"])}

@@ -24,6 +24,7 @@ from qbits.transform._runner import Caller
 from qbits.transform._store import StoredMatmul, store_weights
 from qbits.transform._transform import (
     collect_ranges,
+    init_probes,
     init_state,
     layer_table,
     observe_matmuls,
@@ -39,6 +40,7 @@ __all__ = [
     "WeightMatmul",
     "adapt",
     "collect_ranges",
+    "init_probes",
     "init_state",
     "layer_table",
     "observe_matmuls",

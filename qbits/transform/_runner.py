@@ -52,7 +52,11 @@ from qbits.transform._observe import (
 from qbits.transform._program import RAGGED_DOT, Ctx, Program, Site
 from qbits.transform._swap import permuted_sharding, swapped
 
-__all__ = ["Caller", "Frame", "Plan", "Runner", "run_program"]
+__all__ = ["DIAGNOSTICS", "Caller", "Frame", "Plan", "Runner", "run_program"]
+
+# The prefix of a probe's name among a run's per-site data (as the adapter
+# data's, :data:`~._adapter.DATA`).
+DIAGNOSTICS = "/diagnostics/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +112,9 @@ class Plan:
       adapted: The paths of the weight ``dot_general`` s to adapt (the
         caller checks that they are such matmuls, outside ``cond`` and
         ``while`` bodies).
+      diagnose: Every quantized site measures its quantized operands: its
+        probe (:func:`qbits.ops.init_probe`) is ``frame.states[DIAGNOSTICS
+        + path]``, sliced per layer along a scan over stacked layers.
 
     Raises:
       ConfigError: For a rule that gives an integer matmul a config, or (with
@@ -128,6 +135,7 @@ class Plan:
         every: bool = False,
         adapter: Adapter | None = None,
         adapted: Collection[str] = (),
+        diagnose: bool = False,
     ):
         self.rules = rules
         self.caller = caller
@@ -154,6 +162,8 @@ class Plan:
         self.adapter = adapter
         self.adapted: dict[Ctx, ObservedMatmul] = {}
         self.adapter_data: dict[Ctx, str] = {}
+        # Diagnosed sites: their probe's name.
+        self.probes: dict[Ctx, str] = {}
         for site in program.sites:
             if site.path in adapted:
                 self._adapt(site, program)
@@ -212,6 +222,8 @@ class Plan:
             self._add(site, config, res)
             if config.needs_key:
                 self.needs_key.append(site.path)
+            if diagnose and site.ctx not in self.stored:
+                self._diagnose(site)
 
     def _add(self, site: Site, config: Any, res: Resolution) -> None:
         self.planned[site.ctx] = Planned(site, config, res)
@@ -222,6 +234,13 @@ class Plan:
             self.holds.add(site.ctx[:n])
         if config is not None:
             self._check_fits(site, config, res)
+
+    def _diagnose(self, site: Site) -> None:
+        name = self.probes[site.ctx] = DIAGNOSTICS + site.path
+        if site.weights:
+            self.sliced[name] = next(iter(site.weights)).sliced
+        # Shared along a loop, the maxima of its uses combine with max.
+        self.replaced[name] = ("maxima",)
 
     def _adapt(self, site: Site, program: Program) -> None:
         weight_left = bool(site.lhs and not site.rhs)
@@ -277,7 +296,7 @@ class Plan:
     def names_under(self, ctx: Ctx) -> list[str]:
         """The data names (state, stored weights, adapters) of sites in ``ctx``."""
         named = [*self.state_keys.items(), *self.stored.items(),
-                 *self.adapter_data.items()]  # fmt: skip
+                 *self.adapter_data.items(), *self.probes.items()]  # fmt: skip
         return [
             name
             for site, name in named
@@ -418,6 +437,12 @@ class Runner:
             return bind(eqn, invals)
         stored_name = self.plan.stored.get(here)
         state_name = self.plan.state_keys.get(here)
+        probe_name = self.plan.probes.get(here)
+        if probe_name is not None:
+            if frame.collect is not None:  # initialising: the probe's zeros
+                frame.collect[probe_name] = ops.init_probe()
+            else:
+                kwargs["diagnostics"] = frame.states[probe_name]
         if stored_name is not None:
             dims = ops.Dims.create(args[2], jnp.ndim(args[0]), jnp.ndim(args[1]))
             if frame.collect is not None:  # storing: the forward's rhs, once

@@ -25,10 +25,11 @@ from qbits.numerics import check_key
 from qbits.tensor import QTensor
 from qbits.transform._observe import ObservedMatmul, Observer
 from qbits.transform._program import Program, trace
-from qbits.transform._runner import Caller, Frame, Plan, run_program
+from qbits.transform._runner import DIAGNOSTICS, Caller, Frame, Plan, run_program
 
 __all__ = [
     "collect_ranges",
+    "init_probes",
     "init_state",
     "layer_table",
     "observe_matmuls",
@@ -40,6 +41,7 @@ _INIT_STATE = Caller("qbits.init_state")
 _LAYER_TABLE = Caller("qbits.layer_table")
 _COLLECT_RANGES = Caller("qbits.collect_ranges")
 _OBSERVE = Caller("qbits.transform.observe_matmuls")
+_INIT_PROBES = Caller("qbits.diagnostics.init")
 
 
 def _check_key(key: Any, plan: Plan) -> None:
@@ -87,6 +89,7 @@ def quantize(
     *,
     state: dict[str, dict[str, jax.Array]] | None = None,
     stored: Mapping[str, Any] | None = None,
+    diagnostics: Mapping[str, Any] | None = None,
     params_argnum: int | None = 0,
     caller: Caller = _QUANTIZE,
 ) -> Callable[..., Any]:
@@ -144,6 +147,12 @@ def quantize(
         run forward only on them and ignore the float parameter (whose
         value may then be anything of its shape, e.g. zeros); the output
         equals the quantized forward on the float weights bit for bit.
+      diagnostics: Probes, from :func:`qbits.diagnostics.init`: every
+        quantized matmul measures its quantized operands (forward and
+        backward), and the gradient with respect to ``diagnostics`` holds
+        the measurements (:mod:`qbits.diagnostics`). ``None`` (the
+        default): nothing is measured, and the program is the one without
+        diagnostics.
       params_argnum: Which positional argument holds the parameters
         (``None``: no argument names sites; weight matmuls are then named
         like activation ones).
@@ -187,9 +196,17 @@ def quantize(
     @functools.wraps(fn)
     def quantized(*args: Any, **kwargs: Any) -> Any:
         program = trace(fn, args, kwargs, params_argnum, caller.owner)
-        plan = Plan(program, quant, caller, store=stored is not None)
+        plan = Plan(program, quant, caller, store=stored is not None,
+                    diagnose=diagnostics is not None)  # fmt: skip
         _check_key(key, plan)
         _check_state(state, plan)
+        probes = {}
+        if diagnostics is not None:
+            names = [p[len(DIAGNOSTICS) :] for p in plan.probes.values()]
+            _check_names(caller, "diagnostics", diagnostics, names,
+                         "qbits.diagnostics.init(fn, config, *args) makes them",
+                         "they are the quantized matmuls")  # fmt: skip
+            probes = {DIAGNOSTICS + n: v for n, v in diagnostics.items()}
         if stored is not None:
             _check_names(caller, "stored", stored, plan.stored.values(),
                          "stored with this config: qbits.serving.convert or "
@@ -199,7 +216,7 @@ def quantize(
                          "config?)")  # fmt: skip
         if caller.whole:
             table(program, quant).warn_unused()
-        frame = Frame(key, {**(state or {}), **(stored or {})})
+        frame = Frame(key, {**(state or {}), **(stored or {}), **probes})
         out = run_program(program, plan, frame, args, kwargs)
         return jax.tree.unflatten(program.out_tree, out)
 
@@ -304,6 +321,51 @@ def init_state(
     collect: dict[str, Any] = {}
     run_program(program, plan, Frame(jax.random.key(0), {}, collect), args, kwargs)
     return collect
+
+
+def init_probes(
+    fn: Callable[..., Any],
+    config: Any,
+    *args: Any,
+    params_argnum: int | None = 0,
+    caller: Caller = _INIT_PROBES,
+    **kwargs: Any,
+) -> dict[str, dict[str, jax.Array]]:
+    """A diagnostics probe for every quantized matmul of ``fn``.
+
+    What :func:`quantize` takes as ``diagnostics=``: ``{matmul path: probe}``
+    (:func:`qbits.ops.init_probe`'s zeros), stacked along the scans over
+    stacked layers (one probe per layer). Traced only (nothing is computed).
+
+    Args:
+      fn: The function, as for :func:`quantize`.
+      config: The rules, as for :func:`quantize`.
+      *args: Arguments for ``fn`` (arrays or ``jax.ShapeDtypeStruct``).
+      params_argnum: As for :func:`quantize`.
+      caller: As for :func:`quantize`.
+      **kwargs: Keyword arguments for ``fn``.
+
+    Example:
+      >>> def mlp(params, x):
+      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
+      >>> probes = qbits.transform.init_probes(mlp, "int8", params, jnp.ones((3, 4)))
+      >>> sorted(probes), probes["w1"]["sums"].shape
+      (['w1', 'w2'], (6, 8))
+    """
+    quant = as_quant_config(caller.owner, config, allow_none=True)
+
+    def collect(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        program = trace(fn, args, kwargs, params_argnum, caller.owner)
+        plan = Plan(program, quant, caller, diagnose=True)
+        found: dict[str, Any] = {}
+        frame = Frame(jax.random.key(0), {}, found)
+        run_program(program, plan, frame, args, kwargs)
+        return {n[len(DIAGNOSTICS) :]: v for n, v in found.items()
+                if n.startswith(DIAGNOSTICS)}  # fmt: skip
+
+    shapes = jax.eval_shape(collect, *args, **kwargs)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def layer_table(

@@ -420,7 +420,9 @@ def test_rerun_after_ctrl_c_keeps_the_finished_float32_run(
 
     trained = []
 
-    def fake_train(spec, config, *, seed, steps, progress=None, on_trained=None):
+    def fake_train(
+        spec, config, *, seed, steps, progress=None, on_trained=None, diagnostics=0
+    ):
         trained.append("float32" if config is None else "int8_fwd")
         if len(trained) == 2 and interrupt:
             raise KeyboardInterrupt

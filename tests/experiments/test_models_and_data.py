@@ -79,6 +79,17 @@ def test_example_files_load():
     assert w4["blocks/0/mlp/fc1"].describe() == "w4a8" and not w4.unused_rules
     bits = load_sweep(ROOT / "examples" / "sweep_bits.yaml")
     assert len(bits.entries) == 2 + 3 * 2 * 2 and bits.seeds == (0, 1)
+    # The diagnostics study: its rules files match the layers they name.
+    diag = {e.name: e.config for e in load_sweep(
+        ROOT / "examples" / "sweep_diagnostics.yaml").entries}  # fmt: skip
+    sensitive = qbits.nnx.layer_table(model, diag["w4a8_sensitive8"], TOKENS)
+    assert not sensitive.unused_rules
+    assert sensitive["blocks/1/mlp/fc2"].describe() == "int8_fwd"
+    assert sensitive["blocks/1/attn/qk"].describe() == "int8_fwd"
+    assert sensitive["blocks/1/mlp/fc1"].describe() == "w4a8"
+    fp8 = qbits.nnx.layer_table(model, diag["fp8_attn_float"], TOKENS)
+    assert fp8["blocks/0/attn/pv"].describe() == "float"
+    assert fp8["head"].describe() == "fp8"
 
 
 def test_deep_lm_scans_stacked_blocks_and_trains_quantized():

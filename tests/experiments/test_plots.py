@@ -213,11 +213,30 @@ def test_quality_vs_bits_only_for_several_bit_widths(tmp_path, no_png):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(summary["files"])
 
 
-def fake_train(spec, config, *, seed, steps, progress=None, on_trained=None):
+def diagnostics_records(steps, every, sqnr):
+    """What train(..., diagnostics=every) records, made up."""
+    return [
+        {"step": step, "matmul": matmul, "operand": op, "sqnr_db": sqnr + i,
+         "clipped": 0.0, "flushed": 0.002 if op == "fwd.rhs" else 0.0,
+         "wasted_bits": 0.0, "log2_scale_min": -7.0, "log2_scale_max": -6.0}
+        for step in [*range(every, steps, every), steps]
+        for i, matmul in enumerate(("layers/0", "head"))
+        for op in ("fwd.lhs", "fwd.rhs", "dlhs.grad")
+    ]  # fmt: skip
+
+
+def fake_train(
+    spec, config, *, seed, steps, progress=None, on_trained=None, diagnostics=0
+):
     loss = 2.0 if config is None else 2.0 + 0.01 * seed
     if on_trained is not None:  # qbits train saves the float32 params
         on_trained(build_model(spec, seed)[0])
-    return RunResult(loss, loss, 0.5, [loss] * steps, [(steps, loss)], 0.0)
+    records = []
+    if diagnostics and config is not None:
+        records = diagnostics_records(steps, diagnostics, 20.0 + seed)
+    return RunResult(
+        loss, loss, 0.5, [loss] * steps, [(steps, loss)], 0.0, diagnostics=records
+    )
 
 
 @pytest.mark.parametrize("command", ["train", "sweep"])
@@ -244,3 +263,29 @@ def test_wrote_line_lists_every_file(command, tmp_path, monkeypatch, capsys, no_
     assert wrote == f"wrote {out}/{', '.join(listed)}; {runs} run files in {out}/runs/"
     for name in files:
         assert name in wrote
+
+
+def test_diagnostics_tables_and_plots(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sweep_lib, "train", fake_train)
+    (tmp_path / "s.yaml").write_text(
+        "model: mlp\nsize: tiny\nsteps: 4\nseeds: [0, 1]\nconfigs: [none, int8]\n"
+    )
+    out = tmp_path / "out"
+    argv = ["sweep", str(tmp_path / "s.yaml"), "--out", str(out), "-q"]
+    assert main([*argv, "--diagnostics", "2"]) == 0
+    listed = json.loads((out / "results.json").read_text())["files"]
+    for name in ("diagnostics.md", "diagnostics.csv", "diagnostics_sqnr.png",
+                 "diagnostics_layers.png"):  # fmt: skip
+        assert name in listed and (out / name).is_file()
+    table = (out / "diagnostics.md").read_text()
+    assert "| layers/0 | 20.5 | 20.5 | 20.5 |" in table  # the last step, mean of seeds
+    assert "| layers/0 | 0.0 | 0.2 | 0.0 |" in table  # flushed, in %
+    assert "Clipped" not in table  # nothing clipped
+    lines = (out / "diagnostics.csv").read_text().splitlines()
+    assert lines[0].startswith("config,seed,step,matmul,operand,sqnr_db")
+    assert len(lines) == 1 + 2 * 2 * 2 * 3  # seeds x steps x matmuls x operands
+    # A finished run measured otherwise is run again; one measured alike is not.
+    assert main([*argv, "--diagnostics", "2"]) == 0
+    assert main([*argv, "--diagnostics", "4"]) == 0
+    run = json.loads((out / "runs" / "int8__seed0.json").read_text())
+    assert {r["step"] for r in run["result"]["diagnostics"]} == {4}

@@ -71,7 +71,9 @@ def test_sweep_writes_table_and_plots(finished):
 def _forbid_training(monkeypatch):
     calls = []
 
-    def fake_train(spec, config, *, seed, steps, progress=None, on_trained=None):
+    def fake_train(
+        spec, config, *, seed, steps, progress=None, on_trained=None, diagnostics=0
+    ):
         calls.append(config)
         return RunResult(1.0, 1.0, 0.5, [1.0] * steps, [(steps, 1.0)], 0.0)
 
@@ -116,7 +118,9 @@ def test_interrupt_keeps_finished_runs(tmp_path, monkeypatch, capsys):
     (tmp_path / "s.yaml").write_text(SWEEP.replace("[0]", "[0, 1]"))
     done = []
 
-    def fake_train(spec, config, *, seed, steps, progress=None, on_trained=None):
+    def fake_train(
+        spec, config, *, seed, steps, progress=None, on_trained=None, diagnostics=0
+    ):
         if len(done) == 2:
             raise KeyboardInterrupt
         done.append(seed)

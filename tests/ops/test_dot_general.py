@@ -69,7 +69,7 @@ def assert_bits_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_signature_is_exactly_lax_dot_general_plus_keyword_state():
+def test_signature_is_exactly_lax_dot_general_plus_keywords_state_diagnostics():
     def params(f):
         return [
             (p.name, p.kind, p.default)
@@ -77,8 +77,11 @@ def test_signature_is_exactly_lax_dot_general_plus_keyword_state():
         ]
 
     ours = params(qbits.dot_general(DotGeneralConfig()))
-    assert ours[:-1] == params(lax.dot_general)
-    assert ours[-1] == ("state", inspect.Parameter.KEYWORD_ONLY, None)
+    assert ours[:-2] == params(lax.dot_general)
+    assert ours[-2:] == [
+        ("state", inspect.Parameter.KEYWORD_ONLY, None),
+        ("diagnostics", inspect.Parameter.KEYWORD_ONLY, None),
+    ]
 
 
 IDENTITY_CASES = [(*d, jnp.float32, None) for d in DIMS] + [

@@ -267,5 +267,8 @@ def test_conv_signature_is_exactly_lax():
         ]
 
     conv = qbits.conv_general_dilated(DotGeneralConfig())
-    assert params(conv)[:-1] == params(lax.conv_general_dilated)
-    assert params(conv)[-1] == ("state", inspect.Parameter.KEYWORD_ONLY, None)
+    assert params(conv)[:-2] == params(lax.conv_general_dilated)
+    assert params(conv)[-2:] == [
+        ("state", inspect.Parameter.KEYWORD_ONLY, None),
+        ("diagnostics", inspect.Parameter.KEYWORD_ONLY, None),
+    ]
