@@ -144,8 +144,11 @@ def run(seed: int, steps: int | None, n_calibration: int) -> list[dict]:
             tic = time.perf_counter()
             out = ptq.quantize_weights(fn, params, None, config, stats=stats, **kwargs)
             seconds = time.perf_counter() - tic + collect  # statistics included
-            # Weight-only, untransformed: the float model on the new weights.
-            model = out.function(fn) if out.transforms else fn
+            # Weight-only: the float model on the new weights; with a rotation,
+            # its activations rotated online and nothing else quantized (the
+            # formats' default rule would also quantize attention's K and V).
+            weights_only = out._replace(config=qbits.QuantConfig())
+            model = weights_only.function(fn) if out.transforms else fn
             loss = float(
                 (eval_loss_of(model) if out.transforms else eval_loss)(out.params)
             )

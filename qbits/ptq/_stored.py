@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
 from qbits.ops import MatmulConfig, store_weight
 from qbits.ptq._collect import MatmulStats
@@ -55,17 +56,24 @@ def stored_weight(
       :func:`qbits.transform.store_weights` gives for this matmul, with the
       given grids' scales in place of freshly calibrated ones), or ``None``
       where the grids' blocks are not the operand's own (a tensor scale per
-      group of a grouped weight, where the operand has one): serving then
-      quantizes that weight again.
+      group of a grouped weight, where the operand has one), or where the
+      quantizer fits the ``(K, N)`` matrix but not the operand's own axes
+      (``Tiled(128)`` over a per-head weight's 32-wide head axis; serving
+      refuses that config for this weight).
     """
     weight = jnp.asarray(weight)
     one = jax.ShapeDtypeStruct(ms.shape, weight.dtype)
-    ref = jax.eval_shape(
-        functools.partial(
-            store_weight, cfg=MatmulConfig(rhs=quantizer), contracting=ms.contracting
-        ),
-        one,
-    )
+    try:
+        ref = jax.eval_shape(
+            functools.partial(
+                store_weight,
+                cfg=MatmulConfig(rhs=quantizer),
+                contracting=ms.contracting,
+            ),
+            one,
+        )
+    except InvalidArgumentError:  # the blocks fit (K, N), not the operand's axes
+        return None
     # Which entry of the operand each entry of the (K, N) matrices is.
     where = np.asarray(ms.matrix(jnp.arange(math.prod(ms.shape)).reshape(ms.shape)))
     names = ["scale"]

@@ -87,8 +87,10 @@ class PtqResult(NamedTuple):
       config: The rules to run ``params`` with: the given config with the
         weight quantizer of every weight written here removed (the weights
         are on their grids already), so ``qbits.quantize(fn, result.config)``
-        quantizes only what the config quantizes besides those weights
-        (activations: W8A8). For a weight-only config it quantizes nothing.
+        quantizes only what the config quantizes besides those weights:
+        activations (W8A8), and matmuls without a weight (attention's
+        scores) as the config's rules say. To run only the written weights,
+        ``result._replace(config=qbits.QuantConfig())``.
       transforms: ``{matmul path: {"scale": s, "rotation": Q}}`` for the
         matmuls whose activation is transformed online (``smooth``,
         ``rotate``; empty without): their weights in ``params`` are the
@@ -102,8 +104,9 @@ class PtqResult(NamedTuple):
         ``qbits.quantize(fn, config, stored=result.stored)``. AWQ's weights
         (``Q(s w) / s``) are left out, and so is a weight whose scale blocks
         on ``(K, N)`` are not those of its operand (NVFP4's tensor scale,
-        one per ``(K, N)`` matrix, of a weight with a matrix per group):
-        serving quantizes those again.
+        one per ``(K, N)`` matrix, of a weight with a matrix per group:
+        serving quantizes those again), and one whose blocks fit ``(K, N)``
+        but not the operand's own axes (serving refuses that config).
 
     Example:
       >>> out = qbits.ptq.PtqResult({"w": jnp.ones((2, 2))}, (), qbits.QuantConfig())

@@ -122,3 +122,18 @@ def test_round_to_nearest_stores_what_convert_stores_and_errors_say_why():
     with pytest.raises(qbits.InvalidArgumentError, match="online"):
         smoothed = out._replace(transforms={"w": {"scale": jnp.ones((2, 128))}})
         serving.convert(fn, int4, smoothed, x)
+
+
+def test_blocks_that_fit_the_matrix_but_not_the_operand_are_not_stored():
+    # The output projection of attention contracts (heads, head_dim) = 4 x 32:
+    # groups of 128 fit the flattened K = 128 that PTQ works on, not the
+    # operand's 32-wide axis that serving quantizes along. The weights are
+    # still written; only the stored copy is left out.
+    rng = np.random.default_rng(2)
+    p = {"w": rng.standard_normal((4, 32, 16)).astype(np.float32)}
+    x = rng.standard_normal((8, 4, 32)).astype(np.float32)
+    out = ptq.quantize_weights(
+        lambda p, x: jnp.einsum("bhk,hkn->bn", x, p["w"]), p, [x], "w4g128_asym"
+    )
+    assert [r.path for r in out.layers] == ["w"] and not out.stored
+    assert not np.array_equal(out.params["w"], p["w"])

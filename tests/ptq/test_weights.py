@@ -171,7 +171,7 @@ def test_smoothing_and_rotation_run_online_in_every_layout_and_cut_w8a8_error():
                                       - _model(params, x)) ** 2))  # fmt: skip
     assert errors["smooth"] < 0.7 * errors["rtn"], errors
     assert errors["rotate"] < 0.7 * errors["rtn"], errors
-    with pytest.raises(qbits.InvalidArgumentError, match="mean .x Q."):
+    with pytest.raises(qbits.InvalidArgumentError, match=r"mean .x Q."):
         run("int8_fwd", method="awq", rotate=True)
     with pytest.raises(qbits.InvalidArgumentError, match="smooth"):
         run("int8_fwd", smooth=1.5)

@@ -145,5 +145,5 @@ def test_before_runs_ahead_of_quantization_and_is_differentiated():
     np.testing.assert_array_equal(got(p, x), want(p, x))
     loss = lambda g: lambda x: jnp.sum(g(p, x) ** 2)  # noqa: E731
     np.testing.assert_array_equal(jax.grad(loss(got))(x), jax.grad(loss(want))(x))
-    with pytest.raises(qbits.InvalidArgumentError, match="apply .* before"):
+    with pytest.raises(qbits.InvalidArgumentError, match=r"apply .* before"):
         transform.adapt(f, None, transform.Adapter(), {"w": s})
