@@ -541,6 +541,57 @@ def kv_cache() -> str:
     )
 
 
+# --- Diagnostics: where low precision hurts ----------------------------------
+
+_KEPT = {
+    "w4a8": "nothing",
+    "w4a8_attn8": "attention einsums (`attn/qk`, `attn/pv`) at int8",
+    "w4a8_fc2_8": "the MLP's `fc2` at W8A8",
+    "w4a8_sensitive8": "both (`examples/w4a8_sensitive8.yaml`)",
+}
+
+
+@figure(
+    "diagnostics_headline",
+    "lm_diagnostics/results.json",
+    "lm_diagnostics/diagnostics.csv",
+)
+def diagnostics_headline() -> str:
+    ratio = {r["config"]: r["ratio"] for r in _json("lm_diagnostics/results.json")["rows"]}
+    gap = ratio["w4a8"] - 1
+    sweep = [
+        [f"`{c}`", kept, f"{ratio[c]:.4f}",
+         "" if c == "w4a8" else f"{100 * (gap - (ratio[c] - 1)) / gap:.0f}%"]
+        for c, kept in _KEPT.items()
+    ]  # fmt: skip
+    lines = (RESULTS / "lm_diagnostics" / "diagnostics.csv").read_text().splitlines()
+    head = lines[0].split(",")
+    rows = [dict(zip(head, ln.split(","), strict=True)) for ln in lines[1:]]
+    last = max(int(r["step"]) for r in rows)
+    got: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if r["config"] == "w4a8" and int(r["step"]) == last:
+            got.setdefault((r["matmul"], r["operand"]), []).append(r)
+
+    def mean(matmul: str, operand: str, key: str, scale: float = 1.0) -> str:
+        return f"{scale * statistics.mean(float(r[key]) for r in got[matmul, operand]):.1f}"
+
+    matmuls = [m for m in dict.fromkeys(m for m, _ in got)
+               if m.startswith("blocks/0/") or m == "head"]  # fmt: skip
+    layers = [
+        [m, mean(m, "fwd.lhs", "sqnr_db"), mean(m, "fwd.rhs", "sqnr_db"),
+         mean(m, "fwd.rhs", "flushed", 100.0)]
+        for m in matmuls
+    ]  # fmt: skip
+    return (
+        _table(["config", "kept at 8 bits", "eval / float32", "gap closed"], sweep)
+        + "\n"
+        + _table(["w4a8, step " + str(last), "activation SQNR (dB)",
+                  "weight (or 2nd operand) SQNR (dB)", "2nd operand flushed (%)"],
+                 layers)  # fmt: skip
+    )
+
+
 # --- Post-training quantization, formats, scalify -----------------------------
 
 
@@ -593,10 +644,9 @@ def ptq() -> str:
         f"randomized Hadamard rotation closes {span('gptq+rot')}, better than "
         f"GPTQ alone in {rot_better} of {len(closed['gptq'])} runs. One "
         f"model's 13 weights take {seconds['rtn']:.0f} s (RTN), "
-        f"{seconds['gptq']:.0f} s (GPTQ), {seconds['awq']:.0f} s (AWQ) and "
-        f"{seconds['gptq+rot']:.0f} s (GPTQ + rotation) on average, "
-        "statistics included (2 CPU cores shared with other work: times are "
-        "rough).\n"
+        f"{seconds['gptq']:.0f} s (GPTQ) and {seconds['awq']:.0f} s (AWQ) on "
+        "average, statistics and compiles included (GPTQ + rotation reuses "
+        "GPTQ's compiled steps; 2 CPU cores: times are rough).\n"
     )
     return (
         _table(["format", "RTN", "GPTQ", "AWQ", "GPTQ + rotation"], table)
@@ -604,6 +654,28 @@ def ptq() -> str:
         + text
         + "\n"
         + _source("ptq_lm_cpu.json")
+    )
+
+
+@figure("ptq_headline", "ptq_lm_cpu.json")
+def ptq_headline() -> str:
+    rows = _json("ptq_lm_cpu.json")["rows"]
+
+    def mean(fmt: str, method: str, model: str | None = None) -> str:
+        got = [r["ratio"] for r in rows if r["format"] == fmt
+               and r["method"] == method and r.get("model") == model]  # fmt: skip
+        return f"{statistics.mean(got):.4f}"
+
+    formats = list(dict.fromkeys(r["format"] for r in rows if r["method"]))
+    formats = [f for f in formats if f != "w8a8"]
+    table = [[f, *(mean(f, m) for m in ("rtn", "awq", "gptq", "gptq+rot"))]
+             for f in formats]  # fmt: skip
+    w8a8 = ("RTN", "SmoothQuant", "rotation")
+    w8 = [["W8A8, outlier channels", *(mean("w8a8", m, "outliers") for m in w8a8)]]
+    return (
+        _table(["weights", "RTN", "AWQ", "GPTQ", "GPTQ + rotation"], table)
+        + "\n"
+        + _table(["", "RTN", "SmoothQuant", "rotation"], w8)
     )
 
 
