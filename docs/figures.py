@@ -557,7 +557,8 @@ _KEPT = {
     "lm_diagnostics/diagnostics.csv",
 )
 def diagnostics_headline() -> str:
-    ratio = {r["config"]: r["ratio"] for r in _json("lm_diagnostics/results.json")["rows"]}
+    results = _json("lm_diagnostics/results.json")["rows"]
+    ratio = {r["config"]: r["ratio"] for r in results}
     gap = ratio["w4a8"] - 1
     sweep = [
         [f"`{c}`", kept, f"{ratio[c]:.4f}",
@@ -574,7 +575,8 @@ def diagnostics_headline() -> str:
             got.setdefault((r["matmul"], r["operand"]), []).append(r)
 
     def mean(matmul: str, operand: str, key: str, scale: float = 1.0) -> str:
-        return f"{scale * statistics.mean(float(r[key]) for r in got[matmul, operand]):.1f}"
+        value = statistics.mean(float(r[key]) for r in got[matmul, operand])
+        return f"{scale * value:.1f}"
 
     matmuls = [m for m in dict.fromkeys(m for m, _ in got)
                if m.startswith("blocks/0/") or m == "head"]  # fmt: skip
@@ -586,9 +588,15 @@ def diagnostics_headline() -> str:
     return (
         _table(["config", "kept at 8 bits", "eval / float32", "gap closed"], sweep)
         + "\n"
-        + _table(["w4a8, step " + str(last), "activation SQNR (dB)",
-                  "weight (or 2nd operand) SQNR (dB)", "2nd operand flushed (%)"],
-                 layers)  # fmt: skip
+        + _table(
+            [
+                f"w4a8, step {last}",
+                "activation SQNR (dB)",
+                "weight (or 2nd operand) SQNR (dB)",
+                "2nd operand flushed (%)",
+            ],
+            layers,
+        )
     )
 
 
