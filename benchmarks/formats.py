@@ -6,7 +6,10 @@ NF4, NVFP4, MXFP4) applied to a 512 x 256 weight whose contracting axis is
 the first, for three weight distributions: N(0, 1), N(1, 1) (shifted away
 from zero) and Student-t with 3 degrees of freedom (heavy tails). The
 figure is the noise-to-signal ratio, mean((w - w_hat)**2) / mean(w**2);
-it depends on the draw (key 0), not on the machine.
+it depends on the draw (key 0), not on the machine. Beside it, the bytes
+each format stores the weight in (:func:`qbits.ops.store_weight`: 4-bit
+values packed two per byte, with their scales, zero points and tensor
+scale), over float32's.
 
 Run: python benchmarks/formats.py --json OUT.json [--md OUT.md]
 """
@@ -56,7 +59,15 @@ def weights() -> dict[str, jax.Array]:
     }
 
 
+def stored_bytes(q: qbits.Quantizer, w: jax.Array) -> float:
+    """What serving stores ``w`` in, over its float32 bytes."""
+    qt = qbits.ops.store_weight(w, qbits.MatmulConfig(rhs=q), (0,))
+    return sum(a.nbytes for a in jax.tree.leaves(qt)) / w.nbytes
+
+
 def run() -> dict:
+    w = weights()["N(0, 1)"]
+    stored = {qname: stored_bytes(q, w) for qname, q in quantizers().items()}
     results = {}
     for wname, w in weights().items():
         results[wname] = {
@@ -71,6 +82,7 @@ def run() -> dict:
             "jax": jax.__version__,
         },
         "results": results,
+        "stored_over_float32": stored,
     }
 
 
@@ -86,6 +98,9 @@ def markdown(data: dict) -> str:
     for wname, row in data["results"].items():
         cells = " | ".join(f"{row[n]:.4f}" for n in names)
         lines.append(f"| {wname} | {cells} |")
+    stored = data["stored_over_float32"]
+    lines.append("| stored bytes / float32 | "
+                 + " | ".join(f"{stored[n]:.4f}" for n in names) + " |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -730,6 +730,8 @@ def formats() -> str:
     rows = [
         [w] + [f"{row[n]:.4f}" for n in names] for w, row in data["results"].items()
     ]
+    stored = data["stored_over_float32"]
+    rows.append(["stored bytes / float32", *(f"{stored[n]:.4f}" for n in names)])
     return _table(["weights", *names], rows) + "\n" + _source("formats_cpu.json")
 
 
