@@ -7,6 +7,20 @@ derandomized set of 10 examples a test in CI (simplest first); set
 """
 
 import os
+import subprocess
+import sys
+
+# The suite compiles thousands of small programs and runs most of them once:
+# LLVM's optimizations of the kernels cost more time than they save (a
+# quarter of the suite's). Set before jax starts its backend; subprocesses
+# inherit it. A test marked ``optimized`` (two different programs agree bit
+# for bit: a claim about the programs users compile, whose floating-point
+# contractions LLVM decides) runs in a fresh process at XLA's default level.
+_OPTIMIZED_RUN = "QBITS_TEST_OPTIMIZED"
+if not os.environ.get(_OPTIMIZED_RUN):
+    os.environ["XLA_FLAGS"] = " ".join(
+        (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0")
+    ).strip()
 
 import jax
 import jax.numpy as jnp
@@ -38,3 +52,33 @@ def _strict_dtype_promotion():
 @pytest.fixture(autouse=True)
 def _doctest_namespace(doctest_namespace):
     doctest_namespace.update(qbits=qbits, jax=jax, jnp=jnp, np=np)
+
+
+def pytest_configure(config):
+    """Registers the ``optimized`` marker."""
+    config.addinivalue_line(
+        "markers",
+        "optimized: compares two programs bit for bit; runs at XLA's default "
+        "optimization level, in a fresh process",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Runs an ``optimized`` test in a fresh process, LLVM's optimizations on."""
+    if os.environ.get(_OPTIMIZED_RUN) or not pyfuncitem.get_closest_marker("optimized"):
+        return None
+    flags = os.environ.get("XLA_FLAGS", "").replace(
+        "--xla_backend_optimization_level=0", ""
+    )
+    env = {**os.environ, _OPTIMIZED_RUN: "1", "XLA_FLAGS": flags.strip()}
+    command = [sys.executable, "-m", "pytest", pyfuncitem.nodeid, "-n", "0",
+               "-p", "no:cacheprovider", "--no-header", "-q"]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=pyfuncitem.config.rootpath, env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    if result.returncode != 0:
+        pytest.fail(f"at XLA's default optimization level:\n{result.stdout}"
+                    f"{result.stderr}", pytrace=False)  # fmt: skip
+    return True

@@ -68,6 +68,7 @@ def qlora():
     return cfg, fn, base, adapters, nf4_model
 
 
+@pytest.mark.optimized
 def test_qlora_base_is_packed_and_starts_as_the_quantized_model(qlora):
     _, fn, base, adapters, nf4_model = qlora
     rows = {la.path: la for la in fn.layers}

@@ -77,6 +77,7 @@ def test_stochastic_rounding_keys_differ_per_layer_and_per_step():
     assert not np.array_equal(per_layer[0], per_layer[-1])
 
 
+@pytest.mark.optimized
 def test_scanned_equals_unrolled_for_a_deterministic_config():
     float_model = Scanned(nnx.Rngs(0))
     x = _x()

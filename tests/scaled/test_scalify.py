@@ -221,8 +221,11 @@ def test_scalify_under_vmap_and_jit_of_jit():
 
 
 def _close(got, want, rtol=1e-5):
+    """Each leaf within ``rtol``, relative to its largest magnitude."""
     jax.tree.map(
-        lambda g, w: np.testing.assert_allclose(asarray(g), w, rtol=rtol, atol=1e-6),
+        lambda g, w: np.testing.assert_allclose(
+            asarray(g), w, rtol=rtol, atol=max(1e-6, rtol * float(np.abs(w).max()))
+        ),
         got,
         want,
         is_leaf=is_scaled,
