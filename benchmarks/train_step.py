@@ -11,12 +11,19 @@ Two setups, each run side by side with its float baseline:
   ``int8_fwd``. It also lists the GEMM kinds of the optimized HLO (cuBLASLt
   FP8, s8 GEMMs, ...) and profiles one step of each variant to split the
   device time into GEMMs, quantization passes and the rest.
+* ``--gpu --model lm``: the example transformer (``qbits train``'s model:
+  pre-norm blocks of attention and a GELU MLP, learned positions) at a GPU
+  size, d_model 2048, 8 blocks, 16 heads, 4 sequences of 2048 tokens, bf16
+  parameters and activations, every matmul quantized by the preset
+  (attention's einsums included), cross-entropy loss, one SGD step:
+  what a model gains, not only its largest GEMMs.
 
 Variants run interleaved, round after round, so that machine noise hits all
 of them alike; each figure is a median of per-round ratios. Writes a JSON
 file and a markdown table (``--md``, also printed).
 
 Run: python benchmarks/train_step.py --json OUT.json [--md OUT.md] [--gpu]
+     [--model mlp|lm] [--small]
 """
 
 from __future__ import annotations
@@ -46,7 +53,9 @@ if "--gpu" in sys.argv:
 
 import jax
 import jax.numpy as jnp
+import optax
 import paired
+from flax import nnx
 
 import qbits
 
@@ -234,6 +243,69 @@ def gpu_variants(
     return model, out
 
 
+LM_SIZE = {"batch": 4, "context": 2048, "width": 2048, "depth": 8, "heads": 16}
+LM_SMALL = {"batch": 2, "context": 64, "width": 64, "depth": 2, "heads": 4}
+VOCAB = 256
+
+
+def lm_step(graphdef: Any, quantized: bool, lr: float = 1e-3):
+    """One SGD step of the example LM (its nnx state in, its new state out)."""
+    wrt = nnx.DiffState(
+        0, (nnx.Param, qbits.nnx.ScaleState) if quantized else nnx.Param
+    )
+
+    def loss(model, x, y):
+        logits = model(x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @jax.jit
+    def step(state, x, y):
+        model = nnx.merge(graphdef, state)
+        grads = nnx.grad(loss, argnums=wrt)(model, x, y)
+        if quantized:  # delayed scaling: the state's "gradient" is its new value
+            grads = qbits.nnx.update_state(model, grads)
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(
+            lambda p, g: (p - lr * g.astype(jnp.float32)).astype(p.dtype),
+            params, grads,
+        ))  # fmt: skip
+        return nnx.state(model)
+
+    return step
+
+
+def lm_variants(
+    batch: int, context: int, width: int, depth: int, heads: int
+) -> tuple[str, dict[str, tuple[Callable, tuple]]]:
+    from qbits.experiments import TransformerLM
+    from qbits.experiments._models import ModelSpec
+
+    spec = ModelSpec("lm", width, depth, heads, context, batch, steps=1, lr=1e-3)
+    k = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.randint(k[0], (batch, context), 0, VOCAB)
+    y = jax.random.randint(k[1], (batch, context), 0, VOCAB)
+    model = (
+        f"example LM: d_model {width}, {depth} blocks, {heads} heads, "
+        f"{batch} x {context} tokens, bf16 params and activations, SGD, jit"
+    )
+    out = {}
+    for preset in (None, *GPU_PRESETS):
+        lm = TransformerLM(VOCAB, spec, rngs=nnx.Rngs(0))
+        params = nnx.state(lm, nnx.Param)
+        nnx.update(lm, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params))
+        for _, module in nnx.iter_modules(lm):  # compute in bf16 (flax: float32)
+            if hasattr(module, "dtype"):
+                module.dtype = jnp.bfloat16
+        if preset is not None:
+            lm = qbits.nnx.quantize(lm, preset, x, rngs=nnx.Rngs(quant=0))
+        graphdef, state = nnx.split(lm)
+        out[preset or "bf16"] = (
+            functools.partial(lm_step, graphdef, preset is not None),
+            (state, x, y),
+        )
+    return model, out
+
+
 # ----------------------------------------------------------------- profile --
 
 _LOW = ("f8e4m3fn", "f8e5m2", "s8[", "f8e4m3fnuz", "f8e5m2fnuz")
@@ -339,6 +411,10 @@ def main() -> None:
     parser.add_argument(
         "--small", action="store_true", help="--gpu at a small size (smoke test)"
     )
+    parser.add_argument(
+        "--model", choices=("mlp", "lm"), default="mlp",
+        help="--gpu: the MLP block or the example transformer",
+    )  # fmt: skip
     parser.add_argument("--hlo-dir", help="write each variant's optimized HLO here")
     parser.add_argument(
         "--profile-only", action="store_true", help=argparse.SUPPRESS
@@ -350,7 +426,10 @@ def main() -> None:
             f"{jax.default_backend()!r}); add --small to smoke-test it here"
         )
 
-    if args.gpu:
+    if args.gpu and args.model == "lm":
+        model, variants = lm_variants(**(LM_SMALL if args.small else LM_SIZE))
+        base_name = "bf16"
+    elif args.gpu:
         dims = (256, 256, 512) if args.small else (TOKENS, D_MODEL, D_FF)
         model, variants = gpu_variants(*dims)
         base_name = "bf16"
@@ -398,7 +477,7 @@ def main() -> None:
         args.rounds,
         args.reps,
     )
-    profiles = profile_in_subprocess(args.small) if args.gpu else {}
+    profiles = profile_in_subprocess(args.small, args.model) if args.gpu else {}
     results = []
     for name, v in built.items():
         stats = paired.ratio_stats(times[name], times[base_name])
@@ -424,11 +503,12 @@ def main() -> None:
     print(table)
 
 
-def profile_in_subprocess(small: bool) -> dict[str, Any]:
+def profile_in_subprocess(small: bool, model: str) -> dict[str, Any]:
     """Per-variant device-time profiles, from a process without CUDA graphs."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "profile.json")
-        cmd = [sys.executable, __file__, "--gpu", "--profile-only", "--json", out]
+        cmd = [sys.executable, __file__, "--gpu", "--profile-only", "--json", out,
+               "--model", model]  # fmt: skip
         done = subprocess.run(cmd + (["--small"] if small else []), check=False)
         if done.returncode != 0 or not os.path.exists(out):
             return {}
