@@ -33,6 +33,7 @@ import functools
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -210,7 +211,7 @@ def gpu_step(preset: str | None, lr: float = 1e-3):
 
 
 def gpu_variants(
-    tokens: int, d_model: int, d_ff: int
+    tokens: int, d_model: int, d_ff: int, only: tuple[str, ...] | None = None
 ) -> tuple[str, dict[str, tuple[Callable, tuple]]]:
     k = jax.random.split(jax.random.key(0), 5)
     bf16 = jnp.bfloat16
@@ -226,6 +227,8 @@ def gpu_variants(
     )
     out = {}
     for preset in (None, *GPU_PRESETS):
+        if only is not None and (preset or "bf16") not in only:
+            continue
         config = None if preset is None else qbits.presets.get(preset)
         state = {}
         if config is not None and config.needs_state:
@@ -275,7 +278,12 @@ def lm_step(graphdef: Any, quantized: bool, lr: float = 1e-3):
 
 
 def lm_variants(
-    batch: int, context: int, width: int, depth: int, heads: int
+    batch: int,
+    context: int,
+    width: int,
+    depth: int,
+    heads: int,
+    only: tuple[str, ...] | None = None,
 ) -> tuple[str, dict[str, tuple[Callable, tuple]]]:
     from qbits.experiments import TransformerLM
     from qbits.experiments._models import ModelSpec
@@ -290,6 +298,8 @@ def lm_variants(
     )
     out = {}
     for preset in (None, *GPU_PRESETS):
+        if only is not None and (preset or "bf16") not in only:
+            continue
         lm = TransformerLM(VOCAB, spec, rngs=nnx.Rngs(0))
         params = nnx.state(lm, nnx.Param)
         nnx.update(lm, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params))
@@ -417,6 +427,13 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--hlo-dir", help="write each variant's optimized HLO here")
     parser.add_argument(
+        "--cold-compile", action="store_true",
+        help="--gpu: also each variant's compile in a fresh process, split into "
+        "trace, lower and XLA compile (and, on a GPU, XLA compile without "
+        "autotuning)",
+    )  # fmt: skip
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # internal: one variant
+    parser.add_argument(
         "--profile-only", action="store_true", help=argparse.SUPPRESS
     )  # internal: the profiling process of --gpu
     args = parser.parse_args()
@@ -426,16 +443,34 @@ def main() -> None:
             f"{jax.default_backend()!r}); add --small to smoke-test it here"
         )
 
+    only = None if args.only is None else (args.only,)
     if args.gpu and args.model == "lm":
-        model, variants = lm_variants(**(LM_SMALL if args.small else LM_SIZE))
+        size = LM_SMALL if args.small else LM_SIZE
+        model, variants = lm_variants(**size, only=only)
         base_name = "bf16"
     elif args.gpu:
         dims = (256, 256, 512) if args.small else (TOKENS, D_MODEL, D_FF)
-        model, variants = gpu_variants(*dims)
+        model, variants = gpu_variants(*dims, only=only)
         base_name = "bf16"
     else:
         model, variants = cpu_variants()
         base_name = "float32"
+
+    if args.only is not None:  # the child of --cold-compile: one variant, cold
+        make, fargs = variants[args.only]
+        split = {}
+        start = time.perf_counter()
+        traced = make().trace(*fargs)
+        split["trace_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        lowered = traced.lower()
+        split["lower_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        lowered.compile()
+        split["compile_s"] = time.perf_counter() - start
+        with open(args.json, "w") as f:
+            json.dump(split, f)
+        return
 
     # One-off compiler start-up costs must not land on the first variant.
     first_args = next(iter(variants.values()))[1]
@@ -478,6 +513,11 @@ def main() -> None:
         args.reps,
     )
     profiles = profile_in_subprocess(args.small, args.model) if args.gpu else {}
+    cold = (
+        {n: cold_compile(n, args.small, args.model) for n in built}
+        if args.gpu and args.cold_compile
+        else {}
+    )
     results = []
     for name, v in built.items():
         stats = paired.ratio_stats(times[name], times[base_name])
@@ -492,6 +532,8 @@ def main() -> None:
         }
         if args.gpu:
             entry["profile"] = profiles.get(name, {})
+        if name in cold:
+            entry["cold_compile"] = cold[name]
         results.append(entry)
     meta = paired.machine("train_step", model, args.rounds, args.reps)
     with open(args.json, "w") as f:
@@ -514,6 +556,38 @@ def profile_in_subprocess(small: bool, model: str) -> dict[str, Any]:
             return {}
         with open(out) as f:
             return json.load(f)
+
+
+def cold_compile(name: str, small: bool, model: str) -> dict[str, float]:
+    """``name``'s trace, lower and XLA compile seconds in a fresh process.
+
+    On a GPU, also XLA's compile with autotuning off
+    (``--xla_gpu_autotune_level=0``): the difference is autotuning's share.
+    """
+    out: dict[str, float] = {}
+    runs = [("", {})]
+    if jax.default_backend() == "gpu":
+        runs.append(("no_autotune_", {"extra": " --xla_gpu_autotune_level=0"}))
+    for prefix, how in runs:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "cold.json")
+            cmd = [sys.executable, __file__, "--gpu", "--model", model,
+                   "--only", name, "--json", path]  # fmt: skip
+            env = dict(os.environ)
+            # No autotuning results from the timing process's cache.
+            env["QBITS_BENCH_AUTOTUNE_CACHE"] = tmp
+            flags = re.sub(r"--xla_gpu_per_fusion_autotune_cache_dir=\S+", "",
+                           env.get("XLA_FLAGS", ""))  # fmt: skip
+            env["XLA_FLAGS"] = flags + how.get("extra", "")
+            done = subprocess.run(cmd + (["--small"] if small else []), env=env)
+            if done.returncode == 0 and os.path.exists(path):
+                with open(path) as f:
+                    got = json.load(f)
+                if prefix:
+                    out[f"{prefix}compile_s"] = got["compile_s"]
+                else:
+                    out.update(got)
+    return out
 
 
 def _gemm_summary(gemms: list[dict[str, str]]) -> str:

@@ -93,6 +93,7 @@ def contract(
     lqt = _per_index_free(lqt, dims.lhs_batch + dims.lhs_free)
     rqt = _per_index_free(rqt, dims.rhs_batch + dims.rhs_free)
     a, b = dot_operand(lqt), dot_operand(rqt)
+    precision = _codes_precision(precision, a, b)
     if jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
         if _int32_holds(lqt, rqt, dims, cfg):
             out = _integer_dot(lqt, rqt, dims, cfg, precision, out_perm, out_sharding)
@@ -168,6 +169,23 @@ def _per_index_free(qt: QTensor, axes: Axes) -> QTensor:
         if k not in (1, n):
             scale = jnp.repeat(scale, n // k, axis=a)
     return qt if scale is qt.scale else qt.replace(scale=scale)
+
+
+def _codes_precision(precision: Any, a: jax.Array, b: jax.Array) -> Any:
+    """``precision`` for a dot of two operands' codes (int8, fp8).
+
+    A dot algorithm (``lax.DotAlgorithmPreset.BF16_BF16_F32``, which
+    ``jax.nn.dot_product_attention`` and Flax's attention pass for bfloat16
+    inputs) names the float types the operands are cast to: applied to
+    codes it would cast int8 and fp8 to bfloat16 and run a bfloat16 GEMM
+    instead of an s8 or FP8 one (and accumulate int8 products in float32).
+    It describes the float matmul the codes replace, so it is dropped;
+    ``lax.Precision`` values, which cast nothing, are kept.
+    """
+    low = all(jnp.issubdtype(x.dtype, jnp.integer) or _is_byte_float(x) for x in (a, b))
+    if low and isinstance(precision, lax.DotAlgorithm | lax.DotAlgorithmPreset):
+        return None
+    return precision
 
 
 def _is_byte_float(x: jax.Array) -> bool:

@@ -196,3 +196,26 @@ def test_equal_layers_compile_to_the_same_kernels():
     # A layer index in the key costs one small kernel per layer.
     indexed = _kernels(3, "indexed"), _kernels(6, "indexed")
     assert indexed[1][0] - indexed[0][0] == 3
+
+
+@pytest.mark.parametrize("preset, codes", [("int8", "i8"), ("fp8", "f8E")])
+def test_a_bf16_dot_algorithm_does_not_cast_the_codes(preset, codes):
+    # jax.nn.dot_product_attention (and so Flax's attention) passes
+    # precision=BF16_BF16_F32 for bfloat16 inputs: on the codes it would cast
+    # int8 and fp8 to bfloat16, a bf16 GEMM in place of an s8 or FP8 one.
+    dg = qbits.dot_general(qbits.presets.get(preset), jax.random.key(0))
+    algorithm = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+
+    def loss(q, k):
+        dims = (((2,), (2,)), ((0,), (0,)))
+        out = dg(q, k, dims, precision=algorithm, preferred_element_type=jnp.float32)
+        return jnp.sum(out * out)
+
+    q = jnp.ones((2, 8, 16), jnp.bfloat16)
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    text = step.trace(q, q).lower(lowering_platforms=("cuda",)).as_text()
+    dots = _dots(text)
+    assert len(dots) == 3  # forward and the two gradient matmuls
+    for _, _, a, b, _ in dots:
+        assert _element(a).startswith(codes) and _element(b).startswith(codes)
+    assert "algorithm" not in text
