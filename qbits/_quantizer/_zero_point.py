@@ -72,8 +72,13 @@ def scale_and_zero_point(
     # block maps onto the top or bottom code and back).
     up = lax.bitwise_and(lax.gt(hi, zero), lax.gt(lo, lax.mul(hi, k)))
     down = lax.bitwise_and(lax.lt(lo, zero), lax.lt(hi, lax.mul(lo, k)))
-    t = np.asarray(top, dtype)
-    scale = lax.sub(lax.div(hi, t), lax.div(lo, t))  # no overflow for huge ranges
+    # (hi - lo) / top without overflow for huge ranges, and one rounding
+    # whether or not the compiler contracts it into an FMA (halving is exact:
+    # hi/top - lo/top, which XLA turns into two multiplies by 1/top, rounds
+    # differently where LLVM fuses them, so two programs disagreed).
+    half = np.asarray(0.5, dtype)
+    t = np.asarray(top * 0.5, dtype)
+    scale = lax.div(lax.sub(lax.mul(hi, half), lax.mul(lo, half)), t)
     scale = lax.select(up, lax.div(hi, span), scale)
     scale = lax.select(down, lax.div(lax.neg(lo), span), scale)
     empty = lax.eq(scale, zero)

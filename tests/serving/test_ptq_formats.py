@@ -81,7 +81,6 @@ def _rules(presets):
     return qbits.QuantConfig(rules=(qbits.Rule("w1", presets[0]),), default=presets[1])
 
 
-@pytest.mark.optimized
 def test_a_function_serves_bit_for_bit_and_checkpoints(tmp_path, setup):
     params, x = setup
     presets = ("w4g128_asym", "nf4")
@@ -127,7 +126,6 @@ UINT8 = qbits.DotGeneralConfig(  # zero points, one per output channel, unpacked
 )
 
 
-@pytest.mark.optimized
 def test_an_nnx_copy_serves_bit_for_bit_and_checkpoints(tmp_path, setup):
     _, x = setup
     config = qbits.QuantConfig(
