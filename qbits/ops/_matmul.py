@@ -93,7 +93,7 @@ def contract(
     lqt = _per_index_free(lqt, dims.lhs_batch + dims.lhs_free)
     rqt = _per_index_free(rqt, dims.rhs_batch + dims.rhs_free)
     a, b = dot_operand(lqt), dot_operand(rqt)
-    precision = _codes_precision(precision, a, b)
+    precision = codes_precision(precision, a, b)
     if jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
         if _int32_holds(lqt, rqt, dims, cfg):
             out = _integer_dot(lqt, rqt, dims, cfg, precision, out_perm, out_sharding)
@@ -171,7 +171,7 @@ def _per_index_free(qt: QTensor, axes: Axes) -> QTensor:
     return qt if scale is qt.scale else qt.replace(scale=scale)
 
 
-def _codes_precision(precision: Any, a: jax.Array, b: jax.Array) -> Any:
+def codes_precision(precision: Any, a: jax.Array, b: jax.Array) -> Any:
     """``precision`` for a dot of two operands' codes (int8, fp8).
 
     A dot algorithm (``lax.DotAlgorithmPreset.BF16_BF16_F32``, which

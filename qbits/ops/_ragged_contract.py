@@ -21,7 +21,13 @@ from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes
 from qbits.ops._dot_general import DotContraction
 from qbits.ops._headroom import INT32_MAX, code_bound
-from qbits.ops._matmul import _per_index_free, _unless_lost, common_dtypes, dot_operand
+from qbits.ops._matmul import (
+    _per_index_free,
+    _unless_lost,
+    codes_precision,
+    common_dtypes,
+    dot_operand,
+)
 from qbits.ops._operands import unquantized
 from qbits.ops._ragged_dims import RaggedDims, expand, group_ids, group_mask
 from qbits.tensor import QTensor
@@ -80,7 +86,7 @@ class RaggedContraction(core.Contraction):
             rhs,
             self.group_sizes,
             self.ragged.lax(),
-            self.precision,
+            codes_precision(self.precision, lhs, rhs),
             preferred_element_type=preferred,
             out_sharding=self.out_sharding,
         )

@@ -219,3 +219,14 @@ def test_a_bf16_dot_algorithm_does_not_cast_the_codes(preset, codes):
     for _, _, a, b, _ in dots:
         assert _element(a).startswith(codes) and _element(b).startswith(codes)
     assert "algorithm" not in text
+
+
+def test_a_bf16_dot_algorithm_does_not_cast_a_ragged_dots_codes():
+    rd = qbits.ops.ragged_dot(qbits.presets.get("int8_fwd"))
+    algorithm = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+    x, w = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 4), jnp.bfloat16)
+    sizes = jnp.array([3, 5], jnp.int32)
+    f = jax.jit(lambda x, w: rd(x, w, sizes, precision=algorithm))
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    dots = [ln for ln in text.splitlines() if "ragged_dot" in ln]
+    assert dots and all("tensor<8x16xi8>, tensor<2x16x4xi8>" in ln for ln in dots)
