@@ -178,6 +178,12 @@ TOKENS, D_MODEL, D_FF = 8192, 4096, 16384
 GPU_PRESETS = ("fp8", "fp8_delayed", "int8", "int8_fwd")
 
 
+def _presets(only: tuple[str, ...] | None) -> tuple[str | None, ...]:
+    """The baseline (``None``: bf16) and the presets, or those named in ``only``."""
+    every = (None, *GPU_PRESETS)
+    return every if only is None else tuple(p for p in every if (p or "bf16") in only)
+
+
 def gpu_step(preset: str | None, lr: float = 1e-3):
     """One SGD step of the MLP block with ``preset`` (``None``: bfloat16)."""
     config = None if preset is None else qbits.presets.get(preset)
@@ -226,9 +232,7 @@ def gpu_variants(
         "bf16 params and activations, SGD, jit"
     )
     out = {}
-    for preset in (None, *GPU_PRESETS):
-        if only is not None and (preset or "bf16") not in only:
-            continue
+    for preset in _presets(only):
         config = None if preset is None else qbits.presets.get(preset)
         state = {}
         if config is not None and config.needs_state:
@@ -297,9 +301,7 @@ def lm_variants(
         f"{batch} x {context} tokens, bf16 params and activations, SGD, jit"
     )
     out = {}
-    for preset in (None, *GPU_PRESETS):
-        if only is not None and (preset or "bf16") not in only:
-            continue
+    for preset in _presets(only):
         lm = TransformerLM(VOCAB, spec, rngs=nnx.Rngs(0))
         params = nnx.state(lm, nnx.Param)
         nnx.update(lm, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params))
@@ -565,10 +567,10 @@ def cold_compile(name: str, small: bool, model: str) -> dict[str, float]:
     (``--xla_gpu_autotune_level=0``): the difference is autotuning's share.
     """
     out: dict[str, float] = {}
-    runs = [("", {})]
+    runs = [("", "")]  # (prefix of the figure, extra XLA flags)
     if jax.default_backend() == "gpu":
-        runs.append(("no_autotune_", {"extra": " --xla_gpu_autotune_level=0"}))
-    for prefix, how in runs:
+        runs.append(("no_autotune_", " --xla_gpu_autotune_level=0"))
+    for prefix, extra in runs:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "cold.json")
             cmd = [sys.executable, __file__, "--gpu", "--model", model,
@@ -578,7 +580,7 @@ def cold_compile(name: str, small: bool, model: str) -> dict[str, float]:
             env["QBITS_BENCH_AUTOTUNE_CACHE"] = tmp
             flags = re.sub(r"--xla_gpu_per_fusion_autotune_cache_dir=\S+", "",
                            env.get("XLA_FLAGS", ""))  # fmt: skip
-            env["XLA_FLAGS"] = flags + how.get("extra", "")
+            env["XLA_FLAGS"] = flags + extra
             done = subprocess.run(cmd + (["--small"] if small else []), env=env)
             if done.returncode == 0 and os.path.exists(path):
                 with open(path) as f:
