@@ -611,16 +611,11 @@ def diagnostics_headline() -> str:
         f"E5M2 gradients at {span(e5m2)} dB in every layer.\n"
     )
 
-    def mean(matmul: str, operand: str, key: str, scale: float = 1.0) -> str:
-        if key == "flushed":
-            return f"{scale * statistics.mean(flushed[matmul, operand]):.1f}"
-        return f"{w4[matmul, operand]:.1f}"
-
     matmuls = [m for m in dict.fromkeys(m for m, _ in w4)
                if m.startswith("blocks/0/") or m == "head"]  # fmt: skip
     layers = [
-        [m, mean(m, "fwd.lhs", "sqnr_db"), mean(m, "fwd.rhs", "sqnr_db"),
-         mean(m, "fwd.rhs", "flushed", 100.0)]
+        [m, f"{w4[m, 'fwd.lhs']:.1f}", f"{w4[m, 'fwd.rhs']:.1f}",
+         f"{100 * statistics.mean(flushed[m, 'fwd.rhs']):.1f}"]
         for m in matmuls
     ]  # fmt: skip
     return (
