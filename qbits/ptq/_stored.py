@@ -76,20 +76,17 @@ def stored_weight(
         return None
     # Which entry of the operand each entry of the (K, N) matrices is.
     where = np.asarray(ms.matrix(jnp.arange(math.prod(ms.shape)).reshape(ms.shape)))
-    names = ["scale"]
-    shapes = [ref.scale.shape]
+    shapes = {"scale": ref.scale.shape}  # each per-block parameter's blocks
     if ref.zero_point is not None:
-        names.append("zero_point")
-        shapes.append(ref.scale.shape)
+        shapes["zero_point"] = ref.scale.shape
     if ref.tensor_scale is not None:
-        names.append("tensor_scale")
-        shapes.append(ref.tensor_scale.shape)
+        shapes["tensor_scale"] = ref.tensor_scale.shape
     layers = max(1, math.prod(ms.layers))
     per_layer = len(grids) // layers
-    found: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    found: dict[str, list[np.ndarray]] = {name: [] for name in shapes}
     for i in range(layers):
         mine = grids[i * per_layer : (i + 1) * per_layer]
-        for name, shape in zip(names, shapes, strict=True):
+        for name, shape in shapes.items():
             full = _spread(ms, where, [getattr(g, name) for g in mine])
             block = _per_block(full, shape)
             if block is None:
