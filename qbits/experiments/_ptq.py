@@ -148,8 +148,8 @@ def post_train(
         kwargs = dict(METHODS[method])
         if kwargs.get("rotate"):  # QuaRot's random signs, the run's seed
             kwargs["key"] = jax.random.key(run["seed"])
-        got = ptq.quantize_weights(
-            fn, params, None, quant, stats=stats, progress=progress, **kwargs
+        got = ptq.quantize_weights(  # the config as given: its name in errors
+            fn, params, None, config, stats=stats, progress=progress, **kwargs
         )
         # Each method's time includes collecting the statistics once.
         seconds = time.perf_counter() - tic + collect_seconds
