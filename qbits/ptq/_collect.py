@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qbits import transform
 from qbits._errors import InvalidArgumentError
 from qbits.ptq._layout import indices
 from qbits.ptq._stats import InputStats
@@ -64,6 +65,8 @@ class MatmulStats:
       index: Which entry of the parameter each entry of the operand is
         (int64, shape ``(*layers, *shape)``: :func:`operand_indices`), or
         ``None`` where the operand is the parameter as it is.
+      exclusive: Whether this matmul is all that reads the parameter (no
+        other matmul, no lookup: a tied embedding's head is not).
 
     Example:
       >>> def head(params, x):
@@ -85,6 +88,7 @@ class MatmulStats:
     grouped: bool = dataclasses.field(metadata={"static": True})
     stats: InputStats
     index: np.ndarray | None = None
+    exclusive: bool = dataclasses.field(default=True, metadata={"static": True})
 
     def operand(self, param: jax.Array) -> jax.Array:
         """The weight operand, all layers stacked, read from its parameter.
@@ -261,6 +265,7 @@ def collect_stats(
         fn, params, _alike(batches, first), _OBSERVER, config=config, caller=_COLLECT
     )
     index = indices(fn, params, tuple(first), {}, found)
+    readers = transform.weight_matmuls(fn, params, *first, caller=_COLLECT)
     return {
         path: MatmulStats(
             path=path,
@@ -274,6 +279,7 @@ def collect_stats(
             grouped=m.grouped,
             stats=records[path],
             index=index.get(path),
+            exclusive=readers[path].exclusive,
         )
         for path, m in found.items()
     }

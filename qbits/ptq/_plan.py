@@ -14,8 +14,9 @@ parameter as it is (as a tied embedding's lookup does).
 
 Before any method runs, :func:`check_inputs` checks every weight's
 statistics and values (NaN or inf would read as a perfect layer, or as a
-Hessian that needs more damping), and :func:`check_some` that there is a
-weight to quantize.
+Hessian that needs more damping), :func:`check_some` that there is a
+weight to quantize, and :func:`check_alone` that a transformed weight is
+read by its matmuls only.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from qbits.ptq._collect import MatmulStats
 from qbits.ptq._layout import check_rearranged
 from qbits.ptq._stats import InputStats
 
-__all__ = ["Weight", "check_inputs", "check_some", "plan"]
+__all__ = ["Weight", "check_alone", "check_inputs", "check_some", "plan"]
 
 
 @dataclasses.dataclass
@@ -164,6 +165,32 @@ def _two_layouts(owner: str, a: str, b: str, param: str) -> InvalidArgumentError
         "(transposed, reshaped or sliced otherwise): their statistics do "
         "not add, and no weight lies on the grids of both",
     )  # fmt: skip
+
+
+def check_alone(owner: str, argument: str, value: Any, weights: list) -> None:
+    """Raises unless each weight's matmuls are all that read its parameter.
+
+    For a transform (SmoothQuant's scales, a rotation): the parameter then
+    holds the transformed weight, which only the transformed matmuls undo.
+
+    Args:
+      owner: Named in errors.
+      argument: The transform's argument (``"smooth"``, ``"rotate"``).
+      value: Its value.
+      weights: The :func:`plan`.
+    """
+    for w in weights:
+        if all(ms.exclusive for ms in w.uses):
+            continue
+        raise InvalidArgumentError(
+            owner, argument, value,
+            f"no transform (smooth=None, rotate=False), or a config that "
+            f"keeps {w.ms.path!r}'s weight float (e.g. qbits.Rule("
+            f"re.escape({w.ms.path!r}), None) first)",
+            why=f"parameter {w.param} is read by more than {w.ms.path!r} "
+            "(another matmul, or a lookup: a tied embedding), which would "
+            "read the transformed weight",
+        )  # fmt: skip
 
 
 def check_some(owner: str, config: Any, quant: QuantConfig, weights: list) -> None:

@@ -43,7 +43,7 @@ from qbits.ptq._gptq import (
     gptq,
     output_error,
 )
-from qbits.ptq._plan import Weight, check_inputs, check_some, plan
+from qbits.ptq._plan import Weight, check_alone, check_inputs, check_some, plan
 from qbits.ptq._stored import stored_weight
 from qbits.ptq._transforms import ACTIVATION, Transform
 
@@ -260,7 +260,9 @@ def quantize_weights(
         batches and stats), a config that quantizes no weight of ``fn``, a
         weight quantizer with a scale provider or stochastic rounding,
         ``smooth`` outside [0, 1], AWQ with ``rotate`` (its search needs
-        ``mean |x Q|``), a ``K`` with no Hadamard matrix, a parameter two
+        ``mean |x Q|``), a ``K`` with no Hadamard matrix, ``smooth`` or
+        ``rotate`` of a weight read by more than its matmul (a tied
+        embedding's lookup would read the transformed table), a parameter two
         matmuls quantize in other layouts or on other grids (naming both),
         a weight the model broadcasts or slices, calibration statistics or
         weights with NaN or inf (naming the matmul; checked before any
@@ -315,6 +317,9 @@ def quantize_weights(
     weights = plan(_OWNER, stats, quant, values, where)
     check_some(_OWNER, config, quant, weights)
     check_inputs(_OWNER, "stats" if batches is None else "batches", weights, values)
+    if smooth is not None or rotate:
+        name = "smooth" if smooth is not None else "rotate"
+        check_alone(_OWNER, name, smooth if smooth is not None else rotate, weights)
     reports, written, transforms, stored = [], [], {}, {}
     for w in tqdm(weights, desc="ptq", unit="layer", disable=not progress):
         k = w.stats.hessian.shape[-1]
