@@ -115,7 +115,8 @@ class PtqResult(NamedTuple):
         codes and scales, zero points and tensor scale, so that serving
         keeps them: ``qbits.serving.convert(fn, config, result, x)`` (the
         config given to :func:`quantize_weights`) takes them, as does
-        ``qbits.quantize(fn, config, stored=result.stored)``. AWQ's weights
+        ``qbits.quantize(fn, config, stored=result.stored)``. Matmuls that
+        share a weight (``w``, ``w#2``) share its stored weight. AWQ's weights
         (``Q(s w) / s``) are left out, and so is a weight whose scale blocks
         on ``(K, N)`` are not those of its operand (NVFP4's tensor scale,
         one per ``(K, N)`` matrix, of a weight with a matrix per group:
