@@ -40,9 +40,11 @@ class Metrics:
     nothing is lost), ``clipped`` and ``flushed`` (fractions of the values
     saturated at the grid's top, and of the nonzero values rounded to 0),
     ``wasted_bits`` (the grid's range the scale leaves unused, mean over
-    blocks), ``log2_scale_min`` and ``log2_scale_max``. An operand that is
-    not quantized, not computed (the input gradient of the first layer) or
-    all zeros has NaN.
+    blocks), ``log2_scale_min``, ``log2_scale_max``, and ``nonfinite``
+    (the number of values that are NaN or +-inf). An operand that is not
+    quantized, not computed (the input gradient of the first layer) or all
+    zeros has NaN; one with a value that is not finite has NaN for every
+    metric but ``nonfinite`` (:meth:`table` shows ``non-finite``).
 
     Example:
       >>> def mlp(params, x):
@@ -68,7 +70,7 @@ class Metrics:
             op
             for by_op in self.values.values()
             for op, m in by_op.items()
-            if not np.all(np.isnan(m["sqnr_db"]))
+            if not np.all(np.isnan(m["sqnr_db"])) or _nonfinite(m).any()
         ]
         order = next(iter(self.values.values()), {})
         return tuple(op for op in order if op in seen)
@@ -104,7 +106,10 @@ class Metrics:
     def table(self, metric: str = "sqnr_db", digits: int = 1) -> str:
         """A markdown table of ``metric``: a row per matmul, a column per operand.
 
-        A matmul in a scan over stacked layers has a row per layer.
+        A matmul in a scan over stacked layers has a row per layer. A cell
+        is empty where the operand is not measured, and reads
+        ``non-finite`` where it holds a NaN or an inf (its metrics are
+        NaN; ``table("nonfinite")`` gives how many values).
 
         Raises:
           InvalidArgumentError: For an unknown metric.
@@ -122,10 +127,20 @@ class Metrics:
         for path, index in self.layers():
             cells = []
             for op in ops_:
-                v = float(np.asarray(self.values[path][op][metric])[index])
-                cells.append("" if math.isnan(v) else f"{v:.{digits}f}")
+                m = self.values[path][op]
+                v = float(np.asarray(m[metric])[index])
+                if metric != "nonfinite" and _nonfinite(m)[index]:
+                    cells.append("non-finite")
+                else:
+                    cells.append("" if math.isnan(v) else f"{v:.{digits}f}")
             lines.append(f"| {self.label(path, index)} | " + " | ".join(cells) + " |")
         return "\n".join(lines)
+
+
+def _nonfinite(metrics: Mapping[str, Any]) -> np.ndarray:
+    """Where an operand holds a NaN or an inf (``False`` without the count)."""
+    found = np.asarray(metrics.get("nonfinite", 0.0)) > 0
+    return np.broadcast_to(found, np.shape(metrics["sqnr_db"]))
 
 
 def read(grads: Mapping[str, Any]) -> Metrics:

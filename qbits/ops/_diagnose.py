@@ -59,6 +59,7 @@ SUMS: tuple[str, ...] = (
     "flushed",  # nonzero elements quantized to 0
     "blocks",  # scale blocks with a nonzero amax
     "wasted",  # sum over those blocks of log2(grid max / (amax / scale))
+    "nonfinite",  # elements that are NaN or +-inf
 )
 
 #: What is maxed: the largest ``log2(scale)``, and minus the smallest.
@@ -72,6 +73,7 @@ METRICS: tuple[str, ...] = (
     "wasted_bits",
     "log2_scale_min",
     "log2_scale_max",
+    "nonfinite",
 )
 
 #: The SQNR of an operand quantized without error (every value on the grid).
@@ -89,7 +91,7 @@ def init_probe() -> dict[str, jax.Array]:
     Example:
       >>> probe = qbits.ops.init_probe()
       >>> {k: v.shape for k, v in probe.items()}
-      {'sums': (6, 8), 'maxima': (6, 2)}
+      {'sums': (6, 9), 'maxima': (6, 2)}
     """
     return {
         "sums": jnp.zeros((len(PROBE_SLOTS), len(SUMS)), jnp.float32),
@@ -149,6 +151,7 @@ def measure(
     else:
         ratio = jnp.where(used, mapped * scale / jnp.where(used, amax, 1), 1)
         sums += [jnp.sum(used, dtype=f32), jnp.sum(jnp.log2(ratio))]
+    sums.append(jnp.sum(~jnp.isfinite(x), dtype=f32))
     positive = scale > 0
     log2 = jnp.log2(jnp.where(positive, scale, 1))
     maxima = [
@@ -185,7 +188,9 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
     Returns:
       ``{slot: {metric: array}}`` for each of :data:`PROBE_SLOTS`, each
       metric shaped like the probe's leading axes; NaN for an operand not
-      measured (not quantized, or its matmul not run) or all zeros:
+      measured (not quantized, or its matmul not run) or all zeros, and
+      every metric but ``nonfinite`` NaN for an operand with a value that
+      is not finite:
 
       - ``sqnr_db``: ``10 log10(sum x^2 / sum (x - Q(x))^2)``, capped at
         :data:`SQNR_CAP_DB` where ``Q(x) == x``.
@@ -199,6 +204,8 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
         grid's range the block leaves unused (0 for an absmax scale,
         negative where the scale clips).
       - ``log2_scale_min``, ``log2_scale_max``: the range of the scales.
+      - ``nonfinite``: the number of values that are NaN or +-inf (0 for a
+        finite operand, summed over the uses of a shared probe).
 
     Example:
       >>> dg = qbits.dot_general(qbits.presets.get("int8_fwd"))
@@ -216,7 +223,10 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
     out: dict[str, dict[str, jax.Array]] = {}
     for i, slot in enumerate(PROBE_SLOTS):
         s = {k: sums[..., i, j] for j, k in enumerate(SUMS)}
-        seen = s["nonzero"] > 0  # measured, and not all zeros
+        # Measured, not all zeros, and every value finite (a NaN or an inf
+        # makes the sums, the scales and the quantized values meaningless).
+        nonfinite = jnp.where(s["values"] > 0, s["nonfinite"], jnp.nan)
+        seen = (s["nonzero"] > 0) & (s["nonfinite"] == 0)
         nan = jnp.full(seen.shape, jnp.nan, jnp.float32)
 
         def ratio(a: jax.Array, b: jax.Array, seen: jax.Array = seen) -> jax.Array:
@@ -231,5 +241,6 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
             "wasted_bits": ratio(s["wasted"], s["blocks"]),
             "log2_scale_min": jnp.where(seen, -maxima[..., i, 1], nan),
             "log2_scale_max": jnp.where(seen, maxima[..., i, 0], nan),
+            "nonfinite": nonfinite,
         }
     return out

@@ -130,7 +130,7 @@ def test_a_shared_weight_sums_its_uses():
         return jnp.sum(jax.lax.map(lambda x: x @ params["w"], xs))
 
     probes = diagnostics.init(f, "int8_fwd", params, xs)
-    assert probes["w"]["sums"].shape == (6, 8)  # no layer axis
+    assert probes["w"]["sums"].shape == qbits.ops.init_probe()["sums"].shape  # 1 layer
 
     def loss(probes):
         return qbits.quantize(f, "int8_fwd", diagnostics=probes)(params, xs)
@@ -140,6 +140,42 @@ def test_a_shared_weight_sums_its_uses():
     metrics = diagnostics.read(raw)
     assert metrics.values["w"]["fwd.lhs"]["sqnr_db"].shape == ()
     assert np.isfinite(metrics.values["w"]["fwd.lhs"]["sqnr_db"])
+
+
+@pytest.mark.parametrize(
+    ("bad", "where"), [(jnp.nan, "activation"), (-jnp.inf, "weight")]
+)
+def test_a_nonfinite_operand_is_reported_not_read_as_lossless(bad, where):
+    # A NaN (an inf) reaching the third matmul, in its activation (in its
+    # weight): that operand is flagged and counted, its metrics are NaN,
+    # the table says so; the first matmul's operands are measured as usual.
+    k = jax.random.split(jax.random.key(3), 4)
+    params = {
+        n: jax.random.normal(kk, (6, 6)) for n, kk in zip("abc", k[:3], strict=True)
+    }
+    if where == "weight":
+        params["c"] = params["c"].at[2, 4].set(bad)
+    x = jax.random.normal(k[3], (5, 6))
+
+    def loss(params, x):
+        h = jnp.tanh(jnp.tanh(x @ params["a"]) @ params["b"])
+        if where == "activation":
+            h = h.at[1:3, 0].set(bad)
+        return jnp.mean((h @ params["c"]) ** 2)
+
+    value, metrics = diagnostics.diagnose(loss, "fp8")(params, x)
+    assert not np.isfinite(value)
+    slot = "fwd.lhs" if where == "activation" else "fwd.rhs"
+    m = metrics.values["c"][slot]
+    assert np.isnan(m["sqnr_db"])  # not 150 dB: nothing is lossless here
+    assert m["nonfinite"] == (2 if where == "activation" else 1)
+    assert all(np.isnan(v) for k, v in m.items() if k != "nonfinite")
+    assert metrics.values["a"]["fwd.lhs"]["nonfinite"] == 0
+    assert 20 < metrics.values["a"]["fwd.lhs"]["sqnr_db"] < 150
+    row = next(r for r in metrics.table().splitlines() if r.startswith("| c |"))
+    assert "non-finite" in row and "150" not in row
+    assert "non-finite" in metrics.table("clipped")
+    assert "| c | " in metrics.table("nonfinite")
 
 
 def _train_step(diagnose):
