@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from qbits import ops, transform
 from qbits._errors import InvalidArgumentError
+from qbits.diagnostics._loops import into_while
 
 __all__ = ["Metrics", "diagnose", "init", "read"]
 
@@ -137,6 +139,33 @@ class Metrics:
         return "\n".join(lines)
 
 
+def _stuck_message(tree: Any, stuck: list[bool], n_params: int) -> str:
+    """What a while_loop keeps :func:`diagnose` from measuring, or ``""``."""
+    if not any(stuck):
+        return ""
+    probes = tree.unflatten(stuck)[1]
+    lost = [path for path, p in probes.items() if any(jax.tree.leaves(p))]
+    frozen = sum(stuck[:n_params])
+    said = []
+    if lost:
+        said.append(
+            f"not measured (metrics NaN): {', '.join(map(repr, lost))}, whose "
+            "probes flow into it"
+        )
+    if frozen:
+        said.append(
+            f"not differentiated: the {frozen} (of {n_params}) parameter arrays "
+            "that flow into it, so the backward operands that need their "
+            "gradient are not measured"
+        )
+    return (
+        f"{_DIAGNOSE.owner}: fn runs a lax.while_loop (or a fori_loop with "
+        "traced bounds), which reverse-mode differentiation, how diagnostics "
+        f"are read, cannot pass: {'; '.join(said)}. To measure them, loop with "
+        "lax.scan or a fori_loop with static bounds"
+    )
+
+
 def _nonfinite(metrics: Mapping[str, Any]) -> np.ndarray:
     """Where an operand holds a NaN or an inf (``False`` without the count)."""
     found = np.asarray(metrics.get("nonfinite", 0.0)) > 0
@@ -161,14 +190,36 @@ def read(grads: Mapping[str, Any]) -> Metrics:
       >>> grads, raw = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, probes)
       >>> float(qbits.diagnostics.read(raw).values["w"]["fwd.rhs"]["clipped"])
       0.0
+
+    Raises:
+      InvalidArgumentError: For anything else than ``{path: probe
+        gradient}`` (e.g. the parameters' gradient, or one probe's
+        gradient without its path), naming the path of a wrong entry.
     """
-    values = {
-        path: {
+    owner, why = (
+        "qbits.diagnostics.read",
+        (
+            "grads is the gradient with respect to the probes of "
+            "qbits.diagnostics.init, passed as qbits.quantize(..., diagnostics=probes)"
+        ),
+    )
+    if not isinstance(grads, Mapping) or not all(isinstance(p, str) for p in grads):
+        shown = jax.tree.map(lambda x: getattr(x, "shape", x), grads)
+        raise InvalidArgumentError(
+            owner, "grads", shown, "{matmul path: probe gradient}", why=why
+        )
+    values = {}
+    for path, raw in grads.items():
+        try:
+            metrics = ops.read_probe(raw)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(
+                owner, f"grads[{path!r}]", e.value, e.allowed, why=why
+            ) from None
+        values[path] = {
             op: {k: np.asarray(v) for k, v in by_metric.items()}
-            for op, by_metric in ops.read_probe(raw).items()
+            for op, by_metric in metrics.items()
         }
-        for path, raw in grads.items()
-    }
     return Metrics(values)
 
 
@@ -222,6 +273,15 @@ def diagnose(
     forward operands; the backward ones are NaN. The work runs jitted (one
     compilation per argument shapes); the metrics come back as NumPy.
 
+    The metrics are read in reverse mode, which JAX cannot run through a
+    ``lax.while_loop`` (nor a ``fori_loop`` with traced bounds): a matmul
+    whose probe flows into one (a matmul in its body, or before it) is not
+    measured (NaN), and the parameters that flow into one are not
+    differentiated (the backward operands that need their gradient are
+    NaN). Everything else is measured, and a ``UserWarning`` names what is
+    not (once per compilation). ``lax.scan`` and ``fori_loop`` with static
+    bounds are measured in full.
+
     Inside a training step of your own, use the pieces instead: :func:`init`
     the probes, pass them to ``qbits.quantize(..., diagnostics=probes)``,
     differentiate with respect to them, and :func:`read` the gradient.
@@ -251,6 +311,8 @@ def diagnose(
     if not callable(fn):
         raise InvalidArgumentError(_DIAGNOSE.owner, "fn", fn, "a function")
 
+    traced: list[str] = []  # what a new trace of ``run`` found to say
+
     @jax.jit
     def run(args: tuple[Any, ...], kwargs: dict[str, Any], probes: Any) -> Any:
         n = params_argnum
@@ -266,18 +328,38 @@ def diagnose(
             return q(*a, **kwargs)
 
         params = None if n is None else args[n]
-        out, vjp = jax.vjp(f, params, probes)
+        # Differentiate every parameter and probe but those that flow into
+        # a while_loop (reverse mode cannot pass one): those stay constant.
+        leaves, tree = jax.tree.flatten((params, probes))
+        stuck = into_while(jax.make_jaxpr(f)(params, probes).jaxpr)
+        traced.append(_stuck_message(tree, stuck, len(jax.tree.leaves(params))))
+
+        def moved(free: list[Any]) -> Any:
+            it = iter(free)
+            return f(*tree.unflatten([x if s else next(it) for x, s in
+                                      zip(leaves, stuck, strict=True)]))  # fmt: skip
+
+        free = [x for x, s in zip(leaves, stuck, strict=True) if not s]
+        out, vjp = jax.vjp(moved, free)
         scalar = (
             isinstance(out, jax.Array)
             and out.ndim == 0
             and jnp.issubdtype(out.dtype, jnp.floating)
         )
         ct = jnp.ones_like(out) if scalar else jax.tree.map(jnp.zeros_like, out)
-        return out, vjp(ct)[1]
+        it = iter(vjp(ct)[0])
+        grads = [
+            jnp.zeros_like(x) if s else next(it)
+            for x, s in zip(leaves, stuck, strict=True)
+        ]
+        return out, tree.unflatten(grads)[1]
 
     def diagnosed(*args: Any, **kwargs: Any) -> tuple[Any, Metrics]:
         probes = init(fn, config, *args, params_argnum=params_argnum, **kwargs)
+        traced.clear()
         out, raw = run(args, kwargs, probes)
+        for message in filter(None, traced):  # once per compilation
+            warnings.warn(message, UserWarning, stacklevel=2)
         return out, read(raw)
 
     return diagnosed

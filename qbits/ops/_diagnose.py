@@ -20,6 +20,7 @@ turns them into the metrics.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qbits._errors import InvalidArgumentError
 from qbits.numerics import FpNumerics, IntNumerics
 from qbits.ops._operands import SLOTS, block_amax
 from qbits.tensor import QTensor, expand_scale
@@ -178,6 +180,39 @@ def as_cotangent(measured: dict[str, jax.Array], probe: Any) -> dict[str, jax.Ar
     return {k: lax.convert_element_type(v, probe[k].dtype) for k, v in measured.items()}
 
 
+def _check_raw(raw: Any) -> None:
+    """Raises InvalidArgumentError unless ``raw`` is laid out like a probe."""
+    want = {k: v.shape for k, v in init_probe().items()}
+    ok = isinstance(raw, Mapping) and set(raw) == set(want)
+    lead = set()
+    for k, shape in want.items() if ok else ():
+        x = raw[k]
+        dtype = getattr(x, "dtype", None)
+        ok = ok and dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+        ok = ok and tuple(np.shape(x)[-2:]) == shape
+        lead.add(tuple(np.shape(x)[:-2]))
+    if not ok or len(lead) > 1:
+        raise InvalidArgumentError(
+            "qbits.ops.read_probe",
+            "raw",
+            _shapes(raw),
+            "the gradient of a probe of qbits.ops.init_probe(): float arrays "
+            + ", ".join(f"{k!r} shaped (..., {a}, {b})" for k, (a, b) in want.items())
+            + " with the same leading (layer) axes",
+        )
+
+
+def _shapes(tree: Any) -> Any:
+    """``tree`` with each array shown as its dtype and shape (for errors)."""
+
+    def show(x: Any) -> Any:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return f"{np.dtype(x.dtype).name}{list(np.shape(x))}"
+        return x
+
+    return jax.tree.map(show, tree)
+
+
 def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
     """The metrics of each quantized operand, from a probe's gradient.
 
@@ -217,7 +252,13 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
       >>> m = qbits.ops.read_probe(raw)
       >>> bool(m["fwd.rhs"]["sqnr_db"] > 30), float(m["fwd.rhs"]["clipped"])
       (True, 0.0)
+
+    Raises:
+      InvalidArgumentError: Unless ``raw`` has a probe's layout: ``"sums"``
+        and ``"maxima"`` float arrays shaped ``(..., 6, 9)`` and
+        ``(..., 6, 2)`` with the same leading axes.
     """
+    _check_raw(raw)
     sums = jnp.asarray(raw["sums"], jnp.float32)
     maxima = jnp.asarray(raw["maxima"], jnp.float32)
     out: dict[str, dict[str, jax.Array]] = {}

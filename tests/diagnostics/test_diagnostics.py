@@ -178,6 +178,51 @@ def test_a_nonfinite_operand_is_reported_not_read_as_lossless(bad, where):
     assert "| c | " in metrics.table("nonfinite")
 
 
+def test_a_while_loop_leaves_out_what_flows_into_it_and_says_so():
+    # Reverse mode cannot pass a while_loop: the matmul in its body ("mid")
+    # and the one feeding it ("pre") are not measured, nor differentiated;
+    # the one after it ("post") is, backward operands included.
+    k = jax.random.split(jax.random.key(5), 4)
+    params = {n: 0.5 * jax.random.normal(kk, (5, 5)) for n, kk in
+              zip(("pre", "mid", "post"), k[:3], strict=True)}  # fmt: skip
+    x = jax.random.normal(k[3], (2, 5))
+
+    def loss(params, x, steps):
+        def body(carry):
+            i, h = carry
+            return i + 1, jnp.sin(h @ params["mid"])
+
+        h = jnp.tanh(x @ params["pre"])
+        h = jax.lax.cond(steps > 0, lambda h: jax.lax.while_loop(
+            lambda c: c[0] < steps, body, (0, h))[1], lambda h: h, h)  # fmt: skip
+        return jnp.sum((h @ params["post"]) ** 2)
+
+    with pytest.warns(UserWarning, match=r"while_loop.*'mid', 'pre'.*2 \(of 3\)"):
+        value, metrics = diagnostics.diagnose(loss, "fp8")(params, x, 2)
+    np.testing.assert_allclose(value, qbits.quantize(loss, "fp8")(params, x, 2))
+    for path in ("pre", "mid"):
+        assert np.isnan(metrics.values[path]["fwd.rhs"]["sqnr_db"])
+    post = metrics.values["post"]
+    assert all(post[op]["sqnr_db"] > 20 for op in ("fwd.lhs", "drhs.grad"))
+
+
+@pytest.mark.parametrize(
+    ("grads", "named"),
+    [
+        ([jnp.zeros((6, 9))], "grads="),  # not a mapping
+        ({"w": jnp.ones((4, 2))}, r"grads\['w'\]"),  # the parameters' gradient
+        (qbits.ops.init_probe(), r"grads\['sums'\]"),  # one probe, no path
+        (
+            {"fc": {"sums": jnp.zeros((3, 6, 9)), "maxima": jnp.zeros((2, 6, 2))}},
+            r"grads\['fc'\]",  # layer axes that disagree
+        ),
+    ],
+)
+def test_read_refuses_what_is_not_probe_gradients(grads, named):
+    with pytest.raises(qbits.InvalidArgumentError, match=f"(?s){named}.*probe"):
+        diagnostics.read(grads)
+
+
 def _train_step(diagnose):
     def f(params, x):
         return jnp.mean(jax.nn.relu(x @ params["w1"]) @ params["w2"])
