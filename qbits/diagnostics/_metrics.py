@@ -139,13 +139,20 @@ class Metrics:
         return "\n".join(lines)
 
 
+def _is_loss(out: Any) -> bool:
+    """Whether ``fn``'s output (or its shape) is a float scalar: a loss."""
+    return (
+        isinstance(out, jax.Array | jax.ShapeDtypeStruct)
+        and out.shape == ()
+        and jnp.issubdtype(out.dtype, jnp.floating)
+    )
+
+
 def _stuck_message(tree: Any, stuck: list[bool], n_params: int) -> str:
     """What a while_loop keeps :func:`diagnose` from measuring, or ``""``."""
-    if not any(stuck):
-        return ""
     probes = tree.unflatten(stuck)[1]
     lost = [path for path, p in probes.items() if any(jax.tree.leaves(p))]
-    frozen = sum(stuck[:n_params])
+    frozen = sum(stuck[:n_params])  # (a loss's: others are not differentiated)
     said = []
     if lost:
         said.append(
@@ -158,6 +165,8 @@ def _stuck_message(tree: Any, stuck: list[bool], n_params: int) -> str:
             "that flow into it, so the backward operands that need their "
             "gradient are not measured"
         )
+    if not said:
+        return ""
     return (
         f"{_DIAGNOSE.owner}: fn runs a lax.while_loop (or a fori_loop with "
         "traced bounds), which reverse-mode differentiation, how diagnostics "
@@ -328,29 +337,29 @@ def diagnose(
             return q(*a, **kwargs)
 
         params = None if n is None else args[n]
-        # Differentiate every parameter and probe but those that flow into
-        # a while_loop (reverse mode cannot pass one): those stay constant.
+        closed, shape = jax.make_jaxpr(f, return_shape=True)(params, probes)
+        scalar = _is_loss(shape)
+        # Differentiate the probes, and the parameters of a loss, but those
+        # that flow into a while_loop (reverse mode cannot pass one).
         leaves, tree = jax.tree.flatten((params, probes))
-        stuck = into_while(jax.make_jaxpr(f)(params, probes).jaxpr)
-        traced.append(_stuck_message(tree, stuck, len(jax.tree.leaves(params))))
+        n_params = len(jax.tree.leaves(params)) if scalar else 0
+        stuck = into_while(closed.jaxpr)
+        traced.append(_stuck_message(tree, stuck, n_params))
+        kept = 0 if scalar else len(jax.tree.leaves(params))  # not differentiated
+        fixed = [s or i < kept for i, s in enumerate(stuck)]
 
         def moved(free: list[Any]) -> Any:
             it = iter(free)
             return f(*tree.unflatten([x if s else next(it) for x, s in
-                                      zip(leaves, stuck, strict=True)]))  # fmt: skip
+                                      zip(leaves, fixed, strict=True)]))  # fmt: skip
 
-        free = [x for x, s in zip(leaves, stuck, strict=True) if not s]
+        free = [x for x, s in zip(leaves, fixed, strict=True) if not s]
         out, vjp = jax.vjp(moved, free)
-        scalar = (
-            isinstance(out, jax.Array)
-            and out.ndim == 0
-            and jnp.issubdtype(out.dtype, jnp.floating)
-        )
         ct = jnp.ones_like(out) if scalar else jax.tree.map(jnp.zeros_like, out)
         it = iter(vjp(ct)[0])
         grads = [
             jnp.zeros_like(x) if s else next(it)
-            for x, s in zip(leaves, stuck, strict=True)
+            for x, s in zip(leaves, fixed, strict=True)
         ]
         return out, tree.unflatten(grads)[1]
 
@@ -360,6 +369,15 @@ def diagnose(
         out, raw = run(args, kwargs, probes)
         for message in filter(None, traced):  # once per compilation
             warnings.warn(message, UserWarning, stacklevel=2)
-        return out, read(raw)
+        metrics = read(raw)
+        if _is_loss(out):
+            return out, metrics
+        # No backward pass (its matmuls saw a zero cotangent): NaN.
+        return out, Metrics({
+            path: {op: m if op.startswith("fwd.") else
+                   {k: np.full_like(v, np.nan) for k, v in m.items()}
+                   for op, m in by_op.items()}
+            for path, by_op in metrics.values.items()
+        })  # fmt: skip
 
     return diagnosed

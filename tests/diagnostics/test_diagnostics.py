@@ -142,40 +142,35 @@ def test_a_shared_weight_sums_its_uses():
     assert np.isfinite(metrics.values["w"]["fwd.lhs"]["sqnr_db"])
 
 
-@pytest.mark.parametrize(
-    ("bad", "where"), [(jnp.nan, "activation"), (-jnp.inf, "weight")]
-)
-def test_a_nonfinite_operand_is_reported_not_read_as_lossless(bad, where):
-    # A NaN (an inf) reaching the third matmul, in its activation (in its
-    # weight): that operand is flagged and counted, its metrics are NaN,
-    # the table says so; the first matmul's operands are measured as usual.
-    k = jax.random.split(jax.random.key(3), 4)
-    params = {
-        n: jax.random.normal(kk, (6, 6)) for n, kk in zip("abc", k[:3], strict=True)
-    }
-    if where == "weight":
-        params["c"] = params["c"].at[2, 4].set(bad)
-    x = jax.random.normal(k[3], (5, 6))
+def test_a_nonfinite_operand_is_reported_not_read_as_lossless():
+    # A NaN reaching the second matmul's activation and an inf in the third
+    # one's weight: those operands are flagged and counted, their metrics
+    # are NaN, the table says so; the first matmul is measured as usual.
+    rng = np.random.default_rng(3)
+    params = {n: rng.standard_normal((6, 6)).astype(np.float32) for n in "abc"}
+    params["c"][2, 4] = -np.inf
+    x = rng.standard_normal((5, 6)).astype(np.float32)
 
-    def loss(params, x):
-        h = jnp.tanh(jnp.tanh(x @ params["a"]) @ params["b"])
-        if where == "activation":
-            h = h.at[1:3, 0].set(bad)
-        return jnp.mean((h @ params["c"]) ** 2)
+    def logits(params, x):
+        h = jnp.tanh(x @ params["a"]).at[1:3, 0].set(jnp.nan)
+        return jnp.tanh(h @ params["b"]) @ params["c"]
 
-    value, metrics = diagnostics.diagnose(loss, "fp8")(params, x)
-    assert not np.isfinite(value)
-    slot = "fwd.lhs" if where == "activation" else "fwd.rhs"
-    m = metrics.values["c"][slot]
-    assert np.isnan(m["sqnr_db"])  # not 150 dB: nothing is lossless here
-    assert m["nonfinite"] == (2 if where == "activation" else 1)
-    assert all(np.isnan(v) for k, v in m.items() if k != "nonfinite")
+    out, metrics = diagnostics.diagnose(logits, "fp8")(params, x)
+    assert not np.isfinite(out).any()
+    for path, slot, count in (("b", "fwd.lhs", 2), ("c", "fwd.rhs", 1)):
+        m = metrics.values[path][slot]
+        assert np.isnan(m["sqnr_db"])  # not 150 dB: nothing is lossless here
+        assert m["nonfinite"] == count
+        assert all(np.isnan(v) for k, v in m.items() if k != "nonfinite")
     assert metrics.values["a"]["fwd.lhs"]["nonfinite"] == 0
     assert 20 < metrics.values["a"]["fwd.lhs"]["sqnr_db"] < 150
-    row = next(r for r in metrics.table().splitlines() if r.startswith("| c |"))
-    assert "non-finite" in row and "150" not in row
-    assert "non-finite" in metrics.table("clipped")
-    assert "| c | " in metrics.table("nonfinite")
+    assert metrics.operands == ("fwd.lhs", "fwd.rhs")  # logits: forward only
+    rows = metrics.table().splitlines()
+    assert rows[2].startswith("| a | 3") and "non-finite" not in rows[2]
+    assert rows[3].startswith("| b | non-finite | 3")  # b's weight is fine
+    assert rows[4] == "| c | non-finite | non-finite |"  # (NaN spreads)
+    assert "| b | non-finite |" in metrics.table("clipped")
+    assert "| b | 2 |" in metrics.table("nonfinite", digits=0)
 
 
 def test_a_while_loop_leaves_out_what_flows_into_it_and_says_so():
