@@ -339,14 +339,13 @@ def diagnose(
         params = None if n is None else args[n]
         closed, shape = jax.make_jaxpr(f, return_shape=True)(params, probes)
         scalar = _is_loss(shape)
-        # Differentiate the probes, and the parameters of a loss, but those
-        # that flow into a while_loop (reverse mode cannot pass one).
         leaves, tree = jax.tree.flatten((params, probes))
-        n_params = len(jax.tree.leaves(params)) if scalar else 0
+        n_params = len(jax.tree.leaves(params))
         stuck = into_while(closed.jaxpr)
-        traced.append(_stuck_message(tree, stuck, n_params))
-        kept = 0 if scalar else len(jax.tree.leaves(params))  # not differentiated
-        fixed = [s or i < kept for i, s in enumerate(stuck)]
+        traced.append(_stuck_message(tree, stuck, n_params if scalar else 0))
+        # Not differentiated: what flows into a while_loop (reverse mode
+        # cannot pass one), and the parameters unless fn is a loss.
+        fixed = [s or (i < n_params and not scalar) for i, s in enumerate(stuck)]
 
         def moved(free: list[Any]) -> Any:
             it = iter(free)

@@ -257,8 +257,11 @@ class RaggedDot(Configured):
         """
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         group_sizes = jnp.asarray(group_sizes)
-        for name, x, form in (("lhs", lhs, "[m, k]"), ("rhs", rhs, "[g, k, n]")):
-            if x.ndim != len(form.split(",")):
+        for name, x, rank, form in (
+            ("lhs", lhs, 2, "[m, k]"),
+            ("rhs", rhs, 3, "[g, k, n]"),
+        ):
+            if x.ndim != rank:
                 raise InvalidArgumentError(
                     "ragged_dot", f"{name}.shape", tuple(x.shape),
                     f"a shape {form} (lax.ragged_dot's; RaggedDot.general takes "
