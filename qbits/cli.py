@@ -6,6 +6,7 @@
     qbits sweep SWEEP.yaml [--out DIR] [--rerun]
     qbits ptq CONFIG --run DIR [--method rtn gptq awq ...] [--calibration N] [--out DIR]
     qbits inspect CONFIG [--model lm|mlp]
+    qbits generate [--prompt TEXT | --prompt-file FILE] [--cache CACHE] [--run DIR]
     qbits presets
 
 CONFIG is a preset name (``qbits presets``) or a YAML config file (a single
@@ -337,13 +338,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--temperature: expected a finite number >= 0, got {args.temperature}"
         )
-    prompt = args.prompt
-    if args.prompt_file is not None:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompt = f.read(1_000_000)
-        except UnicodeDecodeError:
-            raise UsageError(f"{args.prompt_file}: not UTF-8 text") from None
+    prompt = args.prompt if args.prompt_file is None else _prompt(args.prompt_file)
     if args.run_dir:  # the float32 model that qbits train saved
         model, data, run = load_trained(args.run_dir, owner="qbits generate")
         if run["model"] != "lm":
@@ -439,6 +434,27 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _prompt(path: str) -> str:
+    """The text of ``--prompt-file``: a regular file (a FIFO would never end)."""
+    from qbits._files import read_regular_file
+
+    limit = 1_000_000
+    try:
+        data, kind = read_regular_file(path, limit + 1)
+    except ValueError as e:  # a NUL byte in the path
+        raise UsageError(f"--prompt-file {path}: {e}") from None
+    if kind is not None:
+        raise UsageError(f"--prompt-file {path}: expected a regular file, got {kind}")
+    if len(data) > limit:
+        raise UsageError(
+            f"--prompt-file {path}: expected a file of at most {limit} bytes"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"--prompt-file {path}: not UTF-8 text") from None
 
 
 def _presets(args: argparse.Namespace) -> int:
