@@ -228,6 +228,7 @@ def _print_rows(rows: list[dict], metric: str) -> None:
 
 
 def _ptq(args: argparse.Namespace) -> int:
+    import qbits
     from qbits.experiments import post_train
 
     name, config, _ = _config(args.config)
@@ -241,17 +242,22 @@ def _ptq(args: argparse.Namespace) -> int:
             f"{', '.join(args.method)} ({args.calibration} calibration batches); "
             f"results in {out}"
         )
-    rows = post_train(
-        args.run_dir,
-        config,
-        out,
-        name=name,
-        methods=args.method,
-        calibration=args.calibration,
-        seed=args.seed,
-        progress=not args.quiet and sys.stderr.isatty(),
-        log=_log(args.quiet),
-    )
+    try:
+        rows = post_train(
+            args.run_dir,
+            config,
+            out,
+            name=name,
+            methods=args.method,
+            calibration=args.calibration,
+            seed=args.seed,
+            progress=not args.quiet and sys.stderr.isatty(),
+            log=_log(args.quiet),
+        )
+    except qbits.InvalidArgumentError as e:
+        if e.argument != "out":
+            raise
+        raise UsageError(f"--out {out}: {e.why}; expected {e.allowed}") from None
     _print_rows(rows, "accuracy")
     print(f"\n{_wrote(out)}")
     return 0
@@ -559,7 +565,9 @@ def _parser() -> argparse.ArgumentParser:
         "nearest, GPTQ, AWQ) on calibration batches of the training data, "
         "evaluate each on the held-out data (activations quantized too where "
         "CONFIG says so: W8A8), and write results.{md,csv,json} and "
-        "loss_curves.png to --out.",
+        "eval_loss.png (each method's eval loss beside float32's) to --out, "
+        "which may not be a training run's folder (its report would be "
+        "replaced).",
     )
     ptq.add_argument(
         "config",
