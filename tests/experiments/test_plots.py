@@ -314,3 +314,20 @@ def test_diagnostics_tables_and_plots(tmp_path, monkeypatch, capsys):
     assert main([*argv, "--diagnostics", "4"]) == 0
     run = json.loads((out / "runs" / "int8__seed0.json").read_text())
     assert {r["step"] for r in run["result"]["diagnostics"]} == {4}
+
+
+def test_diagnostics_table_names_a_nonfinite_operand():
+    from qbits.experiments._diagnostic_plots import FIELDS, diagnostics_table
+
+    def rec(matmul, operand, sqnr, nonfinite=0):
+        return {"step": 3, "matmul": matmul, "operand": operand, "sqnr_db": sqnr,
+                "clipped": 0.0, "flushed": 0.0, "wasted_bits": 0.0,
+                "log2_scale_min": -4.0, "log2_scale_max": -2.0,
+                "nonfinite": nonfinite}  # fmt: skip
+
+    records = [rec("fc1", "fwd.lhs", 30.0), rec("fc2", "fwd.lhs", math.nan, 5)]
+    runs = [{"name": "int8", "seed": 0, "result": {"diagnostics": records}}]
+    table = diagnostics_table(runs)
+    assert "| fc1 | 30.0 |" in table
+    assert "| fc2 | non-finite |" in table
+    assert "nonfinite" in FIELDS  # the CSV keeps the count
