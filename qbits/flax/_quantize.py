@@ -124,17 +124,14 @@ class Quantized:
         if not any(c.needs_state for c in self.config.all_configs()):
             return variables
         streams = rest if isinstance(rest, Mapping) else {"params": rest}
-        state = transform.init_state(
-            self._fn(method, False),
-            self.config,
-            variables,
-            streams,
-            *args,
-            caller=_CALLER,
-            **kwargs,
-        )
+        fn = self._fn(method, False)
+        call = (fn, self.config, variables, streams, *args)
+        state = transform.init_state(*call, caller=_CALLER, **kwargs)
+        # The configs the matmuls run (a matmul of two activations adapts
+        # its rule's config): which state entries are trained.
+        configs = transform.layer_table(*call, caller=_CALLER, **kwargs).configs()
         for path, entries in state.items():
-            kinds = self.config.resolve(path).config.state_kinds()
+            kinds = configs[path].state_kinds()
             for name, value in entries.items():
                 if kinds[name] == "trained":
                     collection = variables.setdefault("params", {})

@@ -375,17 +375,17 @@ def quantize(
             )
         return new
     fn, state = as_function(new)
+    table = transform.layer_table(fn, rules, state, *args, caller=_CALLER, **kwargs)
+    table.warn_unused()
     initial = transform.init_state(fn, rules, state, *args, caller=_CALLER, **kwargs)
     node: _Quantization = getattr(new, _ATTR)
+    configs = table.configs()  # as the matmuls run them: which state is trained
     for path, entries in initial.items():
-        kinds = rules.resolve(path).config.state_kinds()
+        kinds = configs[path].state_kinds()
         node.state[path] = {
             name: (nnx.Param if kinds[name] == "trained" else ScaleState)(value)
             for name, value in entries.items()
         }
-    transform.layer_table(
-        fn, rules, state, *args, caller=_CALLER, **kwargs
-    ).warn_unused()
     return new
 
 

@@ -35,6 +35,7 @@ from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._jaxpr import bind, scan_counts
 from qbits.config import QuantConfig, Resolution
 from qbits.numerics import NoNumerics, next_key
+from qbits.ops import DotGeneralConfig
 from qbits.tensor import QTensor
 from qbits.transform._adapter import DATA, Adapter, adapter_input, adapter_output
 from qbits.transform._checks import (
@@ -49,10 +50,18 @@ from qbits.transform._observe import (
     describe,
     record,
 )
-from qbits.transform._program import RAGGED_DOT, Ctx, Program, Site
+from qbits.transform._program import RAGGED_DOT, Ctx, Program, Site, float_operands
 from qbits.transform._swap import permuted_sharding, swapped
 
-__all__ = ["DIAGNOSTICS", "Caller", "Frame", "Plan", "Runner", "run_program"]
+__all__ = [
+    "DIAGNOSTICS",
+    "Caller",
+    "Frame",
+    "Plan",
+    "Runner",
+    "applied",
+    "run_program",
+]
 
 # The prefix of a probe's name among a run's per-site data (as the adapter
 # data's, :data:`~._adapter.DATA`).
@@ -168,11 +177,11 @@ class Plan:
             if site.path in adapted:
                 self._adapt(site, program)
             res = rules.resolve(site.path)
-            config = res.config
             if site.integer and not site.frozen:
                 self._check_integer(site, res)
             if site.kept:
                 continue
+            config = applied(site, res.config)
             if observe is not None:
                 chosen = every or not (config is None or config.is_identity)
                 weight = site.weights and site.primitive == "dot_general"
@@ -304,6 +313,19 @@ class Plan:
         ]
 
 
+def applied(site: Site, config: DotGeneralConfig | None) -> DotGeneralConfig | None:
+    """The config ``site`` runs with, its rule's config being ``config``.
+
+    A matmul without a weight operand (two activations) runs
+    :meth:`~qbits.DotGeneralConfig.for_activations` of it (float for a
+    weight-only config); the others run it as it is. Every entry point
+    (quantize, layer table, state, serving, statistics) plans with this.
+    """
+    if config is None or site.weights:
+        return config
+    return config.for_activations()
+
+
 def _stores(config: Any, site: Site) -> bool:
     """Whether serving stores this site's weight (a quantized weight operand)."""
     if site.primitive != "dot_general" or not site.weights:
@@ -377,6 +399,8 @@ class Runner:
         for i, eqn in enumerate(jaxpr.eqns):
             here = (*ctx, i)
             invals = given = [read(v) for v in eqn.invars]
+            if here in self.plan.planned or here in self.plan.adapted:
+                invals = given = float_operands(eqn, invals)
             adapter = self.plan.adapter if here in self.plan.adapted else None
             if adapter is not None and adapter.before is not None:
                 invals = self._before(eqn, invals, here, frame)

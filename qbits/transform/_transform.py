@@ -25,7 +25,14 @@ from qbits.numerics import check_key
 from qbits.tensor import QTensor
 from qbits.transform._observe import ObservedMatmul, Observer
 from qbits.transform._program import Program, trace
-from qbits.transform._runner import DIAGNOSTICS, Caller, Frame, Plan, run_program
+from qbits.transform._runner import (
+    DIAGNOSTICS,
+    Caller,
+    Frame,
+    Plan,
+    applied,
+    run_program,
+)
 
 __all__ = [
     "collect_ranges",
@@ -66,7 +73,14 @@ def table(program: Program, rules: QuantConfig) -> LayerTable:
         listed.add((site.path, site.kept))
         kind = site.kind + "".join(f", scanned x{n}" for n in site.loops)
         res = rules.resolve(site.path)
-        rows.append(LayerRow(site.path, kind, res, site.kept, site.operands))
+        config, kept, note = applied(site, res.config), site.kept, ""
+        if kept:
+            config = None
+        elif config is None and res.config is not None:
+            kept = "weight-only config, no weight"
+        elif config != res.config:
+            note = "activations: lhs quantizer on both operands"
+        rows.append(LayerRow(site.path, kind, res, kept, site.operands, config, note))
     used = {row.resolution.rule for row in rows}
     unused = tuple(i for i in range(len(rules.rules)) if i not in used)
     idle = {
