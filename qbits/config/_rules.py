@@ -31,7 +31,7 @@ class UnusedRuleWarning(UserWarning):
       A rule that matches nothing is reported, never silently ignored:
 
       >>> import warnings
-      >>> qc = qbits.QuantConfig(rules=(qbits.Rule("mlp/.*", "int8_fwd"),))
+      >>> qc = qbits.QuantConfig((qbits.Rule("mlp/.*", None),), default="int8_fwd")
       >>> def head(params, x):
       ...     return x @ params["head"]
       >>> params = {"head": jnp.ones((4, 2))}

@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Collection, Mapping
+import inspect
+import os
+import sys
+import warnings
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,8 +87,9 @@ class Caller:
       state: How the scale state is passed.
       state_fix: How to make the state, for the error that misses it.
       whole: Whether the function runs the whole model, so that a rule that
-        matches no matmul is worth a warning (a method that runs part of a
-        model is not).
+        matches no matmul, or a config that quantizes nothing, is worth a
+        warning (a method that runs part of a model is not; nor is an entry
+        point's second trace of the same call: it warns once).
     """
 
     owner: str = "qbits.quantize"
@@ -91,6 +97,50 @@ class Caller:
     state: str = "state"
     state_fix: str = "qbits.init_state(fn, config, *args) makes it"
     whole: bool = True
+
+    def check_inputs(
+        self, method: Callable[..., Any], args: Any, kwargs: Any, call: str
+    ) -> None:
+        """Raises unless ``method`` takes ``(*args, **kwargs)``, naming the fix.
+
+        For the entry points that trace a model on sample inputs: a model
+        called without them (or with others) fails deep inside the engine
+        with the model's own ``TypeError``; this names the inputs instead.
+
+        Args:
+          method: The model's method, bound (its signature is checked).
+          args: The sample inputs given.
+          kwargs: The keyword inputs given.
+          call: The call to make, with ``{inputs}`` where the inputs go.
+
+        Raises:
+          InvalidArgumentError: Naming the missing (or extra) inputs and
+            the call to make.
+        """
+        try:
+            signature = inspect.signature(method)
+            signature.bind(*args, **kwargs)
+            return
+        except ValueError:  # no signature to check (a builtin)
+            return
+        except TypeError as e:
+            problem = str(e)
+        required = [
+            p.name
+            for p in signature.parameters.values()
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        given = f"{len(args)} positional input{'s' * (len(args) != 1)}"
+        name = getattr(method, "__qualname__", "the model's call")
+        raise InvalidArgumentError(
+            self.owner,
+            "*args",
+            f"{given} and keywords {sorted(kwargs)}" if kwargs else given,
+            f"the sample inputs of {name}{signature} (arrays or "
+            f"jax.ShapeDtypeStruct s): {call.format(inputs=', '.join(required))}",
+            why=problem,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +283,8 @@ class Plan:
                 self.needs_key.append(site.path)
             if diagnose and site.ctx not in self.stored:
                 self._diagnose(site)
+        if observe is None and adapter is None and caller.whole and not self.planned:
+            _warn_if_nothing(program, rules, caller)
 
     def _add(self, site: Site, config: Any, res: Resolution) -> None:
         self.planned[site.ctx] = Planned(site, config, res)
@@ -311,6 +363,67 @@ class Plan:
             for site, name in named
             if len(site) > len(ctx) and site[: len(ctx)] == ctx
         ]
+
+
+def _warn_if_nothing(program: Program, rules: QuantConfig, caller: Caller) -> None:
+    """Warns that ``rules`` quantize nothing in ``program``, saying why.
+
+    Silent when the rules quantize nothing anywhere (every config float or
+    the identity: float on purpose).
+    """
+    if all(c.is_identity for c in rules.all_configs()):
+        return
+    if not program.sites:
+        why = (
+            "the function runs no matmul (no dot_general, einsum, @, "
+            "convolution or ragged dot in its jaxpr)"
+        )
+    else:
+        reasons = {}
+        for site in program.sites:
+            res = rules.resolve(site.path)
+            if site.kept:
+                reasons[site.path] = f"kept: {site.kept}"
+            elif res.config is None:
+                reasons[site.path] = f"{res.where}: null"
+            elif applied(site, res.config) is None:
+                reasons[site.path] = "weight-only config, no weight"
+            else:
+                reasons[site.path] = f"{res.where}: {res.name or 'an identity config'}"
+        shown = [f"{path!r} ({why})" for path, why in list(reasons.items())[:4]]
+        more = f" and {len(reasons) - 4} more" if len(reasons) > 4 else ""
+        why = f"every matmul runs float: {', '.join(shown)}{more}"
+    warnings.warn(
+        f"{caller.owner}: the config {_name(rules)} quantizes nothing: {why}. "
+        "qbits.layer_table lists the matmuls and the config each one gets",
+        UserWarning,
+        stacklevel=_outside(),
+    )
+
+
+_INSIDE = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (os.path.dirname(__file__), jax.__file__, flax.__file__)
+)
+
+
+def _outside() -> int:
+    """The ``stacklevel`` of the first caller outside qbits, jax and flax."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _name(rules: QuantConfig) -> str:
+    """How a warning names the rules: their file, preset name or shape."""
+    if rules.source:
+        return repr(rules.source)
+    if not rules.rules:
+        return repr(rules.default) if isinstance(rules.default, str) else "(inline)"
+    default = rules.default
+    shown = repr(default) if isinstance(default, str | None) else "inline"
+    return f"(rules {[r.pattern for r in rules.rules]}, default {shown})"
 
 
 def applied(site: Site, config: DotGeneralConfig | None) -> DotGeneralConfig | None:

@@ -125,11 +125,17 @@ def quantize(
     the modules that produced their operands plus the einsum subscripts
     (``attn/btnh,bsnh->bnts``; Flax's attention einsums are ``attn/qk`` and
     ``attn/pv``); a config's ``lhs`` is the einsum's written first operand.
+    Such a matmul has no weight: it runs its rule's config as
+    :meth:`~qbits.DotGeneralConfig.for_activations` adapts it (float under
+    a weight-only config, else the activation quantizer on both operands).
     :func:`layer_table` lists them all. Grouped matmuls
     (``lax.ragged_dot``, a mixture of experts' experts) are named by their
     weight like the others and run as :func:`qbits.ops.ragged_dot`: each
     group's matmul quantized as :func:`qbits.dot_general` quantizes one.
-    Integer matmuls stay exact (as ``lax`` computes them); ragged dots of
+    Matmuls of two integers stay exact (as ``lax`` computes them); an
+    integer operand times a float one is quantized as
+    ``x.astype(w.dtype) @ w`` would be (no gradient to the integer
+    operand). Ragged dots of
     another mode (a ragged dimension contracted or batched, as in the
     weight gradients JAX derives) and matmuls in a ``while_loop``'s
     condition run as they are: listed as kept, with the reason.
@@ -175,7 +181,11 @@ def quantize(
 
     Returns:
       A function with ``fn``'s signature and outputs. Differentiate it
-      (``jax.grad``) to run the quantized backward matmuls.
+      (``jax.grad``) to run the quantized backward matmuls. Each trace of
+      it warns (``UserWarning``) when a config that quantizes something
+      finds nothing to quantize (no matmul, or every matmul kept or float),
+      saying why; and with :class:`~qbits.config.UnusedRuleWarning` for a
+      rule that matches no matmul.
 
     Raises:
       InvalidArgumentError: For a bad ``config``, a missing ``key``, a
@@ -397,7 +407,9 @@ def layer_table(
     the operand types, the config and the rule that gave it. Matmuls that
     run as they are whatever the rules say are listed as kept, with the
     reason: inside a model's own custom-gradient function (a model that
-    passes its own quantized ``dot_general``), integer matmuls (exact),
+    passes its own quantized ``dot_general``), matmuls of two integers
+    (exact), matmuls of two activations under a weight-only config (no
+    weight to quantize),
     ragged dots that :func:`qbits.ops.ragged_dot` does not quantize (a
     ragged dimension contracted or batched) and matmuls in a
     ``while_loop``'s condition. Rules that match no matmul are reported as
@@ -413,7 +425,9 @@ def layer_table(
       **kwargs: Example keyword arguments.
 
     Returns:
-      A :class:`~qbits.config.LayerTable`.
+      A :class:`~qbits.config.LayerTable`. Warns (``UserWarning``) when a
+      config that quantizes something finds nothing to quantize, as
+      :func:`quantize` does.
 
     Raises:
       ConfigError: For a rule that gives an integer matmul a config.

@@ -295,3 +295,24 @@ def test_config_errors_name_the_file_the_rule_and_the_matmul(tmp_path):
 def test_bad_arguments(model, config):
     with pytest.raises(InvalidArgumentError):
         qbits.flax.quantize(model, config)
+
+
+def test_layer_table_given_the_variables_or_no_inputs_says_what_it_takes():
+    """By analogy with qbits.layer_table(fn, config, params, x), variables
+    passed where the inputs go ended in the model's own AttributeError."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, deterministic: bool = True):
+            return nn.Dense(3, name="fc")(x.astype(jnp.float32))
+
+    x = jnp.ones((2, 6))
+    variables = Net().init(jax.random.key(0), x)
+    with pytest.raises(InvalidArgumentError, match=r"args\[0\]=.*variables") as e:
+        qbits.flax.layer_table(Net(), "int8_fwd", variables, x)
+    assert "qbits.layer_table(model.apply, config, variables, x)" in str(e.value)
+    with pytest.raises(
+        InvalidArgumentError, match=r"missing .*'x'.*\(model, config, x\)"
+    ):
+        qbits.flax.layer_table(Net(), "int8_fwd")
+    assert qbits.flax.layer_table(Net(), "int8_fwd", x, False).rows[0].path == "fc"

@@ -233,6 +233,18 @@ def test_bad_arguments(model, config, kwargs):
         qbits.nnx.quantize(model, config, **kwargs)
 
 
+def test_layer_table_without_sample_inputs_names_them():
+    """Not the model's own TypeError from deep in the engine."""
+    model = nnx.Conv(3, 4, (2,), rngs=nnx.Rngs(0))
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"qbits.nnx.layer_table: \*args=.*'inputs'.*\(model, config, inputs\)",
+    ):
+        qbits.nnx.layer_table(model, "int8_fwd")
+    with pytest.raises(InvalidArgumentError, match="too many positional"):
+        qbits.nnx.layer_table(model, "int8_fwd", TOKENS, None, TOKENS)
+
+
 def test_explicit_stateful_ops_keep_keys_and_state():
     x = jnp.ones((2, 16))
     dg = qbits.nnx.Stateful("int8", rngs=nnx.Rngs(quant=0))

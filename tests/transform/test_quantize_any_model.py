@@ -1,6 +1,7 @@
 """qbits.quantize: every matmul of model code written any way, by rules."""
 
 import functools
+import re
 import warnings
 from typing import Any
 
@@ -637,7 +638,7 @@ def test_w4a8_runs_int8_on_attention_and_weight_only_leaves_it_float():
     np.testing.assert_array_equal(nf4, qbits.quantize(_attention, rules)(p, x))
 
 
-def test_ptq_with_a_weight_only_preset_on_the_example_transformer():
+def test_weight_only_presets_on_the_example_transformer():
     """``qbits ptq``'s weight-only presets on the model ``qbits train``
     writes: a head dimension of 32 used to fail the attention einsums
     ("expected a divisor of 32 ... in layer 'blocks/0/attn/qk'")."""
@@ -650,11 +651,13 @@ def test_ptq_with_a_weight_only_preset_on_the_example_transformer():
     def logits(params, tokens):
         return fn(params, tokens)[0]
 
-    result = qbits.ptq.quantize_weights(
-        logits, state, [tokens], "w4g128_asym", method="rtn"
-    )
+    result = qbits.ptq.quantize_weights(logits, state, [tokens], "nf4", method="rtn")
     assert "blocks/0/attn/query" in [layer.path for layer in result.layers]
-    out = result.function(logits)(result.params, tokens)
+    # attn/out contracts 4 heads x 32: no tile of 128 along one axis.
+    rules = qbits.QuantConfig((qbits.Rule(".*/attn/out", None),), "w4g128_asym")
+    table = qbits.layer_table(logits, rules, state, tokens)
+    assert table["blocks/0/attn/qk"].kept == "weight-only config, no weight"
+    out = qbits.quantize(logits, rules)(state, tokens)
     assert out.shape == (2, 8, 7) and bool(jnp.isfinite(out).all())
 
 
@@ -681,13 +684,15 @@ def test_kept_matmuls_are_listed_with_the_reason():
         "probe": jnp.ones((4, 1)),
     }
     args = (p, jnp.ones((6, 4)), jnp.ones((6, 4), jnp.int32), jnp.array([3, 3]))
-    table = qbits.layer_table(f, "int8_fwd", *args)
+    with pytest.warns(UserWarning, match="quantizes nothing: every matmul runs"):
+        table = qbits.layer_table(f, "int8_fwd", *args)
     assert [(r.path, r.kept) for r in table.rows] == [
         ("table", "integer operands"),
         ("experts", "ragged_dot_general with the ragged dimension contracted"),
         ("probe", "inside a while_loop condition"),
     ]
-    out = qbits.quantize(f, "int8_fwd")(*args)
+    with pytest.warns(UserWarning, match="'probe' \\(kept: inside a while_loop"):
+        out = qbits.quantize(f, "int8_fwd")(*args)
     np.testing.assert_array_equal(out, f(*args))
     rules = qbits.QuantConfig(rules=(qbits.Rule("table", "int8_fwd"),))
     with pytest.raises(qbits.ConfigError, match=r"rules\[0\].*'table'.*integer"):
@@ -738,6 +743,73 @@ def test_an_integer_activation_times_a_float_weight_is_quantized(
     np.testing.assert_array_equal(served, qbits.quantize(cast, "w4a8")(p, x))
     ranges = qbits.collect_ranges(mixed, p, [x])
     assert ranges == {"w": float(jnp.abs(x.astype(f32)).max())}
+
+
+def _norm(p, x):  # no matmul: an elementwise scale and a sum
+    return jnp.sum(x * p["scale"], axis=-1)
+
+
+def _counts(p, x, ids):  # an integer matmul (kept) and a weight matmul
+    return (ids @ p["ids"]).astype(jnp.float32) + x @ p["w"]
+
+
+_P = {"scale": jnp.ones(5), "ids": jnp.ones((5, 3), jnp.int32), "w": jnp.ones((5, 3))}
+_X, _IDS = jnp.ones((2, 5)), jnp.ones((2, 5), jnp.int32)
+_W_NULL = qbits.QuantConfig((qbits.Rule("w", None),), "int8_fwd")
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda: qbits.quantize(_norm, "fp8")(_P, _X),
+         "qbits.quantize: the config 'fp8' quantizes nothing: the function "
+         "runs no matmul"),
+        (lambda: qbits.layer_table(_counts, _W_NULL, _P, _X, _IDS),
+         re.escape("qbits.layer_table: the config (rules ['w'], default "
+                   "'int8_fwd') quantizes nothing: every matmul runs float: "
+                   "'ids' (kept: integer operands), 'w' (rules[0].config: null)")),
+        (lambda: qbits.init_state(_counts, _W_NULL, _P, _X, _IDS),
+         "qbits.init_state: .* 'w' \\(rules\\[0\\].config: null\\)"),
+        (lambda: qbits.quantize(lambda p, x: jnp.einsum("td,sd->ts", x, x),
+                                "w4g128_asym")({}, jnp.ones((3, 128))),
+         "'w4g128_asym' quantizes nothing: every matmul runs float: "
+         "'td,sd->ts' \\(weight-only config, no weight\\)"),
+    ],
+)  # fmt: skip
+def test_a_config_that_quantizes_nothing_says_why(call, says):
+    """Every entry point warns when a config that quantizes something finds
+    nothing to quantize, naming itself, the config and why."""
+    with pytest.warns(UserWarning, match=says):
+        call()
+
+
+def test_nothing_to_quantize_warns_once_per_trace_and_not_for_float():
+    import flax.linen as nn
+
+    class Scale(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x * self.param("s", nn.initializers.ones, (x.shape[-1],))
+
+    qmodel = qbits.flax.quantize(Scale(), "mxfp8")
+    x = jnp.ones((2, 4))
+    variables = qmodel.init(jax.random.key(0), x)
+    apply = jax.jit(qmodel.apply)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply(variables, x)
+        apply(variables, 2 * x)  # the same trace: no second warning
+        qbits.quantize(_norm, None)(_P, _X)  # float on purpose: silent
+        qbits.quantize(_norm, "none")(_P, _X)
+    assert [str(w.message)[:45] for w in caught] == [
+        "qbits.flax.quantize: the config 'mxfp8' quant"
+    ]
+    with pytest.warns(UserWarning, match="qbits.flax.layer_table: .* no matmul"):
+        qbits.flax.layer_table(Scale(), "mxfp8", x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qbits.nnx.quantize(nnx.LayerNorm(4, rngs=nnx.Rngs(0)), "int8_fwd", x)
+    assert len(caught) == 1 and "qbits.nnx.quantize" in str(caught[0].message)
 
 
 def test_config_errors_from_quantize_and_convert_name_the_rule_and_the_matmul():
