@@ -31,7 +31,7 @@ class UnusedRuleWarning(UserWarning):
       A rule that matches nothing is reported, never silently ignored:
 
       >>> import warnings
-      >>> qc = qbits.QuantConfig(rules=(qbits.Rule("mlp/.*", "int8_fwd"),))
+      >>> qc = qbits.QuantConfig((qbits.Rule("mlp/.*", None),), default="int8_fwd")
       >>> def head(params, x):
       ...     return x @ params["head"]
       >>> params = {"head": jnp.ones((4, 2))}
@@ -270,10 +270,16 @@ class LayerRow:
       path: The matmul's unique path, e.g. ``"blocks_0/attn/query"``.
       kind: What it is, e.g. ``"einsum (activation x weight), scanned x4"``.
       resolution: The resolved config and where it came from.
-      kept: Why the matmul runs as it is whatever ``resolution`` says
-        (``"inside custom_vjp"``: the model's own quantized function;
-        ``"integer operands"``...), or ``""``.
+      kept: Why the matmul runs as it is (``"inside custom_vjp"``: the
+        model's own quantized function; ``"integer operands"``; ``"weight-only
+        config, no weight"``: a matmul of two activations under a config
+        that quantizes weights only), or ``""``.
       operands: The operand types, e.g. ``"f32[8,16] x f32[16,32]"``.
+      applied: The config the matmul runs with (``None``: float or kept).
+        For a matmul of two activations it is the rule's config as
+        :meth:`~qbits.DotGeneralConfig.for_activations` adapts it.
+      note: How ``applied`` differs from the rule's config, or ``""``:
+        ``"activations: lhs quantizer on both operands"``.
 
     Example:
       >>> def f(p, x):
@@ -283,6 +289,18 @@ class LayerRow:
       >>> row = table["fc"]
       >>> row.kind, row.operands, row.describe(), row.kept
       ('dot_general (activation x weight)', 'f32[3,4] x f32[4,2]', 'int8_fwd', '')
+
+      A matmul of two activations runs the rule's config adapted to it:
+
+      >>> def scores(p, q):
+      ...     k = q @ p["key"]
+      ...     return jnp.einsum("td,sd->ts", q, k)
+      >>> table = qbits.layer_table(scores, "w4a8", {"key": jnp.ones((4, 4))},
+      ...                           jnp.ones((3, 4)))
+      >>> for row in table.rows:
+      ...     print(row.path, "|", row.describe())
+      key | w4a8
+      td,sd->ts | w4a8 (activations: lhs quantizer on both operands)
     """
 
     path: str
@@ -290,15 +308,22 @@ class LayerRow:
     resolution: Resolution
     kept: str = ""
     operands: str = ""
+    applied: DotGeneralConfig | None = None
+    note: str = ""
 
     def describe(self) -> str:
-        """A short name: a preset name, ``float``, ``inline`` or ``kept``."""
+        """A short name: a preset name, ``float``, ``inline`` or ``kept``.
+
+        With the :attr:`note` of a config adapted to the matmul in
+        parentheses.
+        """
         res = self.resolution
         if self.kept:
             return "kept"
         if res.config is None:
             return "float"
-        return res.name if res.name is not None else "inline"
+        name = res.name if res.name is not None else "inline"
+        return f"{name} ({self.note})" if self.note else name
 
     def as_dict(self) -> dict[str, Any]:
         """The row as plain data (the config as :func:`qbits.config.to_dict`)."""
@@ -311,8 +336,8 @@ class LayerRow:
             "config": self.describe(),
             "source": f"kept: {self.kept}" if self.kept else res.where,
             "resolved": None
-            if res.config is None or self.kept
-            else schema.to_dict(res.config),
+            if self.applied is None or self.kept
+            else schema.to_dict(self.applied),
         }
 
 
@@ -361,7 +386,7 @@ class LayerTable:
 
     def configs(self) -> dict[str, DotGeneralConfig | None]:
         """``{path: applied config or None}`` (kept matmuls are left out)."""
-        return {row.path: row.resolution.config for row in self.rows if not row.kept}
+        return {row.path: row.applied for row in self.rows if not row.kept}
 
     def as_dicts(self) -> list[dict[str, Any]]:
         """The rows as plain data."""

@@ -275,6 +275,8 @@ def from_dict(data: Any, cls: type = DotGeneralConfig, path: str = "") -> Any:
     Raises:
       ConfigError: Naming the path of the first bad value, the value and what
         is allowed.
+      InvalidArgumentError: For a ``cls`` that is not a config class (the
+        arguments swapped: ``from_dict(cls, data)``).
 
     Example:
       >>> cfg = qbits.config.from_dict(
@@ -282,6 +284,28 @@ def from_dict(data: Any, cls: type = DotGeneralConfig, path: str = "") -> Any:
       >>> cfg.fwd.rhs.numerics.bits
       4
     """
+    if not (
+        isinstance(cls, type)
+        and (hasattr(cls, "from_data") or dataclasses.is_dataclass(cls))
+    ):
+        swapped = isinstance(data, type)
+        raise InvalidArgumentError(
+            "qbits.config.from_dict",
+            "cls",
+            cls,
+            "a config class (qbits.DotGeneralConfig, the default; "
+            "qbits.QuantConfig, qbits.MatmulConfig, qbits.Quantizer...): "
+            + (
+                f"qbits.config.from_dict(data, {data.__name__})"
+                if swapped
+                else "qbits.config.from_dict(data, cls)"
+            ),
+            why="the arguments are swapped: the data comes first" if swapped else "",
+        )
+    if not isinstance(path, str):
+        raise InvalidArgumentError(
+            "qbits.config.from_dict", "path", path, "a str (the prefix of error paths)"
+        )
     from_data = getattr(cls, "from_data", None)
     if from_data is not None:  # a QuantConfig
         return from_data(data, path)

@@ -3,6 +3,13 @@
 A preset is a recipe built from the blocks of layers 1-4, never new math.
 Each one is also a YAML file, ``configs/<name>.yaml``, written from
 :func:`yaml_text`; a test keeps the two identical.
+
+A config's forward ``lhs`` is the activation quantizer and its ``rhs`` the
+weight quantizer. A matmul with no weight (attention's ``q . k`` and
+``p . v``) runs :meth:`~qbits.DotGeneralConfig.for_activations` of it:
+float under a weight-only preset, the activation quantizer on both operands
+under the others (unchanged where both sides are quantized alike). Each
+preset's docstring says what it does there.
 """
 
 from __future__ import annotations
@@ -94,6 +101,10 @@ def w4a8() -> DotGeneralConfig:
     The serving format of GPTQ/AWQ-style deployments (W4A8, e.g. QServe,
     arXiv 2405.04532): weights (the rhs) int4 with one scale per output
     channel, activations (the lhs) int8 with one scale per row.
+
+    Matmuls of two activations (attention's ``q . k`` and ``p . v``) have
+    no weight: they run int8 x int8 (the activation quantizer on both
+    operands), never 4 bits.
     """
     return DotGeneralConfig(fwd=MatmulConfig(lhs=_int(8), rhs=_int(4)))
 
@@ -104,7 +115,8 @@ def int4_weight_only() -> DotGeneralConfig:
     Weight-only subchannel quantization (group size 128) as in GPTQ
     (arXiv 2210.17323) and AWQ (arXiv 2306.00978): the activations stay
     float. The contracting size of every layer it applies to must be a
-    multiple of 128.
+    multiple of 128. Matmuls without a weight (attention's ``q . k`` and
+    ``p . v``) stay float.
     """
     rhs = Quantizer(IntNumerics(bits=4), AbsMax(), Tiled(tile_size=128))
     return DotGeneralConfig(fwd=MatmulConfig(rhs=rhs))
@@ -158,6 +170,9 @@ def fp8_blockwise() -> DotGeneralConfig:
     sums the scaled partial products in float32: the accumulation promotion
     of DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv 2412.19437, section
     3.3). Every dimension of a layer it applies to must be a multiple of 128.
+    Matmuls of two activations (attention's ``q . k`` and ``p . v``) have no
+    weight: both operands are scaled per 1 x 128 tile (the activation
+    quantizer), not per 128 x 128 block.
     """
     tiles = Quantizer(Fp8Numerics("float8_e4m3fn"), AbsMax(), Tiled(tile_size=128))
     blocks = Quantizer(
@@ -208,6 +223,8 @@ def w4g128_asym() -> DotGeneralConfig:
     size of every layer it applies to must be a multiple of 128. With
     ``calibration: mse`` (``MseSearch``) each group's range is searched
     instead: shrunk around its midpoint to the least squared error.
+    Matmuls without a weight (attention's ``q . k`` and ``p . v``) stay
+    float.
     """
     rhs = Quantizer(UintNumerics(bits=4), AbsMax(), Tiled(tile_size=128))
     return DotGeneralConfig(fwd=MatmulConfig(rhs=rhs))
@@ -223,6 +240,8 @@ def nf4() -> DotGeneralConfig:
     packed 4-bit codes and a float32 absmax per block (4.5 bits per weight;
     QLoRA's double quantization of the absmax is not modelled). The
     contracting size of every layer it applies to must be a multiple of 64.
+    Matmuls without a weight (attention's ``q . k`` and ``p . v``) stay
+    float.
     """
     rhs = Quantizer(Nf4Numerics(), AbsMax(), Tiled(tile_size=64))
     return DotGeneralConfig(fwd=MatmulConfig(rhs=rhs))
@@ -253,7 +272,8 @@ def nvfp4_weight_only() -> DotGeneralConfig:
 
     The weight format of :func:`nvfp4` alone (arXiv 2509.25149): stored as
     packed E2M1 codes, one E4M3 byte per 16 weights and one float32 per
-    tensor (4.5 bits per weight).
+    tensor (4.5 bits per weight). Matmuls without a weight (attention's
+    ``q . k`` and ``p . v``) stay float.
     """
     return DotGeneralConfig(fwd=MatmulConfig(rhs=_nvfp4()))
 

@@ -68,8 +68,10 @@ class Quantized:
     :data:`~qbits.flax.STATE` when some matmul's config keeps scale state.
     Configs that round stochastically draw from ``rngs={'quant': key}``
     (a new key each step). Every traced ``__call__`` warns with
-    :class:`~qbits.config.UnusedRuleWarning` when a rule matched no matmul (other
-    methods may run part of the model: no warning).
+    :class:`~qbits.config.UnusedRuleWarning` when a rule matched no matmul,
+    and with a ``UserWarning`` when a config that quantizes something finds
+    nothing to quantize (other methods may run part of the model: no
+    warning).
 
     Attributes:
       model: The float linen model (unmodified).
@@ -124,17 +126,15 @@ class Quantized:
         if not any(c.needs_state for c in self.config.all_configs()):
             return variables
         streams = rest if isinstance(rest, Mapping) else {"params": rest}
-        state = transform.init_state(
-            self._fn(method, False),
-            self.config,
-            variables,
-            streams,
-            *args,
-            caller=_CALLER,
-            **kwargs,
-        )
+        fn = self._fn(method, False)
+        call = (fn, self.config, variables, streams, *args)
+        state = transform.init_state(*call, caller=_CALLER, **kwargs)
+        # The configs the matmuls run (a matmul of two activations adapts
+        # its rule's config): which state entries are trained.
+        again = dataclasses.replace(_CALLER, whole=False)  # warns once
+        configs = transform.layer_table(*call, caller=again, **kwargs).configs()
         for path, entries in state.items():
-            kinds = self.config.resolve(path).config.state_kinds()
+            kinds = configs[path].state_kinds()
             for name, value in entries.items():
                 if kinds[name] == "trained":
                     collection = variables.setdefault("params", {})
@@ -281,6 +281,12 @@ def layer_table(
     Returns:
       A :class:`~qbits.config.LayerTable`.
 
+    Raises:
+      InvalidArgumentError: For inputs the model's method does not take,
+        naming them and the call to make; for the model's variables given
+        as an input (``qbits.layer_table(model.apply, config, variables,
+        x)`` takes them; this function makes them).
+
     Example:
       >>> import flax.linen as nn
       >>> attn = nn.MultiHeadDotProductAttention(num_heads=2)
@@ -290,7 +296,51 @@ def layer_table(
     """
     if isinstance(model, Quantized):
         model = model.model
+    caller = dataclasses.replace(
+        _CALLER, owner="qbits.flax.layer_table", whole=method in (None, "__call__")
+    )
     qmodel = quantize(model, config)
+    call = "qbits.flax.layer_table(model, config, {inputs})"
+    variables_given = bool(args) and _are_variables(args[0])
+    try:
+        if method is None or isinstance(method, str):
+            bound = getattr(model, method or "__call__")
+            caller.check_inputs(bound, args, kwargs, call)
+        variables = _abstract_variables(model, method, args, kwargs)
+    except Exception as e:
+        if not variables_given:
+            raise
+        raise InvalidArgumentError(
+            caller.owner,
+            "args[0]",
+            f"the model's variables (collections {sorted(args[0])})",
+            "the model's sample inputs only: qbits.flax.layer_table(model, "
+            "config, x), which makes the variables (qbits.layer_table("
+            "model.apply, config, variables, x) takes them)",
+            why=f"the model fails on them: {type(e).__name__}",
+        ) from e
+    return transform.layer_table(
+        qmodel._fn(method, False),
+        qmodel.config,
+        variables,
+        None,
+        *args,
+        caller=caller,
+        **kwargs,
+    )
+
+
+def _are_variables(value: Any) -> bool:
+    """Whether ``value`` looks like a linen model's variables (``{'params': ...}``)."""
+    return (
+        isinstance(value, Mapping)
+        and "params" in value
+        and all(isinstance(c, Mapping) for c in value.values())
+    )
+
+
+def _abstract_variables(model: nn.Module, method: Any, args: Any, kwargs: Any) -> Any:
+    """The shapes of ``model.init``'s variables on these inputs (nothing computed)."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
     arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
 
@@ -301,13 +351,4 @@ def layer_table(
         a, kw = jax.tree.unflatten(treedef, filled)
         return unfreeze(model.init(jax.random.key(0), *a, method=method, **kw))
 
-    variables = jax.eval_shape(init, *(leaves[i] for i in arrays))
-    return transform.layer_table(
-        qmodel._fn(method, False),
-        qmodel.config,
-        variables,
-        None,
-        *args,
-        caller=_CALLER,
-        **kwargs,
-    )
+    return jax.eval_shape(init, *(leaves[i] for i in arrays))

@@ -33,6 +33,7 @@ tx, wrt=nnx.Param)`` trains the parameters and leaves the rest alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -316,7 +317,9 @@ def quantize(
       *args: A sample batch for ``model(*args, **kwargs)``: required when a
         config keeps scale state (its initial state is set from it: learned
         steps from these operands), optional otherwise (the configs are then
-        checked against the operands at once, and unused rules reported).
+        checked against the operands at once, and unused rules reported, as
+        is a config that finds nothing to quantize; without it, the first
+        call reports them).
       rngs: Keys for stochastic rounding, needed when a config rounds
         stochastically (the ``int8`` preset): an ``nnx.Rngs`` with a
         ``quant`` (or ``default``) stream, or an ``nnx.RngStream``. A stream
@@ -375,17 +378,18 @@ def quantize(
             )
         return new
     fn, state = as_function(new)
-    initial = transform.init_state(fn, rules, state, *args, caller=_CALLER, **kwargs)
+    table = transform.layer_table(fn, rules, state, *args, caller=_CALLER, **kwargs)
+    table.warn_unused()
+    again = dataclasses.replace(_CALLER, whole=False)  # warned by the table
+    initial = transform.init_state(fn, rules, state, *args, caller=again, **kwargs)
     node: _Quantization = getattr(new, _ATTR)
+    configs = table.configs()  # as the matmuls run them: which state is trained
     for path, entries in initial.items():
-        kinds = rules.resolve(path).config.state_kinds()
+        kinds = configs[path].state_kinds()
         node.state[path] = {
             name: (nnx.Param if kinds[name] == "trained" else ScaleState)(value)
             for name, value in entries.items()
         }
-    transform.layer_table(
-        fn, rules, state, *args, caller=_CALLER, **kwargs
-    ).warn_unused()
     return new
 
 
@@ -482,6 +486,10 @@ def layer_table(
     Returns:
       A :class:`~qbits.config.LayerTable`.
 
+    Raises:
+      InvalidArgumentError: For sample inputs the model's ``__call__`` does
+        not take (none given: they name its inputs and the call to make).
+
     Example:
       >>> import flax.nnx as nnx
       >>> model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)),
@@ -493,9 +501,13 @@ def layer_table(
       layers/0 int8_fwd
       layers/1 float
     """
-    rules = as_quant_config(_CALLER.owner, config, allow_none=True)
+    caller = dataclasses.replace(_CALLER, owner="qbits.nnx.layer_table")
+    rules = as_quant_config(caller.owner, config, allow_none=True)
     fn, state = as_function(model)
-    return transform.layer_table(fn, rules, state, *args, caller=_CALLER, **kwargs)
+    cls = getattr(type(model), "_qbits_model_class", type(model))
+    call = "qbits.nnx.layer_table(model, config, {inputs})"
+    caller.check_inputs(cls.__call__.__get__(model), args, kwargs, call)
+    return transform.layer_table(fn, rules, state, *args, caller=caller, **kwargs)
 
 
 def update_state(model: nnx.Module, grads: Any) -> Any:

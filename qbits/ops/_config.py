@@ -184,6 +184,70 @@ class DotGeneralConfig(struct.PyTreeNode):
         return any(m.needs_key for m in (self.fwd, self.dlhs, self.drhs))
 
     @property
+    def is_weight_only(self) -> bool:
+        """Whether only the forward's weight (its rhs) is quantized.
+
+        The forward's lhs (the activation) and both backward matmuls
+        quantize nothing: ``int4_weight_only``, ``nf4``, ``w4g128_asym``.
+
+        Example:
+          >>> qbits.presets.get("nf4").is_weight_only
+          True
+          >>> qbits.presets.get("w4a8").is_weight_only
+          False
+        """
+        return (
+            self.fwd.rhs != IDENTITY
+            and self.fwd.lhs == IDENTITY
+            and self.dlhs.is_identity
+            and self.drhs.is_identity
+        )
+
+    def for_activations(self) -> DotGeneralConfig | None:
+        """The config a matmul of two activations runs (it has no weight).
+
+        In qbits a config's forward ``lhs`` is the activation quantizer and
+        its ``rhs`` the weight quantizer (the engine runs ``w @ x`` as
+        ``x @ w``, so that the weight is always the rhs). A matmul whose
+        operands are both activations (attention's ``q . k`` and
+        ``p . v``) has no weight, so the rule's config is adapted to it
+        here, for every rule alike (a rule written for such a matmul too):
+
+        - a weight-only config (:attr:`is_weight_only`) leaves it float
+          (``None``): it has no weight to quantize;
+        - otherwise the forward's rhs takes the forward lhs's quantizer (the
+          activation quantizer on both operands: ``w4a8`` runs int8 x int8
+          there), and the backward matmuls are as configured.
+
+        Configs that quantize both forward operands alike (``int8``,
+        ``fp8``, ``mxfp8``, ``nvfp4``...) are returned unchanged.
+        ``qbits.dot_general(config)`` passed to a layer by hand runs
+        ``config`` as it is.
+
+        Returns:
+          The config the engine runs for a matmul with no weight operand,
+          or ``None`` (float).
+
+        Example:
+          >>> w4a8 = qbits.presets.get("w4a8")
+          >>> w4a8.fwd.rhs.numerics.bits, w4a8.for_activations().fwd.rhs.numerics.bits
+          (4, 8)
+          >>> qbits.presets.get("int4_weight_only").for_activations() is None
+          True
+          >>> int8 = qbits.presets.get("int8")
+          >>> int8.for_activations() == int8
+          True
+        """
+        if self.is_weight_only:
+            return None
+        if self.fwd.rhs == self.fwd.lhs:
+            return self
+        dlhs = self.dlhs
+        if dlhs.use_fwd_quant and self.fwd.lhs == IDENTITY:  # no forward rhs to reuse
+            dlhs = dlhs.replace(use_fwd_quant=False)
+        return self.replace(fwd=self.fwd.replace(rhs=self.fwd.lhs), dlhs=dlhs)
+
+    @property
     def needs_state(self) -> bool:
         """Whether a quantizer takes its scale from state (has a provider).
 

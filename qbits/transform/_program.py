@@ -22,7 +22,9 @@ Sites inside a ``custom_jvp`` or ``custom_vjp`` rule (a model's own
 quantized function, or a hand-written gradient), inside other primitives
 whose bodies cannot be re-run (``shard_map`` and the like) and inside a
 ``while_loop``'s condition are listed but kept as they are; so are
-matmuls of integer operands (exact, as ``lax`` computes them) and ragged
+matmuls of two integer operands (exact, as ``lax`` computes them; an
+integer operand times a float one is a site like any other, the integer
+operand converted to floating point), matmuls of complex numbers and ragged
 dots that :func:`qbits.ops.ragged_dot` does not quantize (a ragged
 dimension contracted or batched, as in the weight gradients JAX derives;
 group sizes per batch; a ``group_offset``). A ``dot_general`` that contracts no axis (an
@@ -57,7 +59,7 @@ from qbits.transform._names import (
 )
 from qbits.transform._names import label as einsum_label
 
-__all__ = ["Program", "Site", "trace"]
+__all__ = ["Program", "Site", "float_operands", "trace"]
 
 # Primitives whose outputs are their first operand moved, re-typed or sliced:
 # a weight stays a weight through them.
@@ -142,8 +144,10 @@ class Site:
         its operands in the other order than the einsum is written (the
         site is run swapped back, so that a config's ``lhs`` is the
         written first operand).
-      integer: Whether an operand is not floating point (an integer
-        matmul: exact, kept as it is).
+      integer: Whether both operands are integers (an integer matmul:
+        exact, kept as it is). A matmul of an integer and a floating-point
+        operand is quantized like any other, the integer operand converted
+        to floating point first (:func:`float_operands`).
       unsupported: Why qbits cannot quantize the matmul (a ragged dot of
         another mode: ``qbits.ops.ragged_dot(...).unsupported``), or ``""``.
       path: The site's unique name (set by :func:`~._names.name_sites`).
@@ -342,10 +346,8 @@ class _Walker:
                     else ((), ())
                 ),
                 flipped=swapped,
-                integer=not all(
-                    jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars[:2]
-                ),
-                unsupported=unsupported,
+                integer=all(_integer(v.aval.dtype) for v in eqn.invars[:2]),
+                unsupported=unsupported or _unreal(eqn),
                 eqn=eqn,
             )
             self.sites.append(site)
@@ -419,6 +421,43 @@ class _Walker:
         body = dataclasses.replace(at, loops=(*at.loops, length))
         outs = self.walk(p["jaxpr"].jaxpr, inputs, body)
         return [self.lose([v]) for v in outs]
+
+
+def _integer(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_))
+
+
+def float_operands(eqn: Any, operands: list[Any]) -> list[Any]:
+    """A matmul equation's operands, an integer one times a float one made float.
+
+    ``x_uint8 @ w`` reaches ``dot_general`` with its operands as they are
+    (and a ``preferred_element_type``). Where one of the two operands is an
+    integer and the other floating point, the integer one is converted to
+    the equation's ``preferred_element_type`` where that is floating point,
+    else to the other operand's dtype, so that quantizing the matmul is
+    quantizing ``x.astype(w.dtype) @ w``; as in JAX, no gradient flows to
+    it. Other operands are returned as they are.
+    """
+    dtypes = [v.aval.dtype for v in eqn.invars[:2]]
+    ints = [_integer(d) for d in dtypes]
+    if not (any(ints) and any(jnp.issubdtype(d, jnp.floating) for d in dtypes)):
+        return operands
+    pet = eqn.params.get("preferred_element_type")
+    if pet is None or not jnp.issubdtype(pet, jnp.floating):
+        pet = dtypes[1] if ints[0] else dtypes[0]
+    pair = [
+        jax.lax.convert_element_type(x, pet) if i else x
+        for x, i in zip(operands[:2], ints, strict=True)
+    ]
+    return [*pair, *operands[2:]]
+
+
+def _unreal(eqn: Any) -> str:
+    """``"complex operands"`` for a matmul of complex numbers, else ``""``."""
+    dtypes = [v.aval.dtype for v in eqn.invars[:2]]
+    if any(jnp.issubdtype(d, jnp.complexfloating) for d in dtypes):
+        return "complex operands"
+    return ""
 
 
 def _ragged_unsupported(eqn: Any) -> str:

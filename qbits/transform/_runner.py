@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Collection, Mapping
+import inspect
+import os
+import sys
+import warnings
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +40,7 @@ from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._jaxpr import bind, scan_counts
 from qbits.config import QuantConfig, Resolution
 from qbits.numerics import NoNumerics, next_key
+from qbits.ops import DotGeneralConfig
 from qbits.tensor import QTensor
 from qbits.transform._adapter import DATA, Adapter, adapter_input, adapter_output
 from qbits.transform._checks import (
@@ -49,10 +55,18 @@ from qbits.transform._observe import (
     describe,
     record,
 )
-from qbits.transform._program import RAGGED_DOT, Ctx, Program, Site
+from qbits.transform._program import RAGGED_DOT, Ctx, Program, Site, float_operands
 from qbits.transform._swap import permuted_sharding, swapped
 
-__all__ = ["DIAGNOSTICS", "Caller", "Frame", "Plan", "Runner", "run_program"]
+__all__ = [
+    "DIAGNOSTICS",
+    "Caller",
+    "Frame",
+    "Plan",
+    "Runner",
+    "applied",
+    "run_program",
+]
 
 # The prefix of a probe's name among a run's per-site data (as the adapter
 # data's, :data:`~._adapter.DATA`).
@@ -73,8 +87,9 @@ class Caller:
       state: How the scale state is passed.
       state_fix: How to make the state, for the error that misses it.
       whole: Whether the function runs the whole model, so that a rule that
-        matches no matmul is worth a warning (a method that runs part of a
-        model is not).
+        matches no matmul, or a config that quantizes nothing, is worth a
+        warning (a method that runs part of a model is not; nor is an entry
+        point's second trace of the same call: it warns once).
     """
 
     owner: str = "qbits.quantize"
@@ -82,6 +97,50 @@ class Caller:
     state: str = "state"
     state_fix: str = "qbits.init_state(fn, config, *args) makes it"
     whole: bool = True
+
+    def check_inputs(
+        self, method: Callable[..., Any], args: Any, kwargs: Any, call: str
+    ) -> None:
+        """Raises unless ``method`` takes ``(*args, **kwargs)``, naming the fix.
+
+        For the entry points that trace a model on sample inputs: a model
+        called without them (or with others) fails deep inside the engine
+        with the model's own ``TypeError``; this names the inputs instead.
+
+        Args:
+          method: The model's method, bound (its signature is checked).
+          args: The sample inputs given.
+          kwargs: The keyword inputs given.
+          call: The call to make, with ``{inputs}`` where the inputs go.
+
+        Raises:
+          InvalidArgumentError: Naming the missing (or extra) inputs and
+            the call to make.
+        """
+        try:
+            signature = inspect.signature(method)
+            signature.bind(*args, **kwargs)
+            return
+        except ValueError:  # no signature to check (a builtin)
+            return
+        except TypeError as e:
+            problem = str(e)
+        required = [
+            p.name
+            for p in signature.parameters.values()
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        given = f"{len(args)} positional input{'s' * (len(args) != 1)}"
+        name = getattr(method, "__qualname__", "the model's call")
+        raise InvalidArgumentError(
+            self.owner,
+            "*args",
+            f"{given} and keywords {sorted(kwargs)}" if kwargs else given,
+            f"the sample inputs of {name}{signature} (arrays or "
+            f"jax.ShapeDtypeStruct s): {call.format(inputs=', '.join(required))}",
+            why=problem,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,11 +227,11 @@ class Plan:
             if site.path in adapted:
                 self._adapt(site, program)
             res = rules.resolve(site.path)
-            config = res.config
             if site.integer and not site.frozen:
                 self._check_integer(site, res)
             if site.kept:
                 continue
+            config = applied(site, res.config)
             if observe is not None:
                 chosen = every or not (config is None or config.is_identity)
                 weight = site.weights and site.primitive == "dot_general"
@@ -224,6 +283,8 @@ class Plan:
                 self.needs_key.append(site.path)
             if diagnose and site.ctx not in self.stored:
                 self._diagnose(site)
+        if observe is None and adapter is None and caller.whole and not self.planned:
+            _warn_if_nothing(program, rules, caller)
 
     def _add(self, site: Site, config: Any, res: Resolution) -> None:
         self.planned[site.ctx] = Planned(site, config, res)
@@ -304,6 +365,80 @@ class Plan:
         ]
 
 
+def _warn_if_nothing(program: Program, rules: QuantConfig, caller: Caller) -> None:
+    """Warns that ``rules`` quantize nothing in ``program``, saying why.
+
+    Silent when the rules quantize nothing anywhere (every config float or
+    the identity: float on purpose).
+    """
+    if all(c.is_identity for c in rules.all_configs()):
+        return
+    if not program.sites:
+        why = (
+            "the function runs no matmul (no dot_general, einsum, @, "
+            "convolution or ragged dot in its jaxpr)"
+        )
+    else:
+        reasons = {}
+        for site in program.sites:
+            res = rules.resolve(site.path)
+            if site.kept:
+                reasons[site.path] = f"kept: {site.kept}"
+            elif res.config is None:
+                reasons[site.path] = f"{res.where}: null"
+            elif applied(site, res.config) is None:
+                reasons[site.path] = "weight-only config, no weight"
+            else:
+                reasons[site.path] = f"{res.where}: {res.name or 'an identity config'}"
+        shown = [f"{path!r} ({why})" for path, why in list(reasons.items())[:4]]
+        more = f" and {len(reasons) - 4} more" if len(reasons) > 4 else ""
+        why = f"every matmul runs float: {', '.join(shown)}{more}"
+    warnings.warn(
+        f"{caller.owner}: the config {_name(rules)} quantizes nothing: {why}. "
+        "qbits.layer_table lists the matmuls and the config each one gets",
+        UserWarning,
+        stacklevel=_outside(),
+    )
+
+
+_INSIDE = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (os.path.dirname(__file__), jax.__file__, flax.__file__)
+)
+
+
+def _outside() -> int:
+    """The ``stacklevel`` of the first caller outside qbits, jax and flax."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _name(rules: QuantConfig) -> str:
+    """How a warning names the rules: their file, preset name or shape."""
+    if rules.source:
+        return repr(rules.source)
+    if not rules.rules:
+        return repr(rules.default) if isinstance(rules.default, str) else "(inline)"
+    default = rules.default
+    shown = repr(default) if isinstance(default, str | None) else "inline"
+    return f"(rules {[r.pattern for r in rules.rules]}, default {shown})"
+
+
+def applied(site: Site, config: DotGeneralConfig | None) -> DotGeneralConfig | None:
+    """The config ``site`` runs with, its rule's config being ``config``.
+
+    A matmul without a weight operand (two activations) runs
+    :meth:`~qbits.DotGeneralConfig.for_activations` of it (float for a
+    weight-only config); the others run it as it is. Every entry point
+    (quantize, layer table, state, serving, statistics) plans with this.
+    """
+    if config is None or site.weights:
+        return config
+    return config.for_activations()
+
+
 def _stores(config: Any, site: Site) -> bool:
     """Whether serving stores this site's weight (a quantized weight operand)."""
     if site.primitive != "dot_general" or not site.weights:
@@ -377,6 +512,8 @@ class Runner:
         for i, eqn in enumerate(jaxpr.eqns):
             here = (*ctx, i)
             invals = given = [read(v) for v in eqn.invars]
+            if here in self.plan.planned or here in self.plan.adapted:
+                invals = given = float_operands(eqn, invals)
             adapter = self.plan.adapter if here in self.plan.adapted else None
             if adapter is not None and adapter.before is not None:
                 invals = self._before(eqn, invals, here, frame)

@@ -25,7 +25,14 @@ from qbits.numerics import check_key
 from qbits.tensor import QTensor
 from qbits.transform._observe import ObservedMatmul, Observer
 from qbits.transform._program import Program, trace
-from qbits.transform._runner import DIAGNOSTICS, Caller, Frame, Plan, run_program
+from qbits.transform._runner import (
+    DIAGNOSTICS,
+    Caller,
+    Frame,
+    Plan,
+    applied,
+    run_program,
+)
 
 __all__ = [
     "collect_ranges",
@@ -66,7 +73,14 @@ def table(program: Program, rules: QuantConfig) -> LayerTable:
         listed.add((site.path, site.kept))
         kind = site.kind + "".join(f", scanned x{n}" for n in site.loops)
         res = rules.resolve(site.path)
-        rows.append(LayerRow(site.path, kind, res, site.kept, site.operands))
+        config, kept, note = applied(site, res.config), site.kept, ""
+        if kept:
+            config = None
+        elif config is None and res.config is not None:
+            kept = "weight-only config, no weight"
+        elif config != res.config:
+            note = "activations: lhs quantizer on both operands"
+        rows.append(LayerRow(site.path, kind, res, kept, site.operands, config, note))
     used = {row.resolution.rule for row in rows}
     unused = tuple(i for i in range(len(rules.rules)) if i not in used)
     idle = {
@@ -111,11 +125,17 @@ def quantize(
     the modules that produced their operands plus the einsum subscripts
     (``attn/btnh,bsnh->bnts``; Flax's attention einsums are ``attn/qk`` and
     ``attn/pv``); a config's ``lhs`` is the einsum's written first operand.
+    Such a matmul has no weight: it runs its rule's config as
+    :meth:`~qbits.DotGeneralConfig.for_activations` adapts it (float under
+    a weight-only config, else the activation quantizer on both operands).
     :func:`layer_table` lists them all. Grouped matmuls
     (``lax.ragged_dot``, a mixture of experts' experts) are named by their
     weight like the others and run as :func:`qbits.ops.ragged_dot`: each
     group's matmul quantized as :func:`qbits.dot_general` quantizes one.
-    Integer matmuls stay exact (as ``lax`` computes them); ragged dots of
+    Matmuls of two integers stay exact (as ``lax`` computes them); an
+    integer operand times a float one is quantized as
+    ``x.astype(w.dtype) @ w`` would be (no gradient to the integer
+    operand). Ragged dots of
     another mode (a ragged dimension contracted or batched, as in the
     weight gradients JAX derives) and matmuls in a ``while_loop``'s
     condition run as they are: listed as kept, with the reason.
@@ -161,7 +181,11 @@ def quantize(
 
     Returns:
       A function with ``fn``'s signature and outputs. Differentiate it
-      (``jax.grad``) to run the quantized backward matmuls.
+      (``jax.grad``) to run the quantized backward matmuls. Each trace of
+      it warns (``UserWarning``) when a config that quantizes something
+      finds nothing to quantize (no matmul, or every matmul kept or float),
+      saying why; and with :class:`~qbits.config.UnusedRuleWarning` for a
+      rule that matches no matmul.
 
     Raises:
       InvalidArgumentError: For a bad ``config``, a missing ``key``, a
@@ -383,7 +407,9 @@ def layer_table(
     the operand types, the config and the rule that gave it. Matmuls that
     run as they are whatever the rules say are listed as kept, with the
     reason: inside a model's own custom-gradient function (a model that
-    passes its own quantized ``dot_general``), integer matmuls (exact),
+    passes its own quantized ``dot_general``), matmuls of two integers
+    (exact), matmuls of two activations under a weight-only config (no
+    weight to quantize),
     ragged dots that :func:`qbits.ops.ragged_dot` does not quantize (a
     ragged dimension contracted or batched) and matmuls in a
     ``while_loop``'s condition. Rules that match no matmul are reported as
@@ -399,7 +425,9 @@ def layer_table(
       **kwargs: Example keyword arguments.
 
     Returns:
-      A :class:`~qbits.config.LayerTable`.
+      A :class:`~qbits.config.LayerTable`. Warns (``UserWarning``) when a
+      config that quantizes something finds nothing to quantize, as
+      :func:`quantize` does.
 
     Raises:
       ConfigError: For a rule that gives an integer matmul a config.

@@ -2,9 +2,12 @@
 
 import os
 import pathlib
+import re
 import threading
 import time
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import yaml
 from hypothesis import assume, given
@@ -407,6 +410,53 @@ def test_config_errors_from_python():
         qbits.QuantConfig(default=3)
     with pytest.raises(qbits.ConfigError, match=r"fwd\.lhs\.numerics\.bits"):
         qc.from_dict({"fwd": {"lhs": {"numerics": {"type": "int", "bits": 0}}}})
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ((qbits.MatmulConfig, {"lhs": {}}), "from_dict(data, MatmulConfig)"),
+        (({"default": "int8"}, "QuantConfig"), "from_dict(data, cls)"),
+        (({}, qbits.DotGeneralConfig, ["fwd"]), "path=['fwd'] is not allowed"),
+    ],
+)
+def test_from_dict_with_its_arguments_swapped_says_what_to_pass(args, says):
+    with pytest.raises(qbits.InvalidArgumentError, match=re.escape(says)):
+        qc.from_dict(*args)
+
+
+def test_an_error_raised_because_of_another_reads_flat():
+    """The cause on a line of its own, given as the exception or inside the
+    text; never one message in another's parentheses."""
+    try:
+        qbits.granularity.Tiled(tile_size=3).block_sizes((3, 40), (1,))
+    except qbits.InvalidArgumentError as e:
+        inner = e
+    outer = qbits.InvalidArgumentError("me", "config", "cfg", "a fit", why=inner)
+    text = f"'fc2' has K = 40: {inner}"
+    again = qbits.ConfigError("rules[2].config", "x", "a fit", why=text, layer="fc2")
+    assert str(outer) == (
+        "me: config='cfg' is not allowed; expected a fit.\n  because: " + str(inner)
+    )
+    assert str(again).splitlines() == [
+        "rules[2].config: expected a fit, got 'x' ('fc2' has K = 40, in layer 'fc2').",
+        "  because: " + str(inner),
+    ]
+    nested = qbits.InvalidArgumentError("top", "a", 1, "b", why=f"{again}")
+    assert str(nested).count("because:") == 2 and "((" not in str(nested)
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [
+        (np.zeros((38, 4), np.float16), "float16[38, 4]"),
+        ({"params": {"w": jnp.ones((5, 3))}}, "{'params': {'w': float32[5, 3]}}"),
+        ("a mapping " + "of many words " * 20 + "of shape [38, 4]", "shape [38, 4]'"),
+    ],
+)
+def test_values_in_errors_keep_their_shape(value, shown):
+    text = str(qbits.InvalidArgumentError("me", "x", value, "y"))
+    assert shown in text and len(text) < 220
 
 
 def test_to_dict_rejects_what_it_cannot_write():

@@ -194,6 +194,27 @@ def test_unused_rule_warns_and_names_the_rule():
     assert qbits.flax.layer_table(dense, config, x).unused_rules == (1,)
 
 
+def test_attention_gets_the_state_of_the_config_it_runs():
+    """As in nnx: the attention einsums' state has the rhs entries of the
+    activation quantizer, which the rule's config gives only the lhs."""
+    from qbits.numerics import Fp8Numerics
+    from qbits.providers import DelayedScaling
+
+    fp8 = Fp8Numerics("float8_e5m2")
+    config = qbits.DotGeneralConfig(
+        fwd=qbits.MatmulConfig(
+            lhs=qbits.Quantizer(fp8, provider=DelayedScaling(history_length=2)),
+            rhs=qbits.Quantizer(fp8),
+        )
+    )
+    qmodel = qbits.flax.quantize(nn.MultiHeadDotProductAttention(2), config)
+    x = jax.random.normal(jax.random.key(0), (2, 3, 4))
+    variables = qmodel.init(jax.random.key(1), x)
+    state = variables[qbits.flax.STATE]
+    assert "rhs_scale" in state["qk"] and "rhs_scale" not in state["query"]
+    assert qmodel.apply(variables, x).shape == x.shape
+
+
 def test_stochastic_rounding_draws_from_the_quant_stream():
     x = jax.random.normal(jax.random.key(0), (4, D))
     qmodel = qbits.flax.quantize(MLP(), QuantConfig(rules=(Rule("fc.", "int8"),)))
@@ -274,3 +295,24 @@ def test_config_errors_name_the_file_the_rule_and_the_matmul(tmp_path):
 def test_bad_arguments(model, config):
     with pytest.raises(InvalidArgumentError):
         qbits.flax.quantize(model, config)
+
+
+def test_layer_table_given_the_variables_or_no_inputs_says_what_it_takes():
+    """By analogy with qbits.layer_table(fn, config, params, x), variables
+    passed where the inputs go ended in the model's own AttributeError."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, deterministic: bool = True):
+            return nn.Dense(3, name="fc")(x.astype(jnp.float32))
+
+    x = jnp.ones((2, 6))
+    variables = Net().init(jax.random.key(0), x)
+    with pytest.raises(InvalidArgumentError, match=r"args\[0\]=.*variables") as e:
+        qbits.flax.layer_table(Net(), "int8_fwd", variables, x)
+    assert "qbits.layer_table(model.apply, config, variables, x)" in str(e.value)
+    with pytest.raises(
+        InvalidArgumentError, match=r"missing .*'x'.*\(model, config, x\)"
+    ):
+        qbits.flax.layer_table(Net(), "int8_fwd")
+    assert qbits.flax.layer_table(Net(), "int8_fwd", x, False).rows[0].path == "fc"

@@ -164,6 +164,35 @@ def test_functional_split_merge_style_with_delayed_scaling():
         qbits.nnx.quantize(Mlp(nnx.Rngs(0)), "fp8_delayed")
 
 
+def _delayed_activations():
+    """Delayed scales for the activation, current scales for the weight."""
+    from qbits.numerics import Fp8Numerics
+    from qbits.providers import DelayedScaling
+
+    fp8 = Fp8Numerics("float8_e4m3fn")
+    return qbits.DotGeneralConfig(
+        fwd=qbits.MatmulConfig(
+            lhs=qbits.Quantizer(fp8, provider=DelayedScaling(history_length=4)),
+            rhs=qbits.Quantizer(fp8),
+        )
+    )
+
+
+def test_attention_gets_the_state_of_the_config_it_runs():
+    """A matmul of two activations runs the activation quantizer on both
+    operands: its state has the rhs entries the rule's config lacks."""
+    x = jax.random.normal(jax.random.key(0), (1, 3, 6))
+    attn = nnx.MultiHeadAttention(2, 6, decode=False, rngs=nnx.Rngs(0))
+    model = qbits.nnx.quantize(attn, _delayed_activations(), x)
+    state = model.qbits.state
+    assert sorted(state["value"]) == ["lhs_amax_history", "lhs_scale"]
+    assert sorted(state["qk"]) == [
+        "lhs_amax_history", "lhs_scale", "rhs_amax_history", "rhs_scale"
+    ]  # fmt: skip
+    assert isinstance(state["pv"]["rhs_scale"], qbits.nnx.ScaleState)
+    assert model(x).shape == x.shape
+
+
 def test_jit_cache_keeps_float_and_quantized_apart():
     model = make_transformer()
     qmodel = qbits.nnx.quantize(model, "int8_fwd")
@@ -202,6 +231,18 @@ def test_config_errors_name_the_rule_and_the_matmul():
 def test_bad_arguments(model, config, kwargs):
     with pytest.raises(InvalidArgumentError):
         qbits.nnx.quantize(model, config, **kwargs)
+
+
+def test_layer_table_without_sample_inputs_names_them():
+    """Not the model's own TypeError from deep in the engine."""
+    model = nnx.Conv(3, 4, (2,), rngs=nnx.Rngs(0))
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"qbits.nnx.layer_table: \*args=.*'inputs'.*\(model, config, inputs\)",
+    ):
+        qbits.nnx.layer_table(model, "int8_fwd")
+    with pytest.raises(InvalidArgumentError, match="too many positional"):
+        qbits.nnx.layer_table(model, "int8_fwd", TOKENS, None, TOKENS)
 
 
 def test_explicit_stateful_ops_keep_keys_and_state():

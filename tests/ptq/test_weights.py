@@ -115,7 +115,7 @@ def test_float_rules_keep_their_weights_and_errors_name_the_layer():
     tiled = W4.replace(
         fwd=W4.fwd.replace(rhs=INT4.replace(granularity=qbits.Tiled(tile_size=24)))
     )
-    with pytest.raises(qbits.InvalidArgumentError, match=r"'wq'.*tile_size=24"):
+    with pytest.raises(qbits.InvalidArgumentError, match=r"(?s)'wq'.*tile_size=24"):
         ptq.quantize_weights(_model, params, batches, tiled)
     with pytest.raises(qbits.InvalidArgumentError, match="method='sgd'"):
         ptq.quantize_weights(_model, params, batches, config, method="sgd")

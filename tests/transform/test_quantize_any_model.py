@@ -1,6 +1,7 @@
 """qbits.quantize: every matmul of model code written any way, by rules."""
 
 import functools
+import re
 import warnings
 from typing import Any
 
@@ -471,7 +472,9 @@ def test_a_weight_on_the_left_gets_the_weight_side_of_the_config():
 
 def test_flax_conv_densegeneral_and_attention_equal_explicit_ops():
     """The engine on Flax's own layers computes what the layers compute when
-    given qbits' ops explicitly (dot_general=, einsum classes, conv)."""
+    given qbits' ops explicitly (dot_general=, einsum classes, conv); the
+    attention's two einsums, of two activations each, run the config's
+    :meth:`for_activations` (given by hand, a config runs as it is)."""
 
     class Mixed(nn.Module):
         preset: str | None = None
@@ -481,7 +484,8 @@ def test_flax_conv_densegeneral_and_attention_equal_explicit_ops():
             ops = {}
             if self.preset is not None:
                 dg = qbits.dot_general(self.preset)
-                einsum = functools.partial(qbits.einsum, self.preset)
+                acts = qbits.presets.get(self.preset).for_activations()
+                einsum = functools.partial(qbits.einsum, acts)
                 ops = {
                     "attn": dict(
                         qkv_dot_general=dg,
@@ -518,7 +522,8 @@ def test_flax_conv_densegeneral_and_attention_equal_explicit_ops():
 def test_an_activation_einsum_gives_lhs_to_its_written_first_operand(spec):
     """JAX may hand dot_general the einsum's operands the other way round
     (values before weights); the config's sides follow the written einsum,
-    as qbits.einsum gives them."""
+    as qbits.einsum gives them (the backward matmuls differ per side; the
+    forward of two activations runs the lhs quantizer on both)."""
     shapes = {
         "bnts,bsnh->btnh": ((2, 3, 5, 6), (2, 6, 3, 4)),
         "btnh,bsnh->bnts": ((2, 5, 3, 4), (2, 6, 3, 4)),
@@ -526,11 +531,16 @@ def test_an_activation_einsum_gives_lhs_to_its_written_first_operand(spec):
     }[spec]
     a = jax.random.normal(jax.random.key(0), shapes[0])
     b = jax.random.normal(jax.random.key(1), shapes[1])
-    config = qbits.presets.get("w4a8")  # int8 lhs, int4 rhs: the sides differ
+    int8, int4 = (qbits.Quantizer(qbits.IntNumerics(bits=b)) for b in (8, 4))
+    config = qbits.DotGeneralConfig(
+        fwd=qbits.MatmulConfig(lhs=int8, rhs=int4),
+        dlhs=qbits.MatmulConfig(lhs=int4, rhs=int8),  # the sides differ
+        drhs=qbits.MatmulConfig(lhs=int8, rhs=int4),
+    )
     ours = qbits.quantize(
         lambda a, b: jnp.einsum(spec, a, b), config, params_argnum=None
     )
-    theirs = functools.partial(qbits.einsum(config), spec)
+    theirs = functools.partial(qbits.einsum(config.for_activations()), spec)
     np.testing.assert_array_equal(ours(a, b), theirs(a, b))
     grads = jax.grad(lambda a, b: ours(a, b).sum(), argnums=(0, 1))(a, b)
     want = jax.grad(lambda a, b: theirs(a, b).sum(), argnums=(0, 1))(a, b)
@@ -579,6 +589,79 @@ def test_each_site_draws_its_own_noise():
     np.testing.assert_array_equal(grads[0], again[0])
 
 
+def _attention(p, x):
+    q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
+    scores = jnp.einsum("td,sd->ts", q, k)
+    return jnp.einsum("ts,sd->td", jax.nn.softmax(scores), v)
+
+
+_ACTS = {  # what each preset runs on a matmul of two activations
+    "w4a8": "w4a8 (activations: lhs quantizer on both operands)",
+    "fp8_blockwise": "fp8_blockwise (activations: lhs quantizer on both operands)",
+    **dict.fromkeys(
+        ("int4_weight_only", "w4g128_asym", "nf4", "nvfp4_weight_only"), "kept"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", qbits.presets.names())
+def test_each_preset_on_a_matmul_of_two_activations(name):
+    """A matmul with no weight runs the rule's config adapted to it, in one
+    place (DotGeneralConfig.for_activations): weight-only presets leave it
+    float, the others put the activation quantizer on both operands (w4a8:
+    int8 x int8, never int4; fp8_blockwise: 1 x 128 tiles, not blocks);
+    the layer table says what runs."""
+    p = {n: jnp.ones((128, 128)) for n in "qkv"}
+    x = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+    table = qbits.layer_table(_attention, name, p, x)
+    config = qbits.presets.get(name)
+    for path in ("td,sd->ts", "ts,sd->td"):
+        row = table[path]
+        assert row.describe() == _ACTS.get(name, name)
+        assert row.applied == (None if row.kept else config.for_activations())
+        if row.kept:
+            assert row.kept == "weight-only config, no weight"
+    assert table["q"].describe() == name and table["q"].applied == config
+
+
+def test_w4a8_runs_int8_on_attention_and_weight_only_leaves_it_float():
+    """Head dimension 24 divides no weight-only tile: those presets used to
+    refuse the attention einsums; w4a8 used to put them on 4 bits."""
+    p = {n: jax.random.normal(jax.random.key(i), (64, 24)) for i, n in enumerate("qkv")}
+    x = jax.random.normal(jax.random.key(3), (5, 64))
+    dtypes = qbits.ops.jaxpr_dot_dtypes(
+        lambda p: qbits.quantize(_attention, "w4a8")(p, x), p
+    )
+    assert dtypes[3:] == [("int8", "int8", "int32")] * 2  # qk and pv
+    nf4 = qbits.quantize(_attention, "nf4")(p, x)
+    rules = qbits.QuantConfig((qbits.Rule("td,sd->ts|ts,sd->td", None),), "nf4")
+    np.testing.assert_array_equal(nf4, qbits.quantize(_attention, rules)(p, x))
+
+
+def test_weight_only_presets_on_the_example_transformer():
+    """``qbits ptq``'s weight-only presets on the model ``qbits train``
+    writes: its result ran with the preset as the default, and a head
+    dimension of 32 failed the attention einsums ("expected a divisor of 32
+    ... in layer 'blocks/0/attn/qk'"). Traced only: nothing is computed."""
+    from qbits.experiments import ModelSpec, TransformerLM
+
+    spec = ModelSpec("lm", 128, 1, 4, 8, 2, 1, 1e-3)
+    model = nnx.eval_shape(lambda: TransformerLM(7, spec, rngs=nnx.Rngs(0)))
+    fn, state = qbits.nnx.as_function(model)
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+
+    def logits(params, tokens):
+        return fn(params, tokens)[0]
+
+    # attn/out contracts 4 heads x 32: no tile of 128 along one axis.
+    rules = qbits.QuantConfig((qbits.Rule(".*/attn/out", None),), "w4g128_asym")
+    table = qbits.layer_table(logits, rules, state, tokens)
+    assert table["blocks/0/attn/qk"].kept == "weight-only config, no weight"
+    assert table["blocks/0/mlp/fc1"].describe() == "w4g128_asym"
+    out = jax.eval_shape(qbits.quantize(logits, rules), state, tokens)
+    assert out.shape == (2, 8, 7)
+
+
 def test_kept_matmuls_are_listed_with_the_reason():
     """Integer matmuls stay exact (a rule that quantizes one is an error
     naming it); a ragged dot contracting its ragged dimension (a weight
@@ -602,17 +685,132 @@ def test_kept_matmuls_are_listed_with_the_reason():
         "probe": jnp.ones((4, 1)),
     }
     args = (p, jnp.ones((6, 4)), jnp.ones((6, 4), jnp.int32), jnp.array([3, 3]))
-    table = qbits.layer_table(f, "int8_fwd", *args)
+    with pytest.warns(UserWarning, match="quantizes nothing: every matmul runs"):
+        table = qbits.layer_table(f, "int8_fwd", *args)
     assert [(r.path, r.kept) for r in table.rows] == [
         ("table", "integer operands"),
         ("experts", "ragged_dot_general with the ragged dimension contracted"),
         ("probe", "inside a while_loop condition"),
     ]
-    out = qbits.quantize(f, "int8_fwd")(*args)
+    with pytest.warns(UserWarning, match="'probe' \\(kept: inside a while_loop"):
+        out = qbits.quantize(f, "int8_fwd")(*args)
     np.testing.assert_array_equal(out, f(*args))
     rules = qbits.QuantConfig(rules=(qbits.Rule("table", "int8_fwd"),))
     with pytest.raises(qbits.ConfigError, match=r"rules\[0\].*'table'.*integer"):
         qbits.layer_table(f, rules, *args)
+
+
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype, weight_left",
+    [(jnp.int8, jnp.bfloat16, False), (jnp.uint16, jnp.float32, True)],
+)
+def test_an_integer_activation_times_a_float_weight_is_quantized(
+    x_dtype, w_dtype, weight_left
+):
+    """Only a matmul of two integers is exact: an integer operand times a
+    float one (what JAX hands dot_general for ``x_int @ w``) is a site like
+    any other, quantized as ``x.astype(float) @ w`` is, forward and backward
+    (no gradient to the integer operand), stored for serving and seen by
+    post-training statistics."""
+    dn = (((1,), (1,)), ((), ())) if weight_left else (((1,), (0,)), ((), ()))
+    f32 = jnp.float32
+
+    def mixed(p, x):
+        a, b = (p["w"], x) if weight_left else (x, p["w"])
+        return jax.lax.dot_general(a, b, dn, preferred_element_type=f32)
+
+    def cast(p, x):
+        a, b = (p["w"], x.astype(f32)) if weight_left else (x.astype(f32), p["w"])
+        return jax.lax.dot_general(a, b, dn, preferred_element_type=f32)
+
+    shape = (6, 32) if weight_left else (32, 6)
+    w = (jax.random.normal(jax.random.key(0), shape) / 4).astype(w_dtype)
+    x = jax.random.randint(jax.random.key(1), (5, 32), 0, 100).astype(x_dtype)
+    p = {"w": w}
+    table = qbits.layer_table(mixed, "int8", p, x)
+    assert [(r.path, r.kept, r.describe()) for r in table.rows] == [("w", "", "int8")]
+    key = jax.random.key(2)
+    got = qbits.quantize(mixed, "int8", key)(p, x)
+    np.testing.assert_array_equal(got, qbits.quantize(cast, "int8", key)(p, x))
+    assert not np.array_equal(got, mixed(p, x))  # quantized, not float
+    grads = [
+        jax.grad(lambda p, h=h: qbits.quantize(h, "int8", key)(p, x).sum())(p)
+        for h in (mixed, cast)
+    ]
+    np.testing.assert_array_equal(grads[0]["w"], grads[1]["w"])
+    stored = qbits.transform.store_weights(mixed, "w4a8", p, x)
+    assert list(stored) == ["w"]
+    served = qbits.quantize(mixed, "w4a8", stored=stored)(p, x)
+    np.testing.assert_array_equal(served, qbits.quantize(cast, "w4a8")(p, x))
+    ranges = qbits.collect_ranges(mixed, p, [x])
+    assert ranges == {"w": float(jnp.abs(x.astype(f32)).max())}
+
+
+def _norm(p, x):  # no matmul: an elementwise scale and a sum
+    return jnp.sum(x * p["scale"], axis=-1)
+
+
+def _counts(p, x, ids):  # an integer matmul (kept) and a weight matmul
+    return (ids @ p["ids"]).astype(jnp.float32) + x @ p["w"]
+
+
+_P = {"scale": jnp.ones(5), "ids": jnp.ones((5, 3), jnp.int32), "w": jnp.ones((5, 3))}
+_X, _IDS = jnp.ones((2, 5)), jnp.ones((2, 5), jnp.int32)
+_W_NULL = qbits.QuantConfig((qbits.Rule("w", None),), "int8_fwd")
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda: qbits.quantize(_norm, "fp8")(_P, _X),
+         "qbits.quantize: the config 'fp8' quantizes nothing: the function "
+         "runs no matmul"),
+        (lambda: qbits.layer_table(_counts, _W_NULL, _P, _X, _IDS),
+         re.escape("qbits.layer_table: the config (rules ['w'], default "
+                   "'int8_fwd') quantizes nothing: every matmul runs float: "
+                   "'ids' (kept: integer operands), 'w' (rules[0].config: null)")),
+        (lambda: qbits.init_state(_counts, _W_NULL, _P, _X, _IDS),
+         "qbits.init_state: .* 'w' \\(rules\\[0\\].config: null\\)"),
+        (lambda: qbits.quantize(lambda p, x: jnp.einsum("td,sd->ts", x, x),
+                                "w4g128_asym")({}, jnp.ones((3, 128))),
+         "'w4g128_asym' quantizes nothing: every matmul runs float: "
+         "'td,sd->ts' \\(weight-only config, no weight\\)"),
+    ],
+)  # fmt: skip
+def test_a_config_that_quantizes_nothing_says_why(call, says):
+    """Every entry point warns when a config that quantizes something finds
+    nothing to quantize, naming itself, the config and why."""
+    with pytest.warns(UserWarning, match=says):
+        call()
+
+
+def test_nothing_to_quantize_warns_once_per_trace_and_not_for_float():
+    import flax.linen as nn
+
+    class Scale(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x * self.param("s", nn.initializers.ones, (x.shape[-1],))
+
+    qmodel = qbits.flax.quantize(Scale(), "mxfp8")
+    x = jnp.ones((2, 4))
+    variables = qmodel.init(jax.random.key(0), x)
+    apply = jax.jit(qmodel.apply)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply(variables, x)
+        apply(variables, 2 * x)  # the same trace: no second warning
+        qbits.quantize(_norm, None)(_P, _X)  # float on purpose: silent
+        qbits.quantize(_norm, "none")(_P, _X)
+    assert [str(w.message)[:45] for w in caught] == [
+        "qbits.flax.quantize: the config 'mxfp8' quant"
+    ]
+    with pytest.warns(UserWarning, match="qbits.flax.layer_table: .* no matmul"):
+        qbits.flax.layer_table(Scale(), "mxfp8", x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qbits.nnx.quantize(nnx.LayerNorm(4, rngs=nnx.Rngs(0)), "int8_fwd", x)
+    assert len(caught) == 1 and "qbits.nnx.quantize" in str(caught[0].message)
 
 
 def test_config_errors_from_quantize_and_convert_name_the_rule_and_the_matmul():
