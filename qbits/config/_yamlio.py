@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from typing import Any
 
 import yaml
 
 from qbits._errors import ConfigError
+from qbits._files import read_regular_file
 from qbits.config import presets
 from qbits.config._rules import QuantConfig
 from qbits.config._schema import MISSING, from_dict, to_dict
@@ -342,38 +342,22 @@ def read_yaml(path: str | os.PathLike) -> Any:
     """
     source = os.fspath(path)
     try:
-        # Opening a FIFO for reading waits for a writer: not without O_NONBLOCK.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with open(fd, "rb") as f:
-            mode = os.fstat(fd).st_mode
-            data = f.read(MAX_BYTES + 1) if stat.S_ISREG(mode) else b""
+        data, kind = read_regular_file(path, MAX_BYTES + 1)
     except OSError as e:
         raise ConfigError(
             "", source, "a readable file", why=e.strerror or str(e)
         ) from None
     except ValueError as e:  # e.g. a NUL byte in the path
         raise ConfigError("", source, "a readable file", why=str(e)) from None
-    if not stat.S_ISREG(mode):
+    if kind is not None:
         raise ConfigError(
             "",
             source,
             "a regular file",
-            why=f"it is {_kind(mode)}; a config is read from a file",
+            why=f"it is {kind}; a config is read from a file",
             source=source,
         )
     return parse_yaml(data, source)
-
-
-def _kind(mode: int) -> str:
-    """What a file that is not a regular file is, e.g. ``"a FIFO (named pipe)"``."""
-    kinds = [
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ]
-    return next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
 def dumps(config: Any, comment: str = "") -> str:

@@ -76,9 +76,11 @@ def int8() -> DotGeneralConfig:
     """int8 forward and both backward matmuls, stochastic rounding on gradients.
 
     The forward is :func:`int8_fwd`; in the two backward matmuls the incoming
-    gradient is quantized to int8 with stochastic rounding (unbiased, so
-    gradient noise averages out) and the other operand to int8 with rounding
-    to nearest. Needs a PRNG key. Follows AQT's int8 training of transformers
+    gradient is quantized to int8 with stochastic rounding (unbiased below
+    the top code, so gradient noise averages out; each block's largest
+    element comes back 0.39% low, absmax·254/255, a bias of 2e-4 to 2e-3 of
+    the gradient's norm: see :class:`~qbits.IntNumerics`) and the other
+    operand to int8 with rounding to nearest. Needs a PRNG key. Follows AQT's int8 training of transformers
     (arXiv 2105.03536) and the int8 training recipe of Jin et al./SwitchBack.
     """
     fwd = MatmulConfig(lhs=_int(8), rhs=_int(8))
@@ -263,6 +265,9 @@ def nvfp4() -> DotGeneralConfig:
     "e4m3"``). Both forward operands, each scaled
     from its own amax at every step (W4A4); the backward stays float. The
     contracting size of every layer it applies to must be a multiple of 16.
+    The tensor scale is floored at 2^-126 (float32's smallest normal): below
+    an amax of about 3.2e-35 the block scales no longer reach 448, at no
+    measured cost in error.
     """
     return DotGeneralConfig(fwd=MatmulConfig(lhs=_nvfp4(), rhs=_nvfp4()))
 

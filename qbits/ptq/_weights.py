@@ -103,7 +103,9 @@ class PtqResult(NamedTuple):
         are on their grids already), so ``qbits.quantize(fn, result.config)``
         quantizes only what the config quantizes besides those weights:
         activations (W8A8), and matmuls without a weight (attention's
-        scores) as the config's rules say. To run only the written weights,
+        scores) as the config runs them there
+        (:meth:`~qbits.DotGeneralConfig.for_activations`: float under a
+        weight-only config). To run only the written weights,
         ``result._replace(config=qbits.QuantConfig())``.
       transforms: ``{matmul path: {"scale": s, "rotation": Q}}`` for the
         matmuls whose activation is transformed online (``smooth``,
@@ -167,7 +169,10 @@ class PtqResult(NamedTuple):
           [11.0, 19.9]
         """
         if not self.transforms:
-            return transform.quantize(fn, self.config, key=key)
+            # What it quantizes besides the written weights may be nothing
+            # (a weight-only result): not worth a warning here.
+            caller = transform.Caller("qbits.ptq.PtqResult.function", whole=False)
+            return transform.quantize(fn, self.config, key=key, caller=caller)
         return transform.adapt(
             fn, self.config, ACTIVATION, dict(self.transforms), key=key
         )

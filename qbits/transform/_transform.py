@@ -375,7 +375,7 @@ def init_probes(
       >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
       >>> probes = qbits.transform.init_probes(mlp, "int8", params, jnp.ones((3, 4)))
       >>> sorted(probes), probes["w1"]["sums"].shape
-      (['w1', 'w2'], (6, 8))
+      (['w1', 'w2'], (6, 9))
     """
     quant = as_quant_config(caller.owner, config, allow_none=True)
 

@@ -212,3 +212,21 @@ def test_smoothing_and_rotation_run_online_in_every_layout_and_cut_w8a8_error():
         run("int8_fwd", method="awq", rotate=True)
     with pytest.raises(qbits.InvalidArgumentError, match="smooth"):
         run("int8_fwd", smooth=1.5)
+
+
+def test_a_weight_only_result_runs_without_a_nothing_to_quantize_warning():
+    # After weight-only PTQ the config quantizes nothing besides the written
+    # weights (attention's scores run float under it): running the result
+    # is not a config that quantizes nothing by mistake.
+    w4 = qbits.Quantizer(qbits.IntNumerics(bits=4), qbits.AbsMax(), qbits.PerChannel())
+    config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=w4))
+
+    def fn(params, x):
+        h = x @ params["w"]
+        return jnp.einsum("bi,ci->bc", h, h)  # a matmul of two activations
+
+    params = {"w": jax.random.normal(jax.random.key(0), (8, 6))}
+    x = jax.random.normal(jax.random.key(1), (5, 8))
+    out = qbits.ptq.quantize_weights(fn, params, [x], config, method="rtn")
+    got = out.function(fn)(out.params, x)  # warnings are errors here
+    np.testing.assert_allclose(got, fn(out.params, x), rtol=1e-6, atol=1e-6)
