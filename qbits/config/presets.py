@@ -80,8 +80,9 @@ def int8() -> DotGeneralConfig:
     the top code, so gradient noise averages out; each block's largest
     element comes back 0.39% low, absmax·254/255, a bias of 2e-4 to 2e-3 of
     the gradient's norm: see :class:`~qbits.IntNumerics`) and the other
-    operand to int8 with rounding to nearest. Needs a PRNG key. Follows AQT's int8 training of transformers
-    (arXiv 2105.03536) and the int8 training recipe of Jin et al./SwitchBack.
+    operand to int8 with rounding to nearest. Needs a PRNG key. Follows
+    AQT's int8 training of transformers (arXiv 2105.03536) and the int8
+    training recipe of Jin et al./SwitchBack.
     """
     fwd = MatmulConfig(lhs=_int(8), rhs=_int(8))
     bwd = MatmulConfig(lhs=_int(8, stochastic=True), rhs=_int(8))
