@@ -90,8 +90,9 @@ _PRESET_NOTES = {
     "int8": "int8 forward and both backward matmuls",
     "fp8": "E4M3 forward, E5M2 gradients",
     "fp8_delayed": "the same, delayed scaling",
-    "w4a8": "int4 weights, int8 activations (every matmul)",
-    "w4a8_attn8": "W4A8 as deployed: int8 keys and values",
+    "w4a8": "int4 weights, int8 activations (measured with attention's "
+    "einsums on 4 bits; `w4a8` now runs them int8, as `w4a8_attn8`)",
+    "w4a8_attn8": "W4A8 as deployed: int8 keys and values (what `w4a8` runs now)",
 }
 
 
@@ -196,7 +197,9 @@ def lm_quality() -> str:
         + (f"; over its target: {', '.join(over)}" if over else "")
         + ". This table predates the one-engine version, whose `int8` draws "
         "per-matmul keys of its own: seed 0's `int8` run (the main job) moved "
-        f"from {int8['ratio_per_seed'][0]:.4f} to {main['ratio']:.4f}.\n\n"
+        f"from {int8['ratio_per_seed'][0]:.4f} to {main['ratio']:.4f}. Its "
+        "`w4a8` row ran the attention einsums with 4-bit second operands; "
+        "`w4a8` now runs them int8 x int8, as `w4a8_attn8` did.\n\n"
     )
     return (
         _table(header, rows)
@@ -603,7 +606,9 @@ def diagnostics_headline() -> str:
         f"{span([w4[k] for k in fc2 if k[1] == 'fwd.rhs'])} dB, post-GELU "
         f"activations {span([w4[k] for k in fc2 if k[1] == 'fwd.lhs'])} dB) and, "
         "seen only in the flushed fraction, the attention probabilities, which "
-        "the preset puts on 4 bits: "
+        "the preset then put on 4 bits (it no longer does: a matmul without a "
+        "weight now runs `w4a8`'s activation quantizer, int8, on both operands, "
+        "what `w4a8_attn8` measured): "
         f"{100 * max(statistics.mean(flushed[k]) for k in pv):.0f}% of them flush "
         f"to zero while their SQNR still reads {span([w4[k] for k in pv])} dB. "
         f"Keeping both at 8 bits closes {closed:.0f}% of the gap; no other layer "
