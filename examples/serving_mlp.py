@@ -24,6 +24,28 @@ class Mlp(nn.Module):
         return nn.Dense(10, name="head")(x)
 
 
+def make_step(qat: nn.Module, tx: optax.GradientTransformation):
+    """One jitted training step of the QAT model.
+
+    The batch is an argument, not an array the step closes over: XLA folds
+    a captured array as a constant at compile time, and folding the
+    quantization of a 256x256 one takes seconds ("Constant folding an
+    instruction is taking > 1s" alarms).
+    """
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        def loss(p):
+            logits = qat.apply(p, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
 def main() -> None:
     rules = qbits.QuantConfig(rules=[qbits.Rule("head", "int8_fwd")], default="w4a8")
     model = Mlp()
@@ -34,19 +56,9 @@ def main() -> None:
     params = model.init(ki, x)
     tx = optax.sgd(0.05, momentum=0.9)
     opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state):
-        def loss(p):
-            logits = qat.apply(p, x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state)
-        return optax.apply_updates(params, updates), opt_state, value
-
+    step = make_step(qat, tx)
     for i in range(200):
-        params, opt_state, value = step(params, opt_state)
+        params, opt_state, value = step(params, opt_state, x, y)
         if i % 50 == 0 or i == 199:
             print(f"step {i:3d}  loss {float(value):.4f}")
 

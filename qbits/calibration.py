@@ -37,6 +37,15 @@ Tiny and huge blocks:
   block near the dtype's largest value dequantizes to finite values of the
   right sign; ``"e8m0"`` then rounds down instead of up where rounding up
   would overflow, and the values beyond the grid clip.
+
+Subnormal input:
+  XLA:CPU reads float32 subnormals (magnitudes below ``2**-126``, about
+  ``1.18e-38``) as zero (flush-to-zero), in the calibration's reductions
+  and in the division by the scale. On CPU a block whose largest magnitude
+  is subnormal therefore gets the bound 0 and quantizes to exact zeros,
+  and a subnormal element of any block quantizes as 0 (which differs from
+  rounding it only in blocks whose step is itself near ``2**-126``). Other
+  backends may keep subnormals.
 """
 
 from __future__ import annotations

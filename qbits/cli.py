@@ -6,6 +6,7 @@
     qbits sweep SWEEP.yaml [--out DIR] [--rerun]
     qbits ptq CONFIG --run DIR [--method rtn gptq awq ...] [--calibration N] [--out DIR]
     qbits inspect CONFIG [--model lm|mlp]
+    qbits generate [--prompt TEXT | --prompt-file FILE] [--cache CACHE] [--run DIR]
     qbits presets
 
 CONFIG is a preset name (``qbits presets``) or a YAML config file (a single
@@ -227,6 +228,7 @@ def _print_rows(rows: list[dict], metric: str) -> None:
 
 
 def _ptq(args: argparse.Namespace) -> int:
+    import qbits
     from qbits.experiments import post_train
 
     name, config, _ = _config(args.config)
@@ -240,17 +242,22 @@ def _ptq(args: argparse.Namespace) -> int:
             f"{', '.join(args.method)} ({args.calibration} calibration batches); "
             f"results in {out}"
         )
-    rows = post_train(
-        args.run_dir,
-        config,
-        out,
-        name=name,
-        methods=args.method,
-        calibration=args.calibration,
-        seed=args.seed,
-        progress=not args.quiet and sys.stderr.isatty(),
-        log=_log(args.quiet),
-    )
+    try:
+        rows = post_train(
+            args.run_dir,
+            config,
+            out,
+            name=name,
+            methods=args.method,
+            calibration=args.calibration,
+            seed=args.seed,
+            progress=not args.quiet and sys.stderr.isatty(),
+            log=_log(args.quiet),
+        )
+    except qbits.InvalidArgumentError as e:
+        if e.argument != "out":
+            raise
+        raise UsageError(f"--out {out}: {e.why}; expected {e.allowed}") from None
     _print_rows(rows, "accuracy")
     print(f"\n{_wrote(out)}")
     return 0
@@ -337,13 +344,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--temperature: expected a finite number >= 0, got {args.temperature}"
         )
-    prompt = args.prompt
-    if args.prompt_file is not None:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompt = f.read(1_000_000)
-        except UnicodeDecodeError:
-            raise UsageError(f"{args.prompt_file}: not UTF-8 text") from None
+    prompt = args.prompt if args.prompt_file is None else _prompt(args.prompt_file)
     if args.run_dir:  # the float32 model that qbits train saved
         model, data, run = load_trained(args.run_dir, owner="qbits generate")
         if run["model"] != "lm":
@@ -439,6 +440,27 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _prompt(path: str) -> str:
+    """The text of ``--prompt-file``: a regular file (a FIFO would never end)."""
+    from qbits._files import read_regular_file
+
+    limit = 1_000_000
+    try:
+        data, kind = read_regular_file(path, limit + 1)
+    except ValueError as e:  # a NUL byte in the path
+        raise UsageError(f"--prompt-file {path}: {e}") from None
+    if kind is not None:
+        raise UsageError(f"--prompt-file {path}: expected a regular file, got {kind}")
+    if len(data) > limit:
+        raise UsageError(
+            f"--prompt-file {path}: expected a file of at most {limit} bytes"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"--prompt-file {path}: not UTF-8 text") from None
 
 
 def _presets(args: argparse.Namespace) -> int:
@@ -543,7 +565,9 @@ def _parser() -> argparse.ArgumentParser:
         "nearest, GPTQ, AWQ) on calibration batches of the training data, "
         "evaluate each on the held-out data (activations quantized too where "
         "CONFIG says so: W8A8), and write results.{md,csv,json} and "
-        "loss_curves.png to --out.",
+        "eval_loss.png (each method's eval loss beside float32's) to --out, "
+        "which may not be a training run's folder (its report would be "
+        "replaced).",
     )
     ptq.add_argument(
         "config",

@@ -74,6 +74,24 @@ def test_docs_have_python_examples():
     assert EXAMPLES
 
 
+def test_serving_example_step_captures_no_batch():
+    """examples/serving_mlp.py: a batch closed over by the jitted step is an
+    XLA constant, whose quantization XLA folded for seconds at compile time
+    (14 lines of "Constant folding ... taking > 1s" alarms)."""
+    import jax
+    import optax
+
+    import qbits
+    from examples.serving_mlp import Mlp, make_step
+
+    qat = qbits.flax.quantize(Mlp(), "w4a8")
+    x, y = jax.numpy.ones((4, 256)), jax.numpy.zeros((4,), "int32")
+    params = Mlp().init(jax.random.key(0), x)
+    tx = optax.sgd(0.1)
+    traced = make_step(qat, tx).trace(params, tx.init(params), x, y)
+    assert max((c.size for c in traced.jaxpr.consts), default=0) < 1000
+
+
 def test_figures_agree_with_their_results_files():
     problems = _figures().check()
     assert not problems, (

@@ -73,7 +73,10 @@ class Quantizer(struct.PyTreeNode):
       exact zeros, on grids without a zero too (its codes are 0, off the
       grid), with the straight-through gradient.
     - Tiny blocks get scales down to float32's smallest normal, so they keep
-      their values as far as float32 resolves them; huge finite blocks (up
+      their values as far as float32 resolves them, except that XLA:CPU
+      reads float32 subnormals (below ``2**-126``, about ``1.18e-38``) as
+      zero: there a block whose largest magnitude is subnormal quantizes
+      to exact zeros, a subnormal element to 0. Huge finite blocks (up
       to the dtype's largest value) dequantize to finite values of the right
       sign: scales are capped so the scaled grid fits the input's dtype, and
       grids whose top is below 4 (int1..int3) divide by a huge scale in two

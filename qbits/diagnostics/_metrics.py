@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from qbits import ops, transform
 from qbits._errors import InvalidArgumentError
+from qbits.diagnostics._loops import into_while
 
 __all__ = ["Metrics", "diagnose", "init", "read"]
 
@@ -40,9 +42,11 @@ class Metrics:
     nothing is lost), ``clipped`` and ``flushed`` (fractions of the values
     saturated at the grid's top, and of the nonzero values rounded to 0),
     ``wasted_bits`` (the grid's range the scale leaves unused, mean over
-    blocks), ``log2_scale_min`` and ``log2_scale_max``. An operand that is
-    not quantized, not computed (the input gradient of the first layer) or
-    all zeros has NaN.
+    blocks), ``log2_scale_min``, ``log2_scale_max``, and ``nonfinite``
+    (the number of values that are NaN or +-inf). An operand that is not
+    quantized, not computed (the input gradient of the first layer) or all
+    zeros has NaN; one with a value that is not finite has NaN for every
+    metric but ``nonfinite`` (:meth:`table` shows ``non-finite``).
 
     Example:
       >>> def mlp(params, x):
@@ -68,7 +72,7 @@ class Metrics:
             op
             for by_op in self.values.values()
             for op, m in by_op.items()
-            if not np.all(np.isnan(m["sqnr_db"]))
+            if not np.all(np.isnan(m["sqnr_db"])) or _nonfinite(m).any()
         ]
         order = next(iter(self.values.values()), {})
         return tuple(op for op in order if op in seen)
@@ -104,7 +108,10 @@ class Metrics:
     def table(self, metric: str = "sqnr_db", digits: int = 1) -> str:
         """A markdown table of ``metric``: a row per matmul, a column per operand.
 
-        A matmul in a scan over stacked layers has a row per layer.
+        A matmul in a scan over stacked layers has a row per layer. A cell
+        is empty where the operand is not measured, and reads
+        ``non-finite`` where it holds a NaN or an inf (its metrics are
+        NaN; ``table("nonfinite")`` gives how many values).
 
         Raises:
           InvalidArgumentError: For an unknown metric.
@@ -122,10 +129,56 @@ class Metrics:
         for path, index in self.layers():
             cells = []
             for op in ops_:
-                v = float(np.asarray(self.values[path][op][metric])[index])
-                cells.append("" if math.isnan(v) else f"{v:.{digits}f}")
+                m = self.values[path][op]
+                v = float(np.asarray(m[metric])[index])
+                if metric != "nonfinite" and _nonfinite(m)[index]:
+                    cells.append("non-finite")
+                else:
+                    cells.append("" if math.isnan(v) else f"{v:.{digits}f}")
             lines.append(f"| {self.label(path, index)} | " + " | ".join(cells) + " |")
         return "\n".join(lines)
+
+
+def _is_loss(out: Any) -> bool:
+    """Whether ``fn``'s output (or its shape) is a float scalar: a loss."""
+    return (
+        isinstance(out, jax.Array | jax.ShapeDtypeStruct)
+        and out.shape == ()
+        and jnp.issubdtype(out.dtype, jnp.floating)
+    )
+
+
+def _stuck_message(tree: Any, stuck: list[bool], n_params: int) -> str:
+    """What a while_loop keeps :func:`diagnose` from measuring, or ``""``."""
+    probes = tree.unflatten(stuck)[1]
+    lost = [path for path, p in probes.items() if any(jax.tree.leaves(p))]
+    frozen = sum(stuck[:n_params])  # (a loss's: others are not differentiated)
+    said = []
+    if lost:
+        said.append(
+            f"not measured (metrics NaN): {', '.join(map(repr, lost))}, whose "
+            "probes flow into it"
+        )
+    if frozen:
+        said.append(
+            f"not differentiated: the {frozen} (of {n_params}) parameter arrays "
+            "that flow into it, so the backward operands that need their "
+            "gradient are not measured"
+        )
+    if not said:
+        return ""
+    return (
+        f"{_DIAGNOSE.owner}: fn runs a lax.while_loop (or a fori_loop with "
+        "traced bounds), which reverse-mode differentiation, how diagnostics "
+        f"are read, cannot pass: {'; '.join(said)}. To measure them, loop with "
+        "lax.scan or a fori_loop with static bounds"
+    )
+
+
+def _nonfinite(metrics: Mapping[str, Any]) -> np.ndarray:
+    """Where an operand holds a NaN or an inf (``False`` without the count)."""
+    found = np.asarray(metrics.get("nonfinite", 0.0)) > 0
+    return np.broadcast_to(found, np.shape(metrics["sqnr_db"]))
 
 
 def read(grads: Mapping[str, Any]) -> Metrics:
@@ -146,14 +199,36 @@ def read(grads: Mapping[str, Any]) -> Metrics:
       >>> grads, raw = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, probes)
       >>> float(qbits.diagnostics.read(raw).values["w"]["fwd.rhs"]["clipped"])
       0.0
+
+    Raises:
+      InvalidArgumentError: For anything else than ``{path: probe
+        gradient}`` (e.g. the parameters' gradient, or one probe's
+        gradient without its path), naming the path of a wrong entry.
     """
-    values = {
-        path: {
+    owner, why = (
+        "qbits.diagnostics.read",
+        (
+            "grads is the gradient with respect to the probes of "
+            "qbits.diagnostics.init, passed as qbits.quantize(..., diagnostics=probes)"
+        ),
+    )
+    if not isinstance(grads, Mapping) or not all(isinstance(p, str) for p in grads):
+        shown = jax.tree.map(lambda x: getattr(x, "shape", x), grads)
+        raise InvalidArgumentError(
+            owner, "grads", shown, "{matmul path: probe gradient}", why=why
+        )
+    values = {}
+    for path, raw in grads.items():
+        try:
+            metrics = ops.read_probe(raw)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(
+                owner, f"grads[{path!r}]", e.value, e.allowed, why=why
+            ) from None
+        values[path] = {
             op: {k: np.asarray(v) for k, v in by_metric.items()}
-            for op, by_metric in ops.read_probe(raw).items()
+            for op, by_metric in metrics.items()
         }
-        for path, raw in grads.items()
-    }
     return Metrics(values)
 
 
@@ -207,6 +282,15 @@ def diagnose(
     forward operands; the backward ones are NaN. The work runs jitted (one
     compilation per argument shapes); the metrics come back as NumPy.
 
+    The metrics are read in reverse mode, which JAX cannot run through a
+    ``lax.while_loop`` (nor a ``fori_loop`` with traced bounds): a matmul
+    whose probe flows into one (a matmul in its body, or before it) is not
+    measured (NaN), and the parameters that flow into one are not
+    differentiated (the backward operands that need their gradient are
+    NaN). Everything else is measured, and a ``UserWarning`` names what is
+    not (once per compilation). ``lax.scan`` and ``fori_loop`` with static
+    bounds are measured in full.
+
     Inside a training step of your own, use the pieces instead: :func:`init`
     the probes, pass them to ``qbits.quantize(..., diagnostics=probes)``,
     differentiate with respect to them, and :func:`read` the gradient.
@@ -236,6 +320,8 @@ def diagnose(
     if not callable(fn):
         raise InvalidArgumentError(_DIAGNOSE.owner, "fn", fn, "a function")
 
+    traced: list[str] = []  # what a new trace of ``run`` found to say
+
     @jax.jit
     def run(args: tuple[Any, ...], kwargs: dict[str, Any], probes: Any) -> Any:
         n = params_argnum
@@ -251,18 +337,46 @@ def diagnose(
             return q(*a, **kwargs)
 
         params = None if n is None else args[n]
-        out, vjp = jax.vjp(f, params, probes)
-        scalar = (
-            isinstance(out, jax.Array)
-            and out.ndim == 0
-            and jnp.issubdtype(out.dtype, jnp.floating)
-        )
+        closed, shape = jax.make_jaxpr(f, return_shape=True)(params, probes)
+        scalar = _is_loss(shape)
+        leaves, tree = jax.tree.flatten((params, probes))
+        n_params = len(jax.tree.leaves(params))
+        stuck = into_while(closed.jaxpr)
+        traced.append(_stuck_message(tree, stuck, n_params if scalar else 0))
+        # Not differentiated: what flows into a while_loop (reverse mode
+        # cannot pass one), and the parameters unless fn is a loss.
+        fixed = [s or (i < n_params and not scalar) for i, s in enumerate(stuck)]
+
+        def moved(free: list[Any]) -> Any:
+            it = iter(free)
+            return f(*tree.unflatten([x if s else next(it) for x, s in
+                                      zip(leaves, fixed, strict=True)]))  # fmt: skip
+
+        free = [x for x, s in zip(leaves, fixed, strict=True) if not s]
+        out, vjp = jax.vjp(moved, free)
         ct = jnp.ones_like(out) if scalar else jax.tree.map(jnp.zeros_like, out)
-        return out, vjp(ct)[1]
+        it = iter(vjp(ct)[0])
+        grads = [
+            jnp.zeros_like(x) if s else next(it)
+            for x, s in zip(leaves, fixed, strict=True)
+        ]
+        return out, tree.unflatten(grads)[1]
 
     def diagnosed(*args: Any, **kwargs: Any) -> tuple[Any, Metrics]:
         probes = init(fn, config, *args, params_argnum=params_argnum, **kwargs)
+        traced.clear()
         out, raw = run(args, kwargs, probes)
-        return out, read(raw)
+        for message in filter(None, traced):  # once per compilation
+            warnings.warn(message, UserWarning, stacklevel=2)
+        metrics = read(raw)
+        if _is_loss(out):
+            return out, metrics
+        # No backward pass (its matmuls saw a zero cotangent): NaN.
+        return out, Metrics({
+            path: {op: m if op.startswith("fwd.") else
+                   {k: np.full_like(v, np.nan) for k, v in m.items()}
+                   for op, m in by_op.items()}
+            for path, by_op in metrics.values.items()
+        })  # fmt: skip
 
     return diagnosed

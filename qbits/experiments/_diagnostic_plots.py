@@ -45,6 +45,7 @@ FIELDS = (
     "wasted_bits",
     "log2_scale_min",
     "log2_scale_max",
+    "nonfinite",
 )
 
 
@@ -97,6 +98,15 @@ _TABLES = (
 )
 
 
+def _nonfinite(record: dict[str, Any]) -> bool:
+    """Whether the operand held a NaN or an inf (its other metrics are NaN)."""
+    return record.get("nonfinite", 0) > 0
+
+
+def _cell(value: float, scale: float, fmt: str) -> str:
+    return "" if value != value else format(scale * value, fmt)
+
+
 def diagnostics_table(runs: Sequence[dict[str, Any]]) -> str | None:
     """``diagnostics.md`` (see the module), or ``None`` without diagnostics."""
     records = _records(runs)
@@ -109,7 +119,8 @@ def diagnostics_table(runs: Sequence[dict[str, Any]]) -> str | None:
         "Each quantized operand at the last measurement (mean over seeds): "
         "its SQNR, and where any value is flushed to zero or clipped, the "
         "fractions (tables left out where none reaches 0.1%); a blank cell "
-        "is an operand that is not quantized. "
+        "is an operand that is not quantized, `non-finite` one that held a "
+        "NaN or an inf. "
         "Operands: `fwd.lhs` the activation, `fwd.rhs` the weight (for the "
         "attention einsums, q and the scores), `dlhs.grad`/`drhs.grad` the "
         "output gradient as each backward matmul quantizes it, `dlhs.rhs` "
@@ -121,18 +132,24 @@ def diagnostics_table(runs: Sequence[dict[str, Any]]) -> str | None:
         operands = [
             op
             for op in _ordered(mine, "operand")
-            if any(r["sqnr_db"] == r["sqnr_db"] for r in mine if r["operand"] == op)
+            if any(
+                r["sqnr_db"] == r["sqnr_db"] or _nonfinite(r)
+                for r in mine
+                if r["operand"] == op
+            )
         ]
         step = max(r["step"] for r in mine)
         lines += ["", f"## {config} (step {step})"]
         for metric, title, scale, fmt in _TABLES:
             rows = []
             for matmul in _ordered(mine, "matmul"):
-                values = [
-                    _mean([r[metric] for r in last.get((config, matmul, op), [])])
-                    for op in operands
+                groups = [last.get((config, matmul, op), []) for op in operands]
+                cells = [
+                    "non-finite"
+                    if any(_nonfinite(r) for r in group)
+                    else _cell(_mean([r[metric] for r in group]), scale, fmt)
+                    for group in groups
                 ]
-                cells = ["" if v != v else format(scale * v, fmt) for v in values]
                 rows.append(f"| {matmul} | " + " | ".join(cells) + " |")
             if metric != "sqnr_db" and all(
                 not (r[metric] >= 1e-3) for r in mine if r["step"] == step

@@ -24,6 +24,7 @@ from typing import Any
 
 import flax.nnx as nnx
 import jax
+import numpy as np
 
 from qbits import kvcache
 from qbits._errors import InvalidArgumentError
@@ -244,8 +245,12 @@ class TransformerLM(nnx.Module):
         over everything the cache holds (:func:`qbits.kvcache.attend`).
 
         Args:
-          tokens: int tokens ``[batch, n]``: the prompt (prefill), then one
-            token at a time.
+          tokens: int tokens ``[batch, n]``, each in ``0 .. vocab - 1``:
+            the prompt (prefill), then one token at a time. Ids are checked
+            where they are concrete; traced (under ``jit``, as
+            :func:`qbits.kvcache.generate` runs it, having checked its
+            prompt) they are not: an id ``>= vocab`` embeds as NaN and a
+            negative one counts from the end (``nnx.Embed``'s lookup).
           cache: What :meth:`init_cache` (or the previous call) returned.
             Under ``jit`` the caller keeps the cache length plus ``n`` within
             the context length; outside ``jit`` more is an error.
@@ -255,7 +260,8 @@ class TransformerLM(nnx.Module):
 
         Raises:
           InvalidArgumentError: For a cache that is not this model's, tokens
-            that do not fit it, or a model without a KV cache (see
+            that do not fit it (not integer, too many, or ids outside the
+            vocabulary), or a model without a KV cache (see
             :meth:`init_cache`).
 
         Example:
@@ -302,6 +308,21 @@ class TransformerLM(nnx.Module):
                 tokens if shape is None else f"{tokens.dtype}{list(shape)}",
                 f"int tokens [batch, n] with 1 <= n <= {context} (the context)",
             )
+        vocab = self.embed.num_embeddings
+        if not isinstance(tokens, jax.core.Tracer):  # traced: see Args
+            ids = np.asarray(tokens)
+            bad = np.argwhere((ids < 0) | (ids >= vocab))
+            if bad.size:
+                shown = [f"tokens{list(map(int, at))} = {ids[tuple(at)]}"
+                         for at in bad[:4]]  # fmt: skip
+                more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+                raise InvalidArgumentError(
+                    owner,
+                    "tokens",
+                    f"{ids.dtype.name}{list(shape)}",
+                    f"token ids in 0..{vocab - 1} (the model's vocabulary)",
+                    why=f"ids outside the vocabulary: {', '.join(shown)}{more}",
+                )
         n = shape[1]
         start = cache[0].length
         positions = jax.lax.dynamic_slice_in_dim(self.pos[...], start, n)

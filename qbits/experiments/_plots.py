@@ -1,6 +1,11 @@
-"""The plots of a report: what they share, and eval loss against bits.
+"""The plots of a report: what they share, eval loss against bits, eval loss.
 
 The loss curves are :mod:`qbits.experiments._loss_curves`.
+:func:`eval_figure` (``eval_loss.png``) draws each config's eval loss beside
+the baseline's, one point per config: the figure of a report whose runs
+were evaluated, not trained (``qbits ptq``: the float32 model and each
+method's quantized weights), where training curves would show the
+baseline's alone.
 :func:`quality_figure` (``quality_vs_bits.png``) draws each config's eval
 loss, relative to the baseline's when the baseline is among the runs,
 against its forward weight bits, with error bars of one standard deviation
@@ -34,6 +39,7 @@ __all__ = [
     "clip",
     "diverged",
     "edge_of",
+    "eval_figure",
     "limits",
     "palette",
     "pyplot",
@@ -321,4 +327,102 @@ def quality_figure(
     title = f"{name}: eval loss vs forward weight bits"  # notes under it
     ax.set_title(title + "".join(f"\n{n}" for n in notes), fontsize=10)
     fig.legend(loc="outside right upper", fontsize=8)
+    return fig
+
+
+def eval_figure(
+    name: str,
+    runs: Sequence[dict[str, Any]],
+    rows: Sequence[dict[str, Any]],
+    baseline: str | None = None,
+) -> Any:
+    """Each config's eval loss, one point per config, beside the baseline's.
+
+    Each point is labelled with its eval loss relative to the baseline's (a
+    dotted line); with several seeds, the mean and an error bar of one
+    standard deviation. A loss that is not finite, or a diverged config's
+    (:func:`diverged`), is drawn at the top edge, labelled.
+
+    Args:
+      name: The title.
+      runs: Data of the run files (for :func:`diverged`).
+      rows: The summary rows (:func:`qbits.experiments.summarize`).
+      baseline: The config the eval losses are relative to.
+
+    Returns:
+      The figure (close it when done).
+
+    Example:
+      >>> from qbits.experiments import summarize
+      >>> from qbits.experiments._plots import eval_figure
+      >>> run = lambda name, loss: {"name": name, "seed": 0, "bits": 4.0,
+      ...     "result": {"eval_loss": loss, "train_loss": loss}}
+      >>> runs = [run("float32", 2.0), run("w4 rtn", 2.1), run("w4 gptq", 2.02)]
+      >>> fig = eval_figure("demo", runs, summarize(runs, "float32"), "float32")
+      >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
+      ['float32', 'w4 rtn', 'w4 gptq']
+      >>> [t.get_text() for t in fig.axes[0].texts]
+      ['1.0000', '1.0500', '1.0100']
+    """
+    plt = pyplot()
+    bad = diverged(runs, baseline)
+    names = [r["config"] for r in rows]
+    style_of = palette(names, baseline)
+    base = next((r["eval_loss"] for r in rows if r["config"] == baseline), math.nan)
+    relative = math.isfinite(base) and base > 0
+    fit = [
+        r["eval_loss"] + sign * r["eval_loss_std"]
+        for r in rows
+        if r["config"] not in bad
+        for sign in (-1, 1)
+    ]
+    lo, hi, log = limits([np.array(fit, np.float64)])
+    edge = edge_of(lo, hi, log)
+    fig, ax = plt.subplots(figsize=(max(6.0, 3 + 1.1 * len(rows)), 5))
+    if relative:
+        ax.axhline(base, color="black", lw=0.8, ls=":")
+    for i, r in enumerate(rows):
+        style, y = style_of[r["config"]], r["eval_loss"]
+        shown = f"{y / base:.4f}" if relative else f"{y:.4f}"
+        if not math.isfinite(y):
+            shown, y = "not finite", edge
+        elif r["config"] in bad:
+            y = min(y, edge)
+        ax.errorbar(
+            i,
+            y,
+            yerr=r["eval_loss_std"] if r["seeds"] > 1 else None,
+            fmt=style["marker"],
+            color=style["color"],
+            markersize=8,
+            capsize=3,
+        )
+        ax.annotate(
+            shown,
+            (i, y),
+            textcoords="offset points",
+            xytext=(0, 9),
+            ha="center",
+            fontsize=8,
+        )
+    tilted = len(rows) > 4
+    ax.set_xticks(
+        range(len(rows)),
+        names,
+        rotation=25 if tilted else 0,
+        ha="right" if tilted else "center",
+    )
+    ax.set_xlim(-0.6, len(rows) - 0.4)
+    set_yscale(ax, lo, hi, log)
+    ax.set_ylabel("eval loss")
+    ax.grid(alpha=0.3, axis="y")
+    notes = [f"labels: eval loss / {baseline} (dotted)"] if relative else []
+    seeds = max((r["seeds"] for r in rows), default=1)
+    if seeds > 1:
+        notes.append(f"mean over seeds; error bars: ± one std over {seeds} seeds")
+    if bad:
+        notes.append("diverged or not finite: drawn at the top edge")
+    title = f"{name}: eval loss of each config"
+    ax.set_title(title + "".join(f"\n{n}" for n in notes), fontsize=10)
+    fig.set_layout_engine("constrained")
     return fig

@@ -5,8 +5,12 @@
 weights with :func:`qbits.ptq.quantize_weights` by each method on
 calibration batches of the training data (drawn from keys that training
 never uses), evaluates each result on the held-out batches that training
-evaluated on, and writes the same table, CSV, JSON and plots as a sweep
-(:func:`~qbits.experiments.write_report`), the float32 model first.
+evaluated on, and writes the same table, CSV and JSON as a sweep
+(:func:`~qbits.experiments.write_report`), the float32 model first, and
+``eval_loss.png`` (each method's eval loss beside float32's) in place of
+the loss curves: nothing here trains. The float32 row keeps its training
+loss; the time columns of the table are "—" for it (evaluated here, not
+trained), and a method's time is its statistics and quantization.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ def post_train(
       config: The weight rules: a :class:`~qbits.QuantConfig`, a config, a
         preset name or a YAML path.
       out: The folder the report is written to (made when the results are
-        in: a call that fails leaves nothing behind).
+        in: a call that fails leaves nothing behind). Not the folder of a
+        training run or sweep (its report would be replaced).
       name: The config's name in the table (rows ``<name> <method>``).
       methods: Names in :data:`METHODS`: ``"rtn"``, ``"gptq"``, ``"awq"``
         (:func:`qbits.ptq.quantize_weights`' methods), ``"smoothquant"``
@@ -94,8 +99,9 @@ def post_train(
 
     Raises:
       InvalidArgumentError: For a folder without saved params (or with
-        several, and no ``seed``), ``calibration < 1``, and the errors of
-        :func:`qbits.ptq.quantize_weights`.
+        several, and no ``seed``), ``calibration < 1``, an ``out`` that
+        holds the report of a training run or sweep (``run_dir`` itself,
+        say), and the errors of :func:`qbits.ptq.quantize_weights`.
       ConfigError: For a bad config.
 
     Example:
@@ -118,6 +124,7 @@ def post_train(
                 _OWNER, "methods", method, "names among " + ", ".join(METHODS)
             )
     quant = qbits.config.as_quant_config(_OWNER, config)
+    _check_out(run_dir, out, name)
     model, data, run = load_trained(run_dir, seed, owner=_OWNER)
     spec = model_spec(run["model"], run["size"])
     fn, params = qbits.nnx.as_function(model)
@@ -137,6 +144,7 @@ def post_train(
         return float(loss), float(accuracy)
 
     loss, accuracy = evaluate(fn, params)
+    # Evaluated here, not trained: no time (the report shows "—", never nan).
     result, nan = run["result"], math.nan
     runs = [_row(run["name"], run, 32.0, result["train_loss"], loss, accuracy, nan)]
     bits = config_bits(quant)
@@ -148,8 +156,8 @@ def post_train(
         kwargs = dict(METHODS[method])
         if kwargs.get("rotate"):  # QuaRot's random signs, the run's seed
             kwargs["key"] = jax.random.key(run["seed"])
-        got = ptq.quantize_weights(
-            fn, params, None, quant, stats=stats, progress=progress, **kwargs
+        got = ptq.quantize_weights(  # the config as given: its name in errors
+            fn, params, None, config, stats=stats, progress=progress, **kwargs
         )
         # Each method's time includes collecting the statistics once.
         seconds = time.perf_counter() - tic + collect_seconds
@@ -161,6 +169,31 @@ def post_train(
     pathlib.Path(out).mkdir(parents=True, exist_ok=True)
     title = f"qbits ptq {run['model']} {name} ({run['name']}, seed {run['seed']})"
     return write_report(title, runs, out, baseline=run["name"])
+
+
+def _check_out(run_dir: str | os.PathLike, out: str | os.PathLike, name: str) -> None:
+    """Refuses an ``out`` whose report a PTQ report would replace.
+
+    That is ``run_dir`` itself, or any folder that holds the report and run
+    files of ``qbits train`` or ``qbits sweep`` (``results.json`` and
+    ``runs/``); a PTQ report has no ``runs/``.
+    """
+    folder = pathlib.Path(out)
+    try:
+        same = os.path.samefile(folder, run_dir)
+    except (OSError, ValueError):  # one of them does not exist
+        same = False
+    trained = (folder / "runs").is_dir() and (folder / "results.json").is_file()
+    if same or trained:
+        raise InvalidArgumentError(
+            _OWNER,
+            "out",
+            os.fspath(out),
+            f"a folder of its own, e.g. {os.path.join(run_dir, f'ptq-{name}')} "
+            "(qbits ptq's default)",
+            why="it holds the report of a training run, which the PTQ report "
+            "would replace",
+        )
 
 
 def _row(

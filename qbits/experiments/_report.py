@@ -4,11 +4,16 @@
 
 - ``results.md``: one row per config (mean over seeds, ``± std`` with more
   than one seed): bits, final train and eval loss, eval loss relative to the
-  baseline, accuracy, time per run;
+  baseline, accuracy, time per run; "—" where a run has no such figure
+  (a ``qbits ptq`` row has no training loss, its float32 row no time);
 - ``results.csv`` and ``results.json``: the same rows as data (the JSON also
   has every run);
 - ``loss_curves.png``: the training loss (all steps, and the tail), its
-  ratio to the baseline's at the same step, the eval loss;
+  ratio to the baseline's at the same step, the eval loss; or, when no
+  run but the baseline's has a training curve (``qbits ptq``: quantized
+  weights evaluated, not trained), ``eval_loss.png``: each config's eval
+  loss beside the baseline's (an earlier report's other figure of the two
+  is removed);
 - ``quality_vs_bits.png``: eval loss relative to the baseline against the
   forward weight bits, only when the configs other than the baseline have
   more than one bit width below 32 (else one left by an earlier report in
@@ -42,7 +47,7 @@ from qbits.experiments._diagnostic_plots import (
     write_csv,
 )
 from qbits.experiments._loss_curves import loss_figure
-from qbits.experiments._plots import quality_figure
+from qbits.experiments._plots import eval_figure, quality_figure, run_curve
 
 __all__ = ["replace_file", "summarize", "write_report"]
 
@@ -120,16 +125,22 @@ def _markdown(name: str, rows: list[dict[str, Any]], baseline: str | None) -> st
     ]
     for r in rows:
         bits = "float" if r["bits"] >= 32 else f"{r['bits']:g}"
-        ev = f"{r['eval_loss']:.4f}"
+        ev = _cell(r["eval_loss"], ".4f")
         if r["seeds"] > 1:
             ev += f" ± {r['eval_loss_std']:.4f}"
-        ratio = "" if math.isnan(r["ratio"]) else f"{r['ratio']:.4f}"
         lines.append(
-            f"| {r['config']} | {bits} | {r['seeds']} | {r['train_loss']:.4f} | "
-            f"{ev} | {ratio} | {r['eval_accuracy']:.3f} | {r['seconds']:.1f} | "
-            f"{r['compile_seconds']:.1f} | {1000 * r['step_seconds']:.1f} |"
+            f"| {r['config']} | {bits} | {r['seeds']} | "
+            f"{_cell(r['train_loss'], '.4f')} | {ev} | {_cell(r['ratio'], '.4f')} | "
+            f"{_cell(r['eval_accuracy'], '.3f')} | {_cell(r['seconds'], '.1f')} | "
+            f"{_cell(r['compile_seconds'], '.1f')} | "
+            f"{_cell(1000 * r['step_seconds'], '.1f')} |"
         )
     return f"# {name}\n\n" + "\n".join(lines) + "\n"
+
+
+def _cell(value: float, spec: str) -> str:
+    """A number of the table; "—" where there is none (nan: not measured)."""
+    return "—" if math.isnan(value) else f"{value:{spec}}"
 
 
 def _save(fig: Any, path: pathlib.Path) -> None:
@@ -226,7 +237,8 @@ def write_report(
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=_COLUMNS, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    # An empty cell where nothing was measured (nan), as in the JSON's null.
+    writer.writerows({k: "" if v != v else v for k, v in r.items()} for r in rows)
     replace_file(out / "results.csv", buffer.getvalue())
     summary = {
         "name": name,
@@ -242,8 +254,17 @@ def write_report(
         replace_file(out / "diagnostics.csv", write_csv(runs))
         tables += ["diagnostics.md", "diagnostics.csv"]
     figures: dict[str, Any] = {}
+    # Runs evaluated, not trained (qbits ptq: only the baseline has curves):
+    # their eval losses, not the baseline's training curve alone.
+    others = [r for r in runs if r["name"] != baseline]
+    trained = not others or any(len(run_curve(r)) for r in others)
     try:
-        figures["loss_curves.png"] = loss_figure(name, runs, names, baseline)
+        figures["loss_curves.png"] = (
+            loss_figure(name, runs, names, baseline) if trained else None
+        )
+        figures["eval_loss.png"] = (
+            None if trained else eval_figure(name, runs, rows, baseline)
+        )
         figures["quality_vs_bits.png"] = quality_figure(name, runs, rows, baseline)
         figures.update(diagnostics_figures(name, runs, baseline))
         written = [f for f, fig in figures.items() if fig is not None]

@@ -101,7 +101,12 @@ def generate(
     Args:
       model: An nnx model with ``init_cache`` and ``decode`` methods (see
         the module docstring), e.g. :class:`qbits.experiments.TransformerLM`.
-      prompt: int tokens, ``[batch, length]`` or ``[length]``, at least one.
+      prompt: int tokens, ``[batch, length]`` or ``[length]``, at least
+        one, each in ``0 .. vocab - 1`` (the last axis of the model's
+        logits). Checked here, where the prompt is concrete; a prompt
+        traced under an outer ``jit`` is not checked, and an id outside the
+        vocabulary then decodes as the model embeds it (``nnx.Embed``:
+        NaN for ``id >= vocab``, a negative id counted from the end).
       steps: How many tokens to decode (0 or more).
       cache: How the cache stores keys and values: a
         :class:`~qbits.kvcache.CacheConfig`, ``None`` (float), a cache
@@ -122,7 +127,9 @@ def generate(
     Raises:
       InvalidArgumentError: For a model without a KV cache (no
         ``init_cache``/``decode``, or one whose ``init_cache`` refuses), a bad
-        cache config, prompt, ``steps``, ``temperature`` or ``seed``.
+        cache config, prompt (not integer, or an id outside the vocabulary,
+        naming the ids and their positions), ``steps``, ``temperature`` or
+        ``seed``.
       ConfigError: For a cache config file that does not hold one.
 
     Example:
@@ -187,6 +194,8 @@ def generate(
         return _prefill(graphdef, state, window, config)
 
     window = tokens[:, -capacity:]
+    vocab = _prefill.eval_shape(graphdef, state, window, config)[0].shape[-1]
+    _check_ids(prompt, vocab)
     logits, caches = prefill(window)
     filled = window.shape[1]
     out: list[jax.Array] = []
@@ -243,3 +252,22 @@ def _check_prompt(prompt: Any) -> jax.Array:
         )
     tokens = jnp.asarray(prompt, jnp.int32)
     return tokens[None] if tokens.ndim == 1 else tokens
+
+
+def _check_ids(prompt: Any, vocab: int) -> None:
+    """Raises unless every id of a concrete ``prompt`` is in ``0..vocab - 1``."""
+    if isinstance(prompt, jax.core.Tracer):
+        return  # traced: checked by nobody (see generate)
+    ids = np.asarray(prompt)
+    bad = np.argwhere((ids < 0) | (ids >= vocab))
+    if bad.size:
+        shown = [f"prompt{list(map(int, at))} = {ids[tuple(at)]}" for at in bad[:4]]
+        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+        raise InvalidArgumentError(
+            _OWNER,
+            "prompt",
+            f"{ids.dtype.name}{list(ids.shape)}",
+            f"token ids in 0..{vocab - 1} (a vocabulary of {vocab}: the last "
+            "axis of the model's logits)",
+            why=f"ids outside the vocabulary: {', '.join(shown)}{more}",
+        )

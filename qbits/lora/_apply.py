@@ -15,6 +15,7 @@ frozen base is :class:`~qbits.lora.LoraBase`. The adapted function
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import zlib
@@ -35,6 +36,7 @@ from qbits.config import QuantConfig, Rule, from_dict, read_yaml
 from qbits.lora._config import LoraConfig
 from qbits.lora._function import AdaptedLayer, Lora, LoraBase, LoraFunction
 from qbits.numerics import NoNumerics, check_key
+from qbits.ptq import operand_indices
 
 __all__ = ["apply"]
 
@@ -153,6 +155,9 @@ def apply(model: Any, config: Any, *args: Any, key: Any, **kwargs: Any) -> Lora:
         except ConfigError as e:  # named as in the base config
             raise _in_base(e, base_rules, stored_rules) from None
     base = _frozen_base(params, stored)
+    # Where each adapted or stored weight sits in its parameter, for merge.
+    folded = [p for p in found if chosen[p][1] is not None or p in stored]
+    indices = operand_indices(fn, params, *args, paths=folded, **kwargs)
     layers = []
     for path, m in found.items():
         rule, ra = chosen[path]
@@ -165,9 +170,9 @@ def apply(model: Any, config: Any, *args: Any, key: Any, **kwargs: Any) -> Lora:
         layers.append(
             AdaptedLayer(
                 path, m.kind, m.operands, rank, alpha, rule, why_not, held,
-                merge=_merge_check(m, params) if ra is not None or path in stored
-                else "",
-                matmul=m.matmul,
+                merge=_merge_check(m, indices.get(path))
+                if ra is not None or path in stored else "",
+                matmul=m.matmul, index=indices.get(path),
             )
         )  # fmt: skip
     lora_fn = LoraFunction(fn, config, tuple(layers), stored_rules)
@@ -302,7 +307,7 @@ def _frozen_base(params: Any, stored: dict[str, Any]) -> LoraBase:
     )
 
 
-def _merge_check(m: transform.WeightMatmul, params: Any) -> str:
+def _merge_check(m: transform.WeightMatmul, index: np.ndarray | None) -> str:
     """Why ``merge`` cannot fold this matmul's weight back, or ``""``."""
     if m.matmul is None:
         return ""
@@ -311,13 +316,13 @@ def _merge_check(m: transform.WeightMatmul, params: Any) -> str:
             "its parameter is also read elsewhere (another matmul, a lookup): "
             "merging would change that too"
         )
-    leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-    leaf = leaves[m.matmul.keys]
-    want = (*m.matmul.layers, *m.matmul.shape)
-    if tuple(jnp.shape(leaf)) != want:
+    size = math.prod(m.matmul.param_shape)
+    if index is not None and not (np.unique(index).size == index.size == size):
         return (
-            f"the model reshapes or transposes its parameter (shape "
-            f"{list(jnp.shape(leaf))}) into the operand {list(want)}"
+            f"the model broadcasts or slices its parameter (shape "
+            f"{list(m.matmul.param_shape)}) into the operand "
+            f"{list((*m.matmul.layers, *m.matmul.shape))}: an update of the "
+            "operand is no update of the parameter"
         )
     return ""
 

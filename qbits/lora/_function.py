@@ -94,6 +94,10 @@ class AdaptedLayer:
         the parameter, or ``""``.
       matmul: How the engine sees it (:class:`~qbits.transform.ObservedMatmul`),
         or ``None`` for a matmul that cannot be adapted.
+      index: Where its weight operand sits in its parameter
+        (:func:`qbits.ptq.operand_indices`: a kernel stored ``(out, in)``
+        and transposed before the matmul), or ``None``: the parameter as
+        it is (or a matmul with neither adapter nor stored weight).
 
     Example:
       >>> from qbits import lora
@@ -116,6 +120,7 @@ class AdaptedLayer:
     base: str
     merge: str = ""
     matmul: Any = dataclasses.field(default=None, repr=False)
+    index: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def scale(self) -> float:

@@ -1,9 +1,11 @@
 """``merge``: adapters folded back into the model's float parameters.
 
 Each adapted weight becomes ``W + (alpha / rank) * A B``, reshaped from the
-``(K, N)`` matrix the adapter works on back to the weight's own axes (one
-matrix per group and per stacked layer); each stored base weight becomes
-its dequantized value first. The result is the model's parameters, the
+``(K, N)`` matrix the adapter works on back to the weight operand's own
+axes (one matrix per group and per stacked layer), and written back into
+the parameter where the matmul reads it (transposed back, for a kernel the
+model transposes before multiplying); each stored base weight becomes its
+dequantized value first. The result is the model's parameters, the
 same tree, shapes and dtypes as given to :func:`~qbits.lora.apply`: serve
 them float, or quantize them again (:func:`qbits.serving.convert` with
 the base's config; the merged weights then round to the grid once more).
@@ -90,11 +92,17 @@ def merge(fn: LoraFunction, adapters: Mapping[str, Any], base: LoraBase) -> Any:
       :func:`~qbits.lora.apply` (an nnx model's state: ``nnx.update``
       the model with it).
 
+    A weight the model rearranges before its matmul (a kernel stored
+    ``(out, in)`` and transposed, as Hugging Face's GPT-2 stores them; a
+    reshape) is updated in the matmul's layout and written back where the
+    matmul reads it (:attr:`AdaptedLayer.index <qbits.lora.AdaptedLayer.index>`).
+
     Raises:
-      InvalidArgumentError: For adapters or a base of another model, or a
-        weight that cannot be folded back (the layer's
-        :attr:`~qbits.lora.AdaptedLayer.merge` says why: a parameter read
-        by another matmul or a lookup too, or reshaped before its matmul).
+      InvalidArgumentError: For adapters or a base of another model (naming
+        the parameters that differ), or a weight that cannot be folded
+        back (the layer's :attr:`~qbits.lora.AdaptedLayer.merge` says why:
+        a parameter read by another matmul or a lookup too, or broadcast
+        before its matmul).
 
     Example:
       >>> def mlp(params, x):
@@ -130,20 +138,86 @@ def merge(fn: LoraFunction, adapters: Mapping[str, Any], base: LoraBase) -> Any:
                 why=layer.merge,
             )  # fmt: skip
         layers.append(layer)
-    return jax.jit(functools.partial(_merged, tuple(layers)))(adapters, base)
+    _check_base(fn, base)
+    # The index maps as arguments (int32), not as constants of the program.
+    index = {
+        la.path: jnp.asarray(la.index, jnp.int32)
+        for la in layers
+        if la.index is not None
+    }
+    return jax.jit(functools.partial(_merged, tuple(layers)))(adapters, base, index)
 
 
-def _merged(layers: tuple[AdaptedLayer, ...], adapters: Any, base: LoraBase) -> Any:
+def _check_base(fn: LoraFunction, base: LoraBase) -> None:
+    """Raises unless ``base`` holds what ``fn`` reads: the parameters, the weights."""
+    leaves = {
+        jax.tree_util.keystr(k): tuple(jnp.shape(v))
+        for k, v in jax.tree_util.tree_flatten_with_path(base.params)[0]
+    }
+    fills = {path: tuple(shape) for path, shape, _ in base.fills}
+    problems = []
+    for la in fn.layers:
+        m = la.matmul
+        if m is None or (la.rank is None and la.base == "float"):
+            continue
+        name = jax.tree_util.keystr(m.keys)
+        got = fills.get(name, leaves.get(name))
+        if got is None:
+            problems.append(f"no parameter {name}")
+        elif got != tuple(m.param_shape):
+            reads = list(m.param_shape)
+            problems.append(f"{name} of shape {list(got)} ({la.path!r} reads {reads})")
+        want = (*m.layers, *m.shape)
+        if la.base != "float":
+            qt = base.weights.get(la.path)
+            if qt is None:
+                problems.append(f"no stored weight {la.path!r}")
+            elif tuple(qt.shape) != want:
+                problems.append(
+                    f"stored weight {la.path!r} of shape {list(qt.shape)} "
+                    f"(fn's: {list(want)})"
+                )
+    if problems:
+        more = [f"{len(problems) - 3} more"] if len(problems) > 3 else []
+        raise InvalidArgumentError(
+            _OWNER, "base", f"a base unlike fn's in {len(problems)} place(s)",
+            "the LoraBase that qbits.lora.apply returned together with fn "
+            "(fn, base, adapters = qbits.lora.apply(model, config, params, "
+            "...)): the base of the same model and parameters",
+            why="; ".join(problems[:3] + more),
+        )  # fmt: skip
+
+
+def _merged(
+    layers: tuple[AdaptedLayer, ...], adapters: Any, base: LoraBase, index: Any
+) -> Any:
+    params = dict(jax.tree_util.tree_flatten_with_path(base.params)[0])
+    shapes = {path: (shape, dtype) for path, shape, dtype in base.fills}
+
+    def param(keys: tuple[Any, ...]) -> jax.Array:
+        """The parameter in float32 (zeros where a stored weight replaced it)."""
+        name = jax.tree_util.keystr(keys)
+        if name in shapes:
+            return jnp.zeros(shapes[name][0], jnp.float32)
+        return jnp.asarray(params[keys], jnp.float32)
+
     by_keys: dict[Any, jax.Array] = {}
     for layer in layers:
-        keys = layer.matmul.keys
+        keys, idx = layer.matmul.keys, index.get(layer.path)
         stored = base.weights.get(layer.path)
         if stored is not None:
-            by_keys[keys] = stored.dequant().astype(jnp.float32)
+            operand = stored.dequant().astype(jnp.float32)
+        else:
+            full = param(keys)
+            operand = full if idx is None else full.reshape(-1)[idx]
         if layer.rank is not None:
-            update = delta(layer, adapters[layer.path]).astype(jnp.float32)
-            by_keys[keys] = by_keys.get(keys, _leaf(base.params, keys)) + update
-    shapes = {path: (shape, dtype) for path, shape, dtype in base.fills}
+            operand = operand + delta(layer, adapters[layer.path]).astype(jnp.float32)
+        if idx is None:  # the operand is the parameter
+            by_keys[keys] = operand.reshape(param(keys).shape)
+        else:  # written back where the matmul reads it
+            full = param(keys)
+            flat = full.reshape(-1).at[idx.reshape(-1)].set(operand.reshape(-1))
+            by_keys[keys] = flat.reshape(full.shape)
 
     def leaf(path: Any, x: Any) -> Any:
         key = tuple(path)
@@ -154,8 +228,3 @@ def _merged(layers: tuple[AdaptedLayer, ...], adapters: Any, base: LoraBase) -> 
         return x
 
     return jax.tree_util.tree_map_with_path(leaf, base.params)
-
-
-def _leaf(params: Any, keys: tuple[Any, ...]) -> jax.Array:
-    leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-    return jnp.asarray(leaves[keys], jnp.float32)

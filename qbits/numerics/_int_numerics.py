@@ -46,6 +46,19 @@ class IntNumerics(ClippedStraightThrough):
     with ``clip_gradient`` it is zero where the input lay outside the clip
     range.
 
+    Stochastic rounding is unbiased on the grid's range, not beyond its top
+    code: with ``preserve_zero`` and ``preserve_max_val=False`` (AQT's grid,
+    the presets') the bound maps onto 127.5 (int8) but the top code is 127,
+    so an input in (127, 127.5] always comes back as 127. Each block's
+    largest element (at 127.5) thus comes back as ``bound * 254/255`` every
+    time: 0.39% low, in one direction. Measured on gradient-like blocks,
+    this bias is 2e-4 (normal values, blocks of 4096) to 2e-3 (Student-t(3),
+    blocks of 64) of the tensor's norm; below the top code, the mean of the
+    stochastic rounding is the input. With ``preserve_max_val=True`` the
+    bound maps onto 127 and stochastic rounding is unbiased on every value
+    (a grid step 0.4% coarser). Rounding to nearest is unaffected (and
+    equal to AQT's).
+
     Attributes:
       bits: Number of bits, 1..16.
       preserve_zero: Keep an exact zero on the grid (loses one level).

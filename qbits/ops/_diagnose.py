@@ -20,6 +20,7 @@ turns them into the metrics.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qbits._errors import InvalidArgumentError
 from qbits.numerics import FpNumerics, IntNumerics
 from qbits.ops._operands import SLOTS, block_amax
 from qbits.tensor import QTensor, expand_scale
@@ -59,6 +61,7 @@ SUMS: tuple[str, ...] = (
     "flushed",  # nonzero elements quantized to 0
     "blocks",  # scale blocks with a nonzero amax
     "wasted",  # sum over those blocks of log2(grid max / (amax / scale))
+    "nonfinite",  # elements that are NaN or +-inf
 )
 
 #: What is maxed: the largest ``log2(scale)``, and minus the smallest.
@@ -72,6 +75,7 @@ METRICS: tuple[str, ...] = (
     "wasted_bits",
     "log2_scale_min",
     "log2_scale_max",
+    "nonfinite",
 )
 
 #: The SQNR of an operand quantized without error (every value on the grid).
@@ -89,7 +93,7 @@ def init_probe() -> dict[str, jax.Array]:
     Example:
       >>> probe = qbits.ops.init_probe()
       >>> {k: v.shape for k, v in probe.items()}
-      {'sums': (6, 8), 'maxima': (6, 2)}
+      {'sums': (6, 9), 'maxima': (6, 2)}
     """
     return {
         "sums": jnp.zeros((len(PROBE_SLOTS), len(SUMS)), jnp.float32),
@@ -149,6 +153,7 @@ def measure(
     else:
         ratio = jnp.where(used, mapped * scale / jnp.where(used, amax, 1), 1)
         sums += [jnp.sum(used, dtype=f32), jnp.sum(jnp.log2(ratio))]
+    sums.append(jnp.sum(~jnp.isfinite(x), dtype=f32))
     positive = scale > 0
     log2 = jnp.log2(jnp.where(positive, scale, 1))
     maxima = [
@@ -175,6 +180,39 @@ def as_cotangent(measured: dict[str, jax.Array], probe: Any) -> dict[str, jax.Ar
     return {k: lax.convert_element_type(v, probe[k].dtype) for k, v in measured.items()}
 
 
+def _check_raw(raw: Any) -> None:
+    """Raises InvalidArgumentError unless ``raw`` is laid out like a probe."""
+    want = {k: v.shape for k, v in init_probe().items()}
+    ok = isinstance(raw, Mapping) and set(raw) == set(want)
+    lead = set()
+    for k, shape in want.items() if ok else ():
+        x = raw[k]
+        dtype = getattr(x, "dtype", None)
+        ok = ok and dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+        ok = ok and tuple(np.shape(x)[-2:]) == shape
+        lead.add(tuple(np.shape(x)[:-2]))
+    if not ok or len(lead) > 1:
+        raise InvalidArgumentError(
+            "qbits.ops.read_probe",
+            "raw",
+            _shapes(raw),
+            "the gradient of a probe of qbits.ops.init_probe(): float arrays "
+            + ", ".join(f"{k!r} shaped (..., {a}, {b})" for k, (a, b) in want.items())
+            + " with the same leading (layer) axes",
+        )
+
+
+def _shapes(tree: Any) -> Any:
+    """``tree`` with each array shown as its dtype and shape (for errors)."""
+
+    def show(x: Any) -> Any:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return f"{np.dtype(x.dtype).name}{list(np.shape(x))}"
+        return x
+
+    return jax.tree.map(show, tree)
+
+
 def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
     """The metrics of each quantized operand, from a probe's gradient.
 
@@ -185,7 +223,9 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
     Returns:
       ``{slot: {metric: array}}`` for each of :data:`PROBE_SLOTS`, each
       metric shaped like the probe's leading axes; NaN for an operand not
-      measured (not quantized, or its matmul not run) or all zeros:
+      measured (not quantized, or its matmul not run) or all zeros, and
+      every metric but ``nonfinite`` NaN for an operand with a value that
+      is not finite:
 
       - ``sqnr_db``: ``10 log10(sum x^2 / sum (x - Q(x))^2)``, capped at
         :data:`SQNR_CAP_DB` where ``Q(x) == x``.
@@ -199,6 +239,8 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
         grid's range the block leaves unused (0 for an absmax scale,
         negative where the scale clips).
       - ``log2_scale_min``, ``log2_scale_max``: the range of the scales.
+      - ``nonfinite``: the number of values that are NaN or +-inf (0 for a
+        finite operand, summed over the uses of a shared probe).
 
     Example:
       >>> dg = qbits.dot_general(qbits.presets.get("int8_fwd"))
@@ -210,13 +252,22 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
       >>> m = qbits.ops.read_probe(raw)
       >>> bool(m["fwd.rhs"]["sqnr_db"] > 30), float(m["fwd.rhs"]["clipped"])
       (True, 0.0)
+
+    Raises:
+      InvalidArgumentError: Unless ``raw`` has a probe's layout: ``"sums"``
+        and ``"maxima"`` float arrays shaped ``(..., 6, 9)`` and
+        ``(..., 6, 2)`` with the same leading axes.
     """
+    _check_raw(raw)
     sums = jnp.asarray(raw["sums"], jnp.float32)
     maxima = jnp.asarray(raw["maxima"], jnp.float32)
     out: dict[str, dict[str, jax.Array]] = {}
     for i, slot in enumerate(PROBE_SLOTS):
         s = {k: sums[..., i, j] for j, k in enumerate(SUMS)}
-        seen = s["nonzero"] > 0  # measured, and not all zeros
+        # Measured, not all zeros, and every value finite (a NaN or an inf
+        # makes the sums, the scales and the quantized values meaningless).
+        nonfinite = jnp.where(s["values"] > 0, s["nonfinite"], jnp.nan)
+        seen = (s["nonzero"] > 0) & (s["nonfinite"] == 0)
         nan = jnp.full(seen.shape, jnp.nan, jnp.float32)
 
         def ratio(a: jax.Array, b: jax.Array, seen: jax.Array = seen) -> jax.Array:
@@ -231,5 +282,6 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
             "wasted_bits": ratio(s["wasted"], s["blocks"]),
             "log2_scale_min": jnp.where(seen, -maxima[..., i, 1], nan),
             "log2_scale_max": jnp.where(seen, maxima[..., i, 0], nan),
+            "nonfinite": nonfinite,
         }
     return out

@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
@@ -88,6 +89,71 @@ def _check_group_sizes(owner: str, group_sizes: Any, rhs: Any, group: int) -> No
             f"({count},): one size per group, as rhs has {count} groups "
             f"(rhs.shape[{group}]; rhs is {tuple(rhs.shape)})",
         )
+    _check_sizes(owner, group_sizes)
+
+
+def _check_sizes(owner: str, group_sizes: Any) -> None:
+    """Concrete sizes: none negative, each list's sum within their dtype.
+
+    (Traced sizes are not checked: :func:`_valid` makes a quantized output
+    NaN for them.)
+
+    Raises:
+      InvalidArgumentError: Naming the bad sizes and what they must be.
+    """
+    concrete = isinstance(group_sizes, jax.Array | np.ndarray)
+    if not concrete or isinstance(group_sizes, jax.core.Tracer):
+        return  # traced, or only a shape
+    sizes = np.asarray(group_sizes).astype(object)  # Python ints: exact sums
+    dtype = np.dtype(group_sizes.dtype)
+    negative = [f"group_sizes[{', '.join(map(str, at))}] = {sizes[tuple(at)]}"
+                for at in np.argwhere(sizes < 0)[:4]]  # fmt: skip
+    if negative:
+        raise InvalidArgumentError(
+            owner,
+            "group_sizes",
+            sizes.tolist(),
+            "sizes >= 0: the number of lhs rows of each group",
+            why=f"negative: {', '.join(negative)}",
+        )
+    top = int(np.iinfo(dtype).max)
+    sums = np.sum(sizes, axis=-1, keepdims=True) if sizes.size else sizes
+    if np.any(sums > top):
+        raise InvalidArgumentError(
+            owner,
+            "group_sizes",
+            sizes.tolist(),
+            f"sizes whose sum is at most {top}, the largest {dtype.name} (the "
+            "dtype lax adds them up in; the ragged dimension is smaller still)",
+            why=f"they sum to {max(np.ravel(sums))}, which wraps in {dtype.name}",
+        )
+
+
+def _valid(group_sizes: jax.Array) -> jax.Array:
+    """Whether traced sizes are none negative and their sum does not wrap."""
+    ends = jnp.cumsum(group_sizes, axis=-1, dtype=group_sizes.dtype)
+    starts = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], -1)
+    return jnp.all(group_sizes >= 0) & jnp.all(ends >= starts)
+
+
+def _check_shapes(owner: str, lhs: Any, rhs: Any, rd: RaggedDims) -> None:
+    """Raises InvalidArgumentError, naming both shapes, for axes that differ."""
+    d = rd.dims
+    for kind, pairs in (
+        ("contracting", zip(d.lhs_contract, d.rhs_contract, strict=True)),
+        ("batch", zip(d.lhs_batch, d.rhs_batch, strict=True)),
+    ):
+        for a, b in pairs:
+            if lhs.shape[a] != rhs.shape[b]:
+                raise InvalidArgumentError(
+                    owner,
+                    "rhs.shape",
+                    tuple(rhs.shape),
+                    f"rhs.shape[{b}] == lhs.shape[{a}] = {lhs.shape[a]}: the "
+                    f"{kind} axes of lhs and rhs have the same size",
+                    why=f"lhs.shape is {tuple(lhs.shape)}; lhs axis {a} is "
+                    f"{kind} with rhs axis {b}",
+                )
 
 
 def _check_config(config: DotGeneralConfig, owner: str) -> None:
@@ -182,12 +248,26 @@ class RaggedDot(Configured):
         for :class:`~qbits.ops.DotGeneral`.
 
         Raises:
-          InvalidArgumentError: For ``group_sizes`` that are not integers or
-            not one per group of ``rhs``, a ``group_offset`` (quantized), or
-            operands that are not floating point.
+          InvalidArgumentError: For operands that are not ``[m, k]`` and
+            ``[g, k, n]`` or whose ``k`` differ (naming both shapes),
+            ``group_sizes`` that are not integers, not one per group of
+            ``rhs``, or (concrete) negative or summing past their dtype's
+            largest value, a ``group_offset`` (quantized), or operands that
+            are not floating point.
         """
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         group_sizes = jnp.asarray(group_sizes)
+        for name, x, rank, form in (
+            ("lhs", lhs, 2, "[m, k]"),
+            ("rhs", rhs, 3, "[g, k, n]"),
+        ):
+            if x.ndim != rank:
+                raise InvalidArgumentError(
+                    "ragged_dot", f"{name}.shape", tuple(x.shape),
+                    f"a shape {form} (lax.ragged_dot's; RaggedDot.general takes "
+                    "others, as lax.ragged_dot_general)",
+                )  # fmt: skip
+        _check_shapes("ragged_dot", lhs, rhs, RaggedDims.create(BASIC, 2, 3))
         _check_group_sizes("ragged_dot", group_sizes, rhs, 0)
         if self.config.is_identity and not state and diagnostics is None:
             return lax.ragged_dot(
@@ -222,9 +302,12 @@ class RaggedDot(Configured):
         rank 1); an identity config passes any call to ``lax`` as it is.
 
         Raises:
-          InvalidArgumentError: For another mode, ``group_sizes`` of another
-            rank or not one per group, a ``group_offset``, or operands that
-            are not floating point (quantized).
+          InvalidArgumentError: For concrete ``group_sizes`` that are
+            negative or whose sum wraps around in their dtype (any config);
+            quantized, for another mode, ``group_sizes`` of another rank or
+            not one per group, contracting or batch axes of different sizes
+            (naming both shapes), a ``group_offset``, or operands that are
+            not floating point.
 
         Example:
           >>> rd = qbits.ops.ragged_dot(qbits.presets.get("int8_fwd"))
@@ -240,6 +323,8 @@ class RaggedDot(Configured):
         group_sizes = jnp.asarray(group_sizes)
         rdn = ragged_dot_dimension_numbers
         if self.config.is_identity and not state and diagnostics is None:
+            _check_dtype(_owner, group_sizes)
+            _check_sizes(_owner, group_sizes)
             return lax.ragged_dot_general(
                 lhs, rhs, group_sizes, rdn, precision, preferred_element_type,
                 group_offset, out_sharding,
@@ -248,10 +333,14 @@ class RaggedDot(Configured):
             _owner, lhs, rhs, group_sizes, rdn, precision, preferred_element_type,
             group_offset, out_sharding,
         )  # fmt: skip
-        return state_lib.run(
+        out = state_lib.run(
             self.config, c, lhs, rhs, self.key, state, _owner, data=group_sizes,
             probe=diagnostics,
         )  # fmt: skip
+        # Traced sizes that are negative or wrap around: lax leaves them
+        # undefined (on CPU a row sums the products of every group whose
+        # range holds it); quantized, each row takes one group's scale.
+        return jnp.where(_valid(group_sizes), out, jnp.nan)
 
     def init_state(
         self,
@@ -375,6 +464,7 @@ def _contraction(
         group_offset,
         owner,
     )
+    _check_shapes(owner, lhs, rhs, rd)
     _check_group_sizes(owner, group_sizes, rhs, rd.rhs_group)
     # Let lax check the rest of the shapes and dtypes, with its own messages.
     jax.eval_shape(
@@ -413,6 +503,13 @@ def ragged_dot(config: DotGeneralConfig, key: jax.Array | None = None) -> Ragged
     the weight gradient, per group and channel of both operands. A config
     that quantizes nothing is ``lax.ragged_dot`` itself, bit for bit.
     :meth:`RaggedDot.general` is ``lax.ragged_dot_general``.
+
+    Group sizes are counts. ``lax`` does not define negative ones, nor ones
+    whose sum wraps around in their dtype (on CPU a row then sums the
+    products of every group whose range holds it, which per-group scales
+    cannot reproduce): concrete, they are refused, whatever the config;
+    traced, a quantized output is NaN. A sum past the ragged dimension
+    cuts the last groups off at it, as in ``lax``.
 
     Args:
       config: The forward matmul and the two gradient matmuls (a

@@ -26,10 +26,14 @@ contracting axis 0 (``qbits.PerChannel()``: a scale per output channel;
   QuaRot-style rotations (``x @ w == (x Q) @ (Q^T w)``).
 - :func:`output_error`: ``tr((w - w_hat)^T H (w - w_hat))``, the output
   error over the calibration set, without the activations.
+- :func:`operand_indices`: where each weight matmul reads its weight in
+  its parameter (a kernel stored ``(out, in)`` and transposed before the
+  matmul, as Hugging Face's GPT-2 stores them).
 
 :func:`quantize_weights` is the driver: statistics of every weight matmul
 of any function or model, then round-to-nearest, GPTQ or AWQ on each weight
-with the grid its rule gives (:class:`PtqResult`, :class:`LayerReport`).
+with the grid its rule gives, in the layout its matmul reads it in, once
+for the matmuls that share it (:class:`PtqResult`, :class:`LayerReport`).
 
 The package sits on layer 7 (with :mod:`qbits.flax` and :mod:`qbits.nnx`):
 it may import the quantizer, calibrations, numerics, granularities, ops,
@@ -39,6 +43,7 @@ config and the engine.
 from qbits.ptq._awq import AwqResult, awq
 from qbits.ptq._collect import MatmulStats, collect_stats
 from qbits.ptq._gptq import GptqResult, gptq, output_error
+from qbits.ptq._layout import operand_indices
 from qbits.ptq._rotation import hadamard, rotate_activation, rotate_weight
 from qbits.ptq._smoothquant import scale_activation, scale_weight, smooth_scales
 from qbits.ptq._stats import InputStats
@@ -55,6 +60,7 @@ __all__ = [
     "collect_stats",
     "gptq",
     "hadamard",
+    "operand_indices",
     "output_error",
     "quantize_weights",
     "rotate_activation",

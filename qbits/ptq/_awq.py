@@ -15,7 +15,12 @@ from qbits._errors import check_int
 from qbits._formats import compute_dtype
 from qbits._quantizer import Quantizer
 from qbits.calibration import AbsMax
-from qbits.ptq._gptq import check_hessian, check_quantizer, check_weight
+from qbits.ptq._gptq import (
+    check_finite,
+    check_hessian,
+    check_quantizer,
+    check_weight,
+)
 from qbits.ptq._smoothquant import check_channels
 
 __all__ = ["AwqResult", "awq"]
@@ -117,8 +122,9 @@ def awq(
 
     Raises:
       InvalidArgumentError: For a ``w`` that is not a 2-D float array, a
-        ``hessian`` not ``(K, K)``, an ``act_absmean`` not ``(K,)``, a
-        quantizer with a scale provider or ``grid`` or ``clip_grid`` < 1.
+        ``hessian`` not ``(K, K)``, an ``act_absmean`` not ``(K,)``, any of
+        them with NaN or inf (concrete arrays), a quantizer with a scale
+        provider or ``grid`` or ``clip_grid`` < 1.
 
     Example:
       >>> rng = np.random.default_rng(0)
@@ -135,6 +141,8 @@ def awq(
     w = check_weight(owner, w)
     hessian = check_hessian(owner, hessian, w.shape[0])
     act_absmean = check_channels(owner, "act_absmean", act_absmean, w.shape[0])
+    for argument, x in (("w", w), ("hessian", hessian), ("act_absmean", act_absmean)):
+        check_finite(owner, argument, x)
     check_quantizer(owner, quantizer)
     check_int(owner, "grid", grid, 1)
     check_int(owner, "clip_grid", clip_grid, 1)

@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qbits import transform
 from qbits._errors import InvalidArgumentError
+from qbits.ptq._layout import indices
 from qbits.ptq._stats import InputStats
 from qbits.transform import Caller, ObservedMatmul, Observer, observe_matmuls
 
@@ -37,8 +39,11 @@ class MatmulStats:
     (one layer of a scan over stacked layers; after the model's own
     reshapes, transposes and casts): the parameter's own axes where the
     model multiplies by the parameter as it is (``Dense``, ``x @ w``, an
-    einsum). :meth:`matrix` reshapes such a weight to the ``(K, N)`` the
-    statistics are over.
+    einsum). :meth:`operand` reads the operand from the parameter (a
+    Conv1D kernel stored ``(out, in)`` and transposed before multiplying,
+    as Hugging Face's GPT-2 stores them), :meth:`matrix` reshapes it to the
+    ``(K, N)`` the statistics are over, :meth:`write` puts an operand back
+    into the parameter.
 
     Attributes:
       path: The matmul's path, as :func:`qbits.layer_table` names it.
@@ -57,6 +62,11 @@ class MatmulStats:
         ``shape[batch]`` after ``layers``); ``False`` for a weight broadcast
         along its batch axes (one matrix: the groups' rows are its rows).
       stats: The :class:`InputStats` of its activation, over ``K``.
+      index: Which entry of the parameter each entry of the operand is
+        (int64, shape ``(*layers, *shape)``: :func:`operand_indices`), or
+        ``None`` where the operand is the parameter as it is.
+      exclusive: Whether this matmul is all that reads the parameter (no
+        other matmul, no lookup: a tied embedding's head is not).
 
     Example:
       >>> def head(params, x):
@@ -77,6 +87,75 @@ class MatmulStats:
     layers: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     grouped: bool = dataclasses.field(metadata={"static": True})
     stats: InputStats
+    index: np.ndarray | None = None
+    exclusive: bool = dataclasses.field(default=True, metadata={"static": True})
+
+    def operand(self, param: jax.Array) -> jax.Array:
+        """The weight operand, all layers stacked, read from its parameter.
+
+        Args:
+          param: The parameter (of shape ``param_shape``).
+
+        Returns:
+          The operand of every layer, ``(*layers, *shape)``, in the
+          parameter's dtype.
+
+        Raises:
+          InvalidArgumentError: For a parameter the operand cannot be read
+            from (statistics of another model, or made by hand without
+            ``index`` for a model that rearranges its parameter).
+
+        Example:
+          >>> def f(params, x):  # a kernel stored (out, in)
+          ...     return x @ params["w"].T
+          >>> params = {"w": jnp.arange(6.0).reshape(3, 2)}
+          >>> ms = qbits.ptq.collect_stats(f, params, [jnp.ones((1, 2))])["w"]
+          >>> ms.operand(params["w"]).tolist(), ms.shape
+          ([[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]], (2, 3))
+        """
+        want = (*self.layers, *self.shape)
+        if self.index is None and tuple(jnp.shape(param)) == want:
+            return jnp.asarray(param)
+        if self.index is not None and np.size(param) > int(self.index.max(initial=-1)):
+            # On the host: a gather per weight shape would compile.
+            return jnp.asarray(np.asarray(param).reshape(-1)[self.index])
+        raise InvalidArgumentError(
+            "qbits.ptq.MatmulStats.operand",
+            "param",
+            f"{jax.tree_util.keystr(self.keys)} of shape {list(jnp.shape(param))}",
+            f"the parameter {self.path!r} reads its weight of shape "
+            f"{list(want)} from (statistics of this model, from "
+            "qbits.ptq.collect_stats)",
+        )
+
+    def write(self, param: jax.Array, operand: jax.Array) -> jax.Array:
+        """``param`` with the entries the operand reads replaced by ``operand``.
+
+        The inverse of :meth:`operand` (entries the matmul does not read,
+        e.g. past a slice, keep their values).
+
+        Args:
+          param: The parameter.
+          operand: A new operand, ``(*layers, *shape)``.
+
+        Returns:
+          The parameter with those entries, in its dtype and shape.
+
+        Example:
+          >>> def f(params, x):
+          ...     return x @ params["w"].T
+          >>> params = {"w": jnp.zeros((3, 2))}
+          >>> ms = qbits.ptq.collect_stats(f, params, [jnp.ones((1, 2))])["w"]
+          >>> ms.write(params["w"], jnp.arange(6.0).reshape(2, 3)).tolist()
+          [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+        """
+        self.operand(param)  # the same checks
+        dtype = jnp.result_type(param)
+        if self.index is None:
+            return jnp.asarray(operand, dtype).reshape(jnp.shape(param))
+        flat = np.array(param, dtype).reshape(-1)  # a copy, on the host
+        flat[self.index.reshape(-1)] = np.asarray(operand, dtype).reshape(-1)
+        return jnp.asarray(flat.reshape(jnp.shape(param)))
 
     def matrix(self, weight: jax.Array) -> jax.Array:
         """One layer's weight operand as ``(*groups, K, N)``.
@@ -181,9 +260,12 @@ def collect_stats(
       >>> s.hessian.shape, s.rows.tolist(), s.absmax.tolist()
       ((4, 4), 6.0, [2.0, 2.0, 2.0, 2.0])
     """
+    first: list[Any] = []
     found, records = observe_matmuls(
-        fn, params, _alike(batches), _OBSERVER, config=config, caller=_COLLECT
+        fn, params, _alike(batches, first), _OBSERVER, config=config, caller=_COLLECT
     )
+    index = indices(fn, params, tuple(first), {}, found)
+    readers = transform.weight_matmuls(fn, params, *first, caller=_COLLECT)
     return {
         path: MatmulStats(
             path=path,
@@ -196,13 +278,18 @@ def collect_stats(
             layers=m.layers,
             grouped=m.grouped,
             stats=records[path],
+            index=index.get(path),
+            exclusive=readers[path].exclusive,
         )
         for path, m in found.items()
     }
 
 
-def _alike(batches: Iterable[Any]) -> Iterator[Any]:
-    """The batches, each checked against the first (structure, shapes, dtypes)."""
+def _alike(batches: Iterable[Any], first_batch: list[Any]) -> Iterator[Any]:
+    """The batches, each checked against the first (structure, shapes, dtypes).
+
+    The first batch is appended to ``first_batch``.
+    """
     if not isinstance(batches, Iterable):
         raise InvalidArgumentError(
             _COLLECT.owner, "batches", batches, "an iterable of batches"
@@ -213,6 +300,7 @@ def _alike(batches: Iterable[Any]) -> Iterator[Any]:
         spec = tree, [(path, _spec(leaf)) for path, leaf in leaves]
         if first is None:
             first = spec
+            first_batch.append(batch)
         elif spec != first:
             raise InvalidArgumentError(
                 _COLLECT.owner,

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError, check_bool, check_float, check_int
@@ -101,6 +102,19 @@ def gptq(
     tensor scale, which needs the whole weight: their scales all come from
     ``w`` itself, as with ``act_order``.
 
+    The grid is the quantizer's own, the one the engine serves. For 4-bit
+    symmetric :class:`~qbits.IntNumerics` that is ``-7..7`` (15 levels: an
+    exact zero, the bound on the edge 7.5), where the reference
+    implementation and Qwix round symmetric int4 onto ``-8..7`` with the
+    same scale: values the error feedback pushes below ``-7.5`` clip at
+    ``-7`` here. On correlated calibration data (``K = 128``, per output
+    channel and in groups of 32) that costs GPTQ 1-2% more output error, on
+    average, than the reference's grid (round to nearest: 0.2%). For 16
+    levels use the
+    asymmetric grid, :class:`~qbits.numerics.UintNumerics` with zero points
+    (the ``w4g128_asym`` preset), or ``IntNumerics(bits=4,
+    preserve_zero=False)`` (``+-0.5 .. +-7.5``, no exact zero).
+
     With ``act_order`` the rows are processed in order of descending
     ``diag(H)`` (the most active inputs first) and the result is put back in
     the original order. The groups stay contiguous in the original order,
@@ -135,9 +149,10 @@ def gptq(
 
     Raises:
       InvalidArgumentError: If ``w`` is not a 2-D float array, ``hessian`` is
-        not ``(K, K)``, the quantizer's groups do not divide ``K`` (its own
-        error) or it has a scale provider, or the damped Hessian is not
-        positive definite (raise ``damping``).
+        not ``(K, K)``, either holds NaN or inf (concrete arrays), the
+        quantizer's groups do not divide ``K`` (its own error) or it has a
+        scale provider, or the damped Hessian, finite, is not positive
+        definite (raise ``damping``).
 
     Example:
       >>> rng = np.random.default_rng(0)
@@ -159,6 +174,8 @@ def gptq(
     check_int(owner, "block_size", block_size, 1)
     if name is not None and not isinstance(name, str):
         raise InvalidArgumentError(owner, "name", name, "a str or None")
+    check_finite(owner, "w", w, name)
+    check_finite(owner, "hessian", hessian, name)
     group, block_n = quantizer.granularity.block_sizes(w.shape, (0,))[:2]
     scale_shape = (k // group if k else 0, n // block_n if n else 0)
     if isinstance(quantizer.numerics, NoNumerics) or w.size == 0:
@@ -175,13 +192,15 @@ def gptq(
         block=block,
     )
     if not isinstance(ok, jax.core.Tracer) and not bool(ok):
+        # Finite (checked above): rounding in an ill-conditioned X^T X, which
+        # damping cures, or a matrix that is no X^T X, which it does not.
         layer = f"layer {name!r}" if name is not None else "this layer"
+        larger = f"a larger damping (e.g. {10 * damping:g}); " if damping < 1 else ""
         raise InvalidArgumentError(
             owner,
             "damping",
             damping,
-            f"a larger damping (e.g. {min(1.0, max(0.01, 10 * damping)):g}); "
-            "hessian must be X^T X of the layer's calibration inputs "
+            f"{larger}hessian must be X^T X of the layer's calibration inputs "
             "(positive semidefinite)",
             why=f"the Hessian of {layer} is not positive definite after damping",
         )
@@ -258,6 +277,20 @@ def check_hessian(owner: str, hessian: Any, k: int) -> jax.Array:
             "rows X of the input, K = w.shape[0]",
         )
     return hessian
+
+
+def check_finite(owner: str, argument: str, x: Any, name: str | None = None) -> None:
+    """Raises unless ``x`` (concrete: a traced array passes) is all finite."""
+    if isinstance(x, jax.core.Tracer):
+        return
+    bad = int(np.sum(~np.isfinite(np.asarray(x))))
+    if bad:
+        layer = f" of layer {name!r}" if name is not None else ""
+        raise InvalidArgumentError(
+            owner, argument, f"an array with {bad} NaN or inf entries",
+            f"finite values: {argument}{layer} as the float model computes it "
+            "on calibration data",
+        )  # fmt: skip
 
 
 def check_quantizer(owner: str, quantizer: Any) -> None:

@@ -43,6 +43,7 @@ from qbits.ptq._gptq import (
     gptq,
     output_error,
 )
+from qbits.ptq._plan import Weight, check_alone, check_inputs, check_some, plan
 from qbits.ptq._stored import stored_weight
 from qbits.ptq._transforms import ACTIVATION, Transform
 
@@ -52,21 +53,28 @@ METHODS = ("rtn", "gptq", "awq")
 
 @dataclasses.dataclass(frozen=True)
 class LayerReport:
-    """What :func:`quantize_weights` did to one weight matmul.
+    """What :func:`quantize_weights` did to one weight.
+
+    One report per weight quantized: per weight matmul, except that the
+    matmuls that multiply by the same parameter entries in the same layout
+    (``x @ w + relu(x @ w)``: ``w`` and ``w#2``) share one weight,
+    quantized once on their statistics merged, and one report.
 
     Attributes:
-      path: The matmul's path, as :func:`qbits.layer_table` names it.
+      path: The (first) matmul's path, as :func:`qbits.layer_table` names it.
       param: The key path of its weight parameter (``jax.tree_util.keystr``).
       method: ``"rtn"``, ``"gptq"`` or ``"awq"``.
       error_rtn: The output error of round-to-nearest on the calibration
         set, ``tr((w - w_hat)^T H (w - w_hat)) / rows``, summed over the
-        layer's scan steps and groups.
+        layer's scan steps and groups (and its matmuls: ``H`` and ``rows``
+        summed over them).
       error: The same for ``method``'s weight.
+      uses: Every matmul that multiplies by this weight, ``path`` first.
 
     Example:
       >>> r = qbits.ptq.LayerReport("fc1", "['fc1']['kernel']", "gptq", 2.0, 0.5)
-      >>> r.error / r.error_rtn
-      0.25
+      >>> r.error / r.error_rtn, r.uses
+      (0.25, ('fc1',))
     """
 
     path: str
@@ -74,6 +82,11 @@ class LayerReport:
     method: str
     error_rtn: float
     error: float
+    uses: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.uses:
+            object.__setattr__(self, "uses", (self.path,))
 
 
 class PtqResult(NamedTuple):
@@ -82,8 +95,9 @@ class PtqResult(NamedTuple):
     Attributes:
       params: ``params`` with every quantized weight replaced (same tree,
         shapes and dtypes).
-      layers: One :class:`LayerReport` per weight matmul, in the order of
-        the statistics.
+      layers: One :class:`LayerReport` per weight, in the order of the
+        statistics: per weight matmul, with the matmuls that share a
+        weight in one (:attr:`LayerReport.uses`).
       config: The rules to run ``params`` with: the given config with the
         weight quantizer of every weight written here removed (the weights
         are on their grids already), so ``qbits.quantize(fn, result.config)``
@@ -101,7 +115,8 @@ class PtqResult(NamedTuple):
         codes and scales, zero points and tensor scale, so that serving
         keeps them: ``qbits.serving.convert(fn, config, result, x)`` (the
         config given to :func:`quantize_weights`) takes them, as does
-        ``qbits.quantize(fn, config, stored=result.stored)``. AWQ's weights
+        ``qbits.quantize(fn, config, stored=result.stored)``. Matmuls that
+        share a weight (``w``, ``w#2``) share its stored weight. AWQ's weights
         (``Q(s w) / s``) are left out, and so is a weight whose scale blocks
         on ``(K, N)`` are not those of its operand (NVFP4's tensor scale,
         one per ``(K, N)`` matrix, of a weight with a matrix per group:
@@ -190,6 +205,20 @@ def quantize_weights(
     way, ``result.function(fn)(result.params, x)`` (which also applies
     ``smooth`` and ``rotate``).
 
+    Each weight is quantized in the layout its matmul reads it in: a
+    kernel the model transposes or reshapes before multiplying (Hugging
+    Face's GPT-2 stores its kernels ``(out, in)``) is quantized as the
+    matmul's ``(K, N)`` and written back where the matmul reads it
+    (:meth:`MatmulStats.operand`); a weight the model broadcasts or slices
+    is refused. Matmuls
+    that multiply by the same entries of a parameter in the same layout
+    (a weight used twice: ``w`` and ``w#2``) share one weight, quantized
+    once on their statistics merged (GPTQ's ``H`` summed over them) and
+    stored once for all of them; other layouts of the same entries, or
+    other weight quantizers, are refused. The grid of a 4-bit symmetric
+    :class:`~qbits.IntNumerics` weight is ``-7..7``, without the reference
+    GPTQ's ``-8`` (see :func:`gptq`); ``w4g128_asym`` has 16 levels.
+
     ``smooth`` and ``rotate`` transform each quantized matmul ``x @ w``
     first, leaving the float model unchanged (:mod:`qbits.ptq`'s
     SmoothQuant and rotations): the weight once, here, before ``method``
@@ -229,10 +258,16 @@ def quantize_weights(
 
     Raises:
       InvalidArgumentError: For an unknown method, no batches (or both
-        batches and stats), a weight quantizer with a scale provider or
-        stochastic rounding, ``smooth`` outside [0, 1], AWQ with
-        ``rotate`` (its search needs ``mean |x Q|``), a ``K`` with no
-        Hadamard matrix, and the errors of :func:`collect_stats` and
+        batches and stats), a config that quantizes no weight of ``fn``, a
+        weight quantizer with a scale provider or stochastic rounding,
+        ``smooth`` outside [0, 1], AWQ with ``rotate`` (its search needs
+        ``mean |x Q|``), a ``K`` with no Hadamard matrix, ``smooth`` or
+        ``rotate`` of a weight read by more than its matmul (a tied
+        embedding's lookup would read the transformed table), a parameter two
+        matmuls quantize in other layouts or on other grids (naming both),
+        a weight the model broadcasts or slices, calibration statistics or
+        weights with NaN or inf (naming the matmul; checked before any
+        method runs), and the errors of :func:`collect_stats` and
         :func:`gptq` (named by layer).
       ConfigError: For a bad config.
 
@@ -278,50 +313,49 @@ def quantize_weights(
             raise InvalidArgumentError(_OWNER, "batches", batches, "at least one batch")
         stats = collect_stats(fn, params, itertools.chain([first], it), config=quant)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    index = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(leaves)}
+    where = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(leaves)}
     values = [leaf for _, leaf in leaves]
+    weights = plan(_OWNER, stats, quant, values, where)
+    check_some(_OWNER, config, quant, weights)
+    check_inputs(_OWNER, "stats" if batches is None else "batches", weights, values)
+    if smooth is not None or rotate:
+        name = "smooth" if smooth is not None else "rotate"
+        check_alone(_OWNER, name, smooth if smooth is not None else rotate, weights)
     reports, written, transforms, stored = [], [], {}, {}
-    for ms in tqdm(
-        list(stats.values()), desc="ptq", unit="layer", disable=not progress
-    ):
-        cfg = quant.resolve(ms.path).config
-        if cfg is None:
-            continue
-        quantizer = cfg.fwd.rhs  # the weight's side, whichever side it is on
-        if isinstance(quantizer.numerics, NoNumerics):  # activations only
-            continue
-        name = jax.tree_util.keystr(ms.keys)
-        i = index[name]
-        k = ms.stats.hessian.shape[-1]
+    for w in tqdm(weights, desc="ptq", unit="layer", disable=not progress):
+        k = w.stats.hessian.shape[-1]
         try:
             t = Transform.create(smooth, rotate, key, k)
         except InvalidArgumentError as e:
             raise InvalidArgumentError(
                 _OWNER, "rotate", True,
-                f"rotate=False, or a model whose {ms.path!r} has a K with a "
-                "Hadamard matrix", why=f"{ms.path!r} has K = {k}: {e}",
+                f"rotate=False, or a model whose {w.ms.path!r} has a K with a "
+                "Hadamard matrix", why=f"{w.ms.path!r} has K = {k}: {e}",
             ) from None  # fmt: skip
         try:
-            check_quantizer(_OWNER, quantizer)
-            new, report, data, qt = _one_weight(ms, values[i], quantizer, method,
-                                                damping, act_order, grid,
-                                                clip_grid, t)  # fmt: skip
+            check_quantizer(_OWNER, w.quantizer)
+            new, report, data, qt = _one_weight(w, values[w.leaf], method, damping,
+                                                act_order, grid, clip_grid,
+                                                t)  # fmt: skip
         except InvalidArgumentError as e:
-            if f"{ms.path!r}" in str(e):
+            if f"{w.ms.path!r}" in str(e):
                 raise
             raise InvalidArgumentError(
-                _OWNER, "config", f"the weight quantizer of {ms.path!r}",
+                _OWNER, "config", f"the weight quantizer of {w.ms.path!r}",
                 "a weight quantizer that fits the weight, computes its scale "
                 "and rounds to nearest", why=str(e),
             ) from None  # fmt: skip
-        values[i] = new
-        if data:
-            transforms[ms.path] = data
-        if qt is not None:
-            stored[ms.path] = qt
-        reports.append(dataclasses.replace(report, param=name))
-        written.append(_without_weight(ms.path, cfg))
+        values[w.leaf] = new
+        reports.append(report)
+        for ms, cfg in zip(w.uses, w.configs, strict=True):
+            if data:
+                transforms[ms.path] = data
+            if qt is not None:
+                stored[ms.path] = qt
+            written.append(_without_weight(ms.path, cfg))
     new_params = jax.tree_util.tree_unflatten(treedef, values)
+    # A rule for fc1 also matches its later use fc1#2: those first.
+    written.sort(key=lambda r: "#" not in r.pattern)
     rules = QuantConfig((*written, *quant.rules), quant.default, source=quant.source)
     return PtqResult(new_params, tuple(reports), rules, transforms, stored)
 
@@ -339,9 +373,8 @@ def _without_weight(path: str, cfg: DotGeneralConfig) -> Rule:
 
 
 def _one_weight(
-    ms: MatmulStats,
-    weight: Any,
-    quantizer: Quantizer,
+    w: Weight,
+    param: Any,
     method: str,
     damping: float,
     act_order: bool,
@@ -349,23 +382,16 @@ def _one_weight(
     clip_grid: int,
     t: Transform,
 ) -> tuple[jax.Array, LayerReport, dict[str, jax.Array], Any]:
-    """The new weight parameter, its report, its transform's data, its QTensor.
+    """The new parameter, the weight's report, its transform's data, its QTensor.
 
-    Each layer and group alone; the data stacked like the statistics
-    (``(*layers, *groups, ...)``); the stored weight (or ``None``) as
-    :attr:`PtqResult.stored` holds it.
+    The weight is read from the parameter in its matmuls' layout, each
+    layer and group quantized alone, and written back; the data stacked
+    like the statistics (``(*layers, *groups, ...)``); the stored weight
+    (or ``None``) as :attr:`PtqResult.stored` holds it.
     """
+    ms, quantizer = w.ms, w.quantizer
     lead = ms.layers
-    w_all = jnp.asarray(weight)
-    if w_all.shape != (*lead, *ms.shape):
-        raise InvalidArgumentError(
-            _OWNER,
-            "params",
-            f"{jax.tree_util.keystr(ms.keys)} of shape {list(w_all.shape)}",
-            f"the weight of {ms.path!r} as the matmul reads it, shape "
-            f"{list((*lead, *ms.shape))} (a model that reshapes or transposes "
-            "a parameter before multiplying is not supported yet)",
-        )
+    w_all = ms.operand(param)
     out, datas, grids = [], [], []
     err_rtn = err = 0.0
     for layer in np.ndindex(*lead):
@@ -373,11 +399,11 @@ def _one_weight(
         groups = mats.shape[:-2]
         new_mats = []
         for g in np.ndindex(*groups):
-            s = jax.tree.map(lambda a, g=g, layer=layer: a[(*layer, *g)], ms.stats)
-            w = mats[g]
-            rtn = _rtn(w, quantizer)
+            s = jax.tree.map(lambda a, g=g, layer=layer: a[(*layer, *g)], w.stats)
+            m = mats[g]
+            rtn = _rtn(m, quantizer)
             w_rtn = rtn.weight
-            wt, h, absmean, data = t.apply(w, s)
+            wt, h, absmean, data = t.apply(m, s)
             if method == "awq":
                 w_new = awq(wt, h, absmean, quantizer, grid=grid,
                             clip_grid=clip_grid).weight  # fmt: skip
@@ -390,21 +416,21 @@ def _one_weight(
                 w_new = on_grid.weight
                 grids.append(on_grid)
             w_eff = w_new if t.identity else t.effective(w_new, data)
-            errors = _errors(w, w_rtn, w_eff, s.hessian, s.rows)
+            errors = _errors(m, w_rtn, w_eff, s.hessian, s.rows)
             err_rtn, err = err_rtn + float(errors[0]), err + float(errors[1])
             new_mats.append(w_new)
             datas.append(data)
         stacked = jnp.stack(new_mats).reshape(mats.shape)
         out.append(_unmatrix(ms, stacked))
     new = (jnp.stack(out).reshape(w_all.shape) if lead else out[0]).astype(w_all.dtype)
-    report = LayerReport(ms.path, "", method, err_rtn, err)
+    report = LayerReport(ms.path, w.param, method, err_rtn, err, w.paths)
     qt = stored_weight(ms, new, quantizer, grids) if grids else None
     shape = (*lead, *ms.stats.rows.shape[len(lead) :])
     data = {
         name: jnp.stack([d[name] for d in datas]).reshape(*shape, *v.shape)
         for name, v in (datas[0] if datas else {}).items()
     }
-    return new, report, data, qt
+    return ms.write(param, new), report, data, qt
 
 
 @functools.partial(jax.jit, static_argnames=("quantizer",))

@@ -67,8 +67,14 @@ class SizeReport:
     Attributes:
       layers: One :class:`LayerSize` per stored layer.
       other_bytes: Bytes of every other parameter (biases, norms, float
-        layers), as they are stored.
+        layers, a tied embedding's table kept for its lookup), as they are
+        stored.
       other_float32_bytes: The same parameters in float32.
+      shared_float32_bytes: The float32 bytes of stored weights whose float
+        parameter is counted elsewhere: kept for another reader (a tied
+        embedding, whose lookup reads it: it is among the other parameters)
+        or stored for another matmul too. The float32 total counts each
+        parameter once (:attr:`total_float32_bytes`).
 
     Example:
       >>> row = qbits.serving.LayerSize("fc", "int8", (4, 4), 16, 16, 64)
@@ -82,6 +88,7 @@ class SizeReport:
     layers: tuple[LayerSize, ...]
     other_bytes: int
     other_float32_bytes: int
+    shared_float32_bytes: int = 0
 
     @property
     def bytes(self) -> int:
@@ -99,9 +106,14 @@ class SizeReport:
         return self.bytes / self.float32_bytes if self.float32_bytes else 1.0
 
     @property
+    def total_float32_bytes(self) -> int:
+        """Bytes of all parameters in float32, each parameter once."""
+        return self.float32_bytes + self.other_float32_bytes - self.shared_float32_bytes
+
+    @property
     def total_ratio(self) -> float:
-        """All parameters' bytes over their float32 bytes."""
-        whole = self.float32_bytes + self.other_float32_bytes
+        """All parameters' bytes over their float32 bytes (each counted once)."""
+        whole = self.total_float32_bytes
         return (self.bytes + self.other_bytes) / whole if whole else 1.0
 
     def as_dicts(self) -> list[dict[str, Any]]:
@@ -122,7 +134,7 @@ class SizeReport:
             {
                 "path": "all parameters",
                 "bytes": self.bytes + self.other_bytes,
-                "float32_bytes": self.float32_bytes + self.other_float32_bytes,
+                "float32_bytes": self.total_float32_bytes,
                 "ratio": self.total_ratio,
             }
         )
@@ -147,7 +159,7 @@ class SizeReport:
         )
         lines.append(
             f"| **all parameters** | | | {values:,} + {self.other_bytes:,} other | "
-            f"{scales:,} | {self.float32_bytes + self.other_float32_bytes:,} | "
+            f"{scales:,} | {self.total_float32_bytes:,} | "
             f"{self.total_ratio:.4f} |"
         )
         return "\n".join(lines)
@@ -176,10 +188,12 @@ def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
     """Bytes of the stored weights, per layer and in total, versus float32.
 
     Counts what the served object holds, leaf by leaf: each stored weight's
-    values and scales, and every other parameter once (a tied embedding,
-    kept for its lookup, counts once; the empty placeholders of dropped
-    float weights count nothing). Works on shapes only (also on
-    ``jax.eval_shape`` results).
+    values and scales, and every other parameter once (the empty
+    placeholders of dropped float weights count nothing). A tied
+    embedding's table, kept in float for its lookup, counts in the served
+    bytes beside its stored head; the float32 total counts each float
+    parameter once, however many matmuls (and lookups) read it. Works on
+    shapes only (also on ``jax.eval_shape`` results).
 
     Args:
       serving: :class:`~qbits.serving.ServingParams` (linen models and
@@ -201,10 +215,10 @@ def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
       (0.2520, 8192)
     """
     if isinstance(serving, ServingParams):
-        rows = [_row(info, serving.weights[info.path]) for info in serving.layers]
+        infos = [(info, serving.weights[info.path]) for info in serving.layers]
         others = _arrays(serving.params)
     elif isinstance(serving, nnx.Module) and served_layers(serving):
-        rows = [_row(info, arrays) for info, arrays in served_layers(serving)]
+        infos = served_layers(serving)
         # The key streams a trained copy may keep (nnx.RngState): not weights.
         skip = nnx.Any(nnx.PathContains("qbits"), qnnx.Placeholder, nnx.RngState)
         others = _arrays(nnx.state(serving, nnx.Not(skip)))
@@ -216,7 +230,16 @@ def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
             "qbits.serving.ServingParams or a served nnx model (from "
             "qbits.serving.convert)",
         )
+    rows = [_row(info, arrays) for info, arrays in infos]
+    # A float parameter counted elsewhere: kept (param "": another reader,
+    # e.g. a tied embedding's lookup, is among the others) or seen before.
+    seen: set[str] = set()
+    shared = 0
+    for (info, _), row in zip(infos, rows, strict=True):
+        if not info.param or info.param in seen:
+            shared += row.float32_bytes
+        seen.add(info.param)
     others = [x for x in others if jnp.issubdtype(x.dtype, jnp.inexact)]
     other_bytes = sum(_nbytes(x) for x in others)
     other_f32 = sum(int(np.prod(x.shape)) * 4 for x in others)
-    return SizeReport(tuple(rows), other_bytes, other_f32)
+    return SizeReport(tuple(rows), other_bytes, other_f32, shared)

@@ -184,6 +184,18 @@ def test_default_train_end_to_end(tmp_path, capsys):
     assert all(math.isfinite(r["eval_loss"]) for r in rows.values())
     assert rows["w4g8 gptq+rot"]["eval_loss"] != rows["float32"]["eval_loss"]
     assert "w4g8 gptq+rot" in stdout and (report / "results.md").stat().st_size > 0
+    # What the PTQ run is about: eval losses, not float32's training curve;
+    # "—" where a row has no figure (float32 was not timed here), never nan.
+    assert summary["files"][-1] == "eval_loss.png"
+    assert not (report / "loss_curves.png").exists()
+    assert "nan" not in (report / "results.md").read_text()
+    # --out on the training run's folder would replace its report: refused.
+    trained = (out / "results.json").read_text()
+    assert main([*argv, "--out", str(out)]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"qbits: error: --out {out}: ")
+    assert str(out / "ptq-w4g8") in line
+    assert (out / "results.json").read_text() == trained
 
 
 def test_ptq_errors_are_one_line_and_write_nothing(tmp_path, capsys):
@@ -196,6 +208,21 @@ def test_ptq_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     assert _run(["ptq", "nf4", "--run", str(tmp_path), "--calibration", "0"]) == 2
     assert "--calibration" in _one_error_line(capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ptq_out_is_never_the_folder_of_a_training_run(tmp_path, capsys):
+    """A sweep's (or training run's) folder holds a report that ptq's replaces."""
+    sweep = tmp_path / "sweep"
+    (sweep / "runs").mkdir(parents=True)
+    (sweep / "results.json").write_text("{}")
+    argv = ["ptq", "w4a8", "--run", str(tmp_path / "run"), "--out", str(sweep)]
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"qbits: error: --out {sweep}: ")
+    assert "report of a training run" in line and "ptq-w4a8" in line
+    assert sorted(p.name for p in sweep.iterdir()) == ["results.json", "runs"]
+    with pytest.raises(qbits.InvalidArgumentError, match=r"out.*training run"):
+        qbits.experiments.post_train(tmp_path / "run", "nf4", sweep)
 
 
 def test_fp8_delayed_trains_the_default_model_with_every_matmul(tmp_path, capsys):

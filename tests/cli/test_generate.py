@@ -1,5 +1,9 @@
 """qbits generate: text from the example LM with a KV cache; errors as one line."""
 
+import contextlib
+import os
+import threading
+
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
@@ -82,3 +86,32 @@ def test_generate_errors_are_one_line(argv, expected, capsys):
         status = e.code
     assert status == 2
     assert expected in _one_error_line(capsys)
+
+
+def test_prompt_file_is_read_only_from_a_regular_file(tmp_path, capsys):
+    """A FIFO is refused, not waited for (it hung); so are a folder, a huge file."""
+    fifo = tmp_path / "words.txt"
+    os.mkfifo(fifo)
+
+    def writer():  # gives a reader that waits what it waits for
+        with contextlib.suppress(OSError), open(fifo, "w") as f:
+            f.write("\u00e9t\u00e9\n")
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    argv = ["generate", "--size", "tiny", "--steps", "1", "--prompt-file"]
+    try:
+        status = main([*argv, str(fifo)])
+    finally:
+        release = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        thread.join()
+        os.close(release)
+    assert status == 2
+    line = _one_error_line(capsys)
+    assert f"--prompt-file {fifo}: expected a regular file, got a FIFO" in line
+    assert main([*argv, str(tmp_path)]) == 2
+    assert "expected a regular file, got a directory" in _one_error_line(capsys)
+    big = tmp_path / "big.txt"
+    big.write_text("ab" * 600_000)
+    assert main([*argv, str(big)]) == 2
+    assert "at most 1000000 bytes" in _one_error_line(capsys)

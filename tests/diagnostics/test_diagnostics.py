@@ -130,7 +130,7 @@ def test_a_shared_weight_sums_its_uses():
         return jnp.sum(jax.lax.map(lambda x: x @ params["w"], xs))
 
     probes = diagnostics.init(f, "int8_fwd", params, xs)
-    assert probes["w"]["sums"].shape == (6, 8)  # no layer axis
+    assert probes["w"]["sums"].shape == qbits.ops.init_probe()["sums"].shape  # 1 layer
 
     def loss(probes):
         return qbits.quantize(f, "int8_fwd", diagnostics=probes)(params, xs)
@@ -140,6 +140,82 @@ def test_a_shared_weight_sums_its_uses():
     metrics = diagnostics.read(raw)
     assert metrics.values["w"]["fwd.lhs"]["sqnr_db"].shape == ()
     assert np.isfinite(metrics.values["w"]["fwd.lhs"]["sqnr_db"])
+
+
+def test_a_nonfinite_operand_is_reported_not_read_as_lossless():
+    # A NaN reaching the second matmul's activation and an inf in the third
+    # one's weight: those operands are flagged and counted, their metrics
+    # are NaN, the table says so; the first matmul is measured as usual.
+    rng = np.random.default_rng(3)
+    params = {n: rng.standard_normal((6, 6)).astype(np.float32) for n in "abc"}
+    params["c"][2, 4] = -np.inf
+    x = rng.standard_normal((5, 6)).astype(np.float32)
+
+    def logits(params, x):
+        h = jnp.tanh(x @ params["a"]).at[1:3, 0].set(jnp.nan)
+        return jnp.tanh(h @ params["b"]) @ params["c"]
+
+    out, metrics = diagnostics.diagnose(logits, "fp8")(params, x)
+    assert not np.isfinite(out).any()
+    for path, slot, count in (("b", "fwd.lhs", 2), ("c", "fwd.rhs", 1)):
+        m = metrics.values[path][slot]
+        assert np.isnan(m["sqnr_db"])  # not 150 dB: nothing is lossless here
+        assert m["nonfinite"] == count
+        assert all(np.isnan(v) for k, v in m.items() if k != "nonfinite")
+    assert metrics.values["a"]["fwd.lhs"]["nonfinite"] == 0
+    assert 20 < metrics.values["a"]["fwd.lhs"]["sqnr_db"] < 150
+    assert metrics.operands == ("fwd.lhs", "fwd.rhs")  # logits: forward only
+    rows = metrics.table().splitlines()
+    assert rows[2].startswith("| a | 3") and "non-finite" not in rows[2]
+    assert rows[3].startswith("| b | non-finite | 3")  # b's weight is fine
+    assert rows[4] == "| c | non-finite | non-finite |"  # (NaN spreads)
+    assert "| b | non-finite |" in metrics.table("clipped")
+    assert "| b | 2 |" in metrics.table("nonfinite", digits=0)
+
+
+def test_a_while_loop_leaves_out_what_flows_into_it_and_says_so():
+    # Reverse mode cannot pass a while_loop: the matmul in its body ("mid")
+    # and the one feeding it ("pre") are not measured, nor differentiated;
+    # the one after it ("post") is, backward operands included.
+    k = jax.random.split(jax.random.key(5), 4)
+    params = {n: 0.5 * jax.random.normal(kk, (5, 5)) for n, kk in
+              zip(("pre", "mid", "post"), k[:3], strict=True)}  # fmt: skip
+    x = jax.random.normal(k[3], (2, 5))
+
+    def loss(params, x, steps):
+        def body(carry):
+            i, h = carry
+            return i + 1, jnp.sin(h @ params["mid"])
+
+        h = jnp.tanh(x @ params["pre"])
+        h = jax.lax.cond(steps > 0, lambda h: jax.lax.while_loop(
+            lambda c: c[0] < steps, body, (0, h))[1], lambda h: h, h)  # fmt: skip
+        return jnp.sum((h @ params["post"]) ** 2)
+
+    with pytest.warns(UserWarning, match=r"while_loop.*'mid', 'pre'.*2 \(of 3\)"):
+        value, metrics = diagnostics.diagnose(loss, "fp8")(params, x, 2)
+    np.testing.assert_allclose(value, qbits.quantize(loss, "fp8")(params, x, 2))
+    for path in ("pre", "mid"):
+        assert np.isnan(metrics.values[path]["fwd.rhs"]["sqnr_db"])
+    post = metrics.values["post"]
+    assert all(post[op]["sqnr_db"] > 20 for op in ("fwd.lhs", "drhs.grad"))
+
+
+@pytest.mark.parametrize(
+    ("grads", "named"),
+    [
+        ([jnp.zeros((6, 9))], "grads="),  # not a mapping
+        ({"w": jnp.ones((4, 2))}, r"grads\['w'\]"),  # the parameters' gradient
+        (qbits.ops.init_probe(), r"grads\['sums'\]"),  # one probe, no path
+        (
+            {"fc": {"sums": jnp.zeros((3, 6, 9)), "maxima": jnp.zeros((2, 6, 2))}},
+            r"grads\['fc'\]",  # layer axes that disagree
+        ),
+    ],
+)
+def test_read_refuses_what_is_not_probe_gradients(grads, named):
+    with pytest.raises(qbits.InvalidArgumentError, match=f"(?s){named}.*probe"):
+        diagnostics.read(grads)
 
 
 def _train_step(diagnose):

@@ -213,6 +213,31 @@ def test_quality_vs_bits_only_for_several_bit_widths(tmp_path, no_png):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(summary["files"])
 
 
+def test_a_ptq_report_shows_eval_losses_not_one_training_curve(tmp_path, no_png):
+    """Runs evaluated, not trained (qbits ptq): eval_loss.png, "—" for nan."""
+    base = run("float32", 0, 32.0, [3.0, 2.5, 2.0])
+    base["result"]["seconds"] = math.nan  # evaluated, not timed
+    quantized = [run(f"w3 {m}", 0, 3.0, [x]) for m, x in (("rtn", 2.2), ("awq", 2.1))]
+    for r in quantized:  # no training: no curve, no training loss
+        r["result"] |= {"train_loss": math.nan, "curve": [], "eval_curve": []}
+    (tmp_path / "loss_curves.png").write_bytes(b"an earlier report's")
+    rows = write_report("ptq", [base, *quantized], tmp_path, "float32")
+    assert [r["config"] for r in rows] == ["float32", "w3 rtn", "w3 awq"]
+    files = json.loads((tmp_path / "results.json").read_text())["files"]
+    assert files[-1] == "eval_loss.png" and "loss_curves.png" not in files
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)
+    table = (tmp_path / "results.md").read_text()
+    assert "nan" not in table
+    assert "| float32 | float | 1 | 2.0000 | 2.0000 | 1.0000 | 0.500 | — |" in table
+    assert "| w3 rtn | 3 | 1 | — | 2.2000 | 1.1000 |" in table
+    csv_row = (tmp_path / "results.csv").read_text().splitlines()[2]
+    assert csv_row.startswith("w3 rtn,3.0,1,,2.2,") and "nan" not in csv_row
+    # A trained report in the same folder: the curves again, no eval_loss.png.
+    write_report("train", [base, run("int8", 0, 8.0, [3.0, 2.6, 2.1])], tmp_path)
+    assert not (tmp_path / "eval_loss.png").exists()
+    assert (tmp_path / "loss_curves.png").exists()
+
+
 def diagnostics_records(steps, every, sqnr):
     """What train(..., diagnostics=every) records, made up."""
     return [
@@ -289,3 +314,20 @@ def test_diagnostics_tables_and_plots(tmp_path, monkeypatch, capsys):
     assert main([*argv, "--diagnostics", "4"]) == 0
     run = json.loads((out / "runs" / "int8__seed0.json").read_text())
     assert {r["step"] for r in run["result"]["diagnostics"]} == {4}
+
+
+def test_diagnostics_table_names_a_nonfinite_operand():
+    from qbits.experiments._diagnostic_plots import FIELDS, diagnostics_table
+
+    def rec(matmul, operand, sqnr, nonfinite=0):
+        return {"step": 3, "matmul": matmul, "operand": operand, "sqnr_db": sqnr,
+                "clipped": 0.0, "flushed": 0.0, "wasted_bits": 0.0,
+                "log2_scale_min": -4.0, "log2_scale_max": -2.0,
+                "nonfinite": nonfinite}  # fmt: skip
+
+    records = [rec("fc1", "fwd.lhs", 30.0), rec("fc2", "fwd.lhs", math.nan, 5)]
+    runs = [{"name": "int8", "seed": 0, "result": {"diagnostics": records}}]
+    table = diagnostics_table(runs)
+    assert "| fc1 | 30.0 |" in table
+    assert "| fc2 | non-finite |" in table
+    assert "nonfinite" in FIELDS  # the CSV keeps the count

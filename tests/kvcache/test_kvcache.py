@@ -202,6 +202,10 @@ def test_models_without_a_cache_are_refused(lm):
         )
     with pytest.raises(qbits.InvalidArgumentError, match=r"tokens='float32\[1, 2\]'"):
         lm.decode(jnp.ones((1, 2)), lm.init_cache(1))
+    with pytest.raises(
+        qbits.InvalidArgumentError, match=r"(?s)tokens\[1, 0\] = -3.*vocabulary"
+    ):
+        lm.decode(jnp.array([[2, 1], [-3, 4]], jnp.int16), lm.init_cache(2))
 
 
 @pytest.mark.parametrize(
@@ -214,6 +218,14 @@ def test_models_without_a_cache_are_refused(lm):
         (jnp.ones((2,), jnp.int32), {"temperature": -0.5}, "temperature=-0.5"),
         (jnp.ones((2,), jnp.int32), {"seed": 2**32}, "seed=4294967296"),
         (jnp.ones((2,), jnp.int32), {"cache": "fp8"}, "cache='fp8'"),
+        (jnp.ones((2,), bool), {}, "bool[2]"),
+        # Ids outside the vocabulary (12): too large, negative, a wrapped uint.
+        (
+            np.array([[3, VOCAB, 5], [0, 1, -2]]),
+            {},
+            f"prompt[0, 1] = {VOCAB}, prompt[1, 2] = -2",
+        ),
+        (np.array([7, 255], np.uint8), {}, "prompt[1] = 255"),
     ],
 )
 def test_generate_arguments_are_checked(lm, prompt, kwargs, message):

@@ -197,6 +197,35 @@ def test_merge_float_and_quantized_base(float_lora, qlora):
     assert 0 < gap < 2 * np.abs(base_gap).max()  # measured: 1.6x
 
 
+def _conv1d(p, x):
+    """Kernels as Hugging Face's GPT-2 stores them: (out, in), transposed."""
+    h = jax.nn.gelu(x @ p["c_fc"].T)  # square: the shape cannot tell
+    heads = p["o_proj"].reshape(4, 16, 64)  # (heads * dim, D) as (heads, dim, D)
+    h = jnp.einsum("bhd,hde->be", h.reshape(-1, 4, 16), heads)
+    return h @ p["c_proj"].T
+
+
+def test_merge_writes_rearranged_kernels_back_and_names_another_base(float_lora):
+    params = {"c_fc": _normal(64, 64, scale=0.1), "o_proj": _normal(64, 64),
+              "c_proj": _normal(8, 64, scale=0.1)}  # fmt: skip
+    x = _normal(4, 64)
+    # The heads' kernel float (NF4's blocks of 64 do not fit its 16-wide axis).
+    nf4 = qbits.QuantConfig(rules=(qbits.Rule("o_proj", None),), default="nf4")
+    for cfg in (lora.LoraConfig(rank=2), lora.LoraConfig(rank=2, base=nf4)):
+        fn, base, ad = lora.apply(_conv1d, cfg, params, x, key=jax.random.key(2))
+        assert all(not la.merge for la in fn.layers)
+        ad = _trained(ad)
+        merged = lora.merge(fn, ad, base)
+        np.testing.assert_allclose(
+            jax.jit(_conv1d)(merged, x), jax.jit(fn)(ad, base, x), rtol=1e-5, atol=1e-5
+        )
+    # Another model's base: named, with the parameters that differ.
+    with pytest.raises(
+        qbits.InvalidArgumentError, match=r"base=.*no parameter \['c_fc'\]"
+    ):
+        lora.merge(fn, ad, float_lora[1])
+
+
 class _Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):

@@ -235,6 +235,41 @@ def test_stochastic_rounding_on_half_integer_grid_is_unbiased():
     np.testing.assert_allclose(samples.mean(0), x, atol=6 * 0.5 / np.sqrt(20000))
 
 
+@pytest.mark.parametrize("bits", [8, 3])
+def test_stochastic_rounding_is_biased_only_above_the_top_code(bits):
+    """AQT's grid: the bound at top + 0.5, codes up to top. Documented bias:
+    an input in (top, top + 0.5] always comes back as top; below, unbiased;
+    with preserve_max_val (bound at top) every input's mean is itself."""
+    noise = qbits.numerics.UniformNoise()
+    top = 2 ** (bits - 1) - 1
+    edge = IntNumerics(bits=bits, noise_fn=noise)
+    assert edge.abs_val_mapped_to() == top + 0.5
+    x = jnp.repeat(jnp.array([top + 0.5, top + 0.2, top - 0.3], jnp.float32), 20000)
+    got = np.asarray(edge(x, qbits.numerics.Context(jax.random.key(5))))
+    got = got.reshape(3, -1)
+    assert (got[:2] == top).all()  # (top, top + 0.5]: always top, never above
+    assert got[2].mean() == pytest.approx(top - 0.3, abs=6 * 0.5 / np.sqrt(20000))
+    centre = IntNumerics(bits=bits, preserve_max_val=True, noise_fn=noise)
+    assert centre.abs_val_mapped_to() == top
+    x = jnp.repeat(jnp.array([top, top - 0.4], jnp.float32), 20000)
+    got = np.asarray(centre(x, qbits.numerics.Context(jax.random.key(6))))
+    means = got.reshape(2, -1).mean(1)
+    np.testing.assert_allclose(means, [top, top - 0.4], atol=6 * 0.5 / np.sqrt(20000))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU flushes")
+def test_subnormal_blocks_quantize_to_zero_on_cpu():
+    """As the calibration docstring says: XLA:CPU reads float32 subnormals
+    (below 2**-126) as zero, so such a block gets the bound 0."""
+    q = qbits.Quantizer(IntNumerics(bits=4), qbits.AbsMax(), qbits.PerChannel((0,)))
+    tiny = np.float32(2.0**-126)
+    x = np.array([[0.3, 3.0, 0.7], [-0.9, 1.0, 0.2]], np.float32) * tiny
+    qt = q.quant(jnp.asarray(x))
+    assert np.asarray(qt.scale)[0, 0] == 1.0  # column 0: absmax 0.9 * 2**-126
+    np.testing.assert_array_equal(np.asarray(qt.dequant())[:, [0, 2]], 0.0)
+    assert np.asarray(qt.dequant())[0, 1] == 3.0 * tiny  # a normal column
+
+
 def test_stochastic_rounding_same_key_same_bits():
     n = IntNumerics(bits=8, noise_fn=qbits.numerics.UniformNoise())
     x = jax.random.normal(jax.random.key(3), (64,)) * 40

@@ -183,6 +183,27 @@ def test_nvfp4_equals_a_numpy_reference_of_the_two_level_scaling():
     np.testing.assert_array_equal(stored.tensor_scale, np.full((1, 1), g))
 
 
+def test_nvfp4_tensor_scale_is_floored_at_the_smallest_normal():
+    """Below amax = 448 * 6 * 2**-126 the tensor scale stays 2**-126 (a
+    subnormal one reads as 0 on CPU); the block scales then fall short of
+    448, and the relative error stays what it is at amax 1."""
+    x = data(7)
+    x /= np.abs(x).max()
+    errors = []
+    for amax in (1.0, 2e-36):
+        small = (x * np.float32(amax)).astype(np.float32)
+        out = run(NVFP4, small)
+        g = float(np.asarray(out["stored"].tensor_scale).ravel()[0])
+        top = float(np.asarray(out["stored"].scale.astype(np.float32)).max())
+        if amax == 1.0:
+            assert g == pytest.approx(1 / (448 * 6)) and top == 448
+        else:
+            assert g == 2.0**-126 and top < 448 / 8
+        err = (np.asarray(out["fake"], np.float64) - small) / amax
+        errors.append(np.linalg.norm(err) / np.linalg.norm(x))
+    assert errors[1] == pytest.approx(errors[0], rel=0.02)
+
+
 def test_packed_bytes():
     w = jax.ShapeDtypeStruct((256, 512), jnp.float32)
     n = 256 * 512

@@ -17,6 +17,7 @@ from qbits import (
 )
 
 INT8 = Quantizer(IntNumerics(bits=8), granularity=PerChannel())
+BASIC = lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), (0,), (0,))
 
 
 def _int8(mode="real"):
@@ -107,6 +108,7 @@ def test_ragged_dot_general_with_a_batch_axis():
 def test_errors_name_the_argument():
     x, w, _ = _operands()
     rd = qbits.ops.ragged_dot(_int8())
+    gs3 = jnp.array([3, 0, 2])
     with pytest.raises(InvalidArgumentError, match=r"group_sizes\.dtype=float32"):
         rd(x, w, jnp.array([2.0, 0.0, 7.0]))
     with pytest.raises(InvalidArgumentError, match=r"group_sizes\.shape=\(1, 3\)"):
@@ -122,7 +124,55 @@ def test_errors_name_the_argument():
         InvalidArgumentError, match=r"ragged_dot_dimension_numbers.*contracted"
     ):
         rd.general(x, x, jnp.array([2, 7]), weight_grad)
+    # Contracting (batch) axes of different sizes: both shapes named.
+    for f in (rd, qbits.ops.ragged_dot(DotGeneralConfig())):
+        with pytest.raises(
+            InvalidArgumentError, match=r"(?s)rhs\.shape.*\(3, 15, 8\).*\(9, 16\)"
+        ):
+            f(x, w[:, 1:], jnp.array([2, 0, 7]))
+    batched = lax.RaggedDotDimensionNumbers((((2,), (2,)), ((0,), (0,))), (1,), (3,))
+    with pytest.raises(
+        InvalidArgumentError, match=r"(?s)\(3, 5, 6, 3\).*\(2, 7, 6\).*batch"
+    ):
+        rd.general(jnp.ones((2, 7, 6)), jnp.ones((3, 5, 6, 3)), gs3, batched)
+    with pytest.raises(InvalidArgumentError, match=r"lhs\.shape.*\[m, k\]"):
+        rd(x[None], w, jnp.array([2, 0, 7]))
     percentile = Quantizer(IntNumerics(bits=8), qbits.Percentile(99.0))
     drhs = MatmulConfig(lhs=percentile, rhs=INT8)
     with pytest.raises(InvalidArgumentError, match=r"config\.drhs\.lhs\.calibration"):
         qbits.ops.ragged_dot(DotGeneralConfig(drhs=drhs))
+
+
+@pytest.mark.parametrize("config", [DotGeneralConfig(), _int8()], ids=["lax", "int8"])
+@pytest.mark.parametrize(
+    ("sizes", "dtype", "why"),
+    [
+        ([3, -4, 10], jnp.int32, r"negative.*group_sizes\[1\] = -4"),
+        ([100, 28, 1], jnp.int8, r"sum to 129.*int8"),  # wraps in their dtype
+        ([9, 2**31 - 9, 0], jnp.int32, r"sum to 2147483648.*int32"),
+    ],
+)
+def test_concrete_group_sizes_that_lax_does_not_define_are_refused(
+    config, sizes, dtype, why
+):
+    x, w, _ = _operands()
+    rd = qbits.ops.ragged_dot(config)
+    gs = jnp.array(sizes, dtype)
+    with pytest.raises(InvalidArgumentError, match=f"(?s)group_sizes.*{why}"):
+        rd(x, w, gs)
+    with pytest.raises(InvalidArgumentError, match=f"(?s)group_sizes.*{why}"):
+        rd.general(x, w, gs, BASIC)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_traced_group_sizes_that_lax_does_not_define_give_nan(mode):
+    # lax computes something for them (on CPU a row sums the products of
+    # every group whose range holds it); quantized, the output is NaN.
+    x, w, _ = _operands(m=7, k=8, n=4)
+    rd = jax.jit(qbits.ops.ragged_dot(_int8(mode)))
+    for sizes in ([1, -2, 8], [2**31 - 3, 4, 0]):
+        out = rd(x, w, jnp.array(sizes, jnp.int32))
+        assert np.isnan(out).all(), sizes
+    valid = rd(x, w, jnp.array([1, 0, 8], jnp.int32))  # the sum past m: cut off
+    want = lax.ragged_dot(x, w, jnp.array([1, 0, 8], jnp.int32))
+    np.testing.assert_allclose(valid, want, atol=0.03 * np.abs(want).max())

@@ -101,6 +101,11 @@ def test_gptq_equals_the_reference_and_beats_round_to_nearest(group, act_order):
         if group == 8 and act_order:  # not positive definite (no new compile)
             with pytest.raises(qbits.InvalidArgumentError, match=r"'mlp/up'.*damp"):
                 ptq.gptq(w, -h, quantizer, act_order=True, block_size=16, name="mlp/up")
+            # Damping 1 already: no larger damping to advise, only the Hessian.
+            with pytest.raises(qbits.InvalidArgumentError) as e:
+                ptq.gptq(w, -h, quantizer, act_order=True, block_size=16, damping=1.0)
+            assert "larger damping" not in str(e.value)
+            assert "X^T X" in str(e.value)
 
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -162,6 +167,15 @@ def test_gptq_bad_arguments_raise():
         ptq.gptq(w, h, noisy)
     with pytest.raises(qbits.InvalidArgumentError, match="damping"):
         ptq.gptq(w, h, _int4(qbits.PerChannel()), damping=-1.0)
+    # NaN or inf is named as such, never as a damping too small.
+    h_nan, w_inf = h.copy(), w.copy()
+    h_nan[4, 7] = np.nan
+    w_inf[2, 1] = -np.inf
+    for args, argument in (((w, h_nan), "hessian"), ((w_inf, h), "w")):
+        with pytest.raises(qbits.InvalidArgumentError) as e:
+            ptq.gptq(*args, _int4(qbits.PerChannel()), name="blocks/3/fc")
+        assert str(e.value).startswith(f"gptq: {argument}='an array with 1 NaN")
+        assert "'blocks/3/fc'" in str(e.value) and "damping" not in str(e.value)
 
 
 # --- AWQ ---------------------------------------------------------------------
@@ -229,6 +243,8 @@ def test_awq_bad_arguments_raise():
         ptq.awq(w, h, np.ones(3), _int4(qbits.PerChannel()))
     with pytest.raises(qbits.InvalidArgumentError, match="grid"):
         ptq.awq(w, h, np.ones(4), _int4(qbits.PerChannel()), grid=0)
+    with pytest.raises(qbits.InvalidArgumentError, match=r"act_absmean.*1 NaN"):
+        ptq.awq(w, h, np.array([1.0, np.nan, 1.0, 1.0]), _int4(qbits.PerChannel()))
 
 
 # --- SmoothQuant -------------------------------------------------------------

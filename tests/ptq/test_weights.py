@@ -123,6 +123,43 @@ def test_float_rules_keep_their_weights_and_errors_name_the_layer():
         ptq.quantize_weights(_model, params, iter([]), config)
 
 
+def _mlp(params, x):
+    return jnp.tanh(x @ params["fc"]) @ params["out"]
+
+
+def test_nothing_to_quantize_and_non_finite_inputs_are_refused_before_any_method():
+    rng = np.random.default_rng(3)
+    params = {"fc": rng.standard_normal((16, 24)).astype(np.float32),
+              "out": rng.standard_normal((24, 4)).astype(np.float32)}  # fmt: skip
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    # A config that quantizes no weight: refused, as the command refuses it.
+    int8 = qbits.Quantizer(qbits.IntNumerics(bits=8))
+    activations = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(lhs=int8))
+    for config, name in (("none", "'none'"), (activations, "'the QuantConfig'")):
+        with pytest.raises(
+            qbits.InvalidArgumentError, match=rf"config={name}.*no weight"
+        ):
+            ptq.quantize_weights(_mlp, params, [x], config, method="rtn")
+    # An inf in a calibration batch: named by the matmul that sees it (after
+    # the tanh: 'out' sees a finite input), for every method.
+    bad = x.copy()
+    bad[5, 2] = np.inf
+    stats = ptq.collect_stats(_mlp, params, [x, bad], config=W4)
+    for method in ("rtn", "gptq", "awq"):
+        with pytest.raises(
+            qbits.InvalidArgumentError, match=r"stats=.*'fc'.*NaN or inf"
+        ):
+            ptq.quantize_weights(_mlp, params, None, W4, stats=stats, method=method)
+    with pytest.raises(qbits.InvalidArgumentError, match=r"batches=.*'fc'.*overflows"):
+        ptq.quantize_weights(_mlp, params, [x * 1e20], W4, method="gptq")
+    nan = {**params, "out": params["out"].copy()}
+    nan["out"][3, 1] = np.nan
+    with pytest.raises(
+        qbits.InvalidArgumentError, match=r"params=.*'out'.*1 of the 96"
+    ):
+        ptq.quantize_weights(_mlp, nan, [x], W4, method="awq")
+
+
 def _transformed_reference(params, x, transforms):
     """``_model`` with each matmul's activation divided and rotated by hand."""
 

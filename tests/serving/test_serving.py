@@ -174,6 +174,36 @@ def test_size_report_counts_values_and_scales(linen_setup, nnx_setup):
     assert serving.size_report(abstract) == concrete
 
 
+def test_size_report_counts_a_tied_embedding_once():
+    """The table a lookup and the head (its transpose) share: float32 once."""
+    vocab, width = 24, 40
+
+    def lm(params, tokens):
+        h = jnp.tanh(params["embed"][tokens] @ params["mix"])
+        return h @ params["embed"].T + params["bias"]
+
+    params = {
+        "embed": jnp.zeros((vocab, width)),
+        "mix": jnp.zeros((width, width)),
+        "bias": jnp.zeros((vocab,)),
+    }
+    tokens = jnp.arange(6) % vocab
+    report = serving.size_report(serving.convert(lm, "int8_fwd", params, tokens))
+    assert sorted(r.float32_bytes for r in report.layers) == [
+        vocab * width * 4,
+        width * width * 4,
+    ]
+    f32 = 4 * (vocab * width + width * width + vocab)  # every parameter once
+    assert report.as_dicts()[-1]["float32_bytes"] == f32
+    assert f"| {f32:,} |" in str(report).splitlines()[-1]
+    assert report.total_float32_bytes == f32
+    # Served: both stored weights, the float table (the lookup reads it), bias.
+    assert report.other_bytes == 4 * (vocab * width + vocab)
+    assert report.total_ratio == pytest.approx(
+        (report.bytes + report.other_bytes) / f32
+    )
+
+
 @pytest.mark.parametrize("name", ["w4a8", "fp8"])
 def test_linen_checkpoint_round_trips_exactly(tmp_path, linen_setup, name):
     model, params, x = linen_setup
