@@ -36,6 +36,11 @@ _DN = (((1,), (0,)), ((), ()))
 Step = tuple[Callable[[], Callable[..., Any]], tuple[Any, ...]]
 
 
+def _sgd(lr: float, p: jax.Array, g: jax.Array) -> jax.Array:
+    """One SGD update in float32, stored in the parameter's dtype."""
+    return (p.astype(jnp.float32) - lr * g.astype(jnp.float32)).astype(p.dtype)
+
+
 def _config(preset: Any) -> Any:
     return (
         None
@@ -84,12 +89,7 @@ def block_step(
 
     def step(params: Any, state: Any, key: Any, x: Any, y: Any) -> Any:
         grads, new_state = jax.grad(loss, argnums=(0, 1))(params, state, key, x, y)
-        params = jax.tree.map(
-            lambda p, g: (p - lr * g.astype(jnp.float32)).astype(p.dtype),
-            params,
-            grads,
-        )
-        return params, new_state
+        return jax.tree.map(functools.partial(_sgd, lr), params, grads), new_state
 
     k = jax.random.split(jax.random.key(0), 5)
     bf16 = jnp.bfloat16
@@ -162,10 +162,7 @@ def lm_step(
         if quantized:  # delayed scaling: the state's "gradient" is its new value
             grads = qbits.nnx.update_state(model, grads)
         params = nnx.state(model, nnx.Param)
-        nnx.update(model, jax.tree.map(
-            lambda p, g: (p - lr * g.astype(jnp.float32)).astype(p.dtype),
-            params, grads,
-        ))  # fmt: skip
+        nnx.update(model, jax.tree.map(functools.partial(_sgd, lr), params, grads))
         return nnx.state(model)
 
     return (lambda: jax.jit(step)), (state, x, y)

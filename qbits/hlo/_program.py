@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -271,23 +272,42 @@ def _device(name: str) -> Any:
         raise RuntimeError(
             f"qbits.hlo.program: cannot compile for {t.name} ({t.platform}) on "
             f"this machine: {type(e).__name__}: {e}. Install the compiler: "
-            f"{_INSTALL[t.platform]}; for a GPU, start Python with "
-            "JAX_PLATFORMS=cpu,cuda (qbits sets it when it is unset and jax "
-            "has not started yet)."
+            f"{_INSTALL[t.platform]}; on a machine without a GPU, call "
+            "qbits.hlo.prepare_environment() before jax runs anything "
+            "(qbits inspect --target does)."
         ) from None
     return topology.devices[0]
 
 
-def prepare_environment() -> None:
-    """Lets jax find the CUDA compiler without a GPU (before jax starts).
+def _cuda_plugin() -> bool:
+    """Whether jax's CUDA plugin is installed."""
+    for version in (12, 13):
+        try:
+            if importlib.util.find_spec(f"jax_plugins.xla_cuda{version}"):
+                return True
+        except ModuleNotFoundError:  # no jax_plugins package at all
+            return False
+    return False
 
-    Sets ``JAX_PLATFORMS=cpu,cuda``, ``CUDA_VISIBLE_DEVICES=-1`` and
-    ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` where they are unset. Call it
-    before anything runs on jax (``qbits inspect`` does).
+
+def prepare_environment() -> None:
+    """Lets jax start XLA's GPU compiler on a machine without a GPU.
+
+    Call it before jax runs anything (its backends start then), on a
+    machine without a GPU (it hides the GPUs of one that has some): sets
+    ``CUDA_VISIBLE_DEVICES=-1`` and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``
+    where they are unset, and, where the CUDA plugin is installed and
+    ``JAX_PLATFORMS`` is unset, jax's platforms to ``cpu,cuda`` (no other
+    plugin starts). ``qbits inspect --target`` calls it.
+
+    Example:
+      >>> qbits.hlo.prepare_environment()  # doctest: +SKIP
     """
-    os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    if _cuda_plugin() and "JAX_PLATFORMS" not in os.environ:
+        os.environ["JAX_PLATFORMS"] = "cpu,cuda"
+        jax.config.update("jax_platforms", "cpu,cuda")
 
 
 def program(

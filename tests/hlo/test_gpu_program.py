@@ -134,3 +134,14 @@ def test_tpu_int8_dots_stay_int8_on_the_mxu():
     assert len(p.gemms) == 2
     for g in p.gemms:
         assert (g.lhs, g.rhs) == ("s8", "s8"), g  # no float fallback
+
+
+@_needs("h100")
+def test_inspect_target_prints_the_gemms(capsys):
+    from qbits.cli import main
+
+    argv = ["inspect", "int8", "--target", "h100", "--model", "block", "--small"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("cublaslt: s8 x s8 -> s32") == 5
+    assert "x bf16's device time" in out
