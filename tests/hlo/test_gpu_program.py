@@ -66,10 +66,10 @@ def _step(preset):
 
 @functools.cache
 def _program(preset, target="h100"):
-    S = jax.ShapeDtypeStruct
-    params = {"w1": S((D_MODEL, D_FF), BF16), "w2": S((D_FF, D_MODEL), BF16)}
-    x, y = S((TOKENS, D_MODEL), BF16), S((TOKENS, D_MODEL), jnp.float32)
-    key = S((), jax.random.key(0).dtype)
+    spec = jax.ShapeDtypeStruct
+    params = {"w1": spec((D_MODEL, D_FF), BF16), "w2": spec((D_FF, D_MODEL), BF16)}
+    x, y = spec((TOKENS, D_MODEL), BF16), spec((TOKENS, D_MODEL), jnp.float32)
+    key = spec((), jax.random.key(0).dtype)
     state = None
     if preset is not None and qbits.presets.get(preset).needs_state:
         state = jax.eval_shape(
@@ -125,12 +125,10 @@ def test_estimated_device_time_on_an_h200_beats_bf16():
 
 @_needs("v5e")
 def test_tpu_int8_dots_stay_int8_on_the_mxu():
-    S = jax.ShapeDtypeStruct
-    params = {"w1": S((D_MODEL, D_FF), BF16), "w2": S((D_FF, D_MODEL), BF16)}
-    x = S((TOKENS, D_MODEL), BF16)
-    p = qbits.hlo.program(
-        qbits.quantize(_mlp, "int8_fwd"), params, x, target="v5e"
-    )
+    spec = jax.ShapeDtypeStruct
+    params = {"w1": spec((D_MODEL, D_FF), BF16), "w2": spec((D_FF, D_MODEL), BF16)}
+    x = spec((TOKENS, D_MODEL), BF16)
+    p = qbits.hlo.program(qbits.quantize(_mlp, "int8_fwd"), params, x, target="v5e")
     assert len(p.gemms) == 2
     for g in p.gemms:
         assert (g.lhs, g.rhs) == ("s8", "s8"), g  # no float fallback
