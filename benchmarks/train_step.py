@@ -54,11 +54,10 @@ if "--gpu" in sys.argv:
 
 import jax
 import jax.numpy as jnp
-import optax
 import paired
-from flax import nnx
 
 import qbits
+from qbits.experiments import block_step, lm_step
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -174,7 +173,6 @@ def qwix_step(lr: float = 1e-3):
 
 # --------------------------------------------------------------------- GPU --
 
-TOKENS, D_MODEL, D_FF = 8192, 4096, 16384
 GPU_PRESETS = ("fp8", "fp8_delayed", "int8", "int8_fwd")
 
 
@@ -184,138 +182,38 @@ def _presets(only: tuple[str, ...] | None) -> tuple[str | None, ...]:
     return every if only is None else tuple(p for p in every if (p or "bf16") in only)
 
 
-def gpu_step(preset: str | None, lr: float = 1e-3):
-    """One SGD step of the MLP block with ``preset`` (``None``: bfloat16)."""
-    config = None if preset is None else qbits.presets.get(preset)
-    stateful = config is not None and config.needs_state
-
-    def dot(i, state, key):
-        if config is None:
-            return jax.lax.dot_general
-        for _ in range(i):  # the i-th link of a key chain (one kernel for all)
-            key = qbits.numerics.next_key(key)
-        dg = qbits.dot_general(config, key if config.needs_key else None)
-        return functools.partial(dg, state=state[f"w{i}"]) if stateful else dg
-
-    def loss(params, state, key, x, y):
-        h = dot(1, state, key)(x, params["w1"], DN)
-        h = jax.nn.gelu(h)
-        out = dot(2, state, key)(h, params["w2"], DN)
-        return jnp.mean(jnp.square(out.astype(jnp.float32) - y))
-
-    @jax.jit
-    def step(params, state, key, x, y):
-        grads, new_state = jax.grad(loss, argnums=(0, 1))(params, state, key, x, y)
-        params = jax.tree_util.tree_map(
-            lambda p, g: (p - lr * g.astype(jnp.float32)).astype(p.dtype),
-            params,
-            grads,
-        )
-        return params, new_state
-
-    return step
-
-
 def gpu_variants(
     tokens: int, d_model: int, d_ff: int, only: tuple[str, ...] | None = None
 ) -> tuple[str, dict[str, tuple[Callable, tuple]]]:
-    k = jax.random.split(jax.random.key(0), 5)
-    bf16 = jnp.bfloat16
-    params = {
-        "w1": (jax.random.normal(k[0], (d_model, d_ff)) / d_model**0.5).astype(bf16),
-        "w2": (jax.random.normal(k[1], (d_ff, d_model)) / d_ff**0.5).astype(bf16),
-    }
-    x = jax.random.normal(k[2], (tokens, d_model)).astype(bf16)
-    y = jax.random.normal(k[3], (tokens, d_model))
     model = (
         f"MLP block {d_model}->{d_ff}->{d_model} (GELU), {tokens} tokens, "
         "bf16 params and activations, SGD, jit"
     )
-    out = {}
-    for preset in _presets(only):
-        config = None if preset is None else qbits.presets.get(preset)
-        state = {}
-        if config is not None and config.needs_state:
-            dg = qbits.dot_general(config)
-            state = {
-                "w1": dg.init_state(x, params["w1"], DN),
-                "w2": dg.init_state(
-                    jax.ShapeDtypeStruct((tokens, d_ff), bf16), params["w2"], DN
-                ),
-            }
-        out[preset or "bf16"] = (
-            functools.partial(gpu_step, preset),
-            (params, state, k[4], x, y),
-        )
-    return model, out
+    return model, {
+        preset or "bf16": block_step(preset, tokens, d_model, d_ff)
+        for preset in _presets(only)
+    }
 
 
-LM_SIZE = {"batch": 4, "context": 2048, "width": 2048, "depth": 8, "heads": 16}
 LM_SMALL = {"batch": 2, "context": 64, "width": 64, "depth": 2, "heads": 4}
-VOCAB = 256
-
-
-def lm_step(graphdef: Any, quantized: bool, lr: float = 1e-3):
-    """One SGD step of the example LM (its nnx state in, its new state out)."""
-    wrt = nnx.DiffState(
-        0, (nnx.Param, qbits.nnx.ScaleState) if quantized else nnx.Param
-    )
-
-    def loss(model, x, y):
-        logits = model(x).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    @jax.jit
-    def step(state, x, y):
-        model = nnx.merge(graphdef, state)
-        grads = nnx.grad(loss, argnums=wrt)(model, x, y)
-        if quantized:  # delayed scaling: the state's "gradient" is its new value
-            grads = qbits.nnx.update_state(model, grads)
-        params = nnx.state(model, nnx.Param)
-        nnx.update(model, jax.tree.map(
-            lambda p, g: (p - lr * g.astype(jnp.float32)).astype(p.dtype),
-            params, grads,
-        ))  # fmt: skip
-        return nnx.state(model)
-
-    return step
 
 
 def lm_variants(
-    batch: int,
-    context: int,
-    width: int,
-    depth: int,
-    heads: int,
+    batch: int = 4,
+    context: int = 2048,
+    width: int = 2048,
+    depth: int = 8,
+    heads: int = 16,
     only: tuple[str, ...] | None = None,
 ) -> tuple[str, dict[str, tuple[Callable, tuple]]]:
-    from qbits.experiments import TransformerLM
-    from qbits.experiments._models import ModelSpec
-
-    spec = ModelSpec("lm", width, depth, heads, context, batch, steps=1, lr=1e-3)
-    k = jax.random.split(jax.random.key(0), 2)
-    x = jax.random.randint(k[0], (batch, context), 0, VOCAB)
-    y = jax.random.randint(k[1], (batch, context), 0, VOCAB)
     model = (
         f"example LM: d_model {width}, {depth} blocks, {heads} heads, "
         f"{batch} x {context} tokens, bf16 params and activations, SGD, jit"
     )
-    out = {}
-    for preset in _presets(only):
-        lm = TransformerLM(VOCAB, spec, rngs=nnx.Rngs(0))
-        params = nnx.state(lm, nnx.Param)
-        nnx.update(lm, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params))
-        for _, module in nnx.iter_modules(lm):  # compute in bf16 (flax: float32)
-            if hasattr(module, "dtype"):
-                module.dtype = jnp.bfloat16
-        if preset is not None:
-            lm = qbits.nnx.quantize(lm, preset, x, rngs=nnx.Rngs(quant=0))
-        graphdef, state = nnx.split(lm)
-        out[preset or "bf16"] = (
-            functools.partial(lm_step, graphdef, preset is not None),
-            (state, x, y),
-        )
-    return model, out
+    return model, {
+        preset or "bf16": lm_step(preset, batch, context, width, depth, heads)
+        for preset in _presets(only)
+    }
 
 
 # ----------------------------------------------------------------- profile --
@@ -434,6 +332,11 @@ def main() -> None:
         "trace, lower and XLA compile (and, on a GPU, XLA compile without "
         "autotuning)",
     )  # fmt: skip
+    parser.add_argument(
+        "--variants",
+        help="--gpu: the variants to run, comma-separated (default: bf16 and "
+        "every preset)",
+    )
     parser.add_argument("--only", help=argparse.SUPPRESS)  # internal: one variant
     parser.add_argument(
         "--profile-only", action="store_true", help=argparse.SUPPRESS
@@ -446,12 +349,21 @@ def main() -> None:
         )
 
     only = None if args.only is None else (args.only,)
+    if only is None and args.variants:
+        only = tuple(args.variants.split(","))
+
+    def options(name: str) -> dict[str, Any]:
+        """XLA options: on a GPU, quantized steps skip Triton GEMMs."""
+        if not args.gpu or name == "bf16":
+            return {}
+        return dict(qbits.hlo.GPU_COMPILER_OPTIONS)
+
     if args.gpu and args.model == "lm":
-        size = LM_SMALL if args.small else LM_SIZE
+        size = LM_SMALL if args.small else {}
         model, variants = lm_variants(**size, only=only)
         base_name = "bf16"
     elif args.gpu:
-        dims = (256, 256, 512) if args.small else (TOKENS, D_MODEL, D_FF)
+        dims = (256, 256, 512) if args.small else (8192, 4096, 16384)
         model, variants = gpu_variants(*dims, only=only)
         base_name = "bf16"
     else:
@@ -468,7 +380,7 @@ def main() -> None:
         lowered = traced.lower()
         split["lower_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        lowered.compile()
+        lowered.compile(options(args.only))
         split["compile_s"] = time.perf_counter() - start
         with open(args.json, "w") as f:
             json.dump(split, f)
@@ -485,7 +397,7 @@ def main() -> None:
         for _ in range(1 if args.gpu else 3):
             step = make()
             start = time.perf_counter()
-            compiled = step.lower(*fargs).compile()
+            compiled = step.lower(*fargs).compile(options(name))
             compile_s = min(compile_s, time.perf_counter() - start)
         jax.block_until_ready(compiled(*fargs))
         text = compiled.as_text()
@@ -498,7 +410,10 @@ def main() -> None:
             "run": compiled,
             "args": fargs,
             "compile_s": compile_s,
-            "gemms": [g._asdict() for g in qbits.ops._hlo.gemms(text)],
+            "gemms": [
+                {"kind": g.kind, "lhs": g.lhs, "rhs": g.rhs, "out": g.out}
+                for g in qbits.hlo.Program(text).gemms
+            ],
             "text": text,
         }
         print(f"compiled {name} in {compile_s:.1f} s", file=sys.stderr, flush=True)
@@ -514,7 +429,9 @@ def main() -> None:
         args.rounds,
         args.reps,
     )
-    profiles = profile_in_subprocess(args.small, args.model) if args.gpu else {}
+    profiles = (
+        profile_in_subprocess(args.small, args.model, args.variants) if args.gpu else {}
+    )
     cold = (
         {n: cold_compile(n, args.small, args.model) for n in built}
         if args.gpu and args.cold_compile
@@ -534,6 +451,11 @@ def main() -> None:
         }
         if args.gpu:
             entry["profile"] = profiles.get(name, {})
+            entry["xla_options"] = options(name)
+            target = _target()
+            if target is not None:  # the estimate beside the measurement
+                program = qbits.hlo.Program(v["text"], qbits.hlo.TARGETS[target])
+                entry["estimate_device_ms"] = round(program.estimate().total_ms, 3)
         if name in cold:
             entry["cold_compile"] = cold[name]
         results.append(entry)
@@ -547,12 +469,22 @@ def main() -> None:
     print(table)
 
 
-def profile_in_subprocess(small: bool, model: str) -> dict[str, Any]:
+def _target() -> str | None:
+    """The :data:`qbits.hlo.TARGETS` entry of this GPU, or ``None``."""
+    kind = jax.devices()[0].device_kind
+    return next((t for t in ("h200", "h100") if t.upper() in kind.upper()), None)
+
+
+def profile_in_subprocess(
+    small: bool, model: str, variants: str | None = None
+) -> dict[str, Any]:
     """Per-variant device-time profiles, from a process without CUDA graphs."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "profile.json")
         cmd = [sys.executable, __file__, "--gpu", "--profile-only", "--json", out,
                "--model", model]  # fmt: skip
+        if variants:
+            cmd += ["--variants", variants]
         done = subprocess.run(cmd + (["--small"] if small else []), check=False)
         if done.returncode != 0 or not os.path.exists(out):
             return {}
@@ -608,9 +540,10 @@ def markdown(meta: dict, results: list[dict], base: str, gpu: bool) -> str:
     ]
     if gpu:
         lines += [
-            f"| variant | time / {base} (IQR) | speedup | quantize passes / step "
-            "| compile s | GEMMs in the optimized HLO |",
-            "|---|---|---|---|---|---|",
+            f"| variant | time / {base} (IQR) | speedup | device ms (estimate) "
+            "| quantize passes / step | compile s (cold: trace + lower + XLA) "
+            "| GEMMs in the optimized HLO |",
+            "|---|---|---|---|---|---|---|",
         ]
     else:
         lines += [
@@ -618,6 +551,14 @@ def markdown(meta: dict, results: list[dict], base: str, gpu: bool) -> str:
             "| dots in the optimized HLO |",
             "|---|---|---|---|",
         ]
+    if gpu:
+        note = (
+            "Quantized steps compiled with qbits.hlo.GPU_COMPILER_OPTIONS "
+            "(Triton GEMMs off: 8-bit dots go straight to cuBLASLt); bf16 with "
+            "XLA's defaults. Device ms: the profiled step's kernels, and in "
+            "brackets qbits.hlo's estimate from the optimized HLO."
+        )
+        lines = [lines[0], "", note, *lines[1:]]
     for r in results:
         q1, q3 = r["time_ratio_iqr"]
         ratio = f"{r['time_ratio']:.2f} ({q1:.2f}-{q3:.2f})"
@@ -626,9 +567,19 @@ def markdown(meta: dict, results: list[dict], base: str, gpu: bool) -> str:
             prof = r.get("profile", {})
             frac = prof.get("quantize_fraction")
             frac = "—" if frac is None else f"{100 * frac:.0f}%"
+            device = prof.get("device_ms")
+            device = "—" if device is None else f"{device:.2f}"
+            estimate = r.get("estimate_device_ms")
+            device += "" if estimate is None else f" ({estimate:.2f})"
+            cold = r.get("cold_compile", {})
+            compile_s = f"{r['compile_s']:.1f}"
+            if cold:
+                parts = [cold.get(k) for k in ("trace_s", "lower_s", "compile_s")]
+                if all(p is not None for p in parts):
+                    compile_s += " ({:.1f} + {:.1f} + {:.1f})".format(*parts)
             lines.append(
-                f"| {r['variant']} | {ratio} | {r['speedup']:.2f}x | {frac} "
-                f"| {r['compile_s']:.1f} | {gemms} |"
+                f"| {r['variant']} | {ratio} | {r['speedup']:.2f}x | {device} "
+                f"| {frac} | {compile_s} | {gemms} |"
             )
         else:
             lines.append(

@@ -20,6 +20,12 @@ class Context(struct.PyTreeNode):
         ``None`` when nothing random is needed. Checked where a numerics
         draws from it (:func:`qbits.numerics.check_key`): a context is a
         pytree, rebuilt by JAX's transformations with placeholder leaves.
+      cast_next: Whether the values a numerics returns are cast to its
+        storage dtype (:meth:`~qbits.numerics.QNumerics.get_dtype`) right
+        after, as a quantizer does for a real-mode matmul: a numerics whose
+        rounding is exactly that cast may leave the rounding to it (FP8's
+        does, so that XLA fuses the cast with whatever lays the codes out
+        for their GEMM). Set by the quantizer.
 
     Example:
       >>> import jax
@@ -29,3 +35,4 @@ class Context(struct.PyTreeNode):
     """
 
     key: jax.Array | None = None
+    cast_next: bool = struct.field(pytree_node=False, default=False)

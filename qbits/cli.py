@@ -291,6 +291,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.target:
+        return _inspect_target(args)
 
     import qbits
     from qbits.experiments import build_model, sample_batch, spec
@@ -321,6 +323,54 @@ def _inspect(args: argparse.Namespace) -> int:
             if any(v > 0 for v in values):
                 print(f"\n{metric} (fraction of values):\n")
                 print(metrics.table(metric, digits))
+    return 0
+
+
+def _inspect_target(args: argparse.Namespace) -> int:
+    """``qbits inspect CONFIG --target T``: the GPU (TPU) program of a step."""
+    if args.model == "mlp":
+        raise UsageError(
+            "--target compiles a training step at a GPU's size: expected --model "
+            "block (an LLM's MLP block) or lm (the example transformer)"
+        )
+    import qbits
+
+    qbits.hlo.prepare_environment()  # before jax starts its backends
+    from qbits.experiments import block_step, lm_step
+
+    name, config, _ = _config(args.config)
+    if config is None:
+        raise UsageError("--target: config 'none' quantizes nothing")
+    if args.model == "block":
+        sizes = (1024, 512, 2048) if args.small else ()
+        what = "MLP block " + ("512->2048->512, 1024 tokens" if args.small else
+                               "4096->16384->4096, 8192 tokens")  # fmt: skip
+        step_of = block_step
+    else:
+        sizes = (2, 256, 256, 2, 4) if args.small else ()
+        what = "example transformer " + (
+            "d_model 256, 2 blocks, 2 x 256 tokens"
+            if args.small
+            else "d_model 2048, 8 blocks, 4 x 2048 tokens"
+        )
+        step_of = lm_step
+    # The block's matmuls take one config (qbits.dot_general's), the LM rules.
+    given = args.config if args.model == "block" else config
+    programs = {}
+    for label, preset in (("bf16", None), (name, given)):
+        step, step_args = step_of(preset, *sizes)
+        try:
+            programs[label] = qbits.hlo.program(step(), *step_args, target=args.target)
+        except RuntimeError as e:  # the compiler for the target is missing
+            raise UsageError(str(e).splitlines()[0]) from None
+    print(f"{what}, training step (bf16 parameters), for {args.target}:\n")
+    print(f"{name}: {programs[name]}\n")
+    base, mine = (programs[k].estimate().total_ms for k in ("bf16", name))
+    print(
+        f"bf16: {len(programs['bf16'].gemms)} GEMMs, estimated {base:.2f} ms; "
+        f"{name} estimated {base / mine:.2f}x bf16's device time "
+        f"({programs[name].target.measured})"
+    )
     return 0
 
 
@@ -614,7 +664,23 @@ def _parser() -> argparse.ArgumentParser:
         "config", metavar="CONFIG", help="a preset name or a YAML config file"
     )
     inspect.add_argument(
-        "--model", choices=("lm", "mlp"), default="lm", help=model_help
+        "--model",
+        choices=("lm", "mlp", "block"),
+        default="lm",
+        help=model_help + "; with --target, block: an LLM's MLP block",
+    )
+    inspect.add_argument(
+        "--target",
+        choices=("h100", "h200", "v5e"),
+        help="compile the model's training step for this GPU or TPU on this "
+        "machine (no device needed; pip install 'qbits[gpu]' or 'qbits[tpu]') "
+        "and print each GEMM XLA emits, what sits between the quantization "
+        "and it, and the device time estimated against bf16's",
+    )
+    inspect.add_argument(
+        "--small",
+        action="store_true",
+        help="with --target: the model at a small size (seconds to compile)",
     )
     inspect.add_argument(
         "--diagnostics",

@@ -106,7 +106,7 @@ def _training_gemms(preset: str) -> list[dict[str, str]]:
     w = jax.random.normal(jax.random.key(2), (1024, 2048)).astype(jnp.bfloat16)
     loss = lambda x, w: jnp.sum(dg(x, w, DN).astype(jnp.float32) ** 2)  # noqa: E731
     text = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text()
-    return qbits.ops._hlo.gemms(text)
+    return list(qbits.hlo.Program(text).gemms)
 
 
 def test_fp8_training_matmuls_are_fp8_gemms():

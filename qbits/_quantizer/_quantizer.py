@@ -428,7 +428,13 @@ def _calibrate(
         )
         flat = flat_vector(_given_scale(given, layout.scale_shape, compute))
     else:
-        if x.size:
+        if x.size and _exact_in_input_dtype(self.calibration, x.dtype):
+            # The same bound from the tensor as it is (no float32 copy: a
+            # weight's amax on a GPU otherwise reads a transposed float32
+            # copy that layout assignment gives the copy the cast shares).
+            own = no_grad(x).reshape(layout.blocked_shape)
+            bound = self.calibration(own, layout.reduce_axes).astype(compute)
+        elif x.size:
             bound = self.calibration(no_grad(xb), layout.reduce_axes, quantize)
         else:  # nothing to calibrate: every (empty) block gets scale 1
             reduced = [
@@ -496,6 +502,9 @@ def _encode(
         # (flushed, maybe -0.0 for a negative value), and a grid without a
         # zero rounds a zero up: a negative value must stay negative.
         y = _negatives_stay_negative(y, xb)
+    if p.request.store:  # the storage cast follows (see Context.cast_next)
+        key = None if context is None else context.key
+        context = Context(key, cast_next=True)
     q, grad = encode(self.numerics, y, context, layout, vjp)
     if p.bound is not None and not (
         _keeps_zero(self.numerics)
@@ -524,6 +533,19 @@ def _encode(
 # Calibrations whose bound is 0 only for a block of zeros (or of values so
 # small that every grid with a zero rounds them to it at scale 1).
 _ZERO_BOUND_MEANS_ZEROS = (AbsMax, MseSearch, ConstantBound)
+
+
+def _exact_in_input_dtype(calibration: Any, dtype: Any) -> bool:
+    """Whether ``calibration`` gives the same bound on a tensor's own dtype.
+
+    The absmax (clip factor 1) is: magnitudes and their maximum are exact
+    in any float type, and a narrower float widens exactly to float32.
+    """
+    return (
+        type(calibration) is AbsMax
+        and calibration.clip_factor == 1.0
+        and np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+    )
 
 
 def _given_scale(scale: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:

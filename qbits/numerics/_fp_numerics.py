@@ -110,6 +110,11 @@ class FpNumerics(ClippedStraightThrough):
         if self.noise_fn is not None:
             noise = self.noise_fn(y.shape, require_key(owner, context))
             y = stochastic_round_to_format(y, fmt, noise)
+        if fmt.native and context is not None and context.cast_next:
+            # The storage cast that follows rounds exactly as round_to_format
+            # (to nearest even, the format's overflow): rounding twice would
+            # only hide the cast from XLA behind round_to_format's barrier.
+            return y.astype(x.dtype)
         return round_to_format(y, fmt).astype(x.dtype)
 
     def gradient_range(self) -> tuple[float, float]:

@@ -107,15 +107,16 @@ def contract(
             out = _real_dot(
                 a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding
             )
-            return _permute(out, out_perm)
+            return _permute(out, out_perm).astype(out_dtype)
 
         def gpu(lqt: QTensor, rqt: QTensor) -> jax.Array:
-            return _gemm_layout_dot(
-                lqt, rqt, dims, cfg, precision, out_perm, out_sharding
-            )
+            out = _gemm_layout_dot(
+                lqt, rqt, dims, cfg, precision, out_perm, out_sharding,
+                out_dtype=out_dtype,
+            )  # fmt: skip
+            return out.astype(out_dtype)
 
-        out = lax.platform_dependent(lqt, rqt, cpu=cpu, default=gpu)
-        return out.astype(out_dtype)
+        return lax.platform_dependent(lqt, rqt, cpu=cpu, default=gpu)
     out = _real_dot(
         a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding,
         headroom=headroom(lqt, rqt, cfg),
@@ -253,6 +254,8 @@ def _gemm_layout_dot(
     precision: Any,
     out_perm: Axes | None,
     out_sharding: Any,
+    *,
+    out_dtype: Any = None,
 ) -> jax.Array:
     """A byte-operand dot with both operands ``[batch, free, contracting]``.
 
@@ -261,6 +264,14 @@ def _gemm_layout_dot(
     transposes that need after fusion, as separate kernels, slow on one-byte
     elements; written here, they fuse into the quantization that produces
     the operand, and XLA sees the layout its GEMM takes.
+
+    An FP8 dot with per-tensor scales whose output is a 16-bit float
+    (``out_dtype``) is written in the form XLA turns into one cuBLASLt FP8
+    GEMM that writes that dtype itself, the product of the two scales its
+    ``alpha``: ``dot(a, b) -> bf16`` times the product rounded to ``bf16``
+    (no float32 output written and converted by another kernel). Its
+    outputs differ from the float32 form's by at most that rounding of the
+    scale product (a relative 2**-9 for bfloat16).
     """
     if precision is None and cfg.accumulator == np.dtype(np.float32):
         # fp8: no fast accumulation (cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM).
@@ -275,7 +286,7 @@ def _gemm_layout_dot(
     sharding = _permuted_sharding(out_sharding, out_perm) if swap else out_sharding
     out = _real_dot(
         a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding,
-        one_scalar=True,
+        one_scalar=True, out_dtype=out_dtype,
     )  # fmt: skip
     return out if swap else _permute(out, out_perm)
 
@@ -475,6 +486,7 @@ def _real_dot(
     out_sharding: Any,
     *,
     one_scalar: bool = False,
+    out_dtype: Any = None,
     headroom: tuple[str, float] | None = None,
 ) -> jax.Array:
     """The low-precision dot and the rescaling, in float32.
@@ -498,9 +510,30 @@ def _real_dot(
     product, the form XLA's GPU compiler folds into an FP8 GEMM (cuBLASLt's
     scale) instead of a pass over the output; there the product of the two
     scales must be a normal float32 (it is unless the two operands' amaxes
-    multiply to less than about 2e-33 for E4M3, or overflow).
+    multiply to less than about 2e-33 for E4M3, or overflow). With an
+    ``out_dtype`` of 16 bits too, the fp8 dot writes that dtype and the
+    product is rounded to it (see :func:`_gemm_layout_dot`).
     """
     tiled = _tiled_pair(a, sl, sr, dims)
+    if (
+        one_scalar
+        and tiled is None
+        and headroom is None
+        and sl.size == 1
+        and sr.size == 1
+        and _is_byte_float(a)
+        and _is_byte_float(b)
+        and out_dtype is not None
+        and np.dtype(out_dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+    ):
+        both = lax.mul(
+            sl.reshape(()).astype(jnp.float32), sr.reshape(()).astype(jnp.float32)
+        )
+        out = lax.dot_general(
+            a, b, dims.lax(), precision, preferred_element_type=out_dtype,
+            out_sharding=out_sharding,
+        )  # fmt: skip
+        return lax.mul(out, both.astype(out_dtype))
     a, b, acc = common_dtypes(a, b, cfg.accumulator)
     unshift, out_dims = None, dims
     if headroom is not None:

@@ -212,8 +212,11 @@ def block_amax(quantizer: Quantizer, x: jax.Array, contracting: Axes) -> jax.Arr
     """``max(|x|)`` per scale block of ``quantizer`` (inf where a NaN is)."""
     blocks = quantizer.granularity.block_sizes(x.shape, contracting)
     layout = BlockLayout.create(x.shape, blocks)
-    xb = x.astype(jnp.float32).reshape(layout.blocked_shape)
-    return AbsMax().bound(xb, layout.reduce_axes).reshape(layout.scale_shape)
+    # In the tensor's own dtype (exact for a max of magnitudes), widened after:
+    # no float32 copy of the tensor.
+    xb = x.reshape(layout.blocked_shape)
+    bound = AbsMax().bound(xb, layout.reduce_axes).astype(jnp.float32)
+    return bound.reshape(layout.scale_shape)
 
 
 def unquantized(x: jax.Array) -> QTensor:

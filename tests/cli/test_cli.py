@@ -135,6 +135,19 @@ def test_inspect_preset_on_mlp(capsys):
     assert "unused rules: none" in out
 
 
+def test_inspect_target_says_what_it_needs(capsys):
+    # Compiling for a GPU needs XLA's GPU compiler (tests/hlo runs it where
+    # it is installed); without it the command says how to install it.
+    assert _run(["inspect", "fp8", "--target", "h100", "--model", "mlp"]) == 2
+    assert "expected --model block" in _one_error_line(capsys)
+    from qbits.hlo._program import _cuda_plugin
+
+    if not _cuda_plugin():
+        argv = ["inspect", "fp8", "--target", "h100", "--model", "block", "--small"]
+        assert _run(argv) == 2
+        assert "pip install 'qbits[gpu]'" in _one_error_line(capsys)
+
+
 def test_presets_lists_every_preset(capsys):
     import qbits
 

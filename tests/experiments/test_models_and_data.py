@@ -108,3 +108,14 @@ def test_deep_lm_scans_stacked_blocks_and_trains_quantized():
     assert rows[-1].kind == "dot_general (activation x weight)"  # the head
     result = train(small, "fp8_delayed", steps=2)
     assert math.isfinite(result.train_loss)
+
+
+def test_block_step_trains_every_preset_kind():
+    from qbits.experiments import block_step
+
+    for preset in (None, "fp8_delayed"):
+        make, args = block_step(preset, tokens=32, d_model=16, d_ff=32)
+        params, state = make()(*args)
+        assert params["w1"].dtype == jnp.bfloat16
+        assert not jnp.array_equal(params["w1"], args[0]["w1"])  # it moved
+        assert jax.tree.structure(state) == jax.tree.structure(args[1])

@@ -1,0 +1,38 @@
+"""The program XLA compiles, read: kernels, GEMMs, a device-time estimate.
+
+:func:`program` compiles a function for a GPU or TPU on any machine (no
+device needed: XLA's compilers run ahead of time against a description of
+the target) and returns a :class:`Program`, which lists each GEMM XLA emits
+(cuBLASLt FP8, s8, Triton, a bf16 fallback), what sits between each
+quantization and its GEMM (transposes of codes, converts, amax passes on a
+float32 copy) and estimates its device time from rates measured on an H200.
+``qbits inspect CONFIG --target h100`` prints it for a training step.
+:class:`Program` also reads a module compiled on this machine
+(``Program(jax.jit(f).lower(...).compile().as_text())``).
+"""
+
+from qbits.hlo._estimate import Estimate
+from qbits.hlo._module import Gemm, Kernel
+from qbits.hlo._program import (
+    GPU_COMPILER_OPTIONS,
+    Matmul,
+    Operand,
+    Program,
+    prepare_environment,
+    program,
+)
+from qbits.hlo._targets import TARGETS, Target
+
+__all__ = [
+    "GPU_COMPILER_OPTIONS",
+    "TARGETS",
+    "Estimate",
+    "Gemm",
+    "Kernel",
+    "Matmul",
+    "Operand",
+    "Program",
+    "Target",
+    "prepare_environment",
+    "program",
+]

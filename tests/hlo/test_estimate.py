@@ -1,0 +1,97 @@
+"""Reading optimized HLO and estimating its device time, pinned on an H200 run.
+
+``tests/data/h200_mlp_hlo.tar.xz`` holds the optimized HLO an H200 ran for
+the MLP training step of ``benchmarks/train_step.py --gpu`` (bf16 and four
+quantized variants, before qbits' GPU changes), and
+``h200_mlp_profile.json`` the device time its profile measured: the
+estimate is checked against it, and the parser against what the profile's
+reading found in each program (``../shared/gpu/h200-2026-11-27``).
+"""
+
+import json
+import pathlib
+import tarfile
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import qbits
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
+H200 = qbits.hlo.TARGETS["h200"]
+
+
+@pytest.fixture(scope="module")
+def programs():
+    with tarfile.open(DATA / "h200_mlp_hlo.tar.xz") as tar:
+        texts = {
+            m.name.removesuffix(".hlo.txt"): tar.extractfile(m).read().decode()
+            for m in tar.getmembers()
+        }
+    return {name: qbits.hlo.Program(text, H200) for name, text in texts.items()}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return json.loads((DATA / "h200_mlp_profile.json").read_text())["variants"]
+
+
+def test_estimate_is_within_ten_percent_of_the_measured_device_time(programs, measured):
+    for name, program in programs.items():
+        want = measured[name]["device_ms"]
+        got = program.estimate().total_ms
+        assert abs(got - want) <= 0.1 * want, (name, got, want)
+    # And it ranks them as the GPU did.
+    order = sorted(programs, key=lambda n: programs[n].estimate().total_ms)
+    assert order[-1] == "int8" and order[0] == "fp8_delayed"
+
+
+def test_kernels_are_the_profiled_ones(programs, measured):
+    for name, program in programs.items():
+        names = {k.name for k in program.kernels}
+        # The profile lists the kernels of one step (its top 40): all of them
+        # are kernels of the program, none a free instruction.
+        assert set(measured[name]["kernels_us"]) <= names, name
+
+
+def test_gemms_of_each_variant(programs):
+    kinds = {n: sorted(str(g) for g in p.gemms) for n, p in programs.items()}
+    assert kinds["bf16"] == ["cublaslt: bf16 x bf16 -> bf16"] * 5
+    assert sum(g.startswith("cublaslt_fp8") for g in kinds["fp8"]) == 5
+    int8 = programs["int8"].gemms
+    assert sorted(g.kind for g in int8) == ["cublaslt"] * 4 + ["triton"]
+    (slow,) = [g for g in int8 if g.kind == "triton"]
+    # w2's codes reach the dgrad not contiguous along K: Triton's slow path.
+    assert slow.contraction_minor == (True, False) and slow.low_precision
+    assert all(g.flops == 2 * 8192 * 4096 * 16384 for g in int8)
+
+
+def test_what_sits_between_quantization_and_gemm(programs):
+    fp8, int8, bf16 = programs["fp8"], programs["int8"], programs["bf16"]
+    # The profile's reading: int8 transposes codes (2 ms), fp8 too (0.3 ms);
+    # both compute a weight's amax on a float32 copy; fp8 GEMMs write float32
+    # that another kernel converts.
+    assert int8.count("code_layout") == 4 and fp8.count("code_layout") == 5
+    assert fp8.count("wide_copy") == 2 and int8.count("wide_copy") == 2
+    assert fp8.count("output_convert") == 5
+    for p in (bf16,):
+        assert p.count("code_layout") == p.count("wide_copy") == 0
+    e = int8.estimate()
+    assert 1.8 < e.by_category["code_layout"] < 2.3  # the 0.33 TB/s transposes
+    table = str(fp8)
+    assert "codes re-laid out" in table and "amax of a float32 copy" in table
+    assert "a separate convert to bf16" in table
+
+
+def test_a_program_compiled_here_is_read_too():
+    f = jax.jit(lambda a, b: jnp.tanh(a @ b))
+    text = f.lower(jnp.ones((32, 64)), jnp.ones((64, 16))).compile().as_text()
+    p = qbits.hlo.Program(text)
+    (g,) = p.gemms
+    assert (g.lhs, g.rhs, g.out, g.flops) == ("f32", "f32", "f32", 2 * 32 * 16 * 64)
+    with pytest.raises(qbits.InvalidArgumentError, match="target_name"):
+        p.estimate()
+    assert p.estimate("h100").total_ms > 0
+    with pytest.raises(qbits.InvalidArgumentError, match="'h100', 'h200'"):
+        p.estimate("a100")

@@ -1,0 +1,145 @@
+"""The program a GPU and a TPU would run for qbits' quantized steps, without one.
+
+XLA compiles for an H100 and a TPU v5e on this machine (deviceless); these
+tests pin what matters for speed in the compiled program: every quantized
+matmul a cuBLASLt FP8 or s8 GEMM (int8 on the TPU's MXU), no float32 copy of
+a weight for its amax, no transpose of activation codes, FP8 GEMMs writing
+the compute dtype, a bound on the number of kernels.
+
+They need XLA's GPU compiler (the CUDA plugin) and ``libtpu``, which CI's
+suite does not install: ``tests/gpu_program.sh`` installs both in a virtual
+environment of its own and runs this file; elsewhere the tests skip, saying
+why.
+"""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import qbits
+from qbits.hlo._program import _device
+
+
+def _can_compile_for(target: str) -> str:
+    """``""`` where this process can compile for ``target``, else why not."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if target != "v5e" and "cuda" not in platforms:
+        return "JAX_PLATFORMS has no cuda (run tests/gpu_program.sh)"
+    try:
+        _device(target)
+    except RuntimeError as e:
+        return str(e).split(". Install")[0]
+    return ""
+
+
+def _needs(target: str):
+    why = _can_compile_for(target)
+    return pytest.mark.skipif(bool(why), reason=f"{target}: {why}")
+
+
+BF16 = jnp.bfloat16
+# The benchmark's MLP block (benchmarks/train_step.py --gpu): XLA's fusion
+# decisions depend on sizes (small casts are not fused with their
+# transposes), so the program is pinned at the size that is timed.
+TOKENS, D_MODEL, D_FF = 8192, 4096, 16384
+
+
+def _mlp(params, x):
+    return jax.nn.gelu(x @ params["w1"]) @ params["w2"]
+
+
+def _step(preset):
+    def loss(params, state, x, y, key):
+        f = _mlp if preset is None else qbits.quantize(_mlp, preset, key, state=state)
+        return jnp.mean((f(params, x).astype(jnp.float32) - y) ** 2)
+
+    def step(params, state, x, y, key):
+        grads, new_state = jax.grad(loss, argnums=(0, 1))(params, state, x, y, key)
+        params = jax.tree.map(lambda p, g: p - 0.01 * g.astype(p.dtype), params, grads)
+        return params, new_state
+
+    return step
+
+
+@functools.cache
+def _program(preset, target="h100"):
+    spec = jax.ShapeDtypeStruct
+    params = {"w1": spec((D_MODEL, D_FF), BF16), "w2": spec((D_FF, D_MODEL), BF16)}
+    x, y = spec((TOKENS, D_MODEL), BF16), spec((TOKENS, D_MODEL), jnp.float32)
+    key = spec((), jax.random.key(0).dtype)
+    state = None
+    if preset is not None and qbits.presets.get(preset).needs_state:
+        state = jax.eval_shape(
+            lambda p, x: qbits.init_state(_mlp, preset, p, x), params, x
+        )
+    return qbits.hlo.program(_step(preset), params, state, x, y, key, target=target)
+
+
+@_needs("h100")
+@pytest.mark.parametrize(
+    "preset, kind, out, kernels",
+    [
+        ("fp8", "cublaslt_fp8", "bf16", 40),
+        ("fp8_delayed", "cublaslt_fp8", "bf16", 52),
+        ("int8", "cublaslt", "s32", 46),
+    ],
+)
+def test_quantized_step_is_8bit_gemms_and_no_waste(preset, kind, out, kernels):
+    p = _program(preset)
+    gemms = p.gemms
+    assert len(gemms) == 5  # forward x2, dgrad of layer 2, two weight gradients
+    for g in gemms:
+        assert g.kind == kind and g.low_precision, g
+        # FP8 GEMMs write the compute dtype; cuBLASLt's s8 GEMMs only int32.
+        assert g.out == out, g
+    assert p.count("wide_copy") == 0  # no float32 copy of a weight for its amax
+    assert p.count("output_convert") == 0  # no lone convert of a GEMM's output
+    # No activation's codes transposed: each cast writes the layouts its
+    # GEMMs take. What is left is one weight's codes (w2's, whose forward and
+    # input-gradient GEMMs take the two layouts), half the bytes of a cast.
+    layouts = [k for k in p.kernels if k.category == "code_layout"]
+    assert len(layouts) <= 1 and all(k.nbytes <= 2 * D_MODEL * D_FF for k in layouts)
+    assert len(p.kernels) <= kernels
+    e = p.estimate()
+    assert e.by_category.get("code_layout", 0) < 0.05 * e.total_ms
+
+
+@_needs("h100")
+def test_bf16_step_is_five_bf16_gemms():
+    p = _program(None)
+    assert [str(g) for g in p.gemms] == ["cublaslt: bf16 x bf16 -> bf16"] * 5
+
+
+@_needs("h200")
+def test_estimated_device_time_on_an_h200_beats_bf16():
+    # Device time at the H200's measured rates (the timed step adds ~0.6 ms
+    # of launches, as much for bf16). The H100's slower memory leaves fp8
+    # at ~1.3x: the work outside the GEMMs moves bytes.
+    bf16 = _program(None, "h200").estimate().total_ms
+    for preset, least in (("fp8", 1.35), ("fp8_delayed", 1.35), ("int8", 1.3)):
+        assert bf16 / _program(preset, "h200").estimate().total_ms >= least, preset
+
+
+@_needs("v5e")
+def test_tpu_int8_dots_stay_int8_on_the_mxu():
+    spec = jax.ShapeDtypeStruct
+    params = {"w1": spec((D_MODEL, D_FF), BF16), "w2": spec((D_FF, D_MODEL), BF16)}
+    x = spec((TOKENS, D_MODEL), BF16)
+    p = qbits.hlo.program(qbits.quantize(_mlp, "int8_fwd"), params, x, target="v5e")
+    assert len(p.gemms) == 2
+    for g in p.gemms:
+        assert (g.lhs, g.rhs) == ("s8", "s8"), g  # no float fallback
+
+
+@_needs("h100")
+def test_inspect_target_prints_the_gemms(capsys):
+    from qbits.cli import main
+
+    argv = ["inspect", "int8", "--target", "h100", "--model", "block", "--small"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("cublaslt: s8 x s8 -> s32") == 5
+    assert "x bf16's device time" in out
