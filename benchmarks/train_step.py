@@ -57,7 +57,8 @@ import jax.numpy as jnp
 import paired
 
 import qbits
-from qbits.experiments import block_step, lm_step
+import qbits.hlo
+from qbits.experiments import gpu_step
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -190,7 +191,9 @@ def gpu_variants(
         "bf16 params and activations, SGD, jit"
     )
     return model, {
-        preset or "bf16": block_step(preset, tokens, d_model, d_ff)
+        preset or "bf16": gpu_step(
+            "block", preset, tokens=tokens, d_model=d_model, d_ff=d_ff
+        )
         for preset in _presets(only)
     }
 
@@ -211,7 +214,15 @@ def lm_variants(
         f"{batch} x {context} tokens, bf16 params and activations, SGD, jit"
     )
     return model, {
-        preset or "bf16": lm_step(preset, batch, context, width, depth, heads)
+        preset or "bf16": gpu_step(
+            "lm",
+            preset,
+            batch=batch,
+            context=context,
+            width=width,
+            depth=depth,
+            heads=heads,
+        )
         for preset in _presets(only)
     }
 

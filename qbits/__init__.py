@@ -34,7 +34,7 @@ in this file):
    weights, serve them, save/restore, size report.
 """
 
-from qbits import config, hlo, numerics, ops, scaled
+from qbits import config, numerics, ops, scaled
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._quantizer import Quantizer
 from qbits.calibration import (
@@ -95,7 +95,6 @@ __all__ = [
     "einsum",
     "flax",
     "freeze_ranges",
-    "hlo",
     "init_state",
     "layer_table",
     "load_config",

@@ -334,31 +334,31 @@ def _inspect_target(args: argparse.Namespace) -> int:
             "block (an LLM's MLP block) or lm (the example transformer)"
         )
     import qbits
+    import qbits.hlo
 
     qbits.hlo.prepare_environment()  # before jax starts its backends
-    from qbits.experiments import block_step, lm_step
+    from qbits.experiments import gpu_step
 
     name, config, _ = _config(args.config)
     if config is None:
         raise UsageError("--target: config 'none' quantizes nothing")
     if args.model == "block":
-        sizes = (1024, 512, 2048) if args.small else ()
+        sizes = {"tokens": 1024, "d_model": 512, "d_ff": 2048} if args.small else {}
         what = "MLP block " + ("512->2048->512, 1024 tokens" if args.small else
                                "4096->16384->4096, 8192 tokens")  # fmt: skip
-        step_of = block_step
     else:
-        sizes = (2, 256, 256, 2, 4) if args.small else ()
+        small = {"batch": 2, "context": 256, "width": 256, "depth": 2, "heads": 4}
+        sizes = small if args.small else {}
         what = "example transformer " + (
             "d_model 256, 2 blocks, 2 x 256 tokens"
             if args.small
             else "d_model 2048, 8 blocks, 4 x 2048 tokens"
         )
-        step_of = lm_step
     # The block's matmuls take one config (qbits.dot_general's), the LM rules.
     given = args.config if args.model == "block" else config
     programs = {}
     for label, preset in (("bf16", None), (name, given)):
-        step, step_args = step_of(preset, *sizes)
+        step, step_args = gpu_step(args.model, preset, **sizes)
         try:
             programs[label] = qbits.hlo.program(step(), *step_args, target=args.target)
         except RuntimeError as e:  # the compiler for the target is missing

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import qbits
+import qbits.hlo
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "gpu", reason="needs a GPU (jax's backend is not gpu)"

@@ -101,7 +101,9 @@ def _public_modules() -> dict[str, object]:
             modules[f"qbits.{n}"] = getattr(qbits, n)
     # Subpackages imported on their own (not in qbits.__all__), the command
     # and the examples.
-    subpackages = ("qbits.ptq", "qbits.lora", "qbits.kvcache", "qbits.diagnostics")
+    subpackages = (
+        "qbits.ptq", "qbits.lora", "qbits.kvcache", "qbits.diagnostics", "qbits.hlo"
+    )  # fmt: skip
     for name in (*subpackages, "qbits.cli", "qbits.experiments"):
         modules[name] = importlib.import_module(name)
     return modules

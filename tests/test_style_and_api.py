@@ -27,8 +27,9 @@ def test_public_api_is_small_explicit_and_documented():
     from tests.test_layering import _public_api, _public_modules
 
     assert sorted(qbits.__all__) == qbits.__all__
-    # Each feature adds its few names deliberately; the cap makes it a choice.
-    assert len(qbits.__all__) <= 40 and len(_public_api()) <= 200
+    # Each feature adds its few names deliberately; the cap makes it a choice
+    # (205: qbits.hlo's five, reading GPU programs, came with issue 42).
+    assert len(qbits.__all__) <= 40 and len(_public_api()) <= 205
     for module, public in _public_modules().items():
         for name in public.__all__:
             obj = getattr(public, name)

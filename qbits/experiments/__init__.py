@@ -14,12 +14,11 @@ What the ``qbits`` command runs (:mod:`qbits.cli`), usable from Python too:
   table and plots (:func:`write_report`).
 - :func:`post_train`: post-training quantization of a saved float run, by
   several methods (:func:`qbits.ptq.quantize_weights`), and the same report.
-- :func:`block_step`, :func:`lm_step`: training steps at GPU sizes (an LLM's
-  MLP block, the example transformer), for the GPU benchmark and
-  ``qbits inspect --target``.
+- :func:`gpu_step`: training steps at GPU sizes (an LLM's MLP block, the
+  example transformer), for the GPU benchmark and ``qbits inspect --target``.
 """
 
-from qbits.experiments._gpu_steps import block_step, lm_step
+from qbits.experiments._gpu_steps import gpu_step
 from qbits.experiments._models import Classifier, ModelSpec, TransformerLM, spec
 from qbits.experiments._ptq import post_train
 from qbits.experiments._report import summarize, write_report
@@ -49,11 +48,10 @@ __all__ = [
     "Sweep",
     "SweepError",
     "TransformerLM",
-    "block_step",
     "build_model",
     "config_bits",
     "diagnose_batches",
-    "lm_step",
+    "gpu_step",
     "load_sweep",
     "load_trained",
     "post_train",

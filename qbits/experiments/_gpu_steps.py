@@ -1,12 +1,12 @@
 """Training steps at GPU sizes: what the GPU benchmark times and inspects.
 
-Two steps, each with bf16 parameters and activations and one SGD update,
-for bf16 (``preset=None``) or any config:
+:func:`gpu_step` makes two, each with bf16 parameters and activations and
+one SGD update, for bf16 (``preset=None``) or any config:
 
-* :func:`block_step`: an LLM's MLP block, 4096 -> 16384 -> 4096 (GELU, no
-  biases) on 8192 tokens, its two matmuls ``qbits.dot_general``'s;
-* :func:`lm_step`: the example transformer (:class:`TransformerLM`) at
-  d_model 2048, 8 blocks, 16 heads, 4 sequences of 2048 tokens, every matmul
+* ``"block"``: an LLM's MLP block, 4096 -> 16384 -> 4096 (GELU, no biases)
+  on 8192 tokens, its two matmuls ``qbits.dot_general``'s;
+* ``"lm"``: the example transformer (:class:`TransformerLM`) at d_model
+  2048, 8 blocks, 16 heads, 4 sequences of 2048 tokens, every matmul
   quantized by :func:`qbits.nnx.quantize` (attention's einsums included).
 
 ``benchmarks/train_step.py --gpu`` times them against bf16 and
@@ -26,9 +26,10 @@ import optax
 from flax import nnx
 
 import qbits
+from qbits._errors import InvalidArgumentError
 from qbits.experiments._models import ModelSpec, TransformerLM
 
-__all__ = ["block_step", "lm_step"]
+__all__ = ["gpu_step"]
 
 _VOCAB = 256
 _DN = (((1,), (0,)), ((), ()))
@@ -49,7 +50,7 @@ def _config(preset: Any) -> Any:
     )
 
 
-def block_step(
+def _block(
     preset: Any,
     tokens: int = 8192,
     d_model: int = 4096,
@@ -110,7 +111,7 @@ def block_step(
     return (lambda: jax.jit(step)), (params, state, k[4], x, y)
 
 
-def lm_step(
+def _lm(
     preset: Any,
     batch: int = 4,
     context: int = 2048,
@@ -131,7 +132,7 @@ def lm_step(
       lr: SGD's learning rate.
 
     Returns:
-      ``(make, args)`` as :func:`block_step`; ``args`` is the model's nnx
+      ``(make, args)`` as for the block; ``args`` is the model's nnx
       state (bf16 parameters, scale state) and a batch of token ids.
     """
     spec = ModelSpec("lm", width, depth, heads, context, batch, steps=1, lr=lr)
@@ -166,3 +167,39 @@ def lm_step(
         return nnx.state(model)
 
     return (lambda: jax.jit(step)), (state, x, y)
+
+
+_STEPS = {"block": _block, "lm": _lm}
+
+
+def gpu_step(model: str, preset: Any, **sizes: int) -> Step:
+    """A training step at a GPU's size, with ``preset`` (``None``: bf16).
+
+    Args:
+      model: ``"block"`` (an LLM's MLP block: sizes ``tokens``, ``d_model``,
+        ``d_ff``) or ``"lm"`` (the example transformer: ``batch``,
+        ``context``, ``width``, ``depth``, ``heads``); see the module.
+      preset: A config, a preset name or a YAML file (rules for the LM, one
+        config for the block), or ``None`` for bf16.
+      **sizes: Sizes other than the GPU ones (and ``lr``).
+
+    Returns:
+      ``(make, args)``: ``make()`` is a fresh ``jax.jit`` of the step (for
+      timing a compile), ``args`` its arguments (random bf16 weights, the
+      scale state of a stateful config, a batch).
+
+    Raises:
+      InvalidArgumentError: For an unknown model.
+
+    Example:
+      >>> make, args = qbits.experiments.gpu_step(
+      ...     "block", "int8", tokens=32, d_model=16, d_ff=32)
+      >>> params, state = make()(*args)
+      >>> params["w1"].dtype
+      dtype(bfloat16)
+    """
+    if model not in _STEPS:
+        raise InvalidArgumentError(
+            "qbits.experiments.gpu_step", "model", model, "'block' or 'lm'"
+        )
+    return _STEPS[model](preset, **sizes)

@@ -7,32 +7,25 @@ the target) and returns a :class:`Program`, which lists each GEMM XLA emits
 quantization and its GEMM (transposes of codes, converts, amax passes on a
 float32 copy) and estimates its device time from rates measured on an H200.
 ``qbits inspect CONFIG --target h100`` prints it for a training step.
+Import it on its own (``import qbits.hlo``). What a :class:`Program`
+returns (its kernels, GEMMs, estimate, the targets' rates) are plain
+dataclasses documented with it.
 :class:`Program` also reads a module compiled on this machine
 (``Program(jax.jit(f).lower(...).compile().as_text())``).
 """
 
-from qbits.hlo._estimate import Estimate
-from qbits.hlo._module import Gemm, Kernel
 from qbits.hlo._program import (
     GPU_COMPILER_OPTIONS,
-    Matmul,
-    Operand,
     Program,
     prepare_environment,
     program,
 )
-from qbits.hlo._targets import TARGETS, Target
+from qbits.hlo._targets import TARGETS
 
 __all__ = [
     "GPU_COMPILER_OPTIONS",
     "TARGETS",
-    "Estimate",
-    "Gemm",
-    "Kernel",
-    "Matmul",
-    "Operand",
     "Program",
-    "Target",
     "prepare_environment",
     "program",
 ]

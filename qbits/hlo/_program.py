@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,8 +42,10 @@ __all__ = ["GPU_COMPILER_OPTIONS", "Program", "program"]
 #: it (on an H200 that autotuning was 75 of an FP8 step's 77 s of compile,
 #: and the fusions it rejected left their converts and transposes behind as
 #: lone kernels). Pass them per program:
-#: ``jax.jit(step, compiler_options=qbits.hlo.GPU_COMPILER_OPTIONS)``.
-GPU_COMPILER_OPTIONS: Mapping[str, Any] = {"xla_gpu_enable_triton_gemm": False}
+#: ``jax.jit(step, compiler_options=dict(qbits.hlo.GPU_COMPILER_OPTIONS))``.
+GPU_COMPILER_OPTIONS: Mapping[str, Any] = types.MappingProxyType(
+    {"xla_gpu_enable_triton_gemm": False}
+)
 
 _INSTALL = {
     "cuda": "pip install 'qbits[gpu]' (jax[cuda13], about 3 GB; Python 3.12+)",

@@ -110,11 +110,13 @@ def test_deep_lm_scans_stacked_blocks_and_trains_quantized():
     assert math.isfinite(result.train_loss)
 
 
-def test_block_step_trains_every_preset_kind():
-    from qbits.experiments import block_step
+def test_gpu_step_trains_every_preset_kind():
+    from qbits.experiments import gpu_step
 
+    with pytest.raises(qbits.InvalidArgumentError, match="model"):
+        gpu_step("mlp", None)
     for preset in (None, "fp8_delayed"):
-        make, args = block_step(preset, tokens=32, d_model=16, d_ff=32)
+        make, args = gpu_step("block", preset, tokens=32, d_model=16, d_ff=32)
         params, state = make()(*args)
         assert params["w1"].dtype == jnp.bfloat16
         assert not jnp.array_equal(params["w1"], args[0]["w1"])  # it moved

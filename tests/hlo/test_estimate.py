@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import qbits
+import qbits.hlo
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 H200 = qbits.hlo.TARGETS["h200"]

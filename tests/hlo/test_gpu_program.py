@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 import qbits
+import qbits.hlo
 from qbits.hlo._program import _device
 
 
