@@ -254,6 +254,49 @@ def gpu_train_step() -> str:
     )
 
 
+@figure("gpu_estimate", "gpu_estimate.json", "train_step_gpu_h200.json")
+def gpu_estimate() -> str:
+    data = _json("gpu_estimate.json")
+    rows = data["results"]
+    base = rows[0]
+    waste = ("code_layout", "output_convert", "wide_copy")
+
+    def ratio(r: dict, key: str, field: str) -> str:
+        return f"{base[key][field] / r[key][field]:.2f}x"
+
+    table = [
+        [
+            f"`{r['variant']}`",
+            ratio(r, "h200_before", "measured_device_ms"),
+            ratio(r, "h200_before", "estimate_ms"),
+            ratio(r, "h200", "device_ms"),
+            ratio(r, "h100", "device_ms"),
+            " / ".join(
+                f"{r['h200_before']['waste_kernels'][c]} -> "
+                f"{r['h200']['waste_kernels'][c]}"
+                for c in waste
+            ),
+        ]
+        for r in rows
+    ]
+    header = [
+        "device time vs bf16",
+        "H200, before: measured",
+        "before: estimated",
+        "H200, now: estimated",
+        "H100, now: estimated",
+        "code transposes / output converts / f32 weight copies",
+    ]
+    return (
+        _table(header, table)
+        + "\nBefore: the programs an H200 ran on 2026-11-27 (its profile, and "
+        "the estimate of the same HLO). Now: this code compiled for the GPU on "
+        f"a CPU-only machine (jax {data['meta']['jax']}), estimated at the "
+        "H200's measured rates (the H100's bandwidth scaled by 3.35/4.8).\n\n"
+        + _source("gpu_estimate.json", "train_step_gpu_h200.json")
+    )
+
+
 def _gemms(gemms: list[dict]) -> str:
     counts: dict[str, int] = {}
     for g in gemms:
