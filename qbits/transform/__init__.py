@@ -20,7 +20,7 @@ post-training quantization and LoRA run through these functions
 from qbits.transform._adapt import WeightMatmul, adapt, weight_matmuls
 from qbits.transform._adapter import Adapter
 from qbits.transform._observe import ObservedMatmul, Observer
-from qbits.transform._runner import Caller
+from qbits.transform._plan import Caller
 from qbits.transform._store import StoredMatmul, store_weights
 from qbits.transform._transform import (
     collect_ranges,

@@ -22,8 +22,9 @@ from qbits._errors import InvalidArgumentError
 from qbits.config import as_quant_config
 from qbits.transform._adapter import DATA, Adapter
 from qbits.transform._observe import ObservedMatmul, describe
+from qbits.transform._plan import Caller, Plan
 from qbits.transform._program import Program, Site, trace
-from qbits.transform._runner import Caller, Frame, Plan, run_program
+from qbits.transform._runner import Frame, run_program
 from qbits.transform._transform import (
     _check_key,
     _check_names,

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 
 from qbits.config import as_quant_config
 from qbits.tensor import QTensor
+from qbits.transform._plan import Caller, Plan
 from qbits.transform._program import merge, trace
-from qbits.transform._runner import Caller, Frame, Plan, run_program
+from qbits.transform._runner import Frame, run_program
 
 __all__ = ["StoredMatmul", "store_weights"]
 

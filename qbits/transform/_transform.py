@@ -24,15 +24,9 @@ from qbits.config import LayerRow, LayerTable, QuantConfig, as_quant_config
 from qbits.numerics import check_key
 from qbits.tensor import QTensor
 from qbits.transform._observe import ObservedMatmul, Observer
+from qbits.transform._plan import DIAGNOSTICS, Caller, Plan, applied
 from qbits.transform._program import Program, trace
-from qbits.transform._runner import (
-    DIAGNOSTICS,
-    Caller,
-    Frame,
-    Plan,
-    applied,
-    run_program,
-)
+from qbits.transform._runner import Frame, run_program
 
 __all__ = [
     "collect_ranges",
