@@ -16,7 +16,7 @@ from qbits.ops import _core as core
 from qbits.ops import _state as state_lib
 from qbits.ops._config import DotGeneralConfig, MatmulConfig, check_config
 from qbits.ops._dims import Axes
-from qbits.ops._matmul import common_dtypes, dot_operand
+from qbits.ops._rescale import common_dtypes, dot_operand
 from qbits.scaled import is_scaled, scalify
 from qbits.tensor import QTensor
 

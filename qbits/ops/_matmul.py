@@ -25,14 +25,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes, Dims
-from qbits.ops._headroom import INT32_MAX, code_bound, headroom, shifted
+from qbits.ops._headroom import INT32_MAX, code_bound, headroom
+from qbits.ops._rescale import (
+    dot_operand,
+    is_byte_float,
+    permute,
+    real_dot,
+    tiled_pair,
+)
 from qbits.tensor import QTensor, expand_scale
 
 
@@ -89,7 +95,7 @@ def contract(
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
         )
-        return _permute(out.astype(out_dtype), out_perm)
+        return permute(out.astype(out_dtype), out_perm)
     lqt = _per_index_free(lqt, dims.lhs_batch + dims.lhs_free)
     rqt = _per_index_free(rqt, dims.rhs_batch + dims.rhs_free)
     a, b = dot_operand(lqt), dot_operand(rqt)
@@ -100,14 +106,14 @@ def contract(
             return out.astype(out_dtype)
         # The int32 sum could overflow: accumulate the (exact) codes in float32.
         cfg = dataclasses.replace(cfg, accumulator=np.dtype(np.float32))
-    if _is_byte_float(a) and _is_byte_float(b):  # fp8
+    if is_byte_float(a) and is_byte_float(b):  # fp8
 
         def cpu(lqt: QTensor, rqt: QTensor) -> jax.Array:
             a, b = dot_operand(lqt), dot_operand(rqt)
-            out = _real_dot(
+            out = real_dot(
                 a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding
             )
-            return _permute(out, out_perm).astype(out_dtype)
+            return permute(out, out_perm).astype(out_dtype)
 
         def gpu(lqt: QTensor, rqt: QTensor) -> jax.Array:
             out = _gemm_layout_dot(
@@ -117,11 +123,11 @@ def contract(
             return out.astype(out_dtype)
 
         return lax.platform_dependent(lqt, rqt, cpu=cpu, default=gpu)
-    out = _real_dot(
+    out = real_dot(
         a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding,
         headroom=headroom(lqt, rqt, cfg),
     )  # fmt: skip
-    return _permute(out.astype(out_dtype), out_perm)
+    return permute(out.astype(out_dtype), out_perm)
 
 
 def _int32_holds(lqt: QTensor, rqt: QTensor, dims: Dims, cfg: MatmulConfig) -> bool:
@@ -139,7 +145,7 @@ def _int32_holds(lqt: QTensor, rqt: QTensor, dims: Dims, cfg: MatmulConfig) -> b
     k = 1
     for la in dims.lhs_contract:
         k *= lqt.shape[la]
-    tiled = _tiled_pair(lqt, lqt.scale, rqt.scale, dims)
+    tiled = tiled_pair(lqt, lqt.scale, rqt.scale, dims)
     if tiled is not None:
         k = k // lqt.shape[dims.lhs_contract[tiled[0]]] * tiled[1]
     worst = k * code_bound(lqt, cfg.lhs) * code_bound(rqt, cfg.rhs)
@@ -183,14 +189,10 @@ def codes_precision(precision: Any, a: jax.Array, b: jax.Array) -> Any:
     It describes the float matmul the codes replace, so it is dropped;
     ``lax.Precision`` values, which cast nothing, are kept.
     """
-    low = all(jnp.issubdtype(x.dtype, jnp.integer) or _is_byte_float(x) for x in (a, b))
+    low = all(jnp.issubdtype(x.dtype, jnp.integer) or is_byte_float(x) for x in (a, b))
     if low and isinstance(precision, lax.DotAlgorithm | lax.DotAlgorithmPreset):
         return None
     return precision
-
-
-def _is_byte_float(x: jax.Array) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 1
 
 
 def stored_rhs(rhs: QTensor, dims: Dims) -> bool:
@@ -235,10 +237,10 @@ def _integer_dot(
         # Moving operand axes keeps the output layout; exchanging the operands
         # writes the permuted output directly.
         sharding = _permuted_sharding(out_sharding, out_perm) if swap else out_sharding
-        out = _real_dot(
+        out = real_dot(
             a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding
         )
-        return out if swap else _permute(out, out_perm)
+        return out if swap else permute(out, out_perm)
 
     def gpu(lhs: QTensor, rhs: QTensor) -> jax.Array:
         return _gemm_layout_dot(lhs, rhs, dims, cfg, precision, out_perm, out_sharding)
@@ -284,19 +286,11 @@ def _gemm_layout_dot(
     b_vals, b_scale = _laid_out(b, b_order, barriers=False)
     moved = d.moved(a_order, b_order)
     sharding = _permuted_sharding(out_sharding, out_perm) if swap else out_sharding
-    out = _real_dot(
+    out = real_dot(
         a_vals, a_scale, b_vals, b_scale, moved, cfg, precision, sharding,
         one_scalar=True, out_dtype=out_dtype,
     )  # fmt: skip
-    return out if swap else _permute(out, out_perm)
-
-
-def _permuted_sharding(sharding: Any, perm: Axes | None) -> Any:
-    """The sharding of ``transpose(out, perm)`` given ``out``'s."""
-    if sharding is None or perm is None:
-        return sharding
-    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
-    return sharding.update(spec=type(sharding.spec)(*(spec[p] for p in perm)))
+    return out if swap else permute(out, out_perm)
 
 
 def _rhs_order(d: Dims) -> Axes:
@@ -339,12 +333,6 @@ def _laid_out(
     return lax.optimization_barrier(values), scale
 
 
-def _permute(x: jax.Array, perm: Axes | None) -> jax.Array:
-    if perm is None or tuple(perm) == tuple(range(x.ndim)):
-        return x
-    return jnp.transpose(x, perm)
-
-
 def fold_scale_into_lhs(lhs: jax.Array, rhs_fwd: QTensor, dims: Dims) -> jax.Array:
     """``lhs * s`` where ``s`` is the rhs scale laid out along the lhs axes.
 
@@ -381,261 +369,9 @@ def fold_scale_into_lhs(lhs: jax.Array, rhs_fwd: QTensor, dims: Dims) -> jax.Arr
     return lhs.astype(jnp.float32) * scale.reshape(shape)
 
 
-def dot_operand(qt: QTensor) -> jax.Array:
-    """The stored values in a dtype XLA can contract."""
-    q = qt.unpack().qvalue
-    if q.dtype in (jnp.int4, jnp.int2):
-        return q.astype(jnp.int8)
-    if q.dtype == jnp.uint4:
-        return q.astype(jnp.uint8)
-    if q.dtype == np.dtype(ml_dtypes.float4_e2m1fn):
-        return q.astype(jnp.bfloat16)
-    return q
-
-
-def common_dtypes(
-    a: jax.Array, b: jax.Array, accumulator: Any
-) -> tuple[jax.Array, jax.Array, np.dtype]:
-    """Operand and accumulator dtypes for the real dot."""
-    a_int = jnp.issubdtype(a.dtype, jnp.integer)
-    b_int = jnp.issubdtype(b.dtype, jnp.integer)
-    if a_int and b_int and accumulator in (None, np.dtype(np.int32)):
-        return a, b, np.dtype(np.int32)
-    if accumulator == np.dtype(np.int32):
-        raise InvalidArgumentError(
-            "MatmulConfig",
-            "accumulator",
-            "int32",
-            "None or float32 for these operands",
-            why=f"operands are {a.dtype} and {b.dtype}, not both integers",
-        )
-
-    # Integers meet a float operand (or a float accumulator): widen them to a
-    # float dtype that holds them exactly, the other operand's where it can.
-    def widened(x: jax.Array, other: jax.Array) -> jax.Array:
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            return x
-        if ml_dtypes.iinfo(x.dtype).bits > 8:
-            return x.astype(jnp.float32)
-        float_other = jnp.issubdtype(other.dtype, jnp.floating)
-        if float_other and jnp.dtype(other.dtype).itemsize >= 2:
-            return x.astype(other.dtype)
-        return x.astype(jnp.bfloat16)
-
-    return widened(a, b), widened(b, a), np.dtype(np.float32)
-
-
-def _tiled_pair(
-    a: jax.Array, sl: jax.Array, sr: jax.Array, dims: Dims
-) -> tuple[int, int] | None:
-    """The contracting pair whose scales are tiled, and the tile size.
-
-    Raises:
-      InvalidArgumentError: If a scale varies along a contracting axis in a
-        way that cannot be factored out of the dot.
-    """
-    tiled = []
-    for i, (la, ra) in enumerate(
-        zip(dims.lhs_contract, dims.rhs_contract, strict=True)
-    ):
-        k = a.shape[la]
-        counts = {sl.shape[la], sr.shape[ra]} - {1}
-        if not counts:
-            continue
-        if len(counts) > 1:
-            raise _not_factorable(
-                f"lhs axis {la} and rhs axis {ra} are contracted, but their scales "
-                f"have {sl.shape[la]} and {sr.shape[ra]} entries along them"
-            )
-        tile = k // next(iter(counts))
-        if tile == 1:
-            raise _not_factorable(
-                f"the scales vary with every element of contracted axis {la}"
-            )
-        tiled.append((i, tile))
-    if len(tiled) > 1:
-        raise _not_factorable("real mode tiles at most one contracting axis")
-    return tiled[0] if tiled else None
-
-
-def _not_factorable(why: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        "MatmulConfig",
-        "mode",
-        "real",
-        "'fake' for these scales (real mode needs scales shared along the "
-        "contracting axes, or tiled alike along one of them)",
-        why=why,
-    )
-
-
-def _split(x: jax.Array, axis: int, tile: int) -> jax.Array:
-    shape = list(x.shape)
-    shape[axis : axis + 1] = [shape[axis] // tile, tile]
-    return x.reshape(shape)
-
-
-def _real_dot(
-    a: jax.Array,
-    sl: jax.Array,
-    b: jax.Array,
-    sr: jax.Array,
-    dims: Dims,
-    cfg: MatmulConfig,
-    precision: Any,
-    out_sharding: Any,
-    *,
-    one_scalar: bool = False,
-    out_dtype: Any = None,
-    headroom: tuple[str, float] | None = None,
-) -> jax.Array:
-    """The low-precision dot and the rescaling, in float32.
-
-    A tiled contracting axis is split into (tiles, tile); the tile index
-    becomes a batch axis of the dot, and the per-tile products are scaled and
-    summed.
-
-    ``headroom`` (a float operand against quantized codes, see
-    :func:`_headroom`): the float operand's rows (its values for one output
-    element) whose sums with the codes could overflow float32 are divided
-    by a power of two first, and the output multiplied back (exact); other
-    rows are multiplied by 1, so their results are unchanged, bit for bit.
-
-    The output is multiplied by the two scales in an order that keeps every
-    result float32 can hold (per tensor: the product of the scales unless it
-    leaves float32's normal range; per channel: :func:`_unless_lost`), so a
-    huge or tiny pair of scales never turns a representable result into inf
-    or 0.
-    ``one_scalar`` (GPU, per-tensor scales): one multiply by the
-    product, the form XLA's GPU compiler folds into an FP8 GEMM (cuBLASLt's
-    scale) instead of a pass over the output; there the product of the two
-    scales must be a normal float32 (it is unless the two operands' amaxes
-    multiply to less than about 2e-33 for E4M3, or overflow). With an
-    ``out_dtype`` of 16 bits too, the fp8 dot writes that dtype and the
-    product is rounded to it (see :func:`_gemm_layout_dot`).
-    """
-    tiled = _tiled_pair(a, sl, sr, dims)
-    if (
-        one_scalar
-        and tiled is None
-        and headroom is None
-        and sl.size == 1
-        and sr.size == 1
-        and _is_byte_float(a)
-        and _is_byte_float(b)
-        and out_dtype is not None
-        and np.dtype(out_dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
-    ):
-        both = lax.mul(
-            sl.reshape(()).astype(jnp.float32), sr.reshape(()).astype(jnp.float32)
-        )
-        out = lax.dot_general(
-            a, b, dims.lax(), precision, preferred_element_type=out_dtype,
-            out_sharding=out_sharding,
-        )  # fmt: skip
-        return lax.mul(out, both.astype(out_dtype))
-    a, b, acc = common_dtypes(a, b, cfg.accumulator)
-    unshift, out_dims = None, dims
-    if headroom is not None:
-        side, bound = headroom
-        k = 1
-        for la in dims.lhs_contract:
-            k *= a.shape[la]
-        if tiled is not None:  # each dot sums one tile
-            k = k // a.shape[dims.lhs_contract[tiled[0]]] * tiled[1]
-        if side == "lhs":
-            a, unshift = shifted(a, dims.lhs_contract, k * bound)
-        else:
-            b, unshift = shifted(b, dims.rhs_contract, k * bound)
-    if tiled is not None:
-        i, tile = tiled
-        la, ra = dims.lhs_contract[i], dims.rhs_contract[i]
-        a, b = _split(a, la, tile), _split(b, ra, tile)
-        sl, sr = jnp.expand_dims(sl, la + 1), jnp.expand_dims(sr, ra + 1)
-
-        def shift(axes: Axes, at: int) -> Axes:
-            return tuple(x + (x > at) for x in axes)
-
-        dims = Dims(
-            tuple(la + 1 if x == la else x for x in shift(dims.lhs_contract, la)),
-            tuple(ra + 1 if x == ra else x for x in shift(dims.rhs_contract, ra)),
-            (*shift(dims.lhs_batch, la), la),
-            (*shift(dims.rhs_batch, ra), ra),
-            a.ndim,
-            b.ndim,
-        )
-        out_sharding = None
-    out = lax.dot_general(
-        a,
-        b,
-        dims.lax(),
-        precision,
-        preferred_element_type=acc,
-        out_sharding=out_sharding,
-    ).astype(jnp.float32)
-    # lax, not jnp, for the elementwise rescaling: jnp's functions are small
-    # jitted functions, each traced anew for every new shape.
-    if sl.size == 1 and sr.size == 1:
-        a, b = sl.reshape(()).astype(jnp.float32), sr.reshape(()).astype(jnp.float32)
-        both = lax.mul(a, b)
-        if one_scalar:
-            out = lax.mul(out, both)
-        else:  # the product, unless it left float32's normal range
-            normal = lax.bitwise_and(lax.is_finite(both), lax.ge(lax.abs(both), _TINY))
-            first = lax.select(normal, both, a)
-            second = lax.select(normal, np.float32(1), b)
-            out = lax.mul(lax.mul(out, first), second)
-    else:
-        dims_out = tuple(range(out.ndim))
-        left, right = (
-            lax.broadcast_in_dim(_scale_to_output(s, dims, side), out.shape, dims_out)
-            for s, side in ((sl, "lhs"), (sr, "rhs"))
-        )
-        out = _unless_lost(
-            lax.mul(lax.mul(out, left), right),
-            out,
-            lambda o: lax.mul(o, lax.mul(left, right)),
-        )
-    if tiled is not None:
-        out = jnp.sum(out, axis=len(dims.lhs_batch) - 1)
-    if unshift is not None:
-        factor = _scale_to_output(unshift, out_dims, headroom[0])
-        out = lax.mul(
-            out, lax.broadcast_in_dim(factor, out.shape, tuple(range(out.ndim)))
-        )
-    return out
-
-
-_TINY = np.float32(np.finfo(np.float32).tiny)
-
-
-def _unless_lost(scaled: jax.Array, out: jax.Array, other: Any) -> jax.Array:
-    """``scaled``, or ``other(out)`` where ``scaled`` overflowed or flushed to 0.
-
-    Two orders of the same two multiplies: where the first loses a result
-    (an intermediate beyond float32's range), the other keeps it.
-    """
-    zero = lax.full_like(out, 0)
-    lost = lax.bitwise_or(
-        lax.bitwise_not(lax.is_finite(scaled)),
-        lax.bitwise_and(lax.eq(scaled, zero), lax.ne(out, zero)),
-    )
-    return lax.select(lax.bitwise_and(lost, lax.is_finite(out)), other(out), scaled)
-
-
-def _scale_to_output(scale: jax.Array, dims: Dims, side: str) -> jax.Array:
-    """Lays out an operand's scale like the dot's output.
-
-    The scale has size 1 along contracted axes; the output has the batch axes,
-    then the lhs free axes, then the rhs free axes.
-    """
-    if side == "lhs":
-        batch, free, contract = dims.lhs_batch, dims.lhs_free, dims.lhs_contract
-        before, after = 0, len(dims.rhs_free)
-    else:
-        batch, free, contract = dims.rhs_batch, dims.rhs_free, dims.rhs_contract
-        before, after = len(dims.lhs_free), 0
-    s = jnp.transpose(scale, batch + free + contract)
-    s = s.reshape(s.shape[: len(batch) + len(free)])
-    shape = s.shape[: len(batch)] + (1,) * before + s.shape[len(batch) :] + (1,) * after
-    return s.reshape(shape).astype(jnp.float32)
+def _permuted_sharding(sharding: Any, perm: Axes | None) -> Any:
+    """The sharding of ``transpose(out, perm)`` given ``out``'s."""
+    if sharding is None or perm is None:
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+    return sharding.update(spec=type(sharding.spec)(*(spec[p] for p in perm)))

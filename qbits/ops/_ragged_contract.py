@@ -21,24 +21,13 @@ from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes
 from qbits.ops._dot_general import DotContraction
 from qbits.ops._headroom import INT32_MAX, code_bound
-from qbits.ops._matmul import (
-    _per_index_free,
-    _unless_lost,
-    codes_precision,
-    common_dtypes,
-    dot_operand,
-)
+from qbits.ops._matmul import _per_index_free, codes_precision
 from qbits.ops._operands import unquantized
 from qbits.ops._ragged_dims import RaggedDims, expand, group_ids, group_mask
+from qbits.ops._rescale import common_dtypes, dot_operand, permute, unless_lost
 from qbits.tensor import QTensor
 
 __all__ = ["RaggedContraction", "RaggedWeightGrad"]
-
-
-def _permute(x: jax.Array, perm: Axes | None) -> jax.Array:
-    if perm is None or tuple(perm) == tuple(range(x.ndim)):
-        return x
-    return jnp.transpose(x, perm)
 
 
 def _unbound() -> InvalidArgumentError:  # pragma: no cover - the core binds
@@ -93,7 +82,7 @@ class RaggedContraction(core.Contraction):
 
     def plain(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
         """``lax.ragged_dot_general`` itself (then the output permutation)."""
-        return _permute(self._dot(lhs, rhs, self.preferred_element_type), self.out_perm)
+        return permute(self._dot(lhs, rhs, self.preferred_element_type), self.out_perm)
 
     def __call__(self, lhs: QTensor, rhs: QTensor, cfg: MatmulConfig) -> jax.Array:
         """The ragged dot of two quantized operands, real or fake as ``cfg`` says.
@@ -112,7 +101,7 @@ class RaggedContraction(core.Contraction):
             out = self._real(lhs, rhs, cfg)
         else:
             out = self._dot(lhs.dequant(), rhs.dequant(), self.preferred_element_type)
-        return _permute(out.astype(out_dtype), self.out_perm)
+        return permute(out.astype(out_dtype), self.out_perm)
 
     def _factors(self, lhs: QTensor, rhs: QTensor) -> bool:
         lc, rc = self.contracting
@@ -152,7 +141,7 @@ class RaggedContraction(core.Contraction):
         mapping = {a: i for i, a in enumerate(d.rhs_batch)}
         mapping.update({a: nb + nf + i for i, a in enumerate(r.rhs_kept)})
         right = self._per_group(rqt.scale, mapping, r.out_ragged, out.shape)
-        return _unless_lost(
+        return unless_lost(
             lax.mul(lax.mul(out, left), right),
             out,
             lambda o: lax.mul(o, lax.mul(left, right)),
@@ -320,7 +309,7 @@ class RaggedWeightGrad(core.Contraction):
             self.precision,
             preferred_element_type=self.preferred_element_type,
         )
-        return _permute(out, perm)
+        return permute(out, perm)
 
     def gradient(self, side: str) -> core.Contraction:  # pragma: no cover
         """A gradient contraction has no gradients of its own here."""
