@@ -71,6 +71,7 @@ def main() -> None:
                 "kernels": len(p.kernels),
                 "gemms": [str(g) for g in p.gemms],
                 "waste_kernels": {c: p.count(c) for c in WASTE},
+                "temp_mib": round(p.temp_bytes / 2**20, 1),
                 "deviceless_compile_s": round(time.perf_counter() - start, 1),
             }
         old = before[name].estimate()

@@ -587,7 +587,11 @@ def markdown(meta: dict, results: list[dict], base: str, gpu: bool) -> str:
             if cold:
                 parts = [cold.get(k) for k in ("trace_s", "lower_s", "compile_s")]
                 if all(p is not None for p in parts):
-                    compile_s += " ({:.1f} + {:.1f} + {:.1f})".format(*parts)
+                    compile_s += " ({:.1f} + {:.1f} + {:.1f}".format(*parts)
+                    untuned = cold.get("no_autotune_compile_s")
+                    if untuned is not None:  # the XLA compile's autotuning share
+                        compile_s += f"; XLA {untuned:.1f} without autotuning"
+                    compile_s += ")"
             lines.append(
                 f"| {r['variant']} | {ratio} | {r['speedup']:.2f}x | {device} "
                 f"| {frac} | {compile_s} | {gemms} |"

@@ -279,6 +279,8 @@ def gpu_estimate() -> str:
         ]
         for r in rows
     ]
+    for row, r in zip(table, rows, strict=True):
+        row.append(f"{r['h200']['temp_mib'] / base['h200']['temp_mib']:.2f}x")
     header = [
         "device time vs bf16",
         "H200, before: measured",
@@ -286,6 +288,7 @@ def gpu_estimate() -> str:
         "H200, now: estimated",
         "H100, now: estimated",
         "code transposes / output converts / f32 weight copies",
+        "temporaries vs bf16",
     ]
     return (
         _table(header, table)

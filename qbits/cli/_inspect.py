@@ -86,10 +86,16 @@ def _inspect_target(args: argparse.Namespace) -> int:
     print(f"{what}, training step (bf16 parameters), for {args.target}:\n")
     print(f"{name}: {programs[name]}\n")
     base, mine = (programs[k].estimate().total_ms for k in ("bf16", name))
+    memory = ""
+    if programs[name].temp_bytes is not None:
+        memory = (
+            f"; temporaries {programs[name].temp_bytes / 2**20:.0f} MiB against "
+            f"bf16's {programs['bf16'].temp_bytes / 2**20:.0f} MiB"
+        )
     print(
         f"bf16: {len(programs['bf16'].gemms)} GEMMs, estimated {base:.2f} ms; "
         f"{name} estimated {base / mine:.2f}x bf16's device time "
-        f"({programs[name].target.measured})"
+        f"({programs[name].target.measured}){memory}"
     )
     return 0
 

@@ -102,6 +102,9 @@ class Program:
       text: The module's text.
       target: The target it was compiled for (for its estimate), or
         ``None`` (this machine's backend).
+      temp_bytes: The device memory XLA allocates for the program's
+        temporaries (its buffer assignment: activations, gradients, codes),
+        besides its arguments and outputs; ``None`` where unknown.
 
     Example:
       >>> text = jax.jit(lambda a, b: a @ b).lower(
@@ -113,6 +116,7 @@ class Program:
 
     text: str
     target: Target | None = None
+    temp_bytes: int | None = None
 
     @functools.cached_property
     def kernels(self) -> tuple[Kernel, ...]:
@@ -205,6 +209,8 @@ class Program:
                 f"{e.total_ms:.2f} ms of device time (GEMMs {e.gemm_ms:.2f}, "
                 f"the rest {e.outside_gemms_ms:.2f})"
             )
+            if self.temp_bytes is not None:
+                head += f"; temporaries {self.temp_bytes / 2**20:.0f} MiB"
         lines.append(head)
         for m in self.matmuls:
             g = m.gemm
@@ -354,7 +360,9 @@ def program(
     specs = jax.tree.map(lambda x: _spec(x, sharding), args)
     lowered = jax.jit(fn).trace(*specs).lower(lowering_platforms=(t.platform,))
     compiled = lowered.compile(compiler_options=dict(compiler_options))
-    return Program(compiled.as_text(), t)
+    memory = compiled.memory_analysis()
+    temp = None if memory is None else int(memory.temp_size_in_bytes)
+    return Program(compiled.as_text(), t, temp)
 
 
 def _target_arg(name: Any) -> Target:
