@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (one run, about 6 minutes on an H100 or H200; the
+# The prepared GPU check (one run, about 5 minutes on an H200; the
 # table printed last): the MLP block's training step, bf16 against every
 # 8-bit preset, timed side by side, profiled, each variant's cold compile in
 # a fresh process (trace, lower, XLA compile; and without autotuning); then

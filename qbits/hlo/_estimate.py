@@ -62,8 +62,8 @@ def _rate(gemm: Gemm, target: Target) -> float:
         return rates["bf16"]
     if gemm.lhs.startswith("f8") or gemm.rhs.startswith("f8"):
         return rates["fp8"] if gemm.fast_accumulation else rates["fp8_exact"]
-    if gemm.kind == "triton" and not all(gemm.contraction_minor):
-        return rates["int8_strided"]
+    if not all(gemm.contraction_minor):
+        return rates["int8_strided" if gemm.kind == "triton" else "int8_not_tn"]
     return rates["int8"]
 
 

@@ -8,7 +8,9 @@ turn its compiled program into a device-time estimate
 The H200's rates were measured: one profiled run of the MLP training step
 of ``benchmarks/train_step.py --gpu`` (jax 0.11.2, 2026-11-27), each rate
 read off its kernels (GEMM FLOPs over the GEMM's time; bytes moved over a
-streaming kernel's time). The H100 is the same chip (GH100) with slower
+streaming kernel's time); ``int8_not_tn`` from the second run that day
+(cuBLASLt's int8 GEMM given an rhs laid out ``[K, N]``: 1.1e12 operations
+in 8.55 ms). The H100 is the same chip (GH100) with slower
 memory: the same GEMM rates, bandwidths scaled by the ratio of the two
 memories' peak figures (3.35 / 4.8 TB/s). The TPUs' figures are the
 vendor's peak numbers (*read*, never measured here).
@@ -39,9 +41,10 @@ class Target:
       gemm_rates: Sustained GEMM rates in TFLOP/s (TOPS for integers) by the
         operands' kind: ``"bf16"`` (and other 16/32-bit floats), ``"fp8"``
         (fast accumulation), ``"fp8_exact"`` (FP8 accumulating in full
-        float32, ``precision=HIGHEST``), ``"int8"``, and ``"int8_strided"``
-        (an 8-bit operand not contiguous along its contracting axis, which
-        only a Triton GEMM takes, at a fraction of the rate).
+        float32, ``precision=HIGHEST``), ``"int8"``, ``"int8_strided"``
+        (a Triton GEMM with an 8-bit operand not contiguous along its
+        contracting axis) and ``"int8_not_tn"`` (cuBLASLt's int8 GEMM given
+        such an operand: it falls back to a kernel at a twelfth of the rate).
       bandwidth: TB/s that a streaming kernel (elementwise work,
         reductions) moves.
       cast_bandwidth: TB/s of a kernel that quantizes (writes 8-bit codes:
@@ -74,12 +77,12 @@ class Target:
 
 _H200_GEMM = types.MappingProxyType(
     {"bf16": 803.0, "fp8": 1510.0, "fp8_exact": 1370.0, "int8": 1550.0,
-     "int8_strided": 325.0}
+     "int8_strided": 325.0, "int8_not_tn": 128.0}
 )  # fmt: skip
 _H100_SCALE = 3.35 / 4.8
 _V5E_GEMM = types.MappingProxyType(
     {"bf16": 197.0, "fp8": 197.0, "fp8_exact": 197.0, "int8": 394.0,
-     "int8_strided": 394.0}
+     "int8_strided": 394.0, "int8_not_tn": 394.0}
 )  # fmt: skip
 
 #: The targets by name.

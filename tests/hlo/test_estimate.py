@@ -6,6 +6,9 @@ quantized variants, before qbits' GPU changes), and
 ``h200_mlp_profile.json`` the device time its profile measured: the
 estimate is checked against it, and the parser against what the profile's
 reading found in each program (``../shared/gpu/h200-2026-11-27``).
+``h200_mlp_hlo_2.tar.xz`` and ``h200_mlp_profile_2.json`` are the second
+H200 run that day, of the programs after qbits' GPU changes: the estimate
+was not fitted to it (apart from the rate of one kernel it newly showed).
 """
 
 import json
@@ -23,9 +26,8 @@ DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 H200 = qbits.hlo.TARGETS["h200"]
 
 
-@pytest.fixture(scope="module")
-def programs():
-    with tarfile.open(DATA / "h200_mlp_hlo.tar.xz") as tar:
+def _programs(archive: str) -> dict[str, qbits.hlo.Program]:
+    with tarfile.open(DATA / archive) as tar:
         texts = {
             m.name.removesuffix(".hlo.txt"): tar.extractfile(m).read().decode()
             for m in tar.getmembers()
@@ -33,9 +35,18 @@ def programs():
     return {name: qbits.hlo.Program(text, H200) for name, text in texts.items()}
 
 
+def _measured(name: str) -> dict:
+    return json.loads((DATA / name).read_text())["variants"]
+
+
+@pytest.fixture(scope="module")
+def programs():
+    return _programs("h200_mlp_hlo.tar.xz")
+
+
 @pytest.fixture(scope="module")
 def measured():
-    return json.loads((DATA / "h200_mlp_profile.json").read_text())["variants"]
+    return _measured("h200_mlp_profile.json")
 
 
 def test_estimate_is_within_ten_percent_of_the_measured_device_time(programs, measured):
@@ -46,6 +57,23 @@ def test_estimate_is_within_ten_percent_of_the_measured_device_time(programs, me
     # And it ranks them as the GPU did.
     order = sorted(programs, key=lambda n: programs[n].estimate().total_ms)
     assert order[-1] == "int8" and order[0] == "fp8_delayed"
+
+
+def test_the_second_run_is_estimated_within_ten_percent_too():
+    programs = _programs("h200_mlp_hlo_2.tar.xz")
+    measured = _measured("h200_mlp_profile_2.json")
+    for name, program in programs.items():
+        want = measured[name]["device_ms"]
+        got = program.estimate().total_ms
+        assert abs(got - want) <= 0.1 * want, (name, got, want)
+    # What made int8 slow there: XLA's transpose folding handed cuBLASLt's
+    # int8 GEMM w2's codes not contiguous along K (8.6 of its 14.6 ms).
+    int8 = programs["int8"]
+    (slow,) = [g for g in int8.gemms if not all(g.contraction_minor)]
+    assert slow.kind == "cublaslt" and slow.contraction_minor == (True, False)
+    us = dict(int8.estimate().kernels)
+    (name,) = [k.name for k in int8.kernels if k.gemm is slow]
+    assert abs(us[name] - measured["int8"]["kernels_us"][name]) < 0.1 * us[name]
 
 
 def test_kernels_are_the_profiled_ones(programs, measured):
