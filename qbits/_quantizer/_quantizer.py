@@ -496,7 +496,28 @@ def _encode(
             v, lax.broadcast_in_dim(per_block.reshape(blocks), v.shape, dims)
         )
 
-    y = times(xb, inverse) if pre is None else times(times(xb, pre), inverse)
+    numerics = self.numerics
+    if pre is None and _clamps_apart(numerics, p.request.store):
+        # The numerics' clip, done here: on a GPU in a chain of its own.
+        lo, hi = (np.asarray(b, xb.dtype) for b in numerics.gradient_range())
+        dims = tuple(range(xb.ndim))
+
+        def here(xb: jax.Array, inverse: jax.Array) -> jax.Array:
+            return lax.clamp(lo, times(xb, inverse), hi)
+
+        def apart(xb: jax.Array, inverse: jax.Array) -> jax.Array:
+            bounds = jnp.stack([jnp.full(blocks, lo), jnp.full(blocks, hi)])
+            x, inverse, bounds = lax.optimization_barrier((p.x, inverse, bounds))
+            y = times(x.astype(xb.dtype).reshape(xb.shape), inverse)
+            low, high = (lax.broadcast_in_dim(b, y.shape, dims) for b in bounds)
+            return lax.clamp(low, y, high)
+
+        y = lax.platform_dependent(xb, inverse, cuda=apart, default=here)
+        numerics = dataclasses.replace(numerics, clip=False)
+    elif pre is None:
+        y = times(xb, inverse)
+    else:
+        y = times(times(xb, pre), inverse)
     if _no_zero(self.numerics):
         # A value far below its block's scale underflows to a zero here
         # (flushed, maybe -0.0 for a negative value), and a grid without a
@@ -505,7 +526,7 @@ def _encode(
     if p.request.store:  # the storage cast follows (see Context.cast_next)
         key = None if context is None else context.key
         context = Context(key, cast_next=True)
-    q, grad = encode(self.numerics, y, context, layout, vjp)
+    q, grad = encode(numerics, y, context, layout, vjp)
     if p.bound is not None and not (
         _keeps_zero(self.numerics)
         and isinstance(self.calibration, _ZERO_BOUND_MEANS_ZEROS)
@@ -528,6 +549,35 @@ def _encode(
         codebook = self.numerics.levels
     qt = QTensor(q, scale, qdtype=p.qdtype, dtype=x.dtype, codebook=codebook)
     return qt, grad
+
+
+def _clamps_apart(numerics: Any, store: bool) -> bool:
+    """Whether this quantization clips in :func:`_encode` (see ``gpu`` there).
+
+    cuBLASLt's int8 GEMM runs at full rate only with both operands
+    contiguous along the contracting axes ("TN"); given another layout it
+    falls back to a kernel 12x slower (measured on an H200). When two int8
+    quantizations of one tensor need different layouts (a weight's forward
+    codes contract its rows, its input-gradient codes its columns), they
+    share nodes in XLA's graph (the tensor's conversion, the broadcast
+    clipping bounds): layout assignment gives both chains one layout,
+    copies the codes for the other GEMM, and XLA's transpose folding folds
+    that copy into the GEMM as a non-TN operand. Passing the tensor, its
+    inverse scale and the bounds through one optimization barrier per
+    quantization gives each its own chain, laid out for its own GEMM. The
+    values are those of the numerics' own clip (it is then switched off):
+    so only where clipping commutes with everything the numerics does
+    before it (no noise) and the gradient does not look at the clip.
+    Elsewhere than on a GPU, the clip is the numerics' own (constant bounds).
+    """
+    return (
+        store
+        and isinstance(numerics, IntNumerics)
+        and numerics.clip
+        and numerics.noise_fn is None
+        and not numerics.clip_gradient
+        and numerics.get_dtype() is not None
+    )
 
 
 # Calibrations whose bound is 0 only for a block of zeros (or of values so

@@ -72,11 +72,26 @@ def test_gpu_program_has_gemm_layout_dots_and_no_cpu_forms(preset):
             # converted by another kernel).
             assert _element(out) == "bf16"
     # No CPU workaround: no variadic reduction, and barriers only hold fp8
-    # values (they keep XLA from dropping the fp8 rounding as excess precision).
+    # values (they keep XLA from dropping the fp8 rounding as excess
+    # precision) or, for int8, one quantization's tensor, inverse scale and
+    # clip bounds (each chain apart, laid out for its own GEMM: see
+    # qbits._quantizer._quantizer._clamps_apart).
     assert not re.search(r"stablehlo\.reduce\(%\S+ init: %\S+\), \(", text)
-    for line in text.splitlines():
-        if "stablehlo.optimization_barrier" in line:
-            assert preset == "fp8" and re.search(r": tensor<[^>]*xf8E", line), line
+    apart = re.compile(
+        r": tensor<[\dx]+xbf16>, tensor<([\dx]+)xf32>, tensor<2x\1xf32>$"
+    )
+    barriers = [
+        ln for ln in text.splitlines() if "stablehlo.optimization_barrier" in ln
+    ]
+    for line in barriers:
+        if preset == "fp8":
+            assert re.search(r": tensor<[^>]*xf8E", line), line
+        else:
+            assert apart.search(line), line
+    # int8: the four forward operands and the four the backward matmuls keep;
+    # the output gradients round stochastically (their noise keeps the
+    # chains apart already).
+    assert len(barriers) == (8 if preset == "int8" else len(barriers))
 
 
 def test_fp8_program_has_e4m3_forward_and_e5m2_gradients():
