@@ -225,9 +225,14 @@ class Program:
                     notes.append(f"{o.side}: amax of a float32 copy ({_of(k)})")
             for k in m.output:
                 notes.append(f"out: a separate convert to {k.output} ({_of(k)})")
-            strided = not all(g.contraction_minor)
-            if g.kind == "triton" and g.low_precision and strided:
-                notes.append("an 8-bit operand not contiguous along K: slow Triton")
+            if g.low_precision and not all(g.contraction_minor):
+                minor = zip(("lhs", "rhs"), g.contraction_minor, strict=True)
+                side = " and ".join(name for name, ok in minor if not ok)
+                path = "Triton" if g.kind == "triton" else "cuBLASLt"
+                notes.append(
+                    f"{side}: 8-bit, not contiguous along K (not TN): "
+                    f"{path}'s slow path"
+                )
             where = _short(m.kernel.where)
             lines.append(
                 f"  {m.kernel.name:18s} {g!s:44s} {where}"

@@ -74,6 +74,7 @@ def test_the_second_run_is_estimated_within_ten_percent_too():
     us = dict(int8.estimate().kernels)
     (name,) = [k.name for k in int8.kernels if k.gemm is slow]
     assert abs(us[name] - measured["int8"]["kernels_us"][name]) < 0.1 * us[name]
+    assert "rhs: 8-bit, not contiguous along K (not TN): cuBLASLt" in str(int8)
 
 
 def test_kernels_are_the_profiled_ones(programs, measured):
