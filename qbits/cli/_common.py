@@ -62,6 +62,22 @@ def _out_dir(path: str) -> pathlib.Path:
     return out
 
 
+def progress_bar(total: int, desc: str, unit: str, *, disable: bool = False):
+    """A tqdm bar on stderr that goes away when done."""
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        leave=False,
+        # A terminal that reports no size (0 columns) still gets a bar.
+        ncols=shutil.get_terminal_size().columns or 100,
+        file=sys.stderr,
+        disable=disable,
+    )
+
+
 class _Progress:
     """The progress bars (tqdm) of a command's runs.
 
@@ -75,17 +91,7 @@ class _Progress:
         self.bars: list = []
 
     def __call__(self, run_id: str, index: int, total: int):
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            total=self.steps,
-            desc=f"[{index + 1}/{total}] {run_id}",
-            unit="step",
-            leave=False,
-            # A terminal that reports no size (0 columns) still gets a bar.
-            ncols=shutil.get_terminal_size().columns or 100,
-            file=sys.stderr,
-        )
+        bar = progress_bar(self.steps, f"[{index + 1}/{total}] {run_id}", "step")
         self.bars.append(bar)
 
         def update(step: int, loss: float) -> None:

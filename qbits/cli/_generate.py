@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 
-from qbits.cli._common import (
-    UsageError,
-    _progress,
-)
+from qbits.cli._common import UsageError, _progress, progress_bar
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -83,15 +79,10 @@ def _generate(args: argparse.Namespace) -> int:
             )
         model = kept[0]
     tokens = jnp.asarray([data.chars.index(c) for c in prompt], jnp.int32)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
-        total=args.tokens,
-        desc=f"generate ({args.cache})",
-        unit="token",
-        leave=False,
-        ncols=shutil.get_terminal_size().columns or 100,
-        file=sys.stderr,
+    bar = progress_bar(
+        args.tokens,
+        f"generate ({args.cache})",
+        "token",
         disable=args.quiet or not sys.stderr.isatty(),
     )
     times = [time.perf_counter()]
