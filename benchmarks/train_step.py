@@ -213,18 +213,26 @@ def lm_variants(
         f"example LM: d_model {width}, {depth} blocks, {heads} heads, "
         f"{batch} x {context} tokens, bf16 params and activations, SGD, jit"
     )
-    return model, {
-        preset or "bf16": gpu_step(
-            "lm",
-            preset,
-            batch=batch,
-            context=context,
-            width=width,
-            depth=depth,
-            heads=heads,
-        )
-        for preset in _presets(only)
+    sizes = dict(batch=batch, context=context, width=width, depth=depth, heads=heads)
+    variants = {
+        preset or "bf16": gpu_step("lm", preset, **sizes) for preset in _presets(only)
     }
+    for name, config in LM_ONLY.items():
+        if only is not None and name in only:
+            variants[name] = gpu_step("lm", config, **sizes)
+    return model, variants
+
+
+#: LM variants asked for by name (``--variants``): fp8_delayed with
+#: attention's two einsums (scores and probabilities, activation x
+#: activation) left in bf16. At 2048 tokens their quantization moves more
+#: bytes than their GEMMs save (the H200 run of 2026-11-27: fp8's casts and
+#: amaxes of ``[4, 16, 2048, 2048]`` tensors took ~13 ms of the step).
+LM_ONLY = {
+    "fp8_delayed_proj": qbits.QuantConfig(
+        rules=(qbits.Rule(r".*attn/(qk|pv)", None),), default="fp8_delayed"
+    ),
+}
 
 
 # ----------------------------------------------------------------- profile --
