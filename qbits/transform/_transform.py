@@ -337,7 +337,9 @@ def init_state(
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     plan = Plan(program, quant, caller)
     collect: dict[str, Any] = {}
-    run_program(program, plan, Frame(jax.random.key(0), {}, collect), args, kwargs)
+    if plan.state_keys:  # else the run would collect nothing
+        frame = Frame(jax.random.key(0), {}, collect)
+        run_program(program, plan, frame, args, kwargs)
     return collect
 
 

@@ -1,10 +1,12 @@
 """The qbits command: help, errors as one line, inspect, the default train."""
 
 import contextlib
+import io
 import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +17,9 @@ import pytest
 
 import qbits
 from qbits.cli import main
+
+# The default training run is shared by the tests that need one (one worker).
+pytestmark = pytest.mark.xdist_group("cli")
 
 RULES = """\
 rules:
@@ -157,12 +162,23 @@ def test_presets_lists_every_preset(capsys):
         assert f"\n{name} " in "\n" + out
 
 
-def test_default_train_end_to_end(tmp_path, capsys):
-    """`qbits train` with its defaults (lm, int8), shrunk to a smoke test."""
-    out = tmp_path / "train"
-    rc = main(["train", "--size", "tiny", "--steps", "2", "--out", str(out), "-q"])
+@pytest.fixture(scope="module")
+def default_train(tmp_path_factory):
+    """`qbits train` with its defaults (lm, int8), shrunk to a smoke test:
+    its folder and what it printed."""
+    out = tmp_path_factory.mktemp("default") / "train"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = main(["train", "--size", "tiny", "--steps", "2", "--out", str(out), "-q"])
     assert rc == 0
-    stdout = capsys.readouterr().out
+    return out, stdout.getvalue()
+
+
+def test_default_train_end_to_end(default_train, tmp_path, capsys):
+    """`qbits train` with its defaults (lm, int8), then `qbits ptq` on it."""
+    trained, stdout = default_train
+    out = tmp_path / "train"
+    shutil.copytree(trained, out)  # ptq writes beside the run
     assert "float32" in stdout and "int8" in stdout
     for name in ("results.md", "results.csv", "results.json", "loss_curves.png"):
         assert (out / name).stat().st_size > 0, name
@@ -238,16 +254,21 @@ def test_ptq_out_is_never_the_folder_of_a_training_run(tmp_path, capsys):
         qbits.experiments.post_train(tmp_path / "run", "nf4", sweep)
 
 
-def test_fp8_delayed_trains_the_default_model_with_every_matmul(tmp_path, capsys):
+def test_fp8_delayed_trains_the_default_model_with_every_matmul(
+    default_train, tmp_path, capsys
+):
     """Every listed preset runs on the default model (delayed scaling included)."""
     assert main(["inspect", "fp8_delayed"]) == 0
     table = capsys.readouterr().out
     for part in ("attn/qk", "attn/pv", "attn/query", "mlp/fc1", "head"):
         assert f"{part} |" in table
     assert "| float |" not in table
+    # The float32 run (same model, seed and steps) is the default run's: kept.
     out = tmp_path / "train"
+    shutil.copytree(default_train[0] / "runs", out / "runs")
     argv = ["train", "fp8_delayed", "--size", "tiny", "--steps", "2", "--out"]
-    assert main([*argv, str(out), "-q"]) == 0
+    assert main([*argv, str(out)]) == 0
+    assert "float32__seed0: done before, skipped" in capsys.readouterr().out
     summary = json.loads((out / "results.json").read_text())
     assert [r["config"] for r in summary["rows"]] == ["float32", "fp8_delayed"]
     assert all(math.isfinite(x) for x in summary["runs"][1]["result"]["curve"])

@@ -17,6 +17,9 @@ from qbits.experiments import SweepError, load_sweep, run_sweep
 from qbits.experiments import _sweep as sweep_lib
 from qbits.experiments._train import RunResult
 
+# The module fixtures run once: these tests share one worker.
+pytestmark = pytest.mark.xdist_group("sweep")
+
 SWEEP = """\
 name: tiny
 model: mlp

@@ -13,6 +13,9 @@ import qbits
 from qbits import kvcache
 from qbits.experiments import Classifier, TransformerLM, spec
 
+# The module fixtures run once: these tests share one worker.
+pytestmark = pytest.mark.xdist_group("kvcache")
+
 VOCAB = 12
 B, C, H, D = 2, 8, 2, 4  # batch, capacity, heads, head_dim of the cache tests
 

@@ -12,6 +12,9 @@ import yaml
 import qbits
 from qbits import lora
 
+# The module fixtures run once: these tests share one worker.
+pytestmark = pytest.mark.xdist_group("lora")
+
 RNG = np.random.default_rng(0)  # numpy data: jax.random compiles per shape
 
 

@@ -158,6 +158,13 @@ def test_int8_real_equals_fake_within_float32_rounding(lhs_shape, rhs_shape, dn)
     assert not np.allclose(real[0], exact[0], rtol=1e-5, atol=1e-5)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def quant(quantizer, x, contracting):
+    """``quantizer.quant``, compiled (eagerly, each of its ops compiles alone)."""
+    return quantizer.quant(x, contracting_axes=contracting)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
 def fq(quantizer, x, contracting):
     return quantizer.quant(x, contracting_axes=contracting).dequant()
 
@@ -220,8 +227,8 @@ def test_use_fwd_quant_reuses_the_forward_operands():
         _, dx, dw = vjp(
             functools.partial(qbits.dot_general(cfg), dimension_numbers=dn), x, w, g
         )
-        wq = INT8.quant(w, contracting_axes=(0,))  # the forward's w: scale per column
-        xq = INT8.quant(x, contracting_axes=(1,))  # the forward's x: scale per row
+        wq = quant(INT8, w, (0,))  # the forward's w: scale per column
+        xq = quant(INT8, x, (1,))  # the forward's x: scale per row
         # dx = g . w^T with w's scale folded into g, then g quantized.
         g_l = fq(INT8, g * wq.scale, (1,))
         np.testing.assert_allclose(dx, g_l @ wq.qvalue.T, rtol=2e-5, atol=1e-5)
@@ -309,8 +316,8 @@ def test_weight_only_results_that_float32_holds_stay_finite(config):
         return out, vjp(jnp.ones_like(out) * 4e36)[0]
 
     out, gx = run(x)
-    fwd_w = config.fwd.rhs.quant(w, contracting_axes=(0,)).dequant()
-    bwd_w = config.dlhs.rhs.quant(w, contracting_axes=(1,)).dequant()
+    fwd_w = fq(config.fwd.rhs, w, (0,))
+    bwd_w = fq(config.dlhs.rhs, w, (1,))
     want = np.asarray(x, np.float64) @ np.asarray(fwd_w, np.float64)
     want_gx = np.full((3, 5), 4e36) @ np.asarray(bwd_w, np.float64).T
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(gx))
@@ -339,9 +346,11 @@ def test_preferred_element_type_and_precision_are_honoured():
     for config in (int8_all("real"), int8_all("fake")):
         dg = qbits.dot_general(config)
         assert dg(lhs, rhs, dn).dtype == jnp.bfloat16
-        assert dg(lhs, rhs, dn, preferred_element_type=jnp.float32).dtype == jnp.float32
-        dx = jax.grad(lambda a, dg=dg: dg(a, rhs, dn, None, jnp.float32).sum())(lhs)
-        assert dx.dtype == jnp.bfloat16
+        # The rest traced only (the dtypes are the traced ones).
+        pet = jax.eval_shape(lambda a, dg=dg: dg(a, rhs, dn, None, jnp.float32), lhs)
+        assert pet.dtype == jnp.float32
+        grad = jax.grad(lambda a, dg=dg: dg(a, rhs, dn, None, jnp.float32).sum())
+        assert jax.eval_shape(grad, lhs).dtype == jnp.bfloat16
     fake = qbits.dot_general(int8_all("fake"))
     jaxpr = str(
         jax.make_jaxpr(lambda a, b: fake(a, b, dn, lax.Precision.HIGHEST))(lhs, rhs)
@@ -585,13 +594,10 @@ def _straight_through_hessians(preset):
     def loss(x, w):
         return 0.5 * jnp.sum(dg(x, w, MM) ** 2)
 
-    def deq(quantizer, v, axes):
-        return quantizer.quant(v, contracting_axes=axes).dequant()
-
     # y = Q(x) Qf(w); dy = dx Qf(w) + Q(x) dw; the gradients are
     # g Qb(w)^T and Qb(x)^T g with g = y: straight-through in g.
-    wf, xf = deq(config.fwd.rhs, w, (0,)), deq(config.fwd.lhs, x, (1,))
-    wb, xb = deq(config.dlhs.rhs, w, (1,)), deq(config.drhs.rhs, x, (0,))
+    wf, xf = fq(config.fwd.rhs, w, (0,)), fq(config.fwd.lhs, x, (1,))
+    wb, xb = fq(config.dlhs.rhs, w, (1,)), fq(config.drhs.rhs, x, (0,))
     # [2, 3, 2, 3] and [3, 4, 3, 4]: the rows of x are independent, and the
     # columns of w.
     hx, hw = jax.jit(
@@ -713,7 +719,7 @@ def test_tiny_and_huge_operands_keep_their_results(preset, magnitude):
     x = jnp.abs(jax.random.normal(k[0], (4, 64))) * magnitude
     w = jnp.abs(jax.random.normal(k[1], (64, 32))) * (1e-3 if magnitude > 1 else 1.0)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    got = np.asarray(dg(x, w, MM), np.float64)
+    got = np.asarray(jax.jit(dg, static_argnums=2)(x, w, MM), np.float64)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=0.15)
 
@@ -772,9 +778,10 @@ def test_mixed_precision_keeps_the_dtypes_lax_gives(dtype, pet, preset):
         return dg(x, w, MM, preferred_element_type=pet, state=state)
 
     want = lax.dot_general(x, w, MM, preferred_element_type=pet)
-    out = f(x, w)
+    out = jax.jit(f)(x, w)
     assert out.dtype == want.dtype
-    gx, gw = jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(), (0, 1))(x, w)
+    grad = jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(), (0, 1))
+    gx, gw = jax.jit(grad)(x, w)
     assert gx.dtype == x.dtype and gw.dtype == w.dtype
     if preset == "none":  # the identity config is lax itself, in every dtype
         np.testing.assert_array_equal(out, want)

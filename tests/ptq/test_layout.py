@@ -17,6 +17,9 @@ import qbits
 import qbits.serving as serving
 from qbits import ptq
 
+# The module fixtures run once: these tests share one worker.
+pytestmark = pytest.mark.xdist_group("ptq_layout")
+
 D, HEADS, DH, V = 32, 2, 16, 32  # two (K, N) shapes: two GPTQ compiles
 INT4 = qbits.Quantizer(qbits.IntNumerics(bits=4), granularity=qbits.PerChannel())
 W4 = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=INT4))

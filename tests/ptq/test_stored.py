@@ -15,6 +15,9 @@ import qbits
 import qbits.serving as serving
 from qbits import ptq
 
+# The module fixtures run once: these tests share one worker.
+pytestmark = pytest.mark.xdist_group("ptq_stored")
+
 # One format per weight, in a scan over two stacked layers: symmetric int4
 # in groups of 128, uint4 with zero points (an einsum's transposed weight),
 # NF4, NVFP4. Bytes of one [K, N] layer, as convert stores them.

@@ -300,22 +300,25 @@ def test_flax_linen_and_nnx_models_run_on_scaled_params():
 
     x = jnp.asarray(RNG.normal(size=(3, 8)), jnp.float32)
     model = Mlp()
-    variables = model.init(jax.random.key(0), x)
+    # Compiled whole (eagerly, each op compiles on its own).
+    variables = jax.jit(model.init)(jax.random.key(0), x)
 
     def grads(v, x):
         return jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(v)
 
     got = jax.jit(scalify(grads))(as_scaled_array(variables), as_scaled_array(x, 4.0))
-    _close(got, grads(variables, x))
+    _close(got, jax.jit(grads)(variables, x))
 
     attention = nnx.MultiHeadAttention(2, 8, rngs=nnx.Rngs(0), decode=False)
     graphdef, state = nnx.split(attention)
     xa = jnp.asarray(RNG.normal(size=(2, 5, 8)), jnp.float32)
-    out = jax.jit(scalify(lambda s, v: nnx.merge(graphdef, s)(v)))(
-        as_scaled_array(state), as_scaled_array(xa, 0.5)
-    )
+
+    def apply(s, v):
+        return nnx.merge(graphdef, s)(v)
+
+    out = jax.jit(scalify(apply))(as_scaled_array(state), as_scaled_array(xa, 0.5))
     assert is_scaled(out)
-    _close(out, attention(xa))
+    _close(out, jax.jit(apply)(state, xa))
 
 
 def test_fp8_storage_feeds_fp8_dots():

@@ -23,6 +23,9 @@ import pytest
 import qbits
 import qbits.serving as serving
 
+# The module fixtures run once: these tests share one worker.
+pytestmark = pytest.mark.xdist_group("checkpoint")
+
 # head stays float: a checkpoint mixes stored and float arrays.
 CONFIG = qbits.QuantConfig(rules=(qbits.Rule("head", None),), default="int8_fwd")
 

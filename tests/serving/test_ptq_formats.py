@@ -14,6 +14,9 @@ import pytest
 import qbits
 import qbits.serving as serving
 
+# The module fixtures run once: these tests share one worker.
+pytestmark = pytest.mark.xdist_group("serving_ptq")
+
 
 def asym4(k, n):  # packed codes, a float32 scale and an int16 zero per 128
     return k * n // 2 + k * n // 128 * 6

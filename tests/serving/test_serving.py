@@ -14,6 +14,9 @@ import pytest
 import qbits
 import qbits.serving as serving
 
+# The module fixtures run once: these tests share one worker.
+pytestmark = pytest.mark.xdist_group("serving")
+
 INT8_WEIGHT_ONLY = qbits.DotGeneralConfig(
     fwd=qbits.MatmulConfig(
         rhs=qbits.Quantizer(qbits.IntNumerics(bits=8), granularity=qbits.PerChannel())
