@@ -475,6 +475,7 @@ def test_rerun_after_ctrl_c_keeps_the_finished_float32_run(
     tmp_path, capsys, monkeypatch
 ):
     """Ctrl-C says "finished runs are kept, rerun to continue": a rerun does so."""
+    from qbits.experiments import _report as report_lib
     from qbits.experiments import _sweep as sweep_lib
     from qbits.experiments import build_model
     from qbits.experiments._train import RunResult
@@ -491,7 +492,14 @@ def test_rerun_after_ctrl_c_keeps_the_finished_float32_run(
             on_trained(build_model(spec, seed)[0])
         return RunResult(1.0, 1.0, 0.5, [1.0] * steps, [(steps, 1.0)], 0.0)
 
+    def draw_only(fig, path):  # which runs run is the test, not the figures
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        report_lib.replace_file(path, b"\x89PNG stub")
+
     monkeypatch.setattr(sweep_lib, "train", fake_train)
+    monkeypatch.setattr(report_lib, "_save", draw_only)
     argv = ["train", "int8_fwd", "--model", "mlp", "--size", "tiny", "--steps", "2"]
     argv += ["-q", "--out", str(tmp_path / "o")]
     interrupt = True

@@ -63,8 +63,7 @@ def sweep_bits_history():
 DIVERGED = {"fwd2_bwd8_per_tensor", "fwd2_bwdfloat_per_tensor"}
 
 
-@pytest.fixture
-def no_png(monkeypatch):
+def _draw_only(monkeypatch):
     """Figures are drawn, not rendered: which files are written is the test."""
 
     def save(fig, path):
@@ -72,6 +71,11 @@ def no_png(monkeypatch):
         report_lib.replace_file(path, b"\x89PNG stub")
 
     monkeypatch.setattr(report_lib, "_save", save)
+
+
+@pytest.fixture
+def no_png(monkeypatch):
+    _draw_only(monkeypatch)
 
 
 def labelled(ax):
@@ -309,7 +313,9 @@ def test_diagnostics_tables_and_plots(tmp_path, monkeypatch, capsys):
     lines = (out / "diagnostics.csv").read_text().splitlines()
     assert lines[0].startswith("config,seed,step,matmul,operand,sqnr_db")
     assert len(lines) == 1 + 2 * 2 * 2 * 3  # seeds x steps x matmuls x operands
-    # A finished run measured otherwise is run again; one measured alike is not.
+    # A finished run measured otherwise is run again; one measured alike is not
+    # (the figures drawn, not rendered again).
+    _draw_only(monkeypatch)
     assert main([*argv, "--diagnostics", "2"]) == 0
     assert main([*argv, "--diagnostics", "4"]) == 0
     run = json.loads((out / "runs" / "int8__seed0.json").read_text())

@@ -14,6 +14,7 @@ import pytest
 import qbits
 from qbits.cli import main
 from qbits.experiments import SweepError, load_sweep, run_sweep
+from qbits.experiments import _report as report_lib
 from qbits.experiments import _sweep as sweep_lib
 from qbits.experiments._train import RunResult
 
@@ -72,6 +73,8 @@ def test_sweep_writes_table_and_plots(finished):
 
 
 def _forbid_training(monkeypatch):
+    """Training records its calls and returns at once; the report's figures
+    are drawn, not rendered (which runs run is what these tests test)."""
     calls = []
 
     def fake_train(
@@ -80,7 +83,14 @@ def _forbid_training(monkeypatch):
         calls.append(config)
         return RunResult(1.0, 1.0, 0.5, [1.0] * steps, [(steps, 1.0)], 0.0)
 
+    def save(fig, path):
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        report_lib.replace_file(path, b"\x89PNG stub")
+
     monkeypatch.setattr(sweep_lib, "train", fake_train)
+    monkeypatch.setattr(report_lib, "_save", save)
     return calls
 
 

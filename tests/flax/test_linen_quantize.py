@@ -99,7 +99,7 @@ def test_init_gives_the_float_models_variables_and_gradients_reach_them():
 @pytest.mark.parametrize("quantized_first", [False, True])
 def test_jit_caches_stay_separate(quantized_first):
     model, qmodel, params = _setup()
-    want = {m: m.apply(params, TOKENS) for m in (model, qmodel)}
+    want = {m: jax.jit(m.apply)(params, TOKENS) for m in (model, qmodel)}  # apart
 
     @functools.partial(jax.jit, static_argnums=0)
     def shared(module, p, x):

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from scipy.stats import norm
 
 import qbits
 from qbits import InvalidArgumentError
@@ -55,6 +54,8 @@ def data(seed, shift=0.0):
 
 
 def test_nf4_levels_are_the_published_table_and_its_normal_quantiles():
+    from scipy.stats import norm  # a second to import: here, not at collection
+
     assert tuple(PUBLISHED_NF4) == NF4_LEVELS
     # bitsandbytes' construction: 8 positive and 7 negative normal quantiles
     # between 1 - offset and offset, and 0, normalised to [-1, 1].

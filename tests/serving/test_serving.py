@@ -304,10 +304,13 @@ def test_linen_serving_model_given_float_params(linen_setup):
 
 def test_nnx_serving_copy_given_other_weights(nnx_setup):
     model, x = nnx_setup
+    run = nnx.jit(lambda m, x: m(x))
     served = serving.convert(model, "int8_fwd", x)
     # The float model's params in its placeholders: the stored weights serve.
     nnx.update(served, nnx.state(model, nnx.Param))
-    np.testing.assert_array_equal(served(x), serving.convert(model, "int8_fwd", x)(x))
+    np.testing.assert_array_equal(
+        run(served, x), run(serving.convert(model, "int8_fwd", x), x)
+    )
     served = serving.convert(model, "int8_fwd", x)
     served.qbits.stored["layers/2"]["qvalue"].set_value(jnp.zeros((256, 2, 8)))
     with pytest.raises(qbits.InvalidArgumentError, match=r"stored\['layers/2'\]"):
@@ -346,13 +349,14 @@ def test_nnx_trained_quantized_copy_with_a_conv_serves_reports_and_saves(tmp_pat
     assert report == serving.size_report(reference)
     assert [r.path for r in report.layers] == ["fc"]
     assert report.other_bytes == (3 * 3 * 3 * 8 + 8 + 4) * 4  # conv, biases
-    np.testing.assert_array_equal(served(x), reference(x))
+    run = nnx.jit(lambda m, x: m(x))
+    np.testing.assert_array_equal(run(served, x), run(reference, x))
     # Saved without the key stream: it restores into a target converted from
     # a float model.
     serving.save(tmp_path / "ckpt", served)
     target = nnx.eval_shape(lambda: serving.convert(ConvNet(nnx.Rngs(6)), "int8", x))
     restored = serving.restore(tmp_path / "ckpt", target)
-    np.testing.assert_array_equal(restored(x), served(x))
+    np.testing.assert_array_equal(run(restored, x), run(served, x))
 
 
 def test_linen_convert_without_sample_inputs_says_they_are_needed():
@@ -457,7 +461,7 @@ def test_custom_layers_einsum_weights_and_scanned_layers_are_stored(scan, preset
 
     model = LM(scan=scan, depth=2)
     tokens = lm_batch()
-    variables = model.init(jax.random.key(0), tokens)
+    variables = jax.jit(model.init)(jax.random.key(0), tokens)
     sp = serving.convert(model, preset, variables, tokens)
     table = qbits.layer_table(model.apply, preset, variables, tokens)
     weights = [row.path for row in table.rows if "weight" in row.kind]
@@ -469,14 +473,15 @@ def test_custom_layers_einsum_weights_and_scanned_layers_are_stored(scan, preset
     assert len(dropped) == len(sp.layers) - 1
     if scan:  # one stored weight per scanned layer, stacked
         assert all(info.shape[0] == 2 for info in dropped)
-    served = jax.jit(serving.serve(model, preset).apply)(sp, tokens)
+    compiled = jax.jit(serving.serve(model, preset).apply).lower(sp, tokens).compile()
+    served = compiled(sp, tokens)
     qat = jax.jit(qbits.quantize(model.apply, preset))(variables, tokens)
     np.testing.assert_array_equal(served, qat)
     bits = 8 if preset == "int8_fwd" else 4
     for row in serving.size_report(sp).layers:  # stored values, not floats
         assert row.value_bytes == int(np.prod(row.shape)) * bits // 8, row.path
     if preset == "int8_fwd":
-        dots = qbits.ops.dot_dtypes(serving.serve(model, preset).apply, sp, tokens)
+        dots = qbits.ops.dot_dtypes(compiled.as_text())  # the program that served
         assert set(dots) == {("s8", "s8", "s32")}
 
 

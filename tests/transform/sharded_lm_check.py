@@ -167,7 +167,7 @@ def linen_case(mesh, tokens, variant, reference=None):
         apply, init = wrapped.apply, wrapped.init
         rngs = {"rngs": {"quant": key}} if variant == "int8" else {}
     init_rngs = {"params": jax.random.key(0), "quant": key}
-    variables = nn.unbox(init(init_rngs, tokens))
+    variables = nn.unbox(jax.jit(init)(init_rngs, tokens))  # op by op, slower
     shardings = {
         name: param_shardings
         if name == "params"
@@ -268,7 +268,7 @@ def serving_case(mesh, tokens):
     logical = nn.get_partition_spec(abstract)
     shardings = nn.logical_to_mesh_sharding(logical, mesh, RULES)
     variables = jax.device_put(
-        nn.unbox(model.init(jax.random.key(0), tokens)), shardings
+        nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens)), shardings
     )
     served = qbits.serving.convert(model, "int8_fwd", variables, tokens)
     stored = served.weights["blocks_0/fc1"]
@@ -350,12 +350,16 @@ def explicit_case():
     n, h = HEADS, WIDTH // HEADS
     shapes = {"wq": (WIDTH, n, h), "wk": (WIDTH, n, h), "wv": (WIDTH, n, h),
               "wo": (n, h, WIDTH), "w1": (WIDTH, MLP), "w2": (MLP, WIDTH)}  # fmt: skip
-    keys = jax.random.split(jax.random.key(4), len(shapes) + 1)
-    params = {
-        name: jax.random.normal(k, shape) / np.sqrt(shape[0])
-        for k, (name, shape) in zip(keys, shapes.items(), strict=False)
-    }
-    x = jax.random.normal(keys[-1], (8, 16, WIDTH))
+    @jax.jit  # one program, not one per shape
+    def make():
+        keys = jax.random.split(jax.random.key(4), len(shapes) + 1)
+        params = {
+            name: jax.random.normal(k, shape) / np.sqrt(shape[0])
+            for k, (name, shape) in zip(keys, shapes.items(), strict=False)
+        }
+        return params, jax.random.normal(keys[-1], (8, 16, WIDTH))
+
+    params, x = make()
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     preset = "int8"
 
