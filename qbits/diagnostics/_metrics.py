@@ -260,8 +260,8 @@ def init(
       >>> list(probes)
       ['w']
     """
-    return transform.init_probes(
-        fn, config, *args, params_argnum=params_argnum, caller=_INIT, **kwargs
+    return transform._init_probes(
+        _INIT, fn, config, *args, params_argnum=params_argnum, **kwargs
     )
 
 
@@ -330,9 +330,9 @@ def diagnose(
             a = list(args)
             if n is not None:
                 a[n] = params
-            q = transform.quantize(
-                fn, config, key, state=state, diagnostics=probes,
-                params_argnum=n, caller=_DIAGNOSE,
+            q = transform._quantize(
+                _DIAGNOSE, fn, config, key, state=state, diagnostics=probes,
+                params_argnum=n,
             )  # fmt: skip
             return q(*a, **kwargs)
 

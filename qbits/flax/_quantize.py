@@ -128,11 +128,11 @@ class Quantized:
         streams = rest if isinstance(rest, Mapping) else {"params": rest}
         fn = self._fn(method, False)
         call = (fn, self.config, variables, streams, *args)
-        state = transform.init_state(*call, caller=_CALLER, **kwargs)
+        state = transform._init_state(_CALLER, *call, **kwargs)
         # The configs the matmuls run (a matmul of two activations adapts
         # its rule's config): which state entries are trained.
         again = dataclasses.replace(_CALLER, whole=False)  # warns once
-        configs = transform.layer_table(*call, caller=again, **kwargs).configs()
+        configs = transform._layer_table(again, *call, **kwargs).configs()
         for path, entries in state.items():
             kinds = configs[path].state_kinds()
             for name, value in entries.items():
@@ -175,14 +175,21 @@ class Quantized:
         key, rest = _split_rngs(rngs)
         variables, state = _variables(variables)
         whole = method is None or method == "__call__"
-        run = transform.quantize(
+        run = transform._quantize(
+            _CALLER if whole else dataclasses.replace(_CALLER, whole=False),
             self._fn(method, mutable),
             self.config,
             key,
             state=state,
-            caller=_CALLER if whole else dataclasses.replace(_CALLER, whole=False),
+            # what the function is made of: its program is traced once
+            identity=(self, method, _hashable(mutable)),
         )
         return run(variables, rest, *args, **kwargs)
+
+
+def _hashable(mutable: Any) -> Any:
+    """``mutable`` as a hashable value (a list of collections as a tuple)."""
+    return tuple(mutable) if isinstance(mutable, list) else mutable
 
 
 def _is_array(x: Any) -> bool:
@@ -319,13 +326,13 @@ def layer_table(
             "model.apply, config, variables, x) takes them)",
             why=f"the model fails on them: {type(e).__name__}",
         ) from e
-    return transform.layer_table(
+    return transform._layer_table(
+        caller,
         qmodel._fn(method, False),
         qmodel.config,
         variables,
         None,
         *args,
-        caller=caller,
         **kwargs,
     )
 

@@ -143,14 +143,14 @@ def apply(model: Any, config: Any, *args: Any, key: Any, **kwargs: Any) -> Lora:
             "the model's float parameters (a pytree of arrays)",
         )  # fmt: skip
     caller = transform.Caller(_OWNER)
-    found = transform.weight_matmuls(fn, params, *args, caller=caller, **kwargs)
+    found = transform._weight_matmuls(caller, fn, params, *args, **kwargs)
     chosen = _choose(config, found)
     base_rules, stored_rules = _base_rules(config, found)
     stored = {}
     if stored_rules.rules:
         try:
-            stored = transform.store_weights(
-                fn, stored_rules, params, *args, caller=caller, **kwargs
+            stored = transform._store_weights(
+                caller, fn, stored_rules, params, *args, **kwargs
             )
         except ConfigError as e:  # named as in the base config
             raise _in_base(e, base_rules, stored_rules) from None

@@ -198,9 +198,9 @@ class LoraFunction:
         adapter = transform.Adapter(
             _low_rank(scales, rate), needs_key=rate > 0 and dropout_key is not None
         )
-        run = transform.adapt(
-            self.fn, self.base_rules, adapter, dict(adapters), dropout_key,
-            stored=base.weights, caller=_CALLER,
+        run = transform._adapt(
+            _CALLER, self.fn, self.base_rules, adapter, dict(adapters),
+            dropout_key, stored=base.weights,
         )  # fmt: skip
         return run(base.filled(), *args, **kwargs)
 

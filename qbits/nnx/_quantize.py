@@ -164,6 +164,7 @@ def _function(module: nnx.Module, method: Callable[..., Any]) -> tuple[Any, Any]
         out = method(model, *args, **kwargs)
         return out, nnx.state(model, _model_state)
 
+    fn.graphdef = graphdef  # type: ignore[attr-defined]
     return fn, state
 
 
@@ -233,9 +234,10 @@ def _run(module: Any, method: Callable[..., Any], args: Any, kwargs: Any) -> Any
                 tensor_scale=arrays.get("tensor_scale"),
                 codebook=codebook,
             )
-    run = transform.quantize(
-        fn, node.config, key, state=scale or None, stored=stored, caller=_CALLER
-    )
+    run = transform._quantize(
+        _CALLER, fn, node.config, key, state=scale or None, stored=stored,
+        identity=(module, fn.graphdef, method),  # what fn is made of
+    )  # fmt: skip
     out, new = run(_filled(state, node.fills), *args, **kwargs)
     nnx.update(module, new)
     return out
@@ -378,10 +380,10 @@ def quantize(
             )
         return new
     fn, state = as_function(new)
-    table = transform.layer_table(fn, rules, state, *args, caller=_CALLER, **kwargs)
+    table = transform._layer_table(_CALLER, fn, rules, state, *args, **kwargs)
     table.warn_unused()
     again = dataclasses.replace(_CALLER, whole=False)  # warned by the table
-    initial = transform.init_state(fn, rules, state, *args, caller=again, **kwargs)
+    initial = transform._init_state(again, fn, rules, state, *args, **kwargs)
     node: _Quantization = getattr(new, _ATTR)
     configs = table.configs()  # as the matmuls run them: which state is trained
     for path, entries in initial.items():
@@ -507,7 +509,7 @@ def layer_table(
     cls = getattr(type(model), "_qbits_model_class", type(model))
     call = "qbits.nnx.layer_table(model, config, {inputs})"
     caller.check_inputs(cls.__call__.__get__(model), args, kwargs, call)
-    return transform.layer_table(fn, rules, state, *args, caller=caller, **kwargs)
+    return transform._layer_table(caller, fn, rules, state, *args, **kwargs)
 
 
 def update_state(model: nnx.Module, grads: Any) -> Any:

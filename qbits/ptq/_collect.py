@@ -23,7 +23,7 @@ from qbits import transform
 from qbits._errors import InvalidArgumentError
 from qbits.ptq._layout import indices
 from qbits.ptq._stats import InputStats
-from qbits.transform import Caller, ObservedMatmul, Observer, observe_matmuls
+from qbits.transform import Caller, ObservedMatmul, Observer
 
 __all__ = ["MatmulStats", "collect_stats"]
 
@@ -261,11 +261,11 @@ def collect_stats(
       ((4, 4), 6.0, [2.0, 2.0, 2.0, 2.0])
     """
     first: list[Any] = []
-    found, records = observe_matmuls(
-        fn, params, _alike(batches, first), _OBSERVER, config=config, caller=_COLLECT
+    found, records = transform._observe_matmuls(
+        _COLLECT, fn, params, _alike(batches, first), _OBSERVER, config=config
     )
     index = indices(fn, params, tuple(first), {}, found)
-    readers = transform.weight_matmuls(fn, params, *first, caller=_COLLECT)
+    readers = transform._weight_matmuls(_COLLECT, fn, params, *first)
     return {
         path: MatmulStats(
             path=path,

@@ -125,7 +125,7 @@ def operand_indices(
       {'w': None}
     """
     caller = transform.Caller(_OWNER)
-    found = transform.weight_matmuls(fn, params, *args, caller=caller, **kwargs)
+    found = transform._weight_matmuls(caller, fn, params, *args, **kwargs)
     matmuls = {p: m.matmul for p, m in found.items() if m.matmul is not None}
     if paths is not None:
         matmuls = {p: matmuls[p] for p in dict.fromkeys(paths) if p in matmuls}
@@ -169,8 +169,8 @@ def indices(
     caller = transform.Caller(_OWNER, whole=False)
 
     def store(probe: list[Any]) -> dict[str, jax.Array]:
-        stored = transform.store_weights(
-            fn, config, params_of(probe), *specs[0], caller=caller, **specs[1]
+        stored = transform._store_weights(
+            caller, fn, config, params_of(probe), *specs[0], **specs[1]
         )
         return {path: s.weight.qvalue for path, s in stored.items()}
 

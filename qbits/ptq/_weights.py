@@ -172,7 +172,7 @@ class PtqResult(NamedTuple):
             # What it quantizes besides the written weights may be nothing
             # (a weight-only result): not worth a warning here.
             caller = transform.Caller("qbits.ptq.PtqResult.function", whole=False)
-            return transform.quantize(fn, self.config, key=key, caller=caller)
+            return transform._quantize(caller, fn, self.config, key=key)
         return transform.adapt(
             fn, self.config, ACTIVATION, dict(self.transforms), key=key
         )

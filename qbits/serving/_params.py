@@ -136,7 +136,7 @@ def store(
     """
     fwd = forward_only(config)
     caller = transform.Caller(owner)
-    found = transform.store_weights(fn, fwd, params, *args, caller=caller, **kwargs)
+    found = transform._store_weights(caller, fn, fwd, params, *args, **kwargs)
     for name, qt in (given or {}).items():
         if name not in found:
             raise InvalidArgumentError(
@@ -308,7 +308,7 @@ def serve_params(
 
     def served(serving: Any, *args: Any, **kwargs: Any) -> Any:
         params, stored = _unpack(owner, config, serving)
-        run = transform.quantize(fn, forward_only(config), stored=stored, caller=caller)
+        run = transform._quantize(caller, fn, forward_only(config), stored=stored)
         return run(params, *args, **kwargs)
 
     return served

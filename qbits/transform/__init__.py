@@ -20,14 +20,13 @@ post-training quantization and LoRA run through these functions
 from qbits.transform._adapt import WeightMatmul, adapt, weight_matmuls
 from qbits.transform._adapter import Adapter
 from qbits.transform._observe import ObservedMatmul, Observer
+from qbits.transform._observing import collect_ranges, observe_matmuls
 from qbits.transform._plan import Caller
 from qbits.transform._store import StoredMatmul, store_weights
 from qbits.transform._transform import (
-    collect_ranges,
     init_probes,
     init_state,
     layer_table,
-    observe_matmuls,
     quantize,
 )
 
@@ -48,3 +47,14 @@ __all__ = [
     "store_weights",
     "weight_matmuls",
 ]
+
+# The entry points with the caller their errors name (a Caller), for the
+# adapters, serving, ptq, lora and diagnostics: not public.
+from qbits.transform._adapt import _adapt as _adapt  # isort: skip
+from qbits.transform._adapt import _weight_matmuls as _weight_matmuls  # isort: skip
+from qbits.transform._store import _store_weights as _store_weights  # isort: skip
+from qbits.transform._transform import _init_probes as _init_probes  # isort: skip
+from qbits.transform._transform import _init_state as _init_state  # isort: skip
+from qbits.transform._transform import _layer_table as _layer_table  # isort: skip
+from qbits.transform._observing import _observe_matmuls as _observe_matmuls  # isort: skip
+from qbits.transform._transform import _quantize as _quantize  # isort: skip

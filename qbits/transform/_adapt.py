@@ -103,7 +103,6 @@ def _matmuls(program: Program) -> dict[str, WeightMatmul]:
 def weight_matmuls(
     fn: Callable[..., Any],
     *args: Any,
-    caller: Caller = _WEIGHT_MATMULS,
     **kwargs: Any,
 ) -> dict[str, WeightMatmul]:
     """Every matmul of ``fn(params, *args)``, and whether it can be adapted.
@@ -118,7 +117,6 @@ def weight_matmuls(
       fn: ``fn(params, *args, **kwargs)``; the parameters name the matmuls.
       *args: The parameters, then example arguments (arrays or
         ``jax.ShapeDtypeStruct`` s).
-      caller: The entry point errors name.
       **kwargs: Example keyword arguments.
 
     Returns:
@@ -135,6 +133,16 @@ def weight_matmuls(
       >>> found["w"].matmul.k, found["w"].matmul.n
       (4, 2)
     """
+    return _weight_matmuls(_WEIGHT_MATMULS, fn, *args, **kwargs)
+
+
+def _weight_matmuls(
+    caller: Caller,
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> dict[str, WeightMatmul]:
+    """:func:`weight_matmuls`, its errors naming ``caller``."""
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
     return _matmuls(trace(fn, args, kwargs, 0, caller.owner))
@@ -148,7 +156,6 @@ def adapt(
     key: jax.Array | None = None,
     *,
     stored: Mapping[str, Any] | None = None,
-    caller: Caller = _ADAPT,
 ) -> Callable[..., Any]:
     """``fn`` with each weight matmul of ``adapters`` adapted by ``adapter``.
 
@@ -169,7 +176,6 @@ def adapt(
       key: PRNG key: for stochastic rounding, and for the adapter when it
         draws random numbers (``adapter.needs_key``).
       stored: Stored weights, as for :func:`qbits.quantize`.
-      caller: The entry point errors name.
 
     Returns:
       A function with ``fn``'s signature and outputs.
@@ -191,6 +197,20 @@ def adapt(
       >>> adapted(params, x).tolist()[0]  # 4 (int8 x int8) + 4 (adapter)
       [8.0, 8.0]
     """
+    return _adapt(_ADAPT, fn, config, adapter, adapters, key, stored=stored)
+
+
+def _adapt(
+    caller: Caller,
+    fn: Callable[..., Any],
+    config: Any,
+    adapter: Adapter,
+    adapters: Mapping[str, Any],
+    key: jax.Array | None = None,
+    *,
+    stored: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """:func:`adapt`, its errors naming ``caller``."""
     quant = as_quant_config(caller.owner, config, allow_none=True)
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")

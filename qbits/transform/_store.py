@@ -66,7 +66,6 @@ def store_weights(
     config: Any,
     *args: Any,
     params_argnum: int = 0,
-    caller: Caller = _STORE,
     **kwargs: Any,
 ) -> dict[str, StoredMatmul]:
     """Every weight matmul's weight, quantized once as its forward does.
@@ -78,7 +77,6 @@ def store_weights(
         parameters (concrete arrays); other arrays may be
         ``jax.ShapeDtypeStruct`` s (only their shapes matter).
       params_argnum: Which positional argument holds the parameters.
-      caller: As for :func:`qbits.quantize`.
       **kwargs: Keyword arguments for ``fn``.
 
     Returns:
@@ -103,6 +101,20 @@ def store_weights(
       >>> bool((served(params, x) == qbits.quantize(mlp, "w4a8")(params, x)).all())
       True
     """
+    return _store_weights(
+        _STORE, fn, config, *args, params_argnum=params_argnum, **kwargs
+    )
+
+
+def _store_weights(
+    caller: Caller,
+    fn: Callable[..., Any],
+    config: Any,
+    *args: Any,
+    params_argnum: int = 0,
+    **kwargs: Any,
+) -> dict[str, StoredMatmul]:
+    """:func:`store_weights`, its errors naming ``caller``."""
     quant = as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     plan = Plan(program, quant, caller, store=True)

@@ -13,7 +13,7 @@ scale state are the same everywhere.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -23,25 +23,21 @@ from qbits._errors import InvalidArgumentError
 from qbits.config import LayerRow, LayerTable, QuantConfig, as_quant_config
 from qbits.numerics import check_key
 from qbits.tensor import QTensor
-from qbits.transform._observe import ObservedMatmul, Observer
+from qbits.transform import _cache
 from qbits.transform._plan import DIAGNOSTICS, Caller, Plan, applied
 from qbits.transform._program import Program, trace
 from qbits.transform._runner import Frame, run_program
 
 __all__ = [
-    "collect_ranges",
     "init_probes",
     "init_state",
     "layer_table",
-    "observe_matmuls",
     "quantize",
 ]
 
 _QUANTIZE = Caller()
 _INIT_STATE = Caller("qbits.init_state")
 _LAYER_TABLE = Caller("qbits.layer_table")
-_COLLECT_RANGES = Caller("qbits.collect_ranges")
-_OBSERVE = Caller("qbits.transform.observe_matmuls")
 _INIT_PROBES = Caller("qbits.diagnostics.init")
 
 
@@ -99,7 +95,6 @@ def quantize(
     stored: Mapping[str, Any] | None = None,
     diagnostics: Mapping[str, Any] | None = None,
     params_argnum: int | None = 0,
-    caller: Caller = _QUANTIZE,
 ) -> Callable[..., Any]:
     """Quantizes every matmul ``fn`` computes, by per-layer rules.
 
@@ -170,16 +165,22 @@ def quantize(
       params_argnum: Which positional argument holds the parameters
         (``None``: no argument names sites; weight matmuls are then named
         like activation ones).
-      caller: The entry point errors name (the linen and nnx adapters and
-        serving pass theirs).
 
     Returns:
       A function with ``fn``'s signature and outputs. Differentiate it
-      (``jax.grad``) to run the quantized backward matmuls. Each trace of
-      it warns (``UserWarning``) when a config that quantizes something
-      finds nothing to quantize (no matmul, or every matmul kept or float),
-      saying why; and with :class:`~qbits.config.UnusedRuleWarning` for a
-      rule that matches no matmul.
+      (``jax.grad``) to run the quantized backward matmuls. As with
+      ``jax.jit``, ``fn`` is traced once per signature of its arguments
+      (their tree, shapes and dtypes, and the values of the leaves that
+      are not arrays), and the traced program is kept (the 64 most
+      recently used): a call outside any transformation runs it compiled
+      (the same outputs as ``jax.jit`` of the quantized function), one
+      inside ``jit``, ``grad`` or ``vmap`` runs it as part of that trace.
+      ``fn`` should be pure: what it reads besides its arguments is read
+      when it is traced. Each trace of it warns (``UserWarning``) when a
+      config that quantizes something finds nothing to quantize (no matmul,
+      or every matmul kept or float), saying why; and with
+      :class:`~qbits.config.UnusedRuleWarning` for a rule that matches no
+      matmul.
 
     Raises:
       InvalidArgumentError: For a bad ``config``, a missing ``key``, a
@@ -203,6 +204,31 @@ def quantize(
       >>> [(row.path, row.operands) for row in table.rows]
       [('w1', 'f32[3,4] x f32[4,8]'), ('w2', 'f32[3,8] x f32[8,2]')]
     """
+    return _quantize(
+        _QUANTIZE, fn, config, key, state=state, stored=stored,
+        diagnostics=diagnostics, params_argnum=params_argnum,
+    )  # fmt: skip
+
+
+def _quantize(
+    caller: Caller,
+    fn: Callable[..., Any],
+    config: Any,
+    key: jax.Array | None = None,
+    *,
+    state: dict[str, dict[str, jax.Array]] | None = None,
+    stored: Mapping[str, Any] | None = None,
+    diagnostics: Mapping[str, Any] | None = None,
+    params_argnum: int | None = 0,
+    identity: tuple[Any, ...] | None = None,
+) -> Callable[..., Any]:
+    """:func:`quantize`, its errors naming ``caller``.
+
+    ``identity`` names ``fn`` for the kept programs (:mod:`._cache`):
+    ``(owner, *hashable extras)``, the same whenever ``fn`` computes the
+    same function (default ``(fn,)``; an adapter that makes a new ``fn``
+    for each call gives what it is made from).
+    """
     quant = as_quant_config(caller.owner, config, allow_none=True)
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
@@ -210,12 +236,40 @@ def quantize(
         key = _checked_key(caller, key)
     if stored is not None:
         stored = _stored_weights(caller, stored)
+    owner, *extra = _cache.identity(fn, identity)
+    mode = (quant, params_argnum, caller, stored is not None, diagnostics is not None)
+    frame_leaves = jax.tree.leaves((key, state, stored, diagnostics))
+    inside = any(isinstance(x, jax.core.Tracer) for x in frame_leaves)
+
+    def program(args: Any, kwargs: Any, sig: _cache.Signature) -> _cache.Entry:
+        """The call's traced and planned program: kept, or traced now."""
+        cache_key = None
+        if sig.key is not None:
+            try:
+                cache_key = (id(owner), *extra, mode, sig.key)
+                hash(cache_key)
+            except TypeError:  # an unhashable extra: not kept
+                cache_key = None
+        entry = None if cache_key is None else _cache.PROGRAMS.get(owner, cache_key)
+        if entry is not None:
+            return entry
+        found = trace(fn, args, kwargs, params_argnum, caller.owner)
+        plan = Plan(found, quant, caller, store=stored is not None,
+                    diagnose=diagnostics is not None)  # fmt: skip
+        if caller.whole:
+            table(found, quant).warn_unused()
+        entry = _cache.Entry(found, plan)
+        # A constant taken from an enclosing trace belongs to that trace only.
+        leaked = any(isinstance(c, jax.core.Tracer) for c in found.closed.consts)
+        if cache_key is not None and not leaked:
+            _cache.PROGRAMS.put(owner, cache_key, entry)
+        return entry
 
     @functools.wraps(fn)
     def quantized(*args: Any, **kwargs: Any) -> Any:
-        program = trace(fn, args, kwargs, params_argnum, caller.owner)
-        plan = Plan(program, quant, caller, store=stored is not None,
-                    diagnose=diagnostics is not None)  # fmt: skip
+        sig = _cache.signature(args, kwargs)
+        entry = program(args, kwargs, sig)
+        plan = entry.plan
         _check_key(key, plan)
         _check_state(state, plan)
         probes = {}
@@ -232,11 +286,9 @@ def quantize(
                          "their forward configs quantize a weight: a missing "
                          "one was stored float (converted with another "
                          "config?)")  # fmt: skip
-        if caller.whole:
-            table(program, quant).warn_unused()
         frame = Frame(key, {**(state or {}), **(stored or {}), **probes})
-        out = run_program(program, plan, frame, args, kwargs)
-        return jax.tree.unflatten(program.out_tree, out)
+        out = entry.run(frame, sig.leaves, sig.eager and not inside)
+        return jax.tree.unflatten(entry.program.out_tree, out)
 
     return quantized
 
@@ -301,7 +353,6 @@ def init_state(
     config: Any,
     *args: Any,
     params_argnum: int | None = 0,
-    caller: Caller = _INIT_STATE,
     **kwargs: Any,
 ) -> dict[str, dict[str, jax.Array]]:
     """The initial scale state of every matmul of ``fn`` whose config keeps one.
@@ -317,7 +368,6 @@ def init_state(
       config: The rules, as for :func:`quantize`.
       *args: Arguments for ``fn``.
       params_argnum: As for :func:`quantize`.
-      caller: As for :func:`quantize`.
       **kwargs: Keyword arguments for ``fn``.
 
     Returns:
@@ -333,6 +383,20 @@ def init_state(
       >>> sorted(state), state["w1"]["lhs_amax_history"].shape
       (['w1', 'w2'], (1024,))
     """
+    return _init_state(
+        _INIT_STATE, fn, config, *args, params_argnum=params_argnum, **kwargs
+    )
+
+
+def _init_state(
+    caller: Caller,
+    fn: Callable[..., Any],
+    config: Any,
+    *args: Any,
+    params_argnum: int | None = 0,
+    **kwargs: Any,
+) -> dict[str, dict[str, jax.Array]]:
+    """:func:`init_state`, its errors naming ``caller``."""
     quant = as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     plan = Plan(program, quant, caller)
@@ -348,7 +412,6 @@ def init_probes(
     config: Any,
     *args: Any,
     params_argnum: int | None = 0,
-    caller: Caller = _INIT_PROBES,
     **kwargs: Any,
 ) -> dict[str, dict[str, jax.Array]]:
     """A diagnostics probe for every quantized matmul of ``fn``.
@@ -362,7 +425,6 @@ def init_probes(
       config: The rules, as for :func:`quantize`.
       *args: Arguments for ``fn`` (arrays or ``jax.ShapeDtypeStruct``).
       params_argnum: As for :func:`quantize`.
-      caller: As for :func:`quantize`.
       **kwargs: Keyword arguments for ``fn``.
 
     Example:
@@ -373,6 +435,20 @@ def init_probes(
       >>> sorted(probes), probes["w1"]["sums"].shape
       (['w1', 'w2'], (6, 9))
     """
+    return _init_probes(
+        _INIT_PROBES, fn, config, *args, params_argnum=params_argnum, **kwargs
+    )
+
+
+def _init_probes(
+    caller: Caller,
+    fn: Callable[..., Any],
+    config: Any,
+    *args: Any,
+    params_argnum: int | None = 0,
+    **kwargs: Any,
+) -> dict[str, dict[str, jax.Array]]:
+    """:func:`init_probes`, its errors naming ``caller``."""
     quant = as_quant_config(caller.owner, config, allow_none=True)
 
     def collect(*args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -393,7 +469,6 @@ def layer_table(
     config: Any,
     *args: Any,
     params_argnum: int | None = 0,
-    caller: Caller = _LAYER_TABLE,
     **kwargs: Any,
 ) -> LayerTable:
     """Every matmul ``fn(*args, **kwargs)`` runs, and the config it gets.
@@ -417,7 +492,6 @@ def layer_table(
       config: The rules, as for :func:`quantize`.
       *args: Example positional arguments (arrays or ``jax.ShapeDtypeStruct``).
       params_argnum: As for :func:`quantize`.
-      caller: As for :func:`quantize`.
       **kwargs: Example keyword arguments.
 
     Returns:
@@ -437,138 +511,21 @@ def layer_table(
       >>> [(row.path, row.describe()) for row in table.rows]
       [('ids', 'kept'), ('w', 'int8')]
     """
+    return _layer_table(
+        _LAYER_TABLE, fn, config, *args, params_argnum=params_argnum, **kwargs
+    )
+
+
+def _layer_table(
+    caller: Caller,
+    fn: Callable[..., Any],
+    config: Any,
+    *args: Any,
+    params_argnum: int | None = 0,
+    **kwargs: Any,
+) -> LayerTable:
+    """:func:`layer_table`, its errors naming ``caller``."""
     quant = as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     Plan(program, quant, caller)  # the checks a run makes before it starts
     return table(program, quant)
-
-
-def observe_matmuls(
-    fn: Callable[..., Any],
-    params: Any,
-    batches: Iterable[Any],
-    observer: Observer,
-    *,
-    config: Any = None,
-    caller: Caller = _OBSERVE,
-) -> tuple[dict[str, ObservedMatmul], dict[str, Any]]:
-    """What an observer records of every weight matmul's activation, over batches.
-
-    The one mechanism behind :func:`collect_ranges` and post-training
-    statistics (:func:`qbits.ptq.collect_stats`). Runs ``fn(params, batch)``
-    in float, jitted once, on each batch; each observed weight matmul hands
-    its activation, as ``(*groups, rows, K)`` rows over the weight's
-    contraction channels (:class:`ObservedMatmul`), to ``observer.observe``,
-    whose records merge over batches (a running total that starts at zeros,
-    updated in place), over the steps of a loop and over the uses of a
-    path, or stay stacked along a scan over stacked layers
-    (``observer.per_layer``).
-
-    Observed are the weight ``dot_general`` s (dense layers, einsums, ``@``;
-    not convolutions) that run in float: integer matmuls and those inside a
-    custom-gradient function are kept as they are; those inside a ``cond``
-    or ``while`` body are left out (a record could not leave the body).
-
-    Args:
-      fn: ``fn(params, batch)``, e.g. a linen model's ``apply``.
-      params: Its parameters (they name the matmuls).
-      batches: An iterable of inputs (each passed as the second argument).
-      observer: What to record.
-      config: Per-layer rules, as for :func:`quantize`: observe the weight
-        matmuls they give a quantizing config; ``None``: every one.
-      caller: The entry point errors name.
-
-    Returns:
-      ``({path: ObservedMatmul}, {path: merged record})``, paths as
-      :func:`layer_table` names them.
-
-    Raises:
-      InvalidArgumentError: For no batches, a bad ``config`` or ``fn``.
-
-    Example:
-      >>> def mlp(params, x):
-      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
-      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
-      >>> rows = qbits.transform.Observer(
-      ...     lambda matmul, x: jnp.float32(x.shape[0]), jnp.add, jnp.sum)
-      >>> found, counts = qbits.transform.observe_matmuls(
-      ...     mlp, params, [jnp.ones((3, 4)), jnp.ones((5, 4))], rows)
-      >>> found["w2"].k, found["w2"].contracting, found["w2"].side, float(counts["w2"])
-      (8, (0,), 'lhs', 8.0)
-    """
-    if not callable(fn):
-        raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
-    every = config is None
-    rules = as_quant_config(caller.owner, config, allow_none=True)
-    found: dict[str, ObservedMatmul] = {}
-
-    def observe(params: Any, batch: Any) -> dict[str, Any]:
-        program = trace(fn, (params, batch), {}, 0, caller.owner)
-        plan = Plan(program, rules, caller, observe=observer, every=every)
-        found.clear()
-        found.update({m.path: m for m in plan.observed.values()})
-        frame = Frame(None, {}, observed={})
-        run_program(program, plan, frame, (params, batch), {})
-        return frame.observed  # type: ignore[return-value]
-
-    @functools.partial(jax.jit, donate_argnums=2)
-    def step(params: Any, batch: Any, total: dict[str, Any]) -> dict[str, Any]:
-        new = observe(params, batch)
-        return {n: observer.merge(total[n], v) for n, v in new.items()}
-
-    total = None
-    for batch in batches:
-        if total is None:
-            shapes = jax.eval_shape(observe, params, batch)
-            total = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        total = step(params, batch, total)
-    if total is None:
-        raise InvalidArgumentError(
-            caller.owner, "batches", batches, "at least one batch"
-        )
-    return dict(found), total
-
-
-def _amax(matmul: ObservedMatmul, rows: jax.Array) -> jax.Array:
-    return jnp.max(jnp.abs(rows)).astype(jnp.float32)
-
-
-_RANGES = Observer(_amax, jnp.maximum, functools.partial(jnp.max, axis=0))
-
-
-def collect_ranges(
-    fn: Callable[..., Any],
-    params: Any,
-    batches: Iterable[Any],
-    *,
-    caller: Caller = _COLLECT_RANGES,
-) -> dict[str, float]:
-    """The largest activation magnitude of every weight matmul, over batches.
-
-    Runs ``fn(params, batch)`` (in float, jitted) on each batch and takes,
-    per weight matmul, the max over batches of ``max(|activation|)``: the
-    operand a config's ``fwd.lhs`` quantizes. Give the result to
-    :func:`qbits.freeze_ranges` (static post-training ranges). Matmuls in a
-    ``cond`` or ``while`` body are left out (their ranges cannot leave it).
-
-    Args:
-      fn: ``fn(params, batch)``, e.g. a linen model's ``apply``.
-      params: Its parameters.
-      batches: An iterable of inputs (each passed as the second argument).
-      caller: As for :func:`quantize`.
-
-    Returns:
-      ``{matmul path: absmax}``, paths as :func:`layer_table` names them.
-
-    Raises:
-      InvalidArgumentError: For no batches.
-
-    Example:
-      >>> def mlp(params, x):
-      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
-      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
-      >>> qbits.collect_ranges(mlp, params, [jnp.ones((3, 4)), -2 * jnp.ones((3, 4))])
-      {'w1': 2.0, 'w2': 4.0}
-    """
-    _, ranges = observe_matmuls(fn, params, batches, _RANGES, caller=caller)
-    return {path: float(value) for path, value in ranges.items()}
