@@ -421,6 +421,38 @@ def compile_engine() -> str:
     )
 
 
+@figure("eager_call", "eager_call_cpu.json", "eager_call_before_cpu.json")
+def eager_call() -> str:
+    data = _json("eager_call_cpu.json")
+    before = _json("eager_call_before_cpu.json")["results"]
+    rows = [
+        [
+            f"`{name}`",
+            f"{r['time_ratio']:.2f}",
+            f"{r['traces_per_10']}",
+            f"{r['first_call_s']:.2f}",
+            f"{before[name]['time_ratio']:.1f}, {before[name]['traces_per_10']}",
+        ]
+        for name, r in data["results"].items()
+    ]
+    header = [
+        "eager call",
+        "time / float call",
+        "traces, 10 calls after the first",
+        "first call, s",
+        "before (time / float, traces)",
+    ]
+    return (
+        _table(header, rows)
+        + "\n"
+        + _source(
+            "eager_call_cpu.json",
+            "eager_call_before_cpu.json",
+            note=f"; {_cpu_machine(data['meta'])}: times depend on the machine",
+        )
+    )
+
+
 @figure("residuals", "residuals_cpu.json")
 def residuals() -> str:
     data = _json("residuals_cpu.json")
