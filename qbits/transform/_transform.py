@@ -1,9 +1,14 @@
-"""The engine's entry points: quantize, layer table, scale state, observing.
+"""The engine's entry points: quantize, layer table, scale state, probes.
 
 The function is traced to a jaxpr (:mod:`qbits.transform._program`), each
-matmul site gets the config its rule resolves to (:mod:`._runner`'s plan),
-and the jaxpr is run again on the actual arguments with each quantized
-site on qbits' core. Nothing global is changed: a function traced before
+matmul site gets the config its rule resolves to (:mod:`._plan`), and the
+jaxpr is run again on the actual arguments with each quantized site on
+qbits' core (:mod:`._runner`). :func:`quantize` keeps the traced program
+by the signature of its arguments (:mod:`._cache`): an eager call runs it
+compiled, and traces again only for a new structure or shape. The private
+``_name(caller, ...)`` form of each entry point names ``caller`` in its
+errors (the adapters, serving, ptq, lora and diagnostics call those).
+Nothing global is changed: a function traced before
 or after, float or quantized, keeps its own numbers. Every entry point of
 qbits (this module's functions, the linen and nnx adapters, serving) runs
 through these functions, so coverage, names, errors and the layout of the
