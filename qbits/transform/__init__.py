@@ -52,9 +52,9 @@ __all__ = [
 # adapters, serving, ptq, lora and diagnostics: not public.
 from qbits.transform._adapt import _adapt as _adapt  # isort: skip
 from qbits.transform._adapt import _weight_matmuls as _weight_matmuls  # isort: skip
+from qbits.transform._observing import _observe_matmuls as _observe_matmuls  # isort: skip
 from qbits.transform._store import _store_weights as _store_weights  # isort: skip
 from qbits.transform._transform import _init_probes as _init_probes  # isort: skip
 from qbits.transform._transform import _init_state as _init_state  # isort: skip
 from qbits.transform._transform import _layer_table as _layer_table  # isort: skip
-from qbits.transform._observing import _observe_matmuls as _observe_matmuls  # isort: skip
 from qbits.transform._transform import _quantize as _quantize  # isort: skip
