@@ -48,12 +48,12 @@ _CALIBRATION_STEP = 2**30
 
 #: The methods of ``qbits ptq``: :func:`qbits.ptq.quantize_weights`' keywords.
 METHODS = {
-    "rtn": {"method": "rtn"},
-    "gptq": {"method": "gptq"},
-    "awq": {"method": "awq"},
-    "smoothquant": {"method": "rtn", "smooth": 0.5},
-    "rtn+rot": {"method": "rtn", "rotate": True},
-    "gptq+rot": {"method": "gptq", "rotate": True},
+    "rtn": {"method": ptq.Rtn()},
+    "gptq": {"method": ptq.Gptq()},
+    "awq": {"method": ptq.Awq()},
+    "smoothquant": {"method": ptq.Rtn(), "smooth": 0.5},
+    "rtn+rot": {"method": ptq.Rtn(), "rotate": True},
+    "gptq+rot": {"method": ptq.Gptq(), "rotate": True},
 }
 
 
@@ -156,8 +156,11 @@ def post_train(
         kwargs = dict(METHODS[method])
         if kwargs.get("rotate"):  # QuaRot's random signs, the run's seed
             kwargs["key"] = jax.random.key(run["seed"])
+        # A propagated method runs the batches again: the statistics of the
+        # quantized model's activations.
+        given = (batches, None) if kwargs["method"].propagated else (None, stats)
         got = ptq.quantize_weights(  # the config as given: its name in errors
-            fn, params, None, config, stats=stats, progress=progress, **kwargs
+            fn, params, given[0], config, stats=given[1], progress=progress, **kwargs
         )
         # Each method's time includes collecting the statistics once.
         seconds = time.perf_counter() - tic + collect_seconds
