@@ -36,7 +36,9 @@ rule gives, in the layout its matmul reads it in, once for the matmuls that
 share it (:class:`PtqResult`, :class:`LayerReport`). Methods are values
 holding their settings, each a :class:`Method` (:class:`MatrixStats` in, a
 quantized weight out): :class:`Rtn` (round to nearest), :class:`Gptq`,
-:class:`Awq`; ``method="gptq"`` stands for ``Gptq()``.
+:class:`Awq`, :class:`Qep` (quantization error propagation: each weight
+corrected for the error of the weights before it, arXiv 2504.09629);
+``method="gptq"`` stands for ``Gptq()``.
 
 The package sits on layer 7 (with :mod:`qbits.flax` and :mod:`qbits.nnx`):
 it may import the quantizer, calibrations, numerics, granularities, ops,
@@ -48,6 +50,7 @@ from qbits.ptq._collect import MatmulStats, collect_stats
 from qbits.ptq._gptq import Gptq, GptqResult, gptq, output_error
 from qbits.ptq._layout import operand_indices
 from qbits.ptq._method import MatrixStats, Method
+from qbits.ptq._qep import Qep
 from qbits.ptq._rotation import hadamard, rotate_activation, rotate_weight
 from qbits.ptq._rtn import Rtn
 from qbits.ptq._smoothquant import scale_activation, scale_weight, smooth_scales
@@ -65,6 +68,7 @@ __all__ = [
     "MatrixStats",
     "Method",
     "PtqResult",
+    "Qep",
     "Rtn",
     "awq",
     "collect_stats",
