@@ -54,6 +54,7 @@ METHODS = {
     "smoothquant": {"method": ptq.Rtn(), "smooth": 0.5},
     "rtn+rot": {"method": ptq.Rtn(), "rotate": True},
     "gptq+rot": {"method": ptq.Gptq(), "rotate": True},
+    "qep": {"method": ptq.Qep()},
 }
 
 
@@ -87,7 +88,9 @@ def post_train(
         (:func:`qbits.ptq.quantize_weights`' methods), ``"smoothquant"``
         (round to nearest after SmoothQuant's scales, alpha 0.5: for W8A8),
         ``"rtn+rot"`` and ``"gptq+rot"`` (after a randomized Hadamard
-        rotation of every quantized matmul's input channels).
+        rotation of every quantized matmul's input channels), ``"qep"``
+        (:class:`qbits.ptq.Qep`: GPTQ after correcting each weight for the
+        error of the weights before it; a calibration pass per weight).
       calibration: Number of calibration batches (training batches at steps
         training never reaches).
       seed: Which saved run (needed only when ``run_dir`` has several).
