@@ -398,12 +398,12 @@ def _method(method: Any, deprecated: dict[str, Any]) -> Method:
         return by_name(_OWNER, method)
     given = ", ".join(f"{k}={v!r}" for k, v in deprecated.items())
     if not isinstance(method, str) or method_class(method) is None:
+        first = next(iter(deprecated))
         raise InvalidArgumentError(
-            _OWNER, given, deprecated,
+            _OWNER, first, deprecated[first],
             "a method value with its settings, e.g. method=qbits.ptq.Gptq("
             "damping=0.02) or qbits.ptq.Awq(grid=10)",
-            why=f"{given} are settings of a method's value now, not of "
-            "quantize_weights",
+            why=f"{given}: a method's settings are fields of its value now",
         )  # fmt: skip
     cls = method_class(method)
     own = {k: v for k, v in deprecated.items() if k in settings(cls)}
@@ -467,7 +467,9 @@ def _one_weight(
         out.append(_unmatrix(ms, stacked))
     new = (jnp.stack(out).reshape(w_all.shape) if lead else out[0]).astype(w_all.dtype)
     report = LayerReport(ms.path, w.param, method.name, err_rtn, err, w.paths)
-    qt = stored_weight(ms, new, quantizer, grids) if grids else None
+    # Stored where every matrix is on the grid (a method may leave some off).
+    on_grid = grids and len(grids) == len(datas)
+    qt = stored_weight(ms, new, quantizer, grids) if on_grid else None
     shape = (*lead, *ms.stats.rows.shape[len(lead) :])
     data = {
         name: jnp.stack([d[name] for d in datas]).reshape(*shape, *v.shape)
