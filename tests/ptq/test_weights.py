@@ -81,6 +81,12 @@ def test_gptq_and_awq_beat_round_to_nearest_on_every_weight():
         if method.name == "gptq":  # per-channel: 16 levels at most in each column
             for col in np.asarray(out.params["mlp"]["up"])[1].T:
                 assert len(np.unique(col)) <= 16
+            gptq = out
+    # QEP on heads and scanned layers: the paired run's statistics line up
+    # with the float ones (per group, per layer), and the model's error drops.
+    qep = ptq.quantize_weights(_model, params, batches, config, method=ptq.Qep())
+    assert [r.path for r in qep.layers] == paths
+    assert model_error(qep.params) < 0.8 * model_error(gptq.params)
 
 
 def test_result_config_quantizes_what_the_config_quantizes_besides_the_weights():
