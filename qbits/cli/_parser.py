@@ -138,11 +138,12 @@ def _parser() -> argparse.ArgumentParser:
     ptq.add_argument(
         "--method",
         nargs="+",
-        choices=("rtn", "gptq", "awq", "smoothquant", "rtn+rot", "gptq+rot"),
+        choices=("rtn", "gptq", "awq", "smoothquant", "rtn+rot", "gptq+rot", "qep"),
         default=["rtn", "gptq", "awq"],
         help="methods to compare (default: rtn gptq awq): round to nearest, "
         "GPTQ, AWQ; smoothquant: RTN after SmoothQuant's scales (alpha 0.5, "
-        "for W8A8); rtn+rot, gptq+rot: after a random Hadamard rotation",
+        "for W8A8); rtn+rot, gptq+rot: after a random Hadamard rotation; "
+        "qep: GPTQ after quantization error propagation",
     )
     ptq.add_argument(
         "--calibration",

@@ -48,12 +48,13 @@ _CALIBRATION_STEP = 2**30
 
 #: The methods of ``qbits ptq``: :func:`qbits.ptq.quantize_weights`' keywords.
 METHODS = {
-    "rtn": {"method": "rtn"},
-    "gptq": {"method": "gptq"},
-    "awq": {"method": "awq"},
-    "smoothquant": {"method": "rtn", "smooth": 0.5},
-    "rtn+rot": {"method": "rtn", "rotate": True},
-    "gptq+rot": {"method": "gptq", "rotate": True},
+    "rtn": {"method": ptq.Rtn()},
+    "gptq": {"method": ptq.Gptq()},
+    "awq": {"method": ptq.Awq()},
+    "smoothquant": {"method": ptq.Rtn(), "smooth": 0.5},
+    "rtn+rot": {"method": ptq.Rtn(), "rotate": True},
+    "gptq+rot": {"method": ptq.Gptq(), "rotate": True},
+    "qep": {"method": ptq.Qep()},
 }
 
 
@@ -87,7 +88,9 @@ def post_train(
         (:func:`qbits.ptq.quantize_weights`' methods), ``"smoothquant"``
         (round to nearest after SmoothQuant's scales, alpha 0.5: for W8A8),
         ``"rtn+rot"`` and ``"gptq+rot"`` (after a randomized Hadamard
-        rotation of every quantized matmul's input channels).
+        rotation of every quantized matmul's input channels), ``"qep"``
+        (:class:`qbits.ptq.Qep`: GPTQ after correcting each weight for the
+        error of the weights before it; a calibration pass per weight).
       calibration: Number of calibration batches (training batches at steps
         training never reaches).
       seed: Which saved run (needed only when ``run_dir`` has several).
@@ -156,8 +159,11 @@ def post_train(
         kwargs = dict(METHODS[method])
         if kwargs.get("rotate"):  # QuaRot's random signs, the run's seed
             kwargs["key"] = jax.random.key(run["seed"])
+        # A propagated method runs the batches again: the statistics of the
+        # quantized model's activations.
+        given = (batches, None) if kwargs["method"].propagated else (None, stats)
         got = ptq.quantize_weights(  # the config as given: its name in errors
-            fn, params, None, config, stats=stats, progress=progress, **kwargs
+            fn, params, given[0], config, stats=given[1], progress=progress, **kwargs
         )
         # Each method's time includes collecting the statistics once.
         seconds = time.perf_counter() - tic + collect_seconds

@@ -31,31 +31,45 @@ contracting axis 0 (``qbits.PerChannel()``: a scale per output channel;
   matmul, as Hugging Face's GPT-2 stores them).
 
 :func:`quantize_weights` is the driver: statistics of every weight matmul
-of any function or model, then round-to-nearest, GPTQ or AWQ on each weight
-with the grid its rule gives, in the layout its matmul reads it in, once
-for the matmuls that share it (:class:`PtqResult`, :class:`LayerReport`).
+of any function or model, then a method on each weight with the grid its
+rule gives, in the layout its matmul reads it in, once for the matmuls that
+share it (:class:`PtqResult`, :class:`LayerReport`). Methods are values
+holding their settings, each a :class:`Method` (:class:`MatrixStats` in, a
+quantized weight out): :class:`Rtn` (round to nearest), :class:`Gptq`,
+:class:`Awq`, :class:`Qep` (quantization error propagation: each weight
+corrected for the error of the weights before it, arXiv 2504.09629);
+``method="gptq"`` stands for ``Gptq()``.
 
 The package sits on layer 7 (with :mod:`qbits.flax` and :mod:`qbits.nnx`):
 it may import the quantizer, calibrations, numerics, granularities, ops,
 config and the engine.
 """
 
-from qbits.ptq._awq import AwqResult, awq
+from qbits.ptq._awq import Awq, AwqResult, awq
 from qbits.ptq._collect import MatmulStats, collect_stats
-from qbits.ptq._gptq import GptqResult, gptq, output_error
+from qbits.ptq._gptq import Gptq, GptqResult, gptq, output_error
 from qbits.ptq._layout import operand_indices
+from qbits.ptq._method import MatrixStats, Method
+from qbits.ptq._qep import Qep
 from qbits.ptq._rotation import hadamard, rotate_activation, rotate_weight
+from qbits.ptq._rtn import Rtn
 from qbits.ptq._smoothquant import scale_activation, scale_weight, smooth_scales
 from qbits.ptq._stats import InputStats
 from qbits.ptq._weights import LayerReport, PtqResult, quantize_weights
 
 __all__ = [
+    "Awq",
     "AwqResult",
+    "Gptq",
     "GptqResult",
     "InputStats",
     "LayerReport",
     "MatmulStats",
+    "MatrixStats",
+    "Method",
     "PtqResult",
+    "Qep",
+    "Rtn",
     "awq",
     "collect_stats",
     "gptq",

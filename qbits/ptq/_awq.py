@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qbits._errors import check_int
+from qbits._errors import InvalidArgumentError, check_int
 from qbits._formats import compute_dtype
 from qbits._quantizer import Quantizer
 from qbits.calibration import AbsMax
@@ -21,9 +22,10 @@ from qbits.ptq._gptq import (
     check_quantizer,
     check_weight,
 )
+from qbits.ptq._method import MatrixStats, Method
 from qbits.ptq._smoothquant import check_channels
 
-__all__ = ["AwqResult", "awq"]
+__all__ = ["Awq", "AwqResult", "awq"]
 
 # The reference implementation's floor on act_absmean ** alpha (llm-awq).
 _FLOOR = 1e-4
@@ -151,6 +153,58 @@ def awq(
     return _awq(
         w, hessian, act_absmean, quantizer=quantizer, grid=grid, clip_grid=clip_grid
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Awq(Method):
+    """AWQ as a :func:`~qbits.ptq.quantize_weights` method: :func:`awq` per weight.
+
+    The driver writes the effective weight ``Q(s w) / s`` (not on the
+    quantizer's grid: nothing stored for serving). Needs ``mean |x|``, so
+    it refuses ``rotate=True``.
+
+    Attributes:
+      grid: The number of exponents ``alpha`` searched, >= 1.
+      clip_grid: The number of clipping ratios searched (1: none).
+
+    Raises:
+      InvalidArgumentError: For ``grid`` or ``clip_grid`` < 1.
+
+    Example:
+      >>> qbits.ptq.Awq(grid=10)
+      Awq(grid=10, clip_grid=11)
+    """
+
+    name: ClassVar[str] = "awq"
+    grid: int = 20
+    clip_grid: int = 11
+
+    def __post_init__(self) -> None:
+        check_int("qbits.ptq.Awq", "grid", self.grid, 1)
+        check_int("qbits.ptq.Awq", "clip_grid", self.clip_grid, 1)
+
+    def check(self, owner: str, *, smooth: float | None, rotate: bool) -> None:
+        """Refuses ``rotate`` (see :meth:`Method.check`)."""
+        if rotate:
+            raise InvalidArgumentError(
+                owner, "rotate", True,
+                "method=Gptq() or Rtn() with rotate=True, or AWQ without it",
+                why="AWQ's scale search needs the mean |x Q| of the rotated "
+                "activation, which the statistics do not give",
+            )  # fmt: skip
+
+    def quantize(
+        self,
+        w: jax.Array,
+        stats: MatrixStats,
+        quantizer: Quantizer,
+        *,
+        name: str | None = None,
+    ) -> jax.Array:
+        """AWQ's effective weight ``Q(s w) / s`` (see :class:`Method`)."""
+        out = awq(w, stats.hessian, stats.absmean, quantizer, grid=self.grid,
+                  clip_grid=self.clip_grid)  # fmt: skip
+        return out.weight
 
 
 def awq_scales(act_absmean: jax.Array, alpha: jax.Array) -> jax.Array:

@@ -16,8 +16,9 @@ time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,9 @@ from qbits._formats import compute_dtype
 from qbits._quantizer import Quantizer
 from qbits.granularity import Tiled
 from qbits.numerics import NoNumerics, UintNumerics
+from qbits.ptq._method import MatrixStats, Method
 
-__all__ = ["GptqResult", "gptq", "output_error"]
+__all__ = ["Gptq", "GptqResult", "gptq", "output_error"]
 
 
 class GptqResult(NamedTuple):
@@ -472,3 +474,46 @@ def _gptq(
     out = jnp.where(ok, out, jnp.full_like(out, jnp.nan))  # NaN, not garbage
     scale, zero_point, tensor_scale = params
     return out.astype(w.dtype), (scale, zero_point, tensor_scale[0, 0]), ok
+
+
+@dataclasses.dataclass(frozen=True)
+class Gptq(Method):
+    """GPTQ as a :func:`~qbits.ptq.quantize_weights` method: :func:`gptq` per weight.
+
+    Attributes:
+      damping: The fraction of ``mean(diag H)`` added to the diagonal.
+      act_order: Process input channels by descending ``diag(H)``.
+      block_size: Rows per lazy-batch block (speed, not numerics).
+
+    Raises:
+      InvalidArgumentError: For a negative ``damping``, a non-bool
+        ``act_order`` or a ``block_size`` < 1.
+
+    Example:
+      >>> qbits.ptq.Gptq(damping=0.02)
+      Gptq(damping=0.02, act_order=False, block_size=128)
+    """
+
+    name: ClassVar[str] = "gptq"
+    damping: float = 0.01
+    act_order: bool = False
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        owner = "qbits.ptq.Gptq"
+        check_float(owner, "damping", self.damping, lo=0.0)
+        check_bool(owner, "act_order", self.act_order)
+        check_int(owner, "block_size", self.block_size, 1)
+
+    def quantize(
+        self,
+        w: jax.Array,
+        stats: MatrixStats,
+        quantizer: Quantizer,
+        *,
+        name: str | None = None,
+    ) -> GptqResult:
+        """:func:`gptq` of ``w`` on ``stats.hessian`` (see :class:`Method`)."""
+        return gptq(w, stats.hessian, quantizer, damping=self.damping,
+                    act_order=self.act_order, block_size=self.block_size,
+                    name=name)  # fmt: skip

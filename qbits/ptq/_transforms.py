@@ -99,6 +99,15 @@ class Transform:
             data["rotation"] = q
         return w, h, absmean, data
 
+    def gram(self, g: jax.Array, data: dict[str, jax.Array]) -> jax.Array:
+        """``A^T B`` of two activations (``(K, K)``), transformed: ``T^T g T``."""
+        if "scale" in data:
+            g = g / data["scale"][:, None] / data["scale"][None, :]
+        if "rotation" in data:
+            q = data["rotation"]
+            g = _highest(_highest(q.T, g), q)
+        return g
+
     def effective(self, w_new: jax.Array, data: dict[str, jax.Array]) -> jax.Array:
         """The weight that ``x`` meets: ``T w_new`` (for output errors)."""
         w = w_new.astype(jnp.float32)

@@ -16,10 +16,10 @@ the model with both.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import re
 import types
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -34,21 +34,16 @@ from qbits._quantizer import Quantizer
 from qbits.config import QuantConfig, Rule, as_quant_config
 from qbits.numerics import NoNumerics
 from qbits.ops import DotGeneralConfig
-from qbits.ptq._awq import awq
 from qbits.ptq._collect import MatmulStats, collect_stats
-from qbits.ptq._gptq import (
-    GptqResult,
-    blocks_quantizer,
-    check_quantizer,
-    gptq,
-    output_error,
-)
+from qbits.ptq._gptq import GptqResult, check_quantizer, output_error
+from qbits.ptq._method import MatrixStats, Method, by_name, method_class, settings
 from qbits.ptq._plan import Weight, check_alone, check_inputs, check_some, plan
+from qbits.ptq._propagate import PairStats, propagated_stats
+from qbits.ptq._rtn import rtn
 from qbits.ptq._stored import stored_weight
 from qbits.ptq._transforms import ACTIVATION, Transform
 
 _OWNER = "qbits.ptq.quantize_weights"
-METHODS = ("rtn", "gptq", "awq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +58,8 @@ class LayerReport:
     Attributes:
       path: The (first) matmul's path, as :func:`qbits.layer_table` names it.
       param: The key path of its weight parameter (``jax.tree_util.keystr``).
-      method: ``"rtn"``, ``"gptq"`` or ``"awq"``.
+      method: The method's name (:attr:`Method.name`): ``"rtn"``,
+        ``"gptq"``, ``"awq"``...
       error_rtn: The output error of round-to-nearest on the calibration
         set, ``tr((w - w_hat)^T H (w - w_hat)) / rows``, summed over the
         layer's scan steps and groups (and its matmuls: ``H`` and ``rows``
@@ -185,15 +181,12 @@ def quantize_weights(
     config: Any,
     *,
     stats: Mapping[str, MatmulStats] | None = None,
-    method: str = "gptq",
-    damping: float = 0.01,
-    act_order: bool = False,
-    grid: int = 20,
-    clip_grid: int = 11,
+    method: Method | str = "gptq",
     smooth: float | None = None,
     rotate: bool = False,
     key: jax.Array | None = None,
     progress: bool = False,
+    **deprecated: Any,
 ) -> PtqResult:
     """Quantizes every weight of ``fn(params, batch)`` after training.
 
@@ -232,6 +225,15 @@ def quantize_weights(
     activations are quantized too (W8A8), and rotations also spread a
     weight's outliers (GPTQ + rotation).
 
+    The method is a value (:class:`Rtn`, :class:`Gptq`, :class:`Awq`,
+    any :class:`Method`) holding its own settings. One that is
+    :attr:`~Method.propagated` also gets the statistics of each weight's
+    activation as the model computes it with the weights quantized before
+    it: the weights are quantized in program order and the batches run
+    again (``fn`` mapped over the float and the quantized parameters)
+    before each weight, so ``batches`` must be given and iterable again (a
+    list); a scan's stacked layers are one weight, quantized together.
+
     Args:
       fn: ``fn(params, batch)``: a linen model's ``apply``, any function.
       params: Its float parameters.
@@ -242,12 +244,10 @@ def quantize_weights(
       stats: Statistics that :func:`collect_stats` collected from
         ``fn``, ``params`` and ``config`` before, instead of ``batches``: to
         compare methods or settings without running the model again.
-      method: ``"rtn"`` (round to nearest), ``"gptq"`` (:func:`gptq`) or
-        ``"awq"`` (:func:`awq`: the effective weight ``Q(s w) / s``).
-      damping: GPTQ's damping.
-      act_order: GPTQ's activation order.
-      grid: AWQ's number of exponents searched.
-      clip_grid: AWQ's number of clipping ratios searched (1: none).
+      method: The method: :class:`Rtn` (round to nearest), :class:`Gptq`
+        (:func:`gptq`), :class:`Awq` (:func:`awq`: the effective weight
+        ``Q(s w) / s``) with their settings, or a method's name for its
+        defaults (``"gptq"``: ``Gptq()``).
       smooth: SmoothQuant's migration strength ``alpha`` in [0, 1]
         (:func:`smooth_scales` from the calibration set's ``max |x|``), or
         ``None`` for none.
@@ -256,6 +256,11 @@ def quantize_weights(
       key: With ``rotate``: random signs for the Hadamard matrices
         (QuaRot's randomized transform); ``None``: the plain matrix.
       progress: Show a progress bar over the layers.
+      **deprecated: The settings this function took before methods were
+        values, still accepted with a string ``method`` (with a
+        ``DeprecationWarning`` that names the value to pass instead):
+        ``damping``, ``act_order`` (``Gptq``), ``grid``, ``clip_grid``
+        (``Awq``).
 
     Returns:
       A :class:`PtqResult`: the new params, a report per layer, the config
@@ -263,10 +268,11 @@ def quantize_weights(
 
     Raises:
       InvalidArgumentError: For an unknown method, no batches (or both
-        batches and stats), a config that quantizes no weight of ``fn``, a
-        weight quantizer with a scale provider or stochastic rounding,
-        ``smooth`` outside [0, 1], AWQ with ``rotate`` (its search needs
-        ``mean |x Q|``), a ``K`` with no Hadamard matrix, ``smooth`` or
+        batches and stats; ``stats`` alone for a propagated method), a
+        config that quantizes no weight of ``fn``, a weight quantizer with a
+        scale provider or stochastic rounding, ``smooth`` outside [0, 1], a
+        transform the method refuses (:meth:`Method.check`: AWQ with
+        ``rotate``), a ``K`` with no Hadamard matrix, ``smooth`` or
         ``rotate`` of a weight read by more than its matmul (a tied
         embedding's lookup would read the transformed table), a parameter two
         matmuls quantize in other layouts or on other grids (naming both),
@@ -274,6 +280,7 @@ def quantize_weights(
         weights with NaN or inf (naming the matmul; checked before any
         method runs), and the errors of :func:`collect_stats` and
         :func:`gptq` (named by layer).
+      TypeError: For an unexpected keyword argument.
       ConfigError: For a bad config.
 
     Example:
@@ -283,27 +290,28 @@ def quantize_weights(
       >>> params = {"w1": jax.random.normal(k[0], (16, 32)),
       ...           "w2": jax.random.normal(k[1], (32, 8))}
       >>> batches = [jax.random.normal(k[2], (64, 16))]
-      >>> out = qbits.ptq.quantize_weights(mlp, params, batches, "int8_fwd")
-      >>> [(r.path, r.error <= r.error_rtn) for r in out.layers]
-      [('w1', True), ('w2', True)]
+      >>> gptq = qbits.ptq.Gptq(damping=0.02)
+      >>> out = qbits.ptq.quantize_weights(mlp, params, batches, "int8_fwd",
+      ...                                  method=gptq)
+      >>> [(r.path, r.method, r.error <= r.error_rtn) for r in out.layers]
+      [('w1', 'gptq', True), ('w2', 'gptq', True)]
     """
-    if method not in METHODS:
-        raise InvalidArgumentError(
-            _OWNER, "method", method, "one of " + ", ".join(METHODS)
-        )
+    method = _method(method, deprecated)
     quant = as_quant_config(_OWNER, config)
     if smooth is not None:
         check_float(_OWNER, "smooth", smooth, lo=0.0, hi=1.0)
     check_bool(_OWNER, "rotate", rotate)
-    if rotate and method == "awq":
+    method.check(_OWNER, smooth=smooth, rotate=rotate)
+    if method.propagated and batches is None:
         raise InvalidArgumentError(
-            _OWNER,
-            "rotate",
-            True,
-            "method='gptq' or 'rtn' with rotate=True, or AWQ without it",
-            why="AWQ's scale search needs the mean |x Q| of the rotated "
-            "activation, which the statistics do not give",
-        )
+            _OWNER, "batches", None,
+            f"the calibration batches (a list: they run again before each "
+            f"weight) for {method!r}",
+            why="it needs the statistics of the activations of the quantized "
+            "model, which precomputed stats do not hold",
+        )  # fmt: skip
+    if method.propagated:
+        batches = list(batches)
     if (batches is None) == (stats is None):
         raise InvalidArgumentError(
             _OWNER,
@@ -337,11 +345,14 @@ def quantize_weights(
                 f"rotate=False, or a model whose {w.ms.path!r} has a K with a "
                 "Hadamard matrix", why=f"{w.ms.path!r} has K = {k}: {e}",
             ) from None  # fmt: skip
+        pairs = None
+        if method.propagated:  # the inputs of the weights quantized so far
+            now = jax.tree_util.tree_unflatten(treedef, values)
+            uses = [(ms.path, ms.stats.rows.shape) for ms in w.uses]
+            pairs = propagated_stats(_OWNER, fn, params, now, batches, uses)
         try:
             check_quantizer(_OWNER, w.quantizer)
-            new, report, data, qt = _one_weight(w, values[w.leaf], method, damping,
-                                                act_order, grid, clip_grid,
-                                                t)  # fmt: skip
+            new, report, data, qt = _one_weight(w, values[w.leaf], method, t, pairs)
         except InvalidArgumentError as e:
             if f"{w.ms.path!r}" in str(e):
                 raise
@@ -377,15 +388,42 @@ def _without_weight(path: str, cfg: DotGeneralConfig) -> Rule:
     return Rule(re.escape(path), None if plain else kept)
 
 
+def _method(method: Any, deprecated: dict[str, Any]) -> Method:
+    """``method`` as a value, with the settings given the old way moved into it."""
+    moved = {"damping": "gptq", "act_order": "gptq", "grid": "awq", "clip_grid": "awq"}
+    for name in deprecated:
+        if name not in moved:
+            raise TypeError(f"{_OWNER}() got an unexpected keyword argument {name!r}")
+    if not deprecated:
+        return by_name(_OWNER, method)
+    given = ", ".join(f"{k}={v!r}" for k, v in deprecated.items())
+    if not isinstance(method, str) or method_class(method) is None:
+        first = next(iter(deprecated))
+        raise InvalidArgumentError(
+            _OWNER, first, deprecated[first],
+            "a method value with its settings, e.g. method=qbits.ptq.Gptq("
+            "damping=0.02) or qbits.ptq.Awq(grid=10)",
+            why=f"{given}: a method's settings are fields of its value now",
+        )  # fmt: skip
+    cls = method_class(method)
+    own = {k: v for k, v in deprecated.items() if k in settings(cls)}
+    value = cls(**own)
+    warnings.warn(
+        f"{_OWNER}(method={method!r}, {given}) is deprecated: pass "
+        f"method=qbits.ptq.{value!r}"
+        + ("" if len(own) == len(deprecated) else f" ({method} ignores the rest)"),
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return value
+
+
 def _one_weight(
     w: Weight,
     param: Any,
-    method: str,
-    damping: float,
-    act_order: bool,
-    grid: int,
-    clip_grid: int,
+    method: Method,
     t: Transform,
+    pairs: PairStats | None,
 ) -> tuple[jax.Array, LayerReport, dict[str, jax.Array], Any]:
     """The new parameter, the weight's report, its transform's data, its QTensor.
 
@@ -404,22 +442,22 @@ def _one_weight(
         groups = mats.shape[:-2]
         new_mats = []
         for g in np.ndindex(*groups):
-            s = jax.tree.map(lambda a, g=g, layer=layer: a[(*layer, *g)], w.stats)
+            at = (*layer, *g)
+            s = jax.tree.map(lambda a, at=at: a[at], w.stats)
             m = mats[g]
-            rtn = _rtn(m, quantizer)
-            w_rtn = rtn.weight
+            w_rtn = rtn(m, quantizer).weight
             wt, h, absmean, data = t.apply(m, s)
-            if method == "awq":
-                w_new = awq(wt, h, absmean, quantizer, grid=grid,
-                            clip_grid=clip_grid).weight  # fmt: skip
-            else:  # on the grid, with its scales (for the stored weight)
-                if method == "rtn":
-                    on_grid = rtn if t.identity else _rtn(wt, quantizer)
-                else:
-                    on_grid = gptq(wt, h, quantizer, damping=damping,
-                                   act_order=act_order, name=ms.path)  # fmt: skip
-                w_new = on_grid.weight
-                grids.append(on_grid)
+            extra = {}
+            if pairs is not None:
+                extra = {"quantized_hessian": t.gram(pairs.quantized_hessian[at], data),
+                         "cross": t.gram(pairs.cross[at], data)}  # fmt: skip
+            got = method.quantize(
+                wt, MatrixStats(h, absmean, s.rows, **extra), quantizer, name=ms.path
+            )
+            if isinstance(got, GptqResult):  # on the grid, with its scales
+                grids.append(got)
+                got = got.weight
+            w_new = jnp.asarray(got, wt.dtype)
             w_eff = w_new if t.identity else t.effective(w_new, data)
             errors = _errors(m, w_rtn, w_eff, s.hessian, s.rows)
             err_rtn, err = err_rtn + float(errors[0]), err + float(errors[1])
@@ -428,24 +466,16 @@ def _one_weight(
         stacked = jnp.stack(new_mats).reshape(mats.shape)
         out.append(_unmatrix(ms, stacked))
     new = (jnp.stack(out).reshape(w_all.shape) if lead else out[0]).astype(w_all.dtype)
-    report = LayerReport(ms.path, w.param, method, err_rtn, err, w.paths)
-    qt = stored_weight(ms, new, quantizer, grids) if grids else None
+    report = LayerReport(ms.path, w.param, method.name, err_rtn, err, w.paths)
+    # Stored where every matrix is on the grid (a method may leave some off).
+    on_grid = grids and len(grids) == len(datas)
+    qt = stored_weight(ms, new, quantizer, grids) if on_grid else None
     shape = (*lead, *ms.stats.rows.shape[len(lead) :])
     data = {
         name: jnp.stack([d[name] for d in datas]).reshape(*shape, *v.shape)
         for name, v in (datas[0] if datas else {}).items()
     }
     return ms.write(param, new), report, data, qt
-
-
-@functools.partial(jax.jit, static_argnames=("quantizer",))
-def _rtn(w: jax.Array, quantizer: Quantizer) -> GptqResult:
-    """Round to nearest with the quantizer's blocks along ``K`` of ``(K, N)``."""
-    group, block_n = quantizer.granularity.block_sizes(w.shape, (0,))[:2]
-    qt = blocks_quantizer(quantizer, group, block_n).quant(w)
-    zero = None if qt.zero_point is None else qt.zero_point.astype(jnp.float32)
-    tensor = None if qt.tensor_scale is None else qt.tensor_scale.reshape(())
-    return GptqResult(qt.dequant().astype(w.dtype), qt.scale, zero, tensor)
 
 
 @jax.jit

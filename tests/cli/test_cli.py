@@ -191,7 +191,9 @@ def test_default_train_end_to_end(default_train, tmp_path, capsys):
     assert (out / "runs" / "float32__seed0.params").is_dir()  # for qbits ptq
 
     # qbits ptq on the saved float32 params: int4 in groups of 8 (the tiny
-    # model is 16 wide) by GPTQ after a rotation, a table beside float32's.
+    # model is 16 wide) by GPTQ after a rotation and by QEP (the batches run
+    # again before each weight, fn mapped over the float and quantized
+    # params), a table beside float32's.
     config = tmp_path / "w4g8.yaml"
     config.write_text(
         "fwd:\n  rhs:\n    numerics: {type: int, bits: 4}\n"
@@ -199,12 +201,12 @@ def test_default_train_end_to_end(default_train, tmp_path, capsys):
     )
     capsys.readouterr()
     argv = ["ptq", str(config), "--run", str(out), "--calibration", "2", "-q"]
-    assert main([*argv, "--method", "gptq+rot"]) == 0
+    assert main([*argv, "--method", "gptq+rot", "qep"]) == 0
     stdout = capsys.readouterr().out
     report = out / "ptq-w4g8"
     summary = json.loads((report / "results.json").read_text())
     rows = {r["config"]: r for r in summary["rows"]}
-    assert list(rows) == ["float32", "w4g8 gptq+rot"]
+    assert list(rows) == ["float32", "w4g8 gptq+rot", "w4g8 qep"]
     assert rows["float32"]["ratio"] == 1.0
     assert rows["float32"]["eval_loss"] == pytest.approx(
         json.loads((out / "results.json").read_text())["rows"][0]["eval_loss"],
@@ -212,6 +214,7 @@ def test_default_train_end_to_end(default_train, tmp_path, capsys):
     )  # the saved params are the trained ones
     assert all(math.isfinite(r["eval_loss"]) for r in rows.values())
     assert rows["w4g8 gptq+rot"]["eval_loss"] != rows["float32"]["eval_loss"]
+    assert rows["w4g8 qep"]["eval_loss"] != rows["float32"]["eval_loss"]
     assert "w4g8 gptq+rot" in stdout and (report / "results.md").stat().st_size > 0
     # What the PTQ run is about: eval losses, not float32's training curve;
     # "—" where a row has no figure (float32 was not timed here), never nan.

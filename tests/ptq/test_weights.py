@@ -65,16 +65,10 @@ def test_gptq_and_awq_beat_round_to_nearest_on_every_weight():
         )
 
     stats = ptq.collect_stats(_model, params, batches, config=config)
-    for method in ("gptq", "awq"):  # the statistics once, for both methods
+    # The statistics once, for both methods.
+    for method in (ptq.Gptq(), ptq.Awq(grid=6, clip_grid=3)):
         out = ptq.quantize_weights(
-            _model,
-            params,
-            None,
-            config,
-            stats=stats,
-            method=method,
-            grid=6,
-            clip_grid=3,
+            _model, params, None, config, stats=stats, method=method
         )
         assert jax.tree.map(jnp.shape, out.params) == jax.tree.map(jnp.shape, params)
         for r in out.layers:
@@ -83,9 +77,16 @@ def test_gptq_and_awq_beat_round_to_nearest_on_every_weight():
                             for e in ("error", "error_rtn"))  # fmt: skip
         assert total < 0.9 * total_rtn, method
         assert model_error(out.params) < model_error(rtn.params), method
-        if method == "gptq":  # per-channel: 16 levels at most in each column
+        assert {r.method for r in out.layers} == {method.name}
+        if method.name == "gptq":  # per-channel: 16 levels at most in each column
             for col in np.asarray(out.params["mlp"]["up"])[1].T:
                 assert len(np.unique(col)) <= 16
+            gptq = out
+    # QEP on heads and scanned layers: the paired run's statistics line up
+    # with the float ones (per group, per layer), and the model's error drops.
+    qep = ptq.quantize_weights(_model, params, batches, config, method=ptq.Qep())
+    assert [r.path for r in qep.layers] == paths
+    assert model_error(qep.params) < 0.8 * model_error(gptq.params)
 
 
 def test_result_config_quantizes_what_the_config_quantizes_besides_the_weights():
@@ -117,7 +118,7 @@ def test_float_rules_keep_their_weights_and_errors_name_the_layer():
     )
     with pytest.raises(qbits.InvalidArgumentError, match=r"(?s)'wq'.*tile_size=24"):
         ptq.quantize_weights(_model, params, batches, tiled)
-    with pytest.raises(qbits.InvalidArgumentError, match="method='sgd'"):
+    with pytest.raises(qbits.InvalidArgumentError, match=r"method='sgd'.*Gptq\(\)"):
         ptq.quantize_weights(_model, params, batches, config, method="sgd")
     with pytest.raises(qbits.InvalidArgumentError, match="batches"):
         ptq.quantize_weights(_model, params, iter([]), config)
