@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
@@ -67,6 +68,7 @@ from qbits._errors import InvalidArgumentError, check_float
 
 __all__ = [
     "SCALE_ROUNDINGS",
+    "AbsMean",
     "ScaleRounding",
     "make_scale",
     "round_scale",
@@ -282,6 +284,39 @@ class Percentile(Calibration):
     ) -> jax.Array:
         """The ``percentile``-th percentile of ``|x|`` over ``axes``."""
         return jnp.percentile(jnp.abs(x), self.percentile, axis=axes, keepdims=True)
+
+
+class AbsMean(Calibration):
+    r"""The mean magnitude in the block: BitNet b1.58's weight scale.
+
+    With :class:`~qbits.numerics.TernaryNumerics` (which maps the bound onto
+    the code 1) and ``PerTensor()``, the scale is BitNet b1.58's
+    :math:`\gamma = \mathrm{mean}(|W|)` (arXiv 2402.17764). Most values
+    lie beyond the bound and clip. A block whose sum of magnitudes
+    overflows float32 is averaged from magnitudes scaled down first, so
+    that its mean stays finite.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.array([[1.0, -3.0], [0.5, -0.5]])
+      >>> qbits.calibration.AbsMean()(x, axes=(1,))
+      Array([[2. ],
+             [0.5]], dtype=float32)
+    """
+
+    def bound(
+        self, x: jax.Array, axes: Axes, quantize: QuantizeFn | None = None
+    ) -> jax.Array:
+        """``mean(|x|)`` over ``axes``."""
+        magnitude = jnp.abs(x)
+        mean = jnp.mean(magnitude, axis=axes, keepdims=True)
+        n = math.prod(x.shape[a] for a in axes)
+        # Each magnitude times 2**-k, 2**k >= n: the sum is at most the
+        # largest magnitude (a power of two scales exactly).
+        down = np.asarray(2.0 ** -max(n - 1, 1).bit_length(), x.dtype)
+        up = np.asarray(2.0 ** max(n - 1, 1).bit_length(), x.dtype)
+        scaled = jnp.mean(magnitude * down, axis=axes, keepdims=True) * up
+        return lax.select(jnp.isinf(mean), scaled, mean)
 
 
 class MseSearch(Calibration):

@@ -37,7 +37,7 @@ from flax import struct
 
 from qbits._errors import InvalidArgumentError, check_float, check_int
 from qbits.lsq import LSQ_INITS, grid_max, init_step, lsq_quantize
-from qbits.numerics import FpNumerics, IntNumerics, QNumerics
+from qbits.numerics import QNumerics
 
 __all__ = [
     "AMAX_COMPUTES",
@@ -233,12 +233,8 @@ def _check_margin(margin: float, numerics: QNumerics) -> None:
     0: every output of the matmul would be zero.
     """
     fmt_max = _fmt_max(numerics)
-    if isinstance(numerics, IntNumerics) and numerics.round and numerics.preserve_zero:
-        smallest = 1.0  # values above 0.5 round to 1
-    elif isinstance(numerics, FpNumerics):
-        f = numerics.format
-        smallest = 2.0 ** (f.min_exp - f.nmant)  # the smallest subnormal
-    else:  # no zero on the grid, or a grid qbits does not know
+    smallest = numerics.smallest_nonzero()
+    if smallest is None:  # no zero on the grid, or no smallest value known
         return
     limit = math.log2(2 * fmt_max / smallest)
     if not margin < limit:

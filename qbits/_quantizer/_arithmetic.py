@@ -1,7 +1,9 @@
 """The per-block scale arithmetic of tensors quantized together.
 
 :func:`scales_and_inverses` turns the bounds of several tensors into their
-scales and inverses in one small kernel (see its docstring).
+scales and inverses in one small kernel (see its docstring);
+:func:`negatives_stay_negative` keeps the sign of values that underflow
+when scaled, for grids without a zero.
 """
 
 from __future__ import annotations
@@ -9,9 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax import lax
 
-__all__ = ["flat_vector", "pre_factor", "scales_and_inverses"]
+__all__ = [
+    "flat_vector",
+    "negatives_stay_negative",
+    "pre_factor",
+    "scales_and_inverses",
+]
 
 
 def flat_vector(v: jax.Array) -> jax.Array:
@@ -90,3 +98,29 @@ def scales_and_inverses(
         return out
 
     return lax.platform_dependent(*flats, cpu=cpu, default=default)
+
+
+@jax.custom_jvp
+def negatives_stay_negative(y: jax.Array, x: jax.Array) -> jax.Array:
+    """``y`` (``x`` scaled), where a negative ``x`` became a zero: -tiny.
+
+    The smallest negative normal rounds to the grid's negative value
+    nearest 0 (``floor(y) + 0.5``), as ``x`` itself would.
+    """
+    tiny = np.asarray(-np.finfo(y.dtype).tiny, y.dtype)
+    # x < 0 by its bits: XLA:CPU compares a negative subnormal as a zero.
+    signed = np.dtype(f"int{np.dtype(x.dtype).itemsize * 8}")
+    bits = lax.bitcast_convert_type(x, signed)
+    negative = lax.bitwise_and(
+        lax.lt(bits, np.asarray(0, signed)),
+        lax.ne(bits, np.asarray(np.iinfo(signed).min, signed)),  # not -0.0
+    )
+    lost = lax.bitwise_and(lax.eq(y, lax.full_like(y, 0)), negative)
+    return lax.select(lost, lax.full_like(y, tiny), y)
+
+
+@negatives_stay_negative.defjvp
+def negatives_stay_negative_jvp(primals: Any, tangents: Any) -> Any:
+    # y's own derivative: what the flushed zero was replaced by is a constant
+    # only in value, not in the straight-through gradient.
+    return negatives_stay_negative(*primals), tangents[0]

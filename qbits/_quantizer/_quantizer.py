@@ -17,7 +17,11 @@ from qbits._context import Context
 from qbits._errors import InvalidArgumentError
 from qbits._formats import check_float_input, compute_dtype
 from qbits._jaxpr import varying
-from qbits._quantizer._arithmetic import flat_vector, scales_and_inverses
+from qbits._quantizer._arithmetic import (
+    flat_vector,
+    negatives_stay_negative,
+    scales_and_inverses,
+)
 from qbits._quantizer._storage import encode, to_storage
 from qbits._quantizer._two_level import quantize_two_level
 from qbits._quantizer._zero_point import quantize_asymmetric
@@ -32,14 +36,7 @@ from qbits.calibration import (
     scale_limits,
 )
 from qbits.granularity import BlockLayout, Granularity, PerTensor
-from qbits.numerics import (
-    FpNumerics,
-    IntNumerics,
-    Nf4Numerics,
-    NoNumerics,
-    QNumerics,
-    UintNumerics,
-)
+from qbits.numerics import QNumerics
 from qbits.providers import ScaleProvider
 from qbits.tensor import QTensor
 
@@ -156,14 +153,14 @@ class Quantizer(struct.PyTreeNode):
                 self.scale_rounding,
                 "one of " + ", ".join(_ROUNDINGS),
             )
-        asymmetric = isinstance(self.numerics, UintNumerics)
+        asymmetric = self.numerics.asymmetric
         if asymmetric and self.scale_rounding != "none":
             raise InvalidArgumentError(
                 "Quantizer",
                 "scale_rounding",
                 self.scale_rounding,
-                "'none' with UintNumerics (an asymmetric grid's scale and zero "
-                "point are not rounded)",
+                f"'none' with {type(self.numerics).__name__} (an asymmetric "
+                "grid's scale and zero point are not rounded)",
             )
         if self.provider is not None and (asymmetric or self.scale_rounding == "e4m3"):
             what = "a zero point" if asymmetric else "a two-level (e4m3) scale"
@@ -381,7 +378,7 @@ def _calibrate(
             "qbits.flax.quantize / qbits.nnx.quantize, which keep it",
         )
     qdtype = self.numerics.get_dtype()
-    if store and qdtype is None and not isinstance(self.numerics, NoNumerics):
+    if store and qdtype is None and not self.numerics.is_identity:
         raise InvalidArgumentError(
             "Quantizer.quant",
             "store",
@@ -389,10 +386,10 @@ def _calibrate(
             "False for these numerics",
             why=f"{self.numerics!r} has no storage dtype",
         )
-    if isinstance(self.numerics, NoNumerics):
+    if self.numerics.is_identity:
         qt = QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
         return qt, (jax.tree_util.Partial(_identity) if vjp else None)
-    if isinstance(self.numerics, UintNumerics):
+    if self.numerics.asymmetric:
         return quantize_asymmetric(request._replace(x=x), vjp)
     if self.scale_rounding == "e4m3":
         return quantize_two_level(request._replace(x=x), vjp)
@@ -497,8 +494,15 @@ def _encode(
         )
 
     numerics = self.numerics
-    if pre is None and _clamps_apart(numerics, p.request.store):
-        # The numerics' clip, done here: on a GPU in a chain of its own.
+    unclipped = numerics.unclipped() if p.request.store else None
+    if pre is None and unclipped is not None:
+        # The numerics' clip, done here: on a GPU in a chain of its own (see
+        # QNumerics.unclipped). cuBLASLt's int8 GEMM runs at full rate only
+        # with both operands contiguous along the contracting axes (else a
+        # kernel 12x slower, measured on an H200); two
+        # quantizations of one tensor (a weight's forward codes and its
+        # input-gradient codes) would otherwise share nodes (the conversion,
+        # the broadcast bounds), and layout assignment one layout for both.
         lo, hi = (np.asarray(b, xb.dtype) for b in numerics.gradient_range())
         dims = tuple(range(xb.ndim))
 
@@ -513,22 +517,22 @@ def _encode(
             return lax.clamp(low, y, high)
 
         y = lax.platform_dependent(xb, inverse, cuda=apart, default=here)
-        numerics = dataclasses.replace(numerics, clip=False)
+        numerics = unclipped
     elif pre is None:
         y = times(xb, inverse)
     else:
         y = times(times(xb, pre), inverse)
-    if _no_zero(self.numerics):
+    if not self.numerics.has_zero:
         # A value far below its block's scale underflows to a zero here
         # (flushed, maybe -0.0 for a negative value), and a grid without a
         # zero rounds a zero up: a negative value must stay negative.
-        y = _negatives_stay_negative(y, xb)
+        y = negatives_stay_negative(y, xb)
     if p.request.store:  # the storage cast follows (see Context.cast_next)
         key = None if context is None else context.key
         context = Context(key, cast_next=True)
     q, grad = encode(numerics, y, context, layout, vjp)
     if p.bound is not None and not (
-        _keeps_zero(self.numerics)
+        self.numerics.keeps_zero
         and isinstance(self.calibration, _ZERO_BOUND_MEANS_ZEROS)
     ):
         # A block whose bound is 0 dequantizes to exact zeros, also on a
@@ -540,44 +544,13 @@ def _encode(
         q = q - times(lax.stop_gradient(q), zero)
     q = q.reshape(x.shape)
     if p.request.store:
-        clipped = isinstance(self.numerics, IntNumerics) and self.numerics.clip
+        clipped = self.numerics.clips
         codes = getattr(self.numerics, "codes", None)  # a codebook's indices
         q = to_storage(q, p.qdtype, saturate=not clipped, guard=not vjp, codes=codes)
     scale = scale.reshape(layout.scale_shape).astype(jnp.float32)
-    codebook = None
-    if p.request.store and isinstance(self.numerics, Nf4Numerics):
-        codebook = self.numerics.levels
+    codebook = self.numerics.codebook if p.request.store else None
     qt = QTensor(q, scale, qdtype=p.qdtype, dtype=x.dtype, codebook=codebook)
     return qt, grad
-
-
-def _clamps_apart(numerics: Any, store: bool) -> bool:
-    """Whether this quantization clips in :func:`_encode` (see ``gpu`` there).
-
-    cuBLASLt's int8 GEMM runs at full rate only with both operands
-    contiguous along the contracting axes ("TN"); given another layout it
-    falls back to a kernel 12x slower (measured on an H200). When two int8
-    quantizations of one tensor need different layouts (a weight's forward
-    codes contract its rows, its input-gradient codes its columns), they
-    share nodes in XLA's graph (the tensor's conversion, the broadcast
-    clipping bounds): layout assignment gives both chains one layout,
-    copies the codes for the other GEMM, and XLA's transpose folding folds
-    that copy into the GEMM as a non-TN operand. Passing the tensor, its
-    inverse scale and the bounds through one optimization barrier per
-    quantization gives each its own chain, laid out for its own GEMM. The
-    values are those of the numerics' own clip (it is then switched off):
-    so only where clipping commutes with everything the numerics does
-    before it (no noise) and the gradient does not look at the clip.
-    Elsewhere than on a GPU, the clip is the numerics' own (constant bounds).
-    """
-    return (
-        store
-        and isinstance(numerics, IntNumerics)
-        and numerics.clip
-        and numerics.noise_fn is None
-        and not numerics.clip_gradient
-        and numerics.get_dtype() is not None
-    )
 
 
 # Calibrations whose bound is 0 only for a block of zeros (or of values so
@@ -613,52 +586,6 @@ def _given_scale(scale: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Ar
             f"a scale of shape {shape} (one entry per block)",
         )
     return scale.reshape(shape).astype(dtype)
-
-
-def _keeps_zero(numerics: QNumerics) -> bool:
-    """Whether ``numerics`` maps 0 to exactly 0, whatever its noise."""
-    if isinstance(numerics, FpNumerics | Nf4Numerics):
-        return True
-    if isinstance(numerics, IntNumerics):
-        if numerics.round:
-            return numerics.preserve_zero
-        return numerics.noise_fn is None
-    return False
-
-
-def _no_zero(numerics: QNumerics) -> bool:
-    """Whether ``numerics`` rounds onto a grid without a zero (by sign)."""
-    return (
-        isinstance(numerics, IntNumerics)
-        and numerics.round
-        and not numerics.preserve_zero
-    )
-
-
-@jax.custom_jvp
-def _negatives_stay_negative(y: jax.Array, x: jax.Array) -> jax.Array:
-    """``y`` (``x`` scaled), where a negative ``x`` became a zero: -tiny.
-
-    The smallest negative normal rounds to the grid's negative value
-    nearest 0 (``floor(y) + 0.5``), as ``x`` itself would.
-    """
-    tiny = np.asarray(-np.finfo(y.dtype).tiny, y.dtype)
-    # x < 0 by its bits: XLA:CPU compares a negative subnormal as a zero.
-    signed = np.dtype(f"int{np.dtype(x.dtype).itemsize * 8}")
-    bits = lax.bitcast_convert_type(x, signed)
-    negative = lax.bitwise_and(
-        lax.lt(bits, np.asarray(0, signed)),
-        lax.ne(bits, np.asarray(np.iinfo(signed).min, signed)),  # not -0.0
-    )
-    lost = lax.bitwise_and(lax.eq(y, lax.full_like(y, 0)), negative)
-    return lax.select(lost, lax.full_like(y, tiny), y)
-
-
-@_negatives_stay_negative.defjvp
-def _negatives_stay_negative_jvp(primals: Any, tangents: Any) -> Any:
-    # y's own derivative: what the flushed zero was replaced by is a constant
-    # only in value, not in the straight-through gradient.
-    return _negatives_stay_negative(*primals), tangents[0]
 
 
 def _identity(g: jax.Array) -> jax.Array:

@@ -137,7 +137,7 @@ def quantize_two_level(
             codes, numerics.get_dtype(), saturate=True, guard=not vjp, codes=index
         )
         scale = scale.astype(BLOCK_SCALE_DTYPE)
-        codebook = getattr(numerics, "levels", None) if index is not None else None
+        codebook = numerics.codebook
     qt = QTensor(
         codes,
         scale,

@@ -32,6 +32,7 @@ from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._quantizer import Quantizer
 from qbits.calibration import (
     AbsMax,
+    AbsMean,
     Calibration,
     ConstantBound,
     MseSearch,
@@ -46,6 +47,7 @@ from qbits.numerics import (
     Nf4Numerics,
     NoNumerics,
     QNumerics,
+    TernaryNumerics,
     UintNumerics,
     UniformNoise,
 )
@@ -65,6 +67,7 @@ _KINDS: dict[str, tuple[type, dict[str, type]]] = {
             "none": NoNumerics,
             "uint": UintNumerics,
             "nf4": Nf4Numerics,
+            "ternary": TernaryNumerics,
         },
     ),
     "calibration": (
@@ -74,6 +77,7 @@ _KINDS: dict[str, tuple[type, dict[str, type]]] = {
             "percentile": Percentile,
             "mse": MseSearch,
             "constant": ConstantBound,
+            "absmean": AbsMean,
         },
     ),
     "provider": (

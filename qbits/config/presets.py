@@ -19,13 +19,14 @@ from collections.abc import Callable
 
 from qbits._errors import ConfigError
 from qbits._quantizer import Quantizer, mx_quantizer
-from qbits.calibration import AbsMax
+from qbits.calibration import AbsMax, AbsMean
 from qbits.granularity import PerChannel, PerTensor, Tiled
 from qbits.numerics import (
     Fp8Numerics,
     FpNumerics,
     IntNumerics,
     Nf4Numerics,
+    TernaryNumerics,
     UintNumerics,
     UniformNoise,
 )
@@ -250,6 +251,26 @@ def nf4() -> DotGeneralConfig:
     return DotGeneralConfig(fwd=MatmulConfig(rhs=rhs))
 
 
+def w1_58a8() -> DotGeneralConfig:
+    """BitNet b1.58: ternary weights with an absmean scale, int8 activations.
+
+    Ma et al., "The Era of 1-bit LLMs: All Large Language Models are in 1.58
+    Bits" (arXiv 2402.17764): each weight matrix is divided by the mean of
+    its magnitudes (one scale per tensor) and rounded and clipped to -1, 0
+    or +1 (``TernaryNumerics``, ``calibration: absmean``); the activations
+    (the lhs) are int8 with one absmax scale per token. Training keeps float
+    weights and gradients: the forward matmul is quantized, the gradient is
+    straight-through, the backward float. Stored: 4-bit codes (packed two
+    per byte) and one float32 per weight matrix.
+
+    Matmuls of two activations (attention's ``q . k`` and ``p . v``) have
+    no weight: they run int8 x int8 (the activation quantizer on both
+    operands).
+    """
+    rhs = Quantizer(TernaryNumerics(), AbsMean(), PerTensor())
+    return DotGeneralConfig(fwd=MatmulConfig(lhs=_int(8), rhs=rhs))
+
+
 def _nvfp4() -> Quantizer:
     """E2M1 in blocks of 16, E4M3 block scales under a float32 tensor scale."""
     return Quantizer(FpNumerics("float4_e2m1fn"), AbsMax(), Tiled(tile_size=16), "e4m3")
@@ -302,6 +323,7 @@ _PRESETS: dict[str, Callable[[], DotGeneralConfig]] = {
         nf4,
         nvfp4,
         nvfp4_weight_only,
+        w1_58a8,
     )
 }
 

@@ -30,7 +30,7 @@ from qbits._quantizer import Quantizer
 from qbits.calibration import AbsMax
 from qbits.config import from_dict, read_yaml, to_dict
 from qbits.granularity import PerChannel
-from qbits.numerics import Fp8Numerics, FpNumerics, IntNumerics, NoNumerics, QNumerics
+from qbits.numerics import Fp8Numerics, IntNumerics, QNumerics
 
 __all__ = [
     "GRANULARITIES",
@@ -52,17 +52,18 @@ _FIELDS = ("keys", "values", "granularity")
 
 def _check_numerics(name: str, numerics: Any) -> QNumerics | None:
     """``numerics`` if a cache can store with it (``NoNumerics`` is float)."""
-    if numerics is None or isinstance(numerics, NoNumerics):
+    if numerics is None or getattr(numerics, "is_identity", False):
         return None
     allowed = (
         "None (float), IntNumerics stored in int8 or FpNumerics of an fp8 "
         "format (e.g. IntNumerics(bits=8), Fp8Numerics('float8_e4m3fn')), "
         "rounding to nearest and clipping"
     )
-    if not isinstance(numerics, IntNumerics | FpNumerics):
+    # Codes that are the values (no zero point, no codebook), one byte each.
+    if not isinstance(numerics, QNumerics) or numerics.asymmetric:
         raise InvalidArgumentError("CacheConfig", name, numerics, allowed)
     dtype = np.dtype(numerics.get_dtype())
-    if not (dtype == np.int8 or dtype.name.startswith("float8_")):
+    if numerics.codebook or not (dtype == np.int8 or dtype.name[:6] == "float8"):
         raise InvalidArgumentError(
             "CacheConfig",
             name,
@@ -70,7 +71,7 @@ def _check_numerics(name: str, numerics: Any) -> QNumerics | None:
             allowed,
             why=f"it stores {dtype.name}; the cache holds one byte per value",
         )
-    if numerics.noise_fn is not None:
+    if getattr(numerics, "noise_fn", None) is not None:
         raise InvalidArgumentError(
             "CacheConfig",
             name,
@@ -78,7 +79,7 @@ def _check_numerics(name: str, numerics: Any) -> QNumerics | None:
             allowed,
             why="it rounds stochastically; a cache is written without a key",
         )
-    if not numerics.clip:
+    if not numerics.clips:
         raise InvalidArgumentError(
             "CacheConfig",
             name,

@@ -35,7 +35,7 @@ from qbits._errors import ConfigError, InvalidArgumentError
 from qbits.config import QuantConfig, Rule, from_dict, read_yaml
 from qbits.lora._config import LoraConfig
 from qbits.lora._function import AdaptedLayer, Lora, LoraBase, LoraFunction
-from qbits.numerics import NoNumerics, check_key
+from qbits.numerics import check_key
 from qbits.ptq import operand_indices
 
 __all__ = ["apply"]
@@ -258,9 +258,9 @@ def _base_rules(
             continue
         res = rules.resolve(path)
         cfg = res.config
-        if cfg is None or isinstance(cfg.fwd.rhs.numerics, NoNumerics):
+        if cfg is None or cfg.fwd.rhs.numerics.is_identity:
             continue
-        if not isinstance(cfg.fwd.lhs.numerics, NoNumerics):
+        if not cfg.fwd.lhs.numerics.is_identity:
             raise ConfigError(
                 f"base.{res.where}", res.name or "inline",
                 "a weight-only config (activations float: nf4, w4g128_asym, "

@@ -2,7 +2,8 @@
 
 The grids (:class:`IntNumerics`, :class:`FpNumerics`, :class:`NoNumerics`;
 :class:`UintNumerics` for asymmetric quantization with a zero point,
-:class:`Nf4Numerics` for QLoRA's NF4 levels;
+:class:`Nf4Numerics` for QLoRA's NF4 levels, :class:`TernaryNumerics` for
+BitNet b1.58's -1, 0, +1;
 :class:`QNumerics` to write one's own), stochastic rounding
 (:class:`UniformNoise`, whose key comes in a :class:`Context`) and the PRNG
 keys it draws from (:func:`check_key`, :func:`next_key`, :func:`derive_key`,
@@ -18,6 +19,7 @@ from qbits.numerics._int_numerics import IntNumerics
 from qbits.numerics._keys import check_key, derive_key, hash_key, next_key
 from qbits.numerics._no_numerics import NoNumerics
 from qbits.numerics._noise import UniformNoise
+from qbits.numerics._ternary import TernaryNumerics
 from qbits.numerics._uint_numerics import UintNumerics
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "Nf4Numerics",
     "NoNumerics",
     "QNumerics",
+    "TernaryNumerics",
     "UintNumerics",
     "UniformNoise",
     "check_key",

@@ -34,8 +34,12 @@ class QNumerics(struct.PyTreeNode, metaclass=abc.ABCMeta):
     A numerics object is a frozen, hashable pytree with only static fields. It
     owns its gradient: calling it (``numerics(x, context)``) runs :meth:`fwd`
     in the forward pass and :meth:`vjp_bwd` in the backward pass, through a
-    ``jax.custom_vjp``. Subclasses implement the abstract methods and nothing
-    else.
+    ``jax.custom_vjp``. Subclasses implement the abstract methods; a grid
+    that stores codes, clips or has no zero also says so through the
+    properties and methods below the abstract ones (:attr:`asymmetric`,
+    :attr:`codebook`, :attr:`clips`, :meth:`code_bound`, ...), whose
+    defaults describe a grid for fake quantization only. Nothing outside
+    the numerics asks which class a numerics is.
 
     Example:
       A sign (binary) numerics with a straight-through gradient:
@@ -83,6 +87,74 @@ class QNumerics(struct.PyTreeNode, metaclass=abc.ABCMeta):
     def __call__(self, x: jax.Array, context: Context | None = None) -> jax.Array:
         """Applies the numerics with its own gradient (see :meth:`vjp_bwd`)."""
         return _apply(self, x, context)
+
+    # What the rest of qbits asks a grid (quantizer, storage, serving, the
+    # matmuls' accumulators, caches): each numerics answers for itself, with
+    # these defaults for a fake-quantization grid that stores nothing.
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether this numerics quantizes nothing (:class:`NoNumerics`)."""
+        return False
+
+    @property
+    def asymmetric(self) -> bool:
+        """Whether the grid is unsigned codes with a zero point per block.
+
+        A :class:`~qbits.Quantizer` then maps each block's range onto the
+        codes ``0 .. abs_val_mapped_to()`` through a scale and a zero point
+        (:class:`UintNumerics`).
+        """
+        return False
+
+    @property
+    def codebook(self) -> tuple[float, ...] | None:
+        """The values that stored codes stand for, or ``None`` (codes are values)."""
+        return None
+
+    @property
+    def clips(self) -> bool:
+        """Whether the input is clipped to ``gradient_range()``, every output in it."""
+        return False
+
+    @property
+    def has_zero(self) -> bool:
+        """Whether 0 is a grid point (a grid of signs, like binary, has none)."""
+        return True
+
+    @property
+    def keeps_zero(self) -> bool:
+        """Whether 0 comes back exactly 0, whatever the noise."""
+        return False
+
+    def code_bound(self) -> int | None:
+        """The largest magnitude of the integer codes stored, if below the dtype's.
+
+        ``None``: any value of the storage dtype. Stored matmuls sum products
+        of codes in int32 where ``K * bound * bound`` fits (an int8 grid
+        clipped at 127, not the dtype's -128).
+        """
+        return None
+
+    def saturation_edge(self) -> float | None:
+        """``|x|`` beyond which an input saturates (the top bucket's far edge)."""
+        return self.abs_val_mapped_to()
+
+    def smallest_nonzero(self) -> float | None:
+        """The smallest magnitude a nonzero grid point has; ``None`` if unknown."""
+        return None
+
+    def unclipped(self) -> QNumerics | None:
+        """This numerics without its clip, where clipping first is the same.
+
+        Where the quantizer may clip the input to :meth:`gradient_range` itself
+        and then apply the result, with the same values and gradient (the
+        clip commutes with what the numerics does before it, and the gradient
+        does not look at it); ``None`` elsewhere. The quantizer does so on a
+        GPU for stored integer codes, so that each quantization of a tensor
+        gets its own chain of operations, laid out for its own GEMM.
+        """
+        return None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

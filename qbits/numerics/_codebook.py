@@ -122,3 +122,18 @@ class Nf4Numerics(ClippedStraightThrough):
     def gradient_range(self) -> tuple[float, float]:
         """The levels' range (the gradient's mask with ``clip_gradient``)."""
         return (-1.0, 1.0)
+
+    @property
+    def codebook(self) -> tuple[float, ...]:
+        """The levels: stored codes are indices into them (see :meth:`codes`)."""
+        return NF4_LEVELS
+
+    @property
+    def clips(self) -> bool:
+        """``True``: the input is clipped to ``[-1, 1]``."""
+        return True
+
+    @property
+    def keeps_zero(self) -> bool:
+        """``True``: 0 is a level."""
+        return True

@@ -121,6 +121,26 @@ class FpNumerics(ClippedStraightThrough):
         """The format's finite range (the gradient's mask with ``clip_gradient``)."""
         return (-self.format.max, self.format.max)
 
+    @property
+    def clips(self) -> bool:
+        """``clip``."""
+        return self.clip
+
+    @property
+    def keeps_zero(self) -> bool:
+        """``True``: 0 is on every float grid, and its noise keeps it 0."""
+        return True
+
+    def saturation_edge(self) -> float:
+        """The largest value plus half its step (464 for E4M3): it rounds down."""
+        fmt = self.format
+        top = float(fmt.max)
+        return top + 2.0 ** (np.floor(np.log2(top)) - fmt.nmant - 1)
+
+    def smallest_nonzero(self) -> float:
+        """The smallest subnormal."""
+        return 2.0 ** (self.format.min_exp - self.format.nmant)
+
 
 class Fp8Numerics(FpNumerics):
     """:class:`FpNumerics` restricted to the 8-bit formats; E4M3 by default.

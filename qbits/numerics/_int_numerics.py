@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -221,3 +222,39 @@ class IntNumerics(ClippedStraightThrough):
     def gradient_range(self) -> tuple[float, float]:
         """The clip range (the gradient's mask with ``clip_gradient``)."""
         return (-self._clip_bound(), self._clip_bound())
+
+    @property
+    def clips(self) -> bool:
+        """``clip``."""
+        return self.clip
+
+    @property
+    def has_zero(self) -> bool:
+        """``False`` for a rounding grid without ``preserve_zero`` (binary)."""
+        return self.preserve_zero or not self.round
+
+    @property
+    def keeps_zero(self) -> bool:
+        """With rounding, ``preserve_zero``; without, when there is no noise."""
+        return self.preserve_zero if self.round else self.noise_fn is None
+
+    def code_bound(self) -> int | None:
+        """``2**(bits-1) - 1`` for clipped integer codes; ``None`` unclipped."""
+        if self.clip and self.dtype is not None:
+            return 2 ** (self.bits - 1) - 1
+        return None
+
+    def saturation_edge(self) -> float:
+        """The edge of the top bucket (127.5 for int8)."""
+        return self._edge_of_last_bucket()
+
+    def smallest_nonzero(self) -> float | None:
+        """1 on an integer grid (values above 0.5 round to it); else ``None``."""
+        return 1.0 if self.round and self.preserve_zero else None
+
+    def unclipped(self) -> IntNumerics | None:
+        """Without ``clip``, for stored codes with no noise and no clipped gradient."""
+        simple = self.noise_fn is None and not self.clip_gradient
+        if self.clip and simple and self.dtype is not None:
+            return dataclasses.replace(self, clip=False)
+        return None

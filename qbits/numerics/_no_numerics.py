@@ -40,3 +40,8 @@ class NoNumerics(QNumerics):
     def abs_val_mapped_to(self) -> None:
         """No grid."""
         return None
+
+    @property
+    def is_identity(self) -> bool:
+        """``True``."""
+        return True

@@ -138,3 +138,13 @@ class UintNumerics(ClippedStraightThrough):
     def gradient_range(self) -> tuple[float, float]:
         """The codes' range (the gradient's mask with ``clip_gradient``)."""
         return (0.0, float(self.top))
+
+    @property
+    def asymmetric(self) -> bool:
+        """``True``: a scale and a zero point per block."""
+        return True
+
+    @property
+    def clips(self) -> bool:
+        """``True``: codes are clipped to ``[0, 2**bits - 1]``."""
+        return True

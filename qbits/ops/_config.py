@@ -6,12 +6,13 @@ import dataclasses
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
 from qbits._errors import InvalidArgumentError, check_bool
 from qbits._quantizer import Quantizer
-from qbits.numerics import IntNumerics, NoNumerics, check_key
+from qbits.numerics import NoNumerics, check_key
 
 __all__ = ["IDENTITY", "DotGeneralConfig", "MatmulConfig"]
 
@@ -85,10 +86,11 @@ class MatmulConfig(struct.PyTreeNode):
         if self.mode == "real":
             for name in ("lhs", "rhs"):
                 n = getattr(self, name).numerics
+                dtype = n.get_dtype()
                 if (
-                    isinstance(n, IntNumerics)
-                    and not n.clip
-                    and n.get_dtype() is not None
+                    not n.clips
+                    and dtype is not None
+                    and jnp.issubdtype(dtype, jnp.integer)
                 ):
                     raise InvalidArgumentError(
                         "MatmulConfig",

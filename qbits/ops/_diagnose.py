@@ -29,7 +29,6 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
-from qbits.numerics import FpNumerics, IntNumerics
 from qbits.ops._operands import SLOTS, block_amax
 from qbits.tensor import QTensor, expand_scale
 
@@ -101,23 +100,6 @@ def init_probe() -> dict[str, jax.Array]:
     }
 
 
-def _top_edge(numerics: Any) -> float | None:
-    """``|x / scale|`` beyond which a value saturates (the top bucket's edge).
-
-    An integer grid: the edge of its top bucket (127.5 for int8); a float
-    format: its largest value plus half its top step (464 for E4M3); other
-    grids: the magnitude the calibration maps onto.
-    """
-    if isinstance(numerics, IntNumerics):
-        edge = 2.0 ** (numerics.bits - 1)
-        return edge - 0.5 if numerics.preserve_zero else edge
-    if isinstance(numerics, FpNumerics):
-        fmt = numerics.format
-        top = float(fmt.max)
-        return top + 2.0 ** (np.floor(np.log2(top)) - fmt.nmant - 1)
-    return numerics.abs_val_mapped_to()
-
-
 def measure(
     quantizer: Any, x: jax.Array, qt: QTensor, contracting: tuple[int, ...]
 ) -> tuple[jax.Array, jax.Array]:
@@ -138,7 +120,7 @@ def measure(
         jnp.sum(x * x),
         jnp.sum(jnp.square(x - xq)),
     ]
-    edge = _top_edge(quantizer.numerics)
+    edge = quantizer.numerics.saturation_edge()
     if edge is None:
         sums.append(f32(0))
     else:

@@ -16,7 +16,6 @@ import numpy as np
 from jax import lax
 
 from qbits._quantizer import Quantizer
-from qbits.numerics import IntNumerics, NoNumerics
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes
 from qbits.tensor import QTensor
@@ -33,7 +32,7 @@ def headroom(lqt: QTensor, rqt: QTensor, cfg: MatmulConfig) -> tuple[str, float]
     the result does not (``1e37 * 7 * 256``). ``None`` when both operands
     are quantized (their codes are small) or neither is.
     """
-    plain = [isinstance(q.numerics, NoNumerics) for q in (cfg.lhs, cfg.rhs)]
+    plain = [q.numerics.is_identity for q in (cfg.lhs, cfg.rhs)]
     if plain[0] == plain[1]:
         return None
     side, qt, q = ("lhs", rqt, cfg.rhs) if plain[0] else ("rhs", lqt, cfg.lhs)
@@ -58,13 +57,10 @@ def code_bound(qt: QTensor, quantizer: Quantizer | None = None) -> int:
     """
     top = int(ml_dtypes.iinfo(np.dtype(qt.qdtype)).max)
     numerics = getattr(quantizer, "numerics", None)
-    if (
-        isinstance(numerics, IntNumerics)
-        and numerics.clip
-        and numerics.get_dtype() == np.dtype(qt.qdtype)
-    ):
-        return min(top, 2 ** (numerics.bits - 1) - 1)
-    return top
+    if numerics is None or numerics.get_dtype() != np.dtype(qt.qdtype):
+        return top
+    bound = numerics.code_bound()
+    return top if bound is None else min(top, bound)
 
 
 def shifted(

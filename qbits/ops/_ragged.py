@@ -45,7 +45,6 @@ from jax import lax
 from qbits._errors import InvalidArgumentError
 from qbits.calibration import AbsMax, ConstantBound
 from qbits.granularity import PerTensor
-from qbits.numerics import NoNumerics, UintNumerics
 from qbits.ops import _state as state_lib
 from qbits.ops._config import Configured, DotGeneralConfig, check_config
 from qbits.ops._ragged_contract import RaggedContraction
@@ -179,9 +178,9 @@ def _check_config(config: DotGeneralConfig, owner: str) -> None:
                     "PerTensor() with a scale provider (a ragged dot keeps "
                     "one scale state per tensor), or a calibration",
                 )
-            if matmul != "drhs" or isinstance(q.numerics, NoNumerics):
+            if matmul != "drhs" or q.numerics.is_identity:
                 continue
-            if isinstance(q.numerics, UintNumerics):
+            if q.numerics.asymmetric:
                 raise InvalidArgumentError(
                     owner,
                     f"{where}.numerics",

@@ -29,7 +29,6 @@ from qbits._errors import InvalidArgumentError, check_bool, check_float, check_i
 from qbits._formats import compute_dtype
 from qbits._quantizer import Quantizer
 from qbits.granularity import Tiled
-from qbits.numerics import NoNumerics, UintNumerics
 from qbits.ptq._method import MatrixStats, Method
 
 __all__ = ["Gptq", "GptqResult", "gptq", "output_error"]
@@ -180,7 +179,7 @@ def gptq(
     check_finite(owner, "hessian", hessian, name)
     group, block_n = quantizer.granularity.block_sizes(w.shape, (0,))[:2]
     scale_shape = (k // group if k else 0, n // block_n if n else 0)
-    if isinstance(quantizer.numerics, NoNumerics) or w.size == 0:
+    if quantizer.numerics.is_identity or w.size == 0:
         return GptqResult(w, jnp.ones(scale_shape, jnp.float32))
     block = _block_rows(k, group, block_size)
     weight, params, ok = _gptq(
@@ -207,7 +206,7 @@ def gptq(
             why=f"the Hessian of {layer} is not positive definite after damping",
         )
     scale, zero_point, tensor_scale = params
-    if isinstance(quantizer.numerics, UintNumerics):
+    if quantizer.numerics.asymmetric:
         return GptqResult(weight, scale, zero_point=zero_point)
     if quantizer.scale_rounding == "e4m3":
         return GptqResult(weight, scale, tensor_scale=tensor_scale)
@@ -386,7 +385,7 @@ def _gptq(
     groups = blocks_quantizer(quantizer, group, block_n)
     rows = blocks_quantizer(quantizer, 1, block_n)
     n_groups = k // group
-    asymmetric = isinstance(quantizer.numerics, UintNumerics)
+    asymmetric = quantizer.numerics.asymmetric
     two_level = quantizer.scale_rounding == "e4m3"
     # Two-level scales: one tensor scale for the whole weight, so static.
     static = act_order or two_level

@@ -32,7 +32,6 @@ import numpy as np
 from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
 from qbits.config import QuantConfig
-from qbits.numerics import NoNumerics
 from qbits.ops import DotGeneralConfig
 from qbits.ptq._collect import MatmulStats
 from qbits.ptq._layout import check_rearranged
@@ -111,7 +110,7 @@ def plan(
     weights: list[Weight] = []
     for ms in stats.values():
         cfg = quant.resolve(ms.path).config
-        if cfg is None or isinstance(cfg.fwd.rhs.numerics, NoNumerics):
+        if cfg is None or cfg.fwd.rhs.numerics.is_identity:
             continue  # float, or the activations only: the weight is kept
         name = jax.tree_util.keystr(ms.keys)
         if name not in where:

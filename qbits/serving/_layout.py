@@ -23,7 +23,6 @@ import numpy as np
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._quantizer import Quantizer
 from qbits.config import QuantConfig, Rule, presets, to_dict
-from qbits.numerics import Nf4Numerics, NoNumerics, UintNumerics
 from qbits.ops import DotGeneralConfig, MatmulConfig
 from qbits.tensor import QTensor, storage_dtype
 
@@ -148,7 +147,7 @@ def forward_only(config: QuantConfig) -> QuantConfig:
 
 def stores_weight(config: DotGeneralConfig | None) -> bool:
     """Whether a layer with this config keeps a stored (quantized) weight."""
-    return config is not None and not isinstance(config.fwd.rhs.numerics, NoNumerics)
+    return config is not None and not config.fwd.rhs.numerics.is_identity
 
 
 def stored_parts(quantizer: Quantizer) -> tuple[str, ...]:
@@ -158,7 +157,7 @@ def stored_parts(quantizer: Quantizer) -> tuple[str, ...]:
     ``tensor_scale``.
     """
     parts = ("qvalue", "scale")
-    if isinstance(quantizer.numerics, UintNumerics):
+    if quantizer.numerics.asymmetric:
         parts += ("zero_point",)
     if quantizer.scale_rounding == "e4m3":
         parts += ("tensor_scale",)
@@ -169,7 +168,6 @@ def stored_qtensor(
     info: LayerInfo, arrays: Mapping[str, jax.Array], quantizer: Quantizer
 ) -> QTensor:
     """The QTensor of a served layer from its stored arrays (:func:`stored_parts`)."""
-    numerics = quantizer.numerics
     return QTensor(
         arrays["qvalue"],
         arrays["scale"],
@@ -179,7 +177,7 @@ def stored_qtensor(
         packed_pad=bool(info.packed and info.shape[-1] % 2),
         zero_point=arrays.get("zero_point"),
         tensor_scale=arrays.get("tensor_scale"),
-        codebook=numerics.levels if isinstance(numerics, Nf4Numerics) else None,
+        codebook=quantizer.numerics.codebook,
     )
 
 

@@ -23,7 +23,6 @@ import jax
 
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits.config import QuantConfig, Resolution
-from qbits.numerics import NoNumerics
 from qbits.ops import DotGeneralConfig
 from qbits.transform._adapter import DATA, Adapter
 from qbits.transform._checks import (
@@ -422,4 +421,4 @@ def _stores(config: Any, site: Site) -> bool:
     """Whether serving stores this site's weight (a quantized weight operand)."""
     if site.primitive != "dot_general" or not site.weights:
         return False
-    return not isinstance(config.fwd.rhs.numerics, NoNumerics)
+    return not config.fwd.rhs.numerics.is_identity

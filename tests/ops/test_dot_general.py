@@ -642,7 +642,11 @@ _PRESET_SHAPES = {
     "nf4": (2, 64, 3),
     "nvfp4": (2, 16, 3),
     "nvfp4_weight_only": (2, 16, 3),
+    "w1_58a8": (16, 64, 16),
 }
+# Ternary weights are not near the float ones: f'' along x, |u W_q|^2, was
+# 0.55 to 0.7 of the float one (40 seeds at these shapes).
+_PRESET_TOLERANCE = {"w1_58a8": 0.6}
 
 
 def _keeps_codes(config):
@@ -692,7 +696,10 @@ def test_second_derivatives_of_every_preset(preset, which, how, seed):
     x0, u, w0, v = (np.asarray(a, np.float64) for a in (x0, u, w0, v))
     want = np.sum((u @ w0 + x0 @ v) ** 2) + 2 * np.sum((x0 @ w0) * (u @ v))
     assert np.isfinite(got)
-    assert abs(got - want) <= 0.3 * abs(want), (got, want)
+    assert abs(got - want) <= _PRESET_TOLERANCE.get(preset, 0.3) * abs(want), (
+        got,
+        want,
+    )
 
 
 @pytest.mark.parametrize("preset", ["int8", "fp8", "mxfp8", "int4_weight_only"])
