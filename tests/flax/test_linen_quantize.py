@@ -10,12 +10,11 @@ import pytest
 
 import qbits
 import qbits.flax
-from qbits import ConfigError, InvalidArgumentError
-from qbits.config import QuantConfig, Rule, UnusedRuleWarning
+from qbits import InvalidArgumentError
+from qbits.config import QuantConfig, Rule
 
 D, HEADS, SEQ, VOCAB = 32, 4, 8, 16
 S8 = ("int8", "int8", "int32")
-F32 = ("float32", "float32", "float32")
 
 
 class MLP(nn.Module):
@@ -47,7 +46,6 @@ class Transformer(nn.Module):
         return self.blocks_0(self.embed(tokens))
 
 
-ATTN = ("query", "key", "value", "qk", "pv", "out")
 CONFIG = QuantConfig(
     rules=(
         Rule(r".*/attn/.*", "int8_fwd"),
@@ -64,22 +62,6 @@ def _setup():
     model = Transformer()
     params = jax.jit(model.init)(jax.random.key(1), TOKENS)
     return model, qbits.flax.quantize(model, CONFIG), params
-
-
-def test_table_and_dots_follow_the_rules():
-    model, qmodel, params = _setup()
-    table = qbits.flax.layer_table(model, CONFIG, TOKENS)
-    expected = [(f"blocks_0/attn/{p}", 0) for p in ATTN]
-    expected += [("blocks_0/mlp/fc1", 1), ("blocks_0/mlp/fc2", 1), ("head", 2)]
-    assert [(r.path, r.resolution.rule) for r in table.rows] == expected
-    assert table.unused_rules == ()
-    assert table["head"].describe() == "float"
-    assert "einsum (activation x activation)" in table["blocks_0/attn/qk"].kind
-    dots = qbits.ops.jaxpr_dot_dtypes(lambda p: qmodel.apply(p, TOKENS), params)
-    assert dots == [S8] * 8 + [F32]  # all but the head
-    float_dots = qbits.ops.jaxpr_dot_dtypes(lambda p: model.apply(p, TOKENS), params)
-    assert set(float_dots) == {F32}
-    assert qmodel.model == model  # the user's model is untouched
 
 
 def test_init_gives_the_float_models_variables_and_gradients_reach_them():
@@ -184,37 +166,6 @@ def test_a_models_own_quantized_dot_general_is_kept():
     assert dots == [S8, S8]  # a: its own int4 (widened to int8); b: the rules'
 
 
-def test_unused_rule_warns_and_names_the_rule():
-    dense = nn.Dense(4)
-    x = jnp.ones((2, 8))
-    params = dense.init(jax.random.key(0), x)
-    config = QuantConfig(rules=(Rule(".*", "int8_fwd"), Rule("decoder/.*", "int8")))
-    with pytest.warns(UnusedRuleWarning, match=r"rules\[1\] \(pattern 'decoder/\.\*'"):
-        jax.eval_shape(qbits.flax.quantize(dense, config).apply, params, x)
-    assert qbits.flax.layer_table(dense, config, x).unused_rules == (1,)
-
-
-def test_attention_gets_the_state_of_the_config_it_runs():
-    """As in nnx: the attention einsums' state has the rhs entries of the
-    activation quantizer, which the rule's config gives only the lhs."""
-    from qbits.numerics import Fp8Numerics
-    from qbits.providers import DelayedScaling
-
-    fp8 = Fp8Numerics("float8_e5m2")
-    config = qbits.DotGeneralConfig(
-        fwd=qbits.MatmulConfig(
-            lhs=qbits.Quantizer(fp8, provider=DelayedScaling(history_length=2)),
-            rhs=qbits.Quantizer(fp8),
-        )
-    )
-    qmodel = qbits.flax.quantize(nn.MultiHeadDotProductAttention(2), config)
-    x = jax.random.normal(jax.random.key(0), (2, 3, 4))
-    variables = qmodel.init(jax.random.key(1), x)
-    state = variables[qbits.flax.STATE]
-    assert "rhs_scale" in state["qk"] and "rhs_scale" not in state["query"]
-    assert qmodel.apply(variables, x).shape == x.shape
-
-
 def test_stochastic_rounding_draws_from_the_quant_stream():
     x = jax.random.normal(jax.random.key(0), (4, D))
     qmodel = qbits.flax.quantize(MLP(), QuantConfig(rules=(Rule("fc.", "int8"),)))
@@ -261,40 +212,6 @@ def test_scanned_blocks_draw_their_own_keys_without_split_rngs():
         )
     )(variables, jax.random.key(2))
     assert bool(jnp.all(jnp.isfinite(grads["params"]["fc"]["kernel"])))
-
-
-def test_config_errors_name_the_file_the_rule_and_the_matmul(tmp_path):
-    path = tmp_path / "rules.yaml"
-    path.write_text("rules:\n  - pattern: fc\n    config: int4_weight_only\n")
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(4, name="fc")(x)
-
-    where = r"rules\[0\]\.config\.fwd\.rhs\.granularity\.tile_size"
-    x = jnp.ones((2, 32))
-    with pytest.raises(ConfigError, match=where) as e:
-        qbits.flax.layer_table(Net(), str(path), x)
-    assert str(e.value).startswith(f"{path}: ") and "in layer 'fc'" in str(e.value)
-    params = Net().init(jax.random.key(0), x)
-    with pytest.raises(ConfigError, match=where):
-        jax.eval_shape(qbits.flax.quantize(Net(), str(path)).apply, params, x)
-
-
-@pytest.mark.parametrize(
-    ("model", "config"),
-    [
-        ("not a module", "int8"),
-        (nn.Dense(4), 3),
-        (nn.Dense(4), "int9"),
-        (nn.Dense(4), "missing.yaml"),
-        (qbits.flax.quantize(nn.Dense(4), "int8"), "int8"),
-    ],
-)
-def test_bad_arguments(model, config):
-    with pytest.raises(InvalidArgumentError):
-        qbits.flax.quantize(model, config)
 
 
 def test_layer_table_given_the_variables_or_no_inputs_says_what_it_takes():

@@ -17,25 +17,8 @@ import qbits.serving as serving
 # The module fixtures run once: these tests share one worker.
 pytestmark = pytest.mark.xdist_group("serving")
 
-INT8_WEIGHT_ONLY = qbits.DotGeneralConfig(
-    fwd=qbits.MatmulConfig(
-        rhs=qbits.Quantizer(qbits.IntNumerics(bits=8), granularity=qbits.PerChannel())
-    )
-)
-CONFIGS = {
-    "w8a8": "int8_fwd",
-    "w4a8": "w4a8",
-    "int4_weight_only": "int4_weight_only",
-    "int8_weight_only": INT8_WEIGHT_ONLY,
-    "fp8": "fp8",
-}
-STORED = {
-    "w8a8": "int8",
-    "w4a8": "uint8",
-    "int4_weight_only": "uint8",
-    "int8_weight_only": "int8",
-    "fp8": "float8_e4m3fn",
-}
+# Served equals QAT for each kind of model: tests/transform/test_model_kinds.py.
+CONFIGS = {"w4a8": "w4a8", "fp8": "fp8"}
 
 
 class Block(nn.Module):
@@ -85,41 +68,6 @@ def _bits(a):
 def _rules(config):
     # head stays float: a served model mixes stored and float layers.
     return qbits.QuantConfig(rules=(qbits.Rule("head|layers/4", None),), default=config)
-
-
-@pytest.mark.parametrize("name", CONFIGS)
-def test_linen_serving_equals_qat_forward_bit_for_bit(linen_setup, name):
-    model, params, x = linen_setup
-    config = _rules(CONFIGS[name])
-    sp = serving.convert(model, config, params, x, False)  # non-array arguments
-    assert [info.path for info in sp.layers] == ["block/fc1", "proj"]
-    assert sp.weights["block/fc1"]["qvalue"].dtype == np.dtype(STORED[name])
-    # No float kernel of a stored layer is left: an empty placeholder each.
-    assert sp.params["params"]["block"]["fc1"]["kernel"].shape == (0,)
-    assert sp.params["params"]["proj"]["kernel"].shape == (0,)
-    assert sp.params["params"]["head"]["kernel"].shape == (16, 10)  # a float layer
-    served = jax.jit(serving.serve(model, config).apply)(sp, x)
-    qat = jax.jit(qbits.flax.quantize(model, config).apply)(params, x)
-    np.testing.assert_array_equal(served, qat)
-    assert served.dtype == qat.dtype
-    # Not the float forward: the weights really are quantized.
-    assert not np.array_equal(served, model.apply(params, x))
-
-
-@pytest.mark.parametrize("name", CONFIGS)
-def test_nnx_serving_equals_qat_forward_bit_for_bit(nnx_setup, name):
-    model, x = nnx_setup
-    config = _rules(CONFIGS[name])
-    served = serving.convert(model, config, x)
-    paths = [info.path for info in serving.size_report(served).layers]
-    assert paths == ["layers/0", "layers/2"]
-    stored = served.qbits.stored["layers/0"]["qvalue"]
-    assert stored[...].dtype == np.dtype(STORED[name])
-    assert served.layers[0].kernel[...].shape == (0,)  # no float kernel
-    assert model.layers[0].kernel[...].shape == (128, 256)  # original unchanged
-    qat = qbits.nnx.quantize(model, config)
-    run = nnx.jit(lambda m, x: m(x))
-    np.testing.assert_array_equal(run(served, x), run(qat, x))
 
 
 def test_linen_stochastic_backward_configs_serve_without_keys(linen_setup):

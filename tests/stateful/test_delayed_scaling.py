@@ -366,7 +366,9 @@ def test_sharded_amax_is_the_max_over_all_shards_on_8_devices():
     import sys
 
     # The runner's flags (its optimization level), and 8 devices.
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    flags = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
     env = dict(os.environ, XLA_FLAGS=flags.strip())
     result = subprocess.run(
         [sys.executable, "-c", _SHARDED],

@@ -116,37 +116,6 @@ def test_explicit_stateful_ops_and_bad_config():
         bad.init(jax.random.key(0), x)
 
 
-def test_delayed_scaling_on_einsum_conv_and_attention_einsums():
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            h = nn.Einsum((8, 8), "btd,de->bte", name="mix")(x)
-            h = nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(h)
-            return nn.Conv(4, (3,), name="conv")(h)
-
-    model = qbits.flax.quantize(Net(), "fp8_delayed")
-    x = jax.random.normal(jax.random.key(0), (2, 5, 8))
-    v = model.init(jax.random.key(1), x)
-    assert sorted(v[STATE]) == sorted(
-        ["mix", "attn/query", "attn/key", "attn/value", "attn/qk", "attn/pv",
-         "attn/out", "conv"]
-    )  # fmt: skip
-    # Every matmul of the forward pass runs on E4M3 operands.
-    fn = functools.partial(model.apply, x=x)
-    dtypes = qbits.ops.jaxpr_dot_dtypes(fn, v) + qbits.ops.jaxpr_dot_dtypes(
-        fn, v, primitive="conv_general_dilated"
-    )
-    assert len(dtypes) == 8  # mix, query, key, value, qk, pv, out; conv
-    assert all(d[:2] == ("float8_e4m3fn", "float8_e4m3fn") for d in dtypes), dtypes
-    grads = jax.jit(jax.grad(lambda v: (model.apply(v, x) ** 2).sum()))(v)
-    for path, hist in jax.tree_util.tree_flatten_with_path(grads[STATE])[0]:
-        if "amax_history" in str(path[-1]):
-            assert hist[0] > 0 and bool(jnp.isfinite(hist[0])), path
-    np.testing.assert_allclose(
-        grads[STATE]["mix"]["lhs_amax_history"][0], jnp.max(jnp.abs(x))
-    )
-
-
 class Block(nn.Module):
     @nn.compact
     def __call__(self, x, _):
@@ -201,19 +170,6 @@ def test_state_shared_across_scan_steps_combines_with_max():
     for k in ref:
         np.testing.assert_array_equal(new[k], ref[k], err_msg=k)
     assert new["lhs_amax_history"][0] == jnp.max(jnp.abs(xs))
-
-
-def test_micro_batches_in_one_loss_combine_with_max_once_converted():
-    model = qbits.flax.quantize(nn.Dense(4, name="fc"), "fp8_delayed")
-    a, b = jnp.full((2, 8), 3.0), jnp.full((2, 8), 5.0)
-    variables = model.init(jax.random.key(0), a)
-
-    def loss(v):  # two uses of one state in one gradient
-        v = {**v, STATE: qbits.ops.max_combining(v[STATE])}
-        return model.apply(v, a).sum() + model.apply(v, b).sum()
-
-    new = jax.jit(jax.grad(loss))(variables)[STATE]["kernel"]  # a Dense alone
-    assert float(new["lhs_amax_history"][0]) == 5.0  # the max, not 3 + 5
 
 
 def test_gradient_accumulation_keeps_the_largest_microbatch_amax():

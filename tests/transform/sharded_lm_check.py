@@ -350,6 +350,7 @@ def explicit_case():
     n, h = HEADS, WIDTH // HEADS
     shapes = {"wq": (WIDTH, n, h), "wk": (WIDTH, n, h), "wv": (WIDTH, n, h),
               "wo": (n, h, WIDTH), "w1": (WIDTH, MLP), "w2": (MLP, WIDTH)}  # fmt: skip
+
     @jax.jit  # one program, not one per shape
     def make():
         keys = jax.random.split(jax.random.key(4), len(shapes) + 1)
