@@ -14,7 +14,12 @@ from jax import lax
 from qbits._errors import InvalidArgumentError
 from qbits.ops import _core as core
 from qbits.ops import _state as state_lib
-from qbits.ops._config import DotGeneralConfig, MatmulConfig, check_config
+from qbits.ops._config import (
+    Configured,
+    DotGeneralConfig,
+    MatmulConfig,
+    check_config,
+)
 from qbits.ops._dims import Axes
 from qbits.ops._kind import Call, Operand, OpKind
 from qbits.ops._rescale import common_dtypes, dot_operand
@@ -127,7 +132,7 @@ def _hashable(x: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ConvGeneralDilated:
+class ConvGeneralDilated(Configured):
     """A drop-in ``jax.lax.conv_general_dilated`` that quantizes.
 
     Made by :func:`conv_general_dilated`.
@@ -144,9 +149,6 @@ class ConvGeneralDilated:
       >>> layer.apply(layer.init(jax.random.key(0), x), x).shape
       (1, 8, 8, 4)
     """
-
-    config: DotGeneralConfig
-    key: jax.Array | None = None
 
     def __call__(
         self,
