@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -25,6 +24,7 @@ from qbits.ops._dims import Axes, Dims
 from qbits.ops._kind import Call, Operand, OpKind
 from qbits.ops._matmul import (
     contract,
+    dot_shape,
     fold_scale_into_lhs,
     result_dtype,
     stored_rhs,
@@ -272,11 +272,10 @@ class DotGeneral(Configured):
     ) -> DotContraction:
         dims = Dims.create(dimension_numbers, len(lhs.shape), len(rhs.shape))
         # Let lax check shapes and dtypes, with its own messages.
-        jax.eval_shape(
-            functools.partial(lax.dot_general, dimension_numbers=dims.lax()),
-            jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
-            jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
-        )
+        dot_shape(
+            tuple(lhs.shape), np.dtype(lhs.dtype), tuple(rhs.shape),
+            np.dtype(rhs.dtype), dims.lax(),
+        )  # fmt: skip
         for name, x in (("lhs", lhs), ("rhs", rhs)):
             if not jnp.issubdtype(x.dtype, jnp.floating):
                 raise InvalidArgumentError(
