@@ -35,10 +35,10 @@ from qbits.flax._quantize import STATE
 
 __all__ = ["Stateful", "TrainState"]
 
+# The ops by name: each op kind's (qbits.ops.KINDS), and einsum.
 _OPS = {
-    "dot_general": ops.dot_general,
+    **{kind.name: kind.factory for kind in ops.KINDS.values()},
     "einsum": ops.einsum,
-    "conv_general_dilated": ops.conv_general_dilated,
 }
 
 
@@ -59,8 +59,9 @@ class Stateful(nn.Module):
     Attributes:
       config: A :class:`~qbits.DotGeneralConfig`, a preset name or the path
         of a YAML file holding one config.
-      op: Which op: ``"dot_general"``, ``"einsum"`` or
-        ``"conv_general_dilated"``; it is called with that op's arguments.
+      op: Which op: ``"dot_general"``, ``"einsum"``,
+        ``"conv_general_dilated"`` or ``"ragged_dot"``; it is called with
+        that op's arguments.
 
     Example:
       >>> import functools

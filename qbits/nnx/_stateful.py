@@ -22,10 +22,10 @@ from qbits.nnx._quantize import ScaleState, _stream
 
 __all__ = ["Stateful"]
 
+# The ops by name: each op kind's (qbits.ops.KINDS), and einsum.
 _OPS = {
-    "dot_general": ops.dot_general,
+    **{kind.name: kind.factory for kind in ops.KINDS.values()},
     "einsum": ops.einsum,
-    "conv_general_dilated": ops.conv_general_dilated,
 }
 
 
@@ -51,7 +51,8 @@ class Stateful(nnx.Module):
     Args:
       config: A :class:`~qbits.DotGeneralConfig`, a preset name or the path
         of a YAML file holding one config.
-      op: ``"dot_general"``, ``"einsum"`` or ``"conv_general_dilated"``.
+      op: ``"dot_general"``, ``"einsum"``, ``"conv_general_dilated"`` or
+        ``"ragged_dot"``.
       rngs: Where stochastic rounding draws its keys: an ``nnx.Rngs`` (its
         ``quant`` stream, else its ``default`` one) or an ``nnx.RngStream``;
         needed only when the config rounds stochastically.

@@ -14,13 +14,19 @@ from jax import lax
 from qbits._errors import InvalidArgumentError
 from qbits.ops import _core as core
 from qbits.ops import _state as state_lib
-from qbits.ops._config import DotGeneralConfig, MatmulConfig, check_config
+from qbits.ops._config import (
+    Configured,
+    DotGeneralConfig,
+    MatmulConfig,
+    check_config,
+)
 from qbits.ops._dims import Axes
+from qbits.ops._kind import Call, Operand, OpKind
 from qbits.ops._rescale import common_dtypes, dot_operand
 from qbits.scaled import is_scaled, scalify
 from qbits.tensor import QTensor
 
-__all__ = ["ConvContraction", "ConvGeneralDilated", "conv_general_dilated"]
+__all__ = ["KIND", "ConvContraction", "ConvGeneralDilated", "conv_general_dilated"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +43,36 @@ class _Conv:
     precision: Any
     preferred_element_type: Any
     out_sharding: Any
+
+    @classmethod
+    def create(
+        cls,
+        lhs_shape: tuple[int, ...],
+        rhs_shape: tuple[int, ...],
+        window_strides: Any,
+        padding: Any,
+        lhs_dilation: Any = None,
+        rhs_dilation: Any = None,
+        dimension_numbers: Any = None,
+        feature_group_count: int = 1,
+        batch_group_count: int = 1,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        out_sharding: Any = None,
+    ) -> _Conv:
+        """The arguments of a call with operands of these shapes, hashable."""
+        return cls(
+            tuple(window_strides),
+            _hashable(padding),
+            None if lhs_dilation is None else tuple(lhs_dilation),
+            None if rhs_dilation is None else tuple(rhs_dilation),
+            lax.conv_dimension_numbers(lhs_shape, rhs_shape, dimension_numbers),
+            feature_group_count,
+            batch_group_count,
+            _hashable(precision),
+            preferred_element_type,
+            out_sharding,
+        )
 
     def __call__(
         self, lhs: jax.Array, rhs: jax.Array, preferred: Any = None
@@ -96,7 +132,7 @@ def _hashable(x: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ConvGeneralDilated:
+class ConvGeneralDilated(Configured):
     """A drop-in ``jax.lax.conv_general_dilated`` that quantizes.
 
     Made by :func:`conv_general_dilated`.
@@ -113,9 +149,6 @@ class ConvGeneralDilated:
       >>> layer.apply(layer.init(jax.random.key(0), x), x).shape
       (1, 8, 8, 4)
     """
-
-    config: DotGeneralConfig
-    key: jax.Array | None = None
 
     def __call__(
         self,
@@ -213,18 +246,11 @@ def _contraction(
                 x.dtype,
                 "a floating-point dtype",
             )
-    conv = _Conv(
-        tuple(window_strides),
-        _hashable(padding),
-        None if lhs_dilation is None else tuple(lhs_dilation),
-        None if rhs_dilation is None else tuple(rhs_dilation),
-        lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers),
-        feature_group_count,
-        batch_group_count,
-        _hashable(precision),
-        preferred_element_type,
-        out_sharding,
-    )
+    conv = _Conv.create(
+        lhs.shape, rhs.shape, window_strides, padding, lhs_dilation,
+        rhs_dilation, dimension_numbers, feature_group_count, batch_group_count,
+        precision, preferred_element_type, out_sharding,
+    )  # fmt: skip
     operands = (
         (tuple(lhs.shape), np.dtype(lhs.dtype)),
         (tuple(rhs.shape), np.dtype(rhs.dtype)),
@@ -375,3 +401,43 @@ class _ConvTranspose(core.Contraction):
     def gradient(self, side: str) -> core.Contraction:
         """Not needed: the core never differentiates a gradient."""
         raise NotImplementedError
+
+
+class _ConvKind(OpKind):
+    """``conv_general_dilated``: the op kind of :func:`conv_general_dilated`."""
+
+    name = "conv_general_dilated"
+    primitives = ("conv_general_dilated",)
+    short = "conv"
+    limited = "a convolution"
+    factory = staticmethod(conv_general_dilated)
+
+    def call(self, params: Any, operands: list[Any]) -> Call:
+        """The eleven positional arguments of ``lax.conv_general_dilated``."""
+        p = params
+        return Call((
+            operands[0], operands[1], p["window_strides"], p["padding"],
+            p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"],
+            p["feature_group_count"], p["batch_group_count"], p.get("precision"),
+            p.get("preferred_element_type"),
+        ))  # fmt: skip
+
+    def operands(self, call: Call, out: tuple[int, ...]) -> tuple[Operand, ...]:
+        """As :class:`ConvContraction` and its gradients contract them."""
+        lhs, rhs = (tuple(x.shape) for x in call.args[:2])
+        conv = _Conv.create(lhs, rhs, *call.args[2:])
+        c = ConvContraction(conv, ((lhs, None), (rhs, None)))
+        dlhs, drhs = c.gradient("lhs").contracting, c.gradient("rhs").contracting
+        out = tuple(out)
+        return (
+            ("fwd", "lhs", lhs, c.contracting[0]),
+            ("fwd", "rhs", rhs, c.contracting[1]),
+            ("dlhs", "lhs", out, dlhs[0]),
+            ("dlhs", "rhs", rhs, dlhs[1]),
+            ("drhs", "lhs", out, drhs[0]),
+            ("drhs", "rhs", lhs, drhs[1]),
+        )
+
+
+#: The ``conv_general_dilated`` op kind.
+KIND = _ConvKind()

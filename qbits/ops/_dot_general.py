@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -22,11 +21,18 @@ from qbits.ops._config import (
     check_config,
 )
 from qbits.ops._dims import Axes, Dims
-from qbits.ops._matmul import contract, fold_scale_into_lhs, result_dtype, stored_rhs
+from qbits.ops._kind import Call, Operand, OpKind
+from qbits.ops._matmul import (
+    contract,
+    dot_shape,
+    fold_scale_into_lhs,
+    result_dtype,
+    stored_rhs,
+)
 from qbits.scaled import is_scaled, scalify
 from qbits.tensor import QTensor
 
-__all__ = ["DotContraction", "DotGeneral", "dot_general"]
+__all__ = ["KIND", "DotContraction", "DotGeneral", "dot_general"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,11 +272,10 @@ class DotGeneral(Configured):
     ) -> DotContraction:
         dims = Dims.create(dimension_numbers, len(lhs.shape), len(rhs.shape))
         # Let lax check shapes and dtypes, with its own messages.
-        jax.eval_shape(
-            functools.partial(lax.dot_general, dimension_numbers=dims.lax()),
-            jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
-            jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
-        )
+        dot_shape(
+            tuple(lhs.shape), np.dtype(lhs.dtype), tuple(rhs.shape),
+            np.dtype(rhs.dtype), dims.lax(),
+        )  # fmt: skip
         for name, x in (("lhs", lhs), ("rhs", rhs)):
             if not jnp.issubdtype(x.dtype, jnp.floating):
                 raise InvalidArgumentError(
@@ -332,3 +337,51 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
     key = check_config("dot_general", config, key)
     state_lib.check_providers(config, "dot_general")
     return DotGeneral(config, key)
+
+
+class _DotGeneralKind(OpKind):
+    """``dot_general``: the op kind of :func:`dot_general` (``lax.dot_general``)."""
+
+    name = "dot_general"
+    primitives = ("dot_general",)
+    short = "dot_general"
+    limited = ""
+    factory = staticmethod(dot_general)
+
+    def call(self, params: Any, operands: list[Any]) -> Call:
+        """``(lhs, rhs, dimension_numbers, precision, preferred_element_type)``."""
+        p = params
+        args = (operands[0], operands[1], p["dimension_numbers"], p.get("precision"),
+                p.get("preferred_element_type"))  # fmt: skip
+        sharding = p.get("out_sharding")
+        return Call(args, {} if sharding is None else {"out_sharding": sharding})
+
+    def operands(self, call: Call, out: tuple[int, ...]) -> tuple[Operand, ...]:
+        """As :meth:`DotContraction.gradient` contracts them (``out`` unused)."""
+        del out  # from the dimension numbers: the call may be the swapped one
+        lhs, rhs = (tuple(x.shape) for x in call.args[:2])
+        c = DotContraction(Dims.create(call.args[2], len(lhs), len(rhs)))
+        d = c.dims
+        g = (*(lhs[a] for a in d.lhs_batch), *(lhs[a] for a in d.lhs_free),
+             *(rhs[a] for a in d.rhs_free))  # fmt: skip
+        dlhs, drhs = c.gradient("lhs").contracting, c.gradient("rhs").contracting
+        return (
+            ("fwd", "lhs", lhs, c.contracting[0]),
+            ("fwd", "rhs", rhs, c.contracting[1]),
+            ("dlhs", "lhs", g, dlhs[0]),
+            ("dlhs", "rhs", rhs, dlhs[1]),
+            ("drhs", "lhs", g, drhs[0]),
+            ("drhs", "rhs", lhs, drhs[1]),
+        )
+
+    def is_matmul(self, params: Any) -> bool:
+        """A ``dot_general`` that contracts no axis is an elementwise product."""
+        return bool(params["dimension_numbers"][0][0])
+
+    def contracting(self, params: Any) -> tuple[tuple[int, ...], ...]:
+        """The dimension numbers' contracting axes."""
+        return tuple(params["dimension_numbers"][0])
+
+
+#: The ``dot_general`` op kind.
+KIND = _DotGeneralKind()

@@ -11,8 +11,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qbits._errors import InvalidArgumentError
-from qbits.ops._config import DotGeneralConfig, check_config
-from qbits.ops._dot_general import DotGeneral, dot_general
+from qbits.ops import _state as state_lib
+from qbits.ops._config import Configured, DotGeneralConfig, check_config
+from qbits.ops._dot_general import DotGeneral
 from qbits.scaled import is_scaled, scalify
 
 __all__ = ["Einsum", "einsum"]
@@ -166,11 +167,12 @@ def _permute_sharding(sharding: Any, perm: tuple[int, ...]) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Einsum:
+class Einsum(Configured):
     """A quantized two-operand ``jnp.einsum``; made by :func:`einsum`.
 
     Attributes:
-      dot_general: The quantized dot_general that does the contraction.
+      config: The forward matmul and the two gradient matmuls.
+      key: PRNG key for stochastic rounding, or ``None``.
 
     Example:
       >>> import flax.nnx as nnx
@@ -180,7 +182,10 @@ class Einsum:
       (2, 4)
     """
 
-    dot_general: DotGeneral
+    @property
+    def dot_general(self) -> DotGeneral:
+        """The quantized dot_general that does the contraction."""
+        return DotGeneral(self.config, self.key)
 
     def __call__(
         self,
@@ -217,9 +222,7 @@ class Einsum:
             )
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         plan = _plan(subscripts, lhs.shape, rhs.shape)
-        dg = self.dot_general
-        config = getattr(getattr(dg, "op", dg), "config", None)
-        if config is not None and config.is_identity and not state:
+        if self.config.is_identity and not state:
             # jnp.einsum's own numbers
             return jnp.einsum(
                 subscripts,
@@ -258,8 +261,7 @@ class Einsum:
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         plan = _plan(subscripts, lhs.shape, rhs.shape)
         lhs, rhs = _prepared(plan, lhs, rhs)
-        dg = getattr(self.dot_general, "op", self.dot_general)
-        return dg.init_state(lhs, rhs, plan.dimension_numbers)
+        return self.dot_general.init_state(lhs, rhs, plan.dimension_numbers)
 
 
 def _prepared(plan: _Plan, lhs: jax.Array, rhs: jax.Array) -> tuple[Any, Any]:
@@ -309,4 +311,5 @@ def einsum(config: DotGeneralConfig, key: jax.Array | None = None) -> Einsum:
       (2, 4, 5, 7)
     """
     key = check_config("einsum", config, key)
-    return Einsum(dot_general(config, key))
+    state_lib.check_providers(config, "einsum")
+    return Einsum(config, key)

@@ -21,6 +21,7 @@ Integer operands and XLA:CPU
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -49,14 +50,52 @@ def result_dtype(
     preferred_element_type: Any,
 ) -> np.dtype:
     """The dtype ``lax.dot_general`` would return for these operands."""
+    return dot_shape(
+        tuple(lhs.shape), jnp.dtype(lhs.dtype), tuple(rhs.shape),
+        jnp.dtype(rhs.dtype), dims.lax(), preferred_element_type,
+    ).dtype  # fmt: skip
+
+
+def dot_shape(
+    lhs_shape: tuple[int, ...],
+    lhs_dtype: np.dtype,
+    rhs_shape: tuple[int, ...],
+    rhs_dtype: np.dtype,
+    dimension_numbers: Any,
+    preferred_element_type: Any = None,
+) -> jax.ShapeDtypeStruct:
+    """``lax.dot_general``'s output for operands like these, with its checks.
+
+    Raises what ``lax.dot_general`` raises for them (shapes, dtypes); each
+    combination is traced once (a model's sites share a few shapes).
+    """
+    return _dot_shape(
+        lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dimension_numbers,
+        preferred_element_type, bool(jax.config.jax_enable_x64),
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _dot_shape(
+    lhs_shape: tuple[int, ...],
+    lhs_dtype: np.dtype,
+    rhs_shape: tuple[int, ...],
+    rhs_dtype: np.dtype,
+    dimension_numbers: Any,
+    preferred_element_type: Any,
+    x64: bool,
+) -> jax.ShapeDtypeStruct:
+    del x64  # in the key: it decides the dtypes
     out = jax.eval_shape(
-        lambda a, b: lax.dot_general(
-            a, b, dims.lax(), preferred_element_type=preferred_element_type
+        functools.partial(
+            lax.dot_general,
+            dimension_numbers=dimension_numbers,
+            preferred_element_type=preferred_element_type,
         ),
-        jax.ShapeDtypeStruct(lhs.shape, jnp.dtype(lhs.dtype)),
-        jax.ShapeDtypeStruct(rhs.shape, jnp.dtype(rhs.dtype)),
+        jax.ShapeDtypeStruct(lhs_shape, lhs_dtype),
+        jax.ShapeDtypeStruct(rhs_shape, rhs_dtype),
     )
-    return np.dtype(out.dtype)
+    return jax.ShapeDtypeStruct(out.shape, np.dtype(out.dtype))
 
 
 def contract(

@@ -47,10 +47,11 @@ from qbits.calibration import AbsMax, ConstantBound
 from qbits.granularity import PerTensor
 from qbits.ops import _state as state_lib
 from qbits.ops._config import Configured, DotGeneralConfig, check_config
+from qbits.ops._kind import Call, Operand, OpKind
 from qbits.ops._ragged_contract import RaggedContraction
 from qbits.ops._ragged_dims import BASIC, RaggedDims, unsupported
 
-__all__ = ["RaggedDot", "ragged_dot"]
+__all__ = ["KIND", "RaggedDot", "ragged_dot"]
 
 Shape = tuple[int, ...]
 
@@ -542,3 +543,49 @@ def ragged_dot(config: DotGeneralConfig, key: jax.Array | None = None) -> Ragged
     state_lib.check_providers(config, "ragged_dot")
     _check_config(config, "ragged_dot")
     return RaggedDot(config, key)
+
+
+class _RaggedDotKind(OpKind):
+    """``ragged_dot_general``: the op kind of :meth:`RaggedDot.general`."""
+
+    name = "ragged_dot"
+    primitives = ("ragged_dot_general", "ragged_dot")  # the latter: older JAX
+    short = "ragged_dot"
+    limited = "a ragged dot"
+    factory = staticmethod(ragged_dot)
+
+    def call(self, params: Any, operands: list[Any]) -> Call:
+        """``(lhs, rhs, group_sizes, dimension_numbers, precision, pet)``."""
+        p = params
+        dn = p.get("ragged_dot_dimension_numbers", BASIC)
+        args = (*operands[:3], dn, p.get("precision"), p.get("preferred_element_type"))
+        sharding = p.get("out_sharding")
+        return Call(args, {} if sharding is None else {"out_sharding": sharding})
+
+    def operands(self, call: Call, out: tuple[int, ...]) -> tuple[Operand, ...]:
+        """:meth:`RaggedDot.quantized_operands` (``out`` unused)."""
+        lhs, rhs, _, dn = call.args[:4]
+        op = RaggedDot(DotGeneralConfig())
+        return op.quantized_operands(tuple(lhs.shape), tuple(rhs.shape), dn)
+
+    def unsupported(self, params: Any, operands: list[Any]) -> str:
+        """:meth:`RaggedDot.unsupported`: a mode other than ``lax.ragged_dot``'s."""
+        lhs, rhs, sizes = operands[:3]
+        dn = params.get("ragged_dot_dimension_numbers", BASIC)
+        op = RaggedDot(DotGeneralConfig())
+        return op.unsupported(lhs, rhs, sizes, dn, params.get("group_offset"))
+
+    def check(self, config: DotGeneralConfig) -> None:
+        """What :func:`ragged_dot` asks of a config (per-tensor providers...)."""
+        # A key only to build the op: the config is checked, nothing is drawn.
+        ragged_dot(config, jax.random.key(0) if config.needs_key else None)
+
+    def apply(
+        self, config: DotGeneralConfig, key: jax.Array | None, call: Call, **extra: Any
+    ) -> jax.Array:
+        """:meth:`RaggedDot.general` on the call."""
+        return ragged_dot(config, key).general(*call.args, **call.kwargs, **extra)
+
+
+#: The ``ragged_dot_general`` op kind.
+KIND = _RaggedDotKind()

@@ -70,8 +70,8 @@ def _why_not(site: Site) -> str:
     """Why a site cannot be adapted, or ``""``."""
     if site.kept:
         return f"kept ({site.kept})"
-    if site.primitive != "dot_general":
-        return "a convolution"
+    if site.op.limited:
+        return site.op.limited
     if not site.weights:
         return "activation x activation (no weight)"
     if site.control:

@@ -25,18 +25,14 @@ from qbits._errors import ConfigError, InvalidArgumentError
 from qbits.config import QuantConfig, Resolution
 from qbits.ops import DotGeneralConfig
 from qbits.transform._adapter import DATA, Adapter
-from qbits.transform._checks import (
-    check_conv_operands,
-    check_operands,
-    check_ragged_operands,
-)
+from qbits.transform._checks import check_fits
 from qbits.transform._observe import (
     ObservedMatmul,
     Observer,
     describe,
 )
-from qbits.transform._program import RAGGED_DOT, Ctx, Program, Site
-from qbits.transform._swap import swapped
+from qbits.transform._program import Ctx, Program, Site
+from qbits.transform._swap import swapped_call
 
 __all__ = [
     "DIAGNOSTICS",
@@ -212,7 +208,7 @@ class Plan:
             config = applied(site, res.config)
             if observe is not None:
                 chosen = every or not (config is None or config.is_identity)
-                weight = site.weights and site.primitive == "dot_general"
+                weight = site.weights and not site.op.limited
                 if chosen and weight and not site.control:
                     self._add(site, None, res)
                     flip = site.ctx in self.swapped
@@ -267,7 +263,7 @@ class Plan:
     def _add(self, site: Site, config: Any, res: Resolution) -> None:
         self.planned[site.ctx] = Planned(site, config, res)
         weight_left = site.lhs and not site.rhs
-        if site.primitive == "dot_general" and (weight_left or site.flipped):
+        if not site.op.limited and (weight_left or site.flipped):
             self.swapped.add(site.ctx)
         for n in range(1, len(site.ctx)):
             self.holds.add(site.ctx[:n])
@@ -291,30 +287,15 @@ class Plan:
 
     def _check_fits(self, site: Site, config: Any, res: Resolution) -> None:
         """Raises a ConfigError naming the rule and the matmul for a misfit."""
-        eqn, p = site.eqn, site.eqn.params
-        lhs, rhs = (
-            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars[:2]
-        )
-        where, source = res.where, self.rules.source
-        if site.primitive == "dot_general":
-            dn = p["dimension_numbers"]
-            if site.ctx in self.swapped:
-                lhs, rhs, dn, _, _ = swapped(lhs, rhs, dn, None)
-            check_operands(
-                config, lhs.shape, rhs.shape, dn, where, layer=site.path, source=source
-            )
-        elif site.primitive == "ragged_dot":
-            dn = p.get("ragged_dot_dimension_numbers", RAGGED_DOT)
-            check_ragged_operands(
-                config, lhs.shape, rhs.shape, dn, where, layer=site.path, source=source
-            )
-        else:
-            check_conv_operands(
-                config, lhs, rhs, p["window_strides"], p["padding"],
-                p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"],
-                p["feature_group_count"], p["batch_group_count"],
-                where=where, layer=site.path, source=source,
-            )  # fmt: skip
+        eqn, kind = site.eqn, site.op
+        specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        call = kind.call(eqn.params, specs)
+        if site.ctx in self.swapped:
+            call, _ = swapped_call(call)
+        check_fits(
+            config, kind, call, eqn.outvars[0].aval.shape, res.where,
+            layer=site.path, source=self.rules.source,
+        )  # fmt: skip
 
     def _check_integer(self, site: Site, res: Resolution) -> None:
         """An integer matmul stays exact; only a rule's ``null`` may name it."""
@@ -419,6 +400,6 @@ def applied(site: Site, config: DotGeneralConfig | None) -> DotGeneralConfig | N
 
 def _stores(config: Any, site: Site) -> bool:
     """Whether serving stores this site's weight (a quantized weight operand)."""
-    if site.primitive != "dot_general" or not site.weights:
+    if site.op.limited or not site.weights:
         return False
     return not config.fwd.rhs.numerics.is_identity

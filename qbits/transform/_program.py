@@ -1,9 +1,10 @@
 """Finding every matmul a function computes, and naming it.
 
-A function is traced once to a jaxpr. Every ``dot_general``,
-``conv_general_dilated`` and ``ragged_dot_general`` (grouped matmuls,
-``lax.ragged_dot``) equation in it (at any depth: inside ``jit``,
-``scan``, ``remat``, ``cond`` and ``while`` bodies) is a *site*. A site is
+A function is traced once to a jaxpr. Every equation of an op kind
+(:data:`qbits.ops.KINDS`: ``dot_general``, ``conv_general_dilated`` and
+``ragged_dot_general``, the grouped matmuls of ``lax.ragged_dot``) in it
+(at any depth: inside ``jit``, ``scan``, ``remat``, ``cond`` and
+``while`` bodies) is a *site*. A site is
 named by the parameter that feeds it: parameters are the leaves of one
 argument (the model's variables or state), and their paths are followed
 through the operations that only move or re-type a weight (reshape,
@@ -77,15 +78,6 @@ _CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 _REMATS = frozenset(("remat2", "checkpoint"))
 _CUSTOM = frozenset(
     ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
-)
-MATMULS = frozenset(("dot_general", "conv_general_dilated"))
-# Grouped matmuls (``ragged_dot``: the primitive of older JAX versions).
-RAGGED = frozenset(("ragged_dot_general", "ragged_dot"))
-#: The dimension numbers of ``lax.ragged_dot`` (a ``ragged_dot`` equation).
-RAGGED_DOT = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((1,), (1,)), ((), ())),
-    lhs_ragged_dimensions=(0,),
-    rhs_group_dimensions=(0,),
 )
 # At most this many producing modules are remembered per value: the scope of
 # an activation x activation matmul is their common path prefix.
@@ -191,15 +183,18 @@ class Site:
         return self.rhs or self.lhs
 
     @property
+    def op(self) -> Any:
+        """The site's op kind (its value in :data:`qbits.ops.KINDS`)."""
+        return ops.KINDS[self.primitive]
+
+    @property
     def kind(self) -> str:
         """``weight x activation``-style description of the operands."""
         sides = [
             "weight" if self.lhs else "activation",
             "weight" if self.rhs else "activation",
         ]
-        name = {"conv_general_dilated": "conv"}.get(self.primitive, self.primitive)
-        if self.label:
-            name = "einsum"
+        name = "einsum" if self.label else self.op.short
         return f"{name} ({sides[0]} x {sides[1]})"
 
 
@@ -308,55 +303,9 @@ class _Walker:
 
     def _eqn(self, eqn: Any, name: str, ins: list[_Value], at: _Where) -> list[_Value]:
         n_out = len(eqn.outvars)
-        if name == "dot_general" and not eqn.params["dimension_numbers"][0][0]:
-            return [self.lose(ins)] * n_out  # an elementwise product, no matmul
-        if name in MATMULS or name in RAGGED:
-            lhs, rhs = ins[0], ins[1]
-            if at.frozen and not (lhs.weights or rhs.weights) and self.region:
-                rhs = _Value(self.region, rhs.origins)
-            scope = (
-                ()
-                if (lhs.weights or rhs.weights)
-                else common(lhs.origins | rhs.origins)
-            )
-            unsupported = ""
-            if name in RAGGED:
-                name = "ragged_dot"
-                unsupported = _ragged_unsupported(eqn)
-            label = einsum_label(at.stack) if name == "dot_general" else ""
-            acts = not (lhs.weights or rhs.weights)
-            swapped = bool(label) and acts and flipped(label, eqn)
-            site = Site(
-                ctx=at.ctx,
-                primitive=name,
-                operands=" x ".join(
-                    _shape(v.aval)
-                    for v in (eqn.invars[1::-1] if swapped else eqn.invars[:2])
-                ),
-                lhs=lhs.weights,
-                rhs=rhs.weights,
-                label=label,
-                scope=scope,
-                frozen=at.frozen,
-                loops=at.loops,
-                control=at.control,
-                contracting=(
-                    tuple(eqn.params["dimension_numbers"][0])
-                    if name == "dot_general"
-                    else ((), ())
-                ),
-                flipped=swapped,
-                integer=all(_integer(v.aval.dtype) for v in eqn.invars[:2]),
-                unsupported=unsupported or _unreal(eqn),
-                eqn=eqn,
-            )
-            self.sites.append(site)
-            weights = rhs.weights or lhs.weights
-            if weights:
-                origin = frozenset(w.path[:-1] for w in weights)
-            else:  # the root's scope too: a later matmul's scope is within it
-                origin = frozenset((scope,))
-            return [_Value(frozenset(), origin)]
+        kind = ops.KINDS.get(name)
+        if kind is not None and kind.is_matmul(eqn.params):
+            return [self._site(kind, eqn, ins, at)]
         if name in _MOVES and ins:
             return [ins[0]] + [_ACTIVATION] * (n_out - 1)
         if name in _PASS_EACH:
@@ -401,6 +350,43 @@ class _Walker:
                     self.walk(sub, [_ACTIVATION] * len(sub.invars), inside)
             self.region = outer
         return [self.lose(ins)] * n_out
+
+    def _site(self, kind: Any, eqn: Any, ins: list[_Value], at: _Where) -> _Value:
+        """Records a matmul site; its output's value (its weights' modules)."""
+        lhs, rhs = ins[0], ins[1]
+        if at.frozen and not (lhs.weights or rhs.weights) and self.region:
+            rhs = _Value(self.region, rhs.origins)
+        acts = not (lhs.weights or rhs.weights)
+        scope = common(lhs.origins | rhs.origins) if acts else ()
+        # Einsum subscripts and operand order: a plain dot_general's only.
+        label = "" if kind.limited else einsum_label(at.stack)
+        swapped = bool(label) and acts and flipped(label, eqn)
+        avals = [v.aval for v in eqn.invars]
+        site = Site(
+            ctx=at.ctx,
+            primitive=kind.name,
+            operands=" x ".join(
+                _shape(a) for a in (avals[1::-1] if swapped else avals[:2])
+            ),
+            lhs=lhs.weights,
+            rhs=rhs.weights,
+            label=label,
+            scope=scope,
+            frozen=at.frozen,
+            loops=at.loops,
+            control=at.control,
+            contracting=kind.contracting(eqn.params),
+            flipped=swapped,
+            integer=all(_integer(a.dtype) for a in avals[:2]),
+            unsupported=kind.unsupported(eqn.params, avals) or _unreal(eqn),
+            eqn=eqn,
+        )
+        self.sites.append(site)
+        weights = rhs.weights or lhs.weights
+        if weights:
+            return _Value(frozenset(), frozenset(w.path[:-1] for w in weights))
+        # the root's scope too: a later matmul's scope is within it
+        return _Value(frozenset(), frozenset((scope,)))
 
     def _scan(self, eqn: Any, ins: list[_Value], at: _Where) -> list[_Value]:
         p = eqn.params
@@ -458,15 +444,6 @@ def _unreal(eqn: Any) -> str:
     if any(jnp.issubdtype(d, jnp.complexfloating) for d in dtypes):
         return "complex operands"
     return ""
-
-
-def _ragged_unsupported(eqn: Any) -> str:
-    """Why :func:`qbits.ops.ragged_dot` cannot quantize this equation, or ``""``."""
-    p = eqn.params
-    lhs, rhs, sizes = (v.aval for v in eqn.invars[:3])
-    dims = p.get("ragged_dot_dimension_numbers", RAGGED_DOT)
-    op = ops.ragged_dot(ops.DotGeneralConfig())
-    return op.unsupported(lhs, rhs, sizes, dims, p.get("group_offset"))
 
 
 def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:

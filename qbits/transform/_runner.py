@@ -40,8 +40,8 @@ from qbits.transform._observe import (
     record,
 )
 from qbits.transform._plan import Plan
-from qbits.transform._program import RAGGED_DOT, Ctx, Program, float_operands
-from qbits.transform._swap import permuted_sharding, swapped
+from qbits.transform._program import Ctx, Program, float_operands
+from qbits.transform._swap import swapped_call
 
 __all__ = [
     "Frame",
@@ -137,84 +137,59 @@ class Runner:
 
     def _matmul(self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame) -> Any:
         planned = self.plan.planned[here]
-        config, site = planned.config, planned.site
-        p = dict(eqn.params)
-        kwargs: dict[str, Any] = {}
-        swap = here in self.plan.swapped
-        if eqn.primitive.name == "dot_general":
-            make = ops.dot_general
-            lhs, rhs = invals[0], invals[1]
-            dn, precision = p["dimension_numbers"], p.get("precision")
-            out_sharding = p.get("out_sharding")
-            if swap:
-                lhs, rhs, dn, precision, perm = swapped(lhs, rhs, dn, precision)
-                out_sharding = permuted_sharding(out_sharding, perm)
-            args = (lhs, rhs, dn, precision, p.get("preferred_element_type"))
-            if out_sharding is not None:
-                kwargs["out_sharding"] = out_sharding
-        elif site.primitive == "ragged_dot":
-
-            def make(config: Any, key: Any = None) -> Any:
-                return ops.ragged_dot(config, key).general
-
-            dn = p.get("ragged_dot_dimension_numbers", RAGGED_DOT)
-            pet = p.get("preferred_element_type")
-            args = (*invals[:3], dn, p.get("precision"), pet)
-            if p.get("out_sharding") is not None:
-                kwargs["out_sharding"] = p["out_sharding"]
-        else:
-            make = ops.conv_general_dilated
-            args = (
-                invals[0], invals[1], p["window_strides"], p["padding"],
-                p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"],
-                p["feature_group_count"], p["batch_group_count"], p.get("precision"),
-                p.get("preferred_element_type"),
-            )  # fmt: skip
+        config, site, kind = planned.config, planned.site, planned.site.op
+        call = kind.call(eqn.params, invals)
+        perm = None
+        if here in self.plan.swapped:  # a dot_general: the weight as its rhs
+            call, perm = swapped_call(call)
         if frame.observed is not None:  # observing: the activation's rows
             info, observer = self.plan.observed[here], self.plan.observe
-            rows = activation_rows(args[0], args[2], info.grouped)
+            rows = activation_rows(call.args[0], call.args[2], info.grouped)
             new = observer.observe(info, rows)  # type: ignore[union-attr]
             record(observer, frame.observed, site.path, new)  # type: ignore[arg-type]
             return bind(eqn, invals)
-        stored_name = self.plan.stored.get(here)
-        state_name = self.plan.state_keys.get(here)
+        extra: dict[str, Any] = {}
         probe_name = self.plan.probes.get(here)
         if probe_name is not None:
             if frame.collect is not None:  # initialising: the probe's zeros
                 frame.collect[probe_name] = ops.init_probe()
             else:
-                kwargs["diagnostics"] = frame.states[probe_name]
+                extra["diagnostics"] = frame.states[probe_name]
+        stored_name = self.plan.stored.get(here)
+        state_name = self.plan.state_keys.get(here)
         if stored_name is not None:
-            dims = ops.Dims.create(args[2], jnp.ndim(args[0]), jnp.ndim(args[1]))
-            if frame.collect is not None:  # storing: the forward's rhs, once
-                frame.collect[stored_name] = ops.store_weight(
-                    args[1], config.fwd, dims.rhs_contract
-                )
+            out = self._stored(stored_name, config, call, frame, extra)
+            if out is None:  # storing: the forward's rhs, once
                 return bind(eqn, invals)
-            qt = frame.states[stored_name]
-            self._check_stored(stored_name, qt, args[1], config, dims)
-            qt = qt.replace(dtype=np.dtype(args[1].dtype))
-            out = ops.stored_matmul(
-                args[0], qt, dims, config.fwd, precision=args[3],
-                preferred_element_type=args[4], **kwargs,
-            )  # fmt: skip
         elif state_name is not None and frame.collect is not None:
             # initialising: the state from the actual operands, float forward
-            if site.primitive == "ragged_dot":
-                init = ops.ragged_dot(config).init_state
-            else:
-                init = make(config).init_state
-            n = 5 if make is ops.dot_general else len(args)  # without out_sharding
-            frame.collect[state_name] = init(*args[:n])
+            frame.collect[state_name] = kind.init_state(config, call)
             return bind(eqn, invals)
         else:
             site_key = frame.next_key() if config.needs_key else None
             if state_name is not None:
-                kwargs["state"] = frame.states[state_name]
-            out = make(config, site_key)(*args, **kwargs)
-        if swap:  # back to the equation's own output layout
+                extra["state"] = frame.states[state_name]
+            out = kind.apply(config, site_key, call, **extra)
+        if perm is not None:  # back to the equation's own output layout
             out = jnp.transpose(out, np.argsort(perm))
         return out
+
+    def _stored(
+        self, name: str, config: Any, call: Any, frame: Frame, extra: dict[str, Any]
+    ) -> Any:
+        """A weight dot_general on its stored weight (``None``: storing it)."""
+        lhs, rhs, dn, precision, pet = call.args
+        dims = ops.Dims.create(dn, jnp.ndim(lhs), jnp.ndim(rhs))
+        if frame.collect is not None:
+            frame.collect[name] = ops.store_weight(rhs, config.fwd, dims.rhs_contract)
+            return None
+        qt = frame.states[name]
+        self._check_stored(name, qt, rhs, config, dims)
+        qt = qt.replace(dtype=np.dtype(rhs.dtype))
+        return ops.stored_matmul(
+            lhs, qt, dims, config.fwd, precision=precision,
+            preferred_element_type=pet, **call.kwargs, **extra,
+        )  # fmt: skip
 
     def _before(
         self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame

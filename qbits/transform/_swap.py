@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["permuted_sharding", "swapped"]
+__all__ = ["permuted_sharding", "swapped", "swapped_call"]
 
 
 def swapped(lhs: Any, rhs: Any, dn: Any, precision: Any) -> tuple:
@@ -43,3 +43,16 @@ def permuted_sharding(sharding: Any, perm: list[int]) -> Any:
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, new)
     return new
+
+
+def swapped_call(call: Any) -> tuple[Any, list[int]]:
+    """A ``dot_general`` call (an op kind's ``call``) with its operands swapped.
+
+    Returns the call of ``rhs . lhs`` and the permutation of :func:`swapped`.
+    """
+    lhs, rhs, dn, precision, pet = call.args
+    lhs, rhs, dn, precision, perm = swapped(lhs, rhs, dn, precision)
+    kwargs = dict(call.kwargs)
+    if "out_sharding" in kwargs:
+        kwargs["out_sharding"] = permuted_sharding(kwargs["out_sharding"], perm)
+    return type(call)((lhs, rhs, dn, precision, pet), kwargs), perm

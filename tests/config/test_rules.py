@@ -1,12 +1,29 @@
 """Per-layer rules: matching, the per-layer table, operand checks."""
 
+import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
 
 import qbits
-from qbits.transform._checks import check_conv_operands, check_operands
+from qbits.ops._kind import Call
+from qbits.transform._checks import check_fits
 
 DN = (((1,), (0,)), ((), ()))
+
+
+def check_operands(cfg, lhs_shape, rhs_shape, dn, where=""):
+    """``check_fits`` for a dot_general of operands of these shapes."""
+    kind = qbits.ops.KINDS["dot_general"]
+    specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in (lhs_shape, rhs_shape)]
+    check_fits(cfg, kind, kind.call({"dimension_numbers": dn}, specs), (), where)
+
+
+def check_conv_operands(cfg, x, k, *conv, where):
+    """``check_fits`` for ``lax.conv_general_dilated(x, k, *conv)``."""
+    out = jax.eval_shape(lambda a, b: lax.conv_general_dilated(a, b, *conv), x, k)
+    kind = qbits.ops.KINDS["conv_general_dilated"]
+    check_fits(cfg, kind, Call((x, k, *conv)), out.shape, where)
 
 
 def _config():

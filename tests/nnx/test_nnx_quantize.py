@@ -184,3 +184,16 @@ def test_explicit_stateful_ops_keep_keys_and_state():
         qbits.nnx.Stateful("int8")
     with pytest.raises(InvalidArgumentError, match="op='matmul'"):
         qbits.nnx.Stateful("int8_fwd", op="matmul")
+
+
+def test_stateful_takes_every_op_kind_by_name():
+    """``op="ragged_dot"``: a grouped matmul with delayed scales as nnx state."""
+    layer = qbits.nnx.Stateful("fp8_delayed", op="ragged_dot")
+    x = jnp.cos(jnp.arange(48.0)).reshape(6, 8)
+    w = jnp.sin(jnp.arange(64.0)).reshape(2, 8, 4)
+    sizes = jnp.array([2, 4])
+    out = layer(x, w, sizes)
+    op = qbits.ops.ragged_dot(qbits.presets.get("fp8_delayed"))
+    want = op(x, w, sizes, state=op.init_state(x, w, sizes))
+    np.testing.assert_array_equal(out, want)
+    assert layer.rhs_amax_history[...].shape == (1024,)

@@ -272,3 +272,37 @@ def test_conv_signature_is_exactly_lax():
         ("state", inspect.Parameter.KEYWORD_ONLY, None),
         ("diagnostics", inspect.Parameter.KEYWORD_ONLY, None),
     ]
+
+
+OPS = [
+    qbits.ops.dot_general,
+    qbits.ops.einsum,
+    qbits.ops.conv_general_dilated,
+    qbits.ops.ragged_dot,
+]
+
+
+@pytest.mark.parametrize("make", OPS, ids=lambda f: f.__name__)
+def test_ops_are_equal_by_config_and_key(make):
+    """Two ops of equal configs and the same key are equal (one way, all four)."""
+    cfg, key = qbits.presets.get("int8"), jax.random.key(0)
+    a, b = make(cfg, key), make(qbits.presets.get("int8"), key)
+    assert a == b and hash(a) == hash(b)
+    assert a != make(cfg, jax.random.key(0))  # another key object
+    assert a != make(qbits.presets.get("int8_fwd"))
+    others = [f(qbits.presets.get("int8_fwd")) for f in OPS if f is not make]
+    assert all(make(qbits.presets.get("int8_fwd")) != o for o in others)
+
+
+def test_an_equal_conv_op_as_a_static_argument_does_not_recompile():
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(conv, x, w):
+        traces.append(conv)
+        return conv(x, w, (1, 1), "SAME")
+
+    x, w = jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3))
+    for _ in range(2):
+        run(qbits.ops.conv_general_dilated(qbits.presets.get("int8_fwd")), x, w)
+    assert len(traces) == 1
