@@ -72,7 +72,10 @@ def pytest_pyfunc_call(pyfuncitem):
         "--xla_backend_optimization_level=0", ""
     )
     env = {**os.environ, _OPTIMIZED_RUN: "1", "XLA_FLAGS": flags.strip()}
-    command = [sys.executable, "-m", "pytest", pyfuncitem.nodeid, "-n", "0",
+    nodeid = pyfuncitem.nodeid
+    if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's group suffix, not a path
+        nodeid = nodeid[: nodeid.rfind("@")]
+    command = [sys.executable, "-m", "pytest", nodeid, "-n", "0",
                "-p", "no:cacheprovider", "--no-header", "-q"]  # fmt: skip
     result = subprocess.run(
         command, cwd=pyfuncitem.config.rootpath, env=env, capture_output=True,
