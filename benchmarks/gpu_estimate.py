@@ -31,7 +31,7 @@ qbits.hlo.prepare_environment()  # before jax starts
 import jax  # noqa: E402
 import paired  # noqa: E402
 
-from qbits.experiments import gpu_step  # noqa: E402
+from qbits._experiments import gpu_step  # noqa: E402
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data"
 VARIANTS = ("bf16", "fp8", "fp8_delayed", "int8", "int8_fwd")

@@ -1,7 +1,7 @@
 """A quantized KV cache on the example transformer: bytes, speed, agreement.
 
 Trains the ``lm`` example model (``qbits train``'s default) in float32 with
-:func:`qbits.experiments.train`, then decodes a fixed prompt set (16 windows
+:func:`qbits._experiments.train`, then decodes a fixed prompt set (16 windows
 of 16 characters from the held-out text, 48 new tokens each: the context of
 64 exactly) with every cache preset of :mod:`qbits.kvcache`, side by side
 with the float cache in one process:
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qbits import kvcache
-from qbits.experiments import build_model, spec, train
+from qbits._experiments import build_model, spec, train
 
 PROMPTS, PROMPT_LENGTH, NEW = 16, 16, 48
 

@@ -17,7 +17,7 @@ import platform
 
 import jax
 
-from qbits.experiments import load_sweep, run_sweep, summarize
+from qbits._experiments import load_sweep, run_sweep, summarize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"

@@ -1,7 +1,7 @@
 """Fine-tuning the example transformer on shifted text: full vs LoRA vs QLoRA.
 
 Trains the ``lm`` example model (``qbits train``'s default) in float32 with
-:func:`qbits.experiments.train`, then fine-tunes it on a shifted slice of
+:func:`qbits._experiments.train`, then fine-tunes it on a shifted slice of
 its corpus: the corpus grammar's arithmetic facts alone (``"37 + 45 =
 82."``; a fifth of the pretraining sentences, here all of the text), drawn
 with other seeds for training and for evaluation. Every method runs the same
@@ -37,9 +37,9 @@ import optax
 
 import qbits
 from qbits import lora
-from qbits.experiments import _corpus as corpus
-from qbits.experiments import _data as data_lib
-from qbits.experiments import spec, train
+from qbits._experiments import _corpus as corpus
+from qbits._experiments import _data as data_lib
+from qbits._experiments import spec, train
 
 
 def _weight_only(

@@ -1,10 +1,10 @@
 """Training a small mixture-of-experts model: float32 vs int8 vs fp8 (CPU).
 
 A character-level next-token model on the corpus that ships with qbits
-(``qbits.experiments``): the previous ``CONTEXT`` characters, embedded and
+(``qbits._experiments``): the previous ``CONTEXT`` characters, embedded and
 projected, go through one mixture-of-experts block (a top-2 router over 4
 experts whose two matmuls are one ``lax.ragged_dot`` each,
-``qbits/experiments/_moe.py``), then the output head. Trained with Adam for
+``qbits/_experiments/_moe.py``), then the output head. Trained with Adam for
 ``--steps`` steps per seed, the same batches for every config, every matmul
 quantized by :func:`qbits.quantize` with the preset as its one rule (the
 experts' ragged dots through :func:`qbits.ops.ragged_dot`, forward and both
@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import optax
 
 import qbits
-from qbits.experiments import _data as data_lib
-from qbits.experiments._moe import init_moe, moe
+from qbits._experiments import _data as data_lib
+from qbits._experiments._moe import init_moe, moe
 
 CONTEXT, EMBED, D_MODEL, D_HIDDEN, EXPERTS, TOP_K = 8, 16, 64, 128, 4, 2
 BATCH, EVAL_BATCHES, LEARNING_RATE = 128, 8, 3e-3

@@ -1,7 +1,7 @@
 """Post-training quantization of the example LM: RTN, GPTQ, AWQ, rotation, SmoothQuant.
 
 Trains the ``lm`` example model (``qbits train``'s default) in float32 with
-:func:`qbits.experiments.train`, then quantizes its weights with
+:func:`qbits._experiments.train`, then quantizes its weights with
 :func:`qbits.ptq.quantize_weights` on calibration windows of the training
 text, per weight format and method, and reports the held-out loss over
 float32's (the same eval windows as training). Weight-only formats: the
@@ -41,8 +41,8 @@ import optax
 
 import qbits
 from qbits import ptq
-from qbits.experiments import _data as data_lib
-from qbits.experiments import build_model, spec, train
+from qbits._experiments import _data as data_lib
+from qbits._experiments import build_model, spec, train
 
 
 def _weight_only(bits: int, group: int | None) -> qbits.QuantConfig:

@@ -58,7 +58,7 @@ import paired
 
 import qbits
 import qbits.hlo
-from qbits.experiments import gpu_step
+from qbits._experiments import gpu_step
 
 DN = (((1,), (0,)), ((), ()))
 

@@ -11,7 +11,8 @@ Run: python examples/fp8_training.py [--steps 200]
 
 import argparse
 
-from qbits.experiments import spec, train
+# The qbits command's training loop (qbits._experiments): not library API.
+from qbits._experiments import spec, train
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=200)

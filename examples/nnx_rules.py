@@ -17,7 +17,9 @@ import flax.nnx as nnx
 import jax.numpy as jnp
 
 import qbits
-from qbits.experiments import TransformerLM, spec
+
+# The qbits command's example models (qbits._experiments): not library API.
+from qbits._experiments import TransformerLM, spec
 
 rules = pathlib.Path(__file__).with_name("transformer_rules.yaml")  # a YAML path
 model = TransformerLM(vocab=64, spec=spec("lm"), rngs=nnx.Rngs(0))

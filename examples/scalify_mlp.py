@@ -17,7 +17,8 @@ import json
 
 import jax
 
-from qbits.experiments import train_scalify_mlp
+# The qbits command's example models (qbits._experiments): not library API.
+from qbits._experiments import train_scalify_mlp
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=1000)

@@ -99,12 +99,12 @@ def _public_modules() -> dict[str, object]:
     for n in qbits.__all__:
         if inspect.ismodule(getattr(qbits, n)):
             modules[f"qbits.{n}"] = getattr(qbits, n)
-    # Subpackages imported on their own (not in qbits.__all__), the command
-    # and the examples.
+    # Subpackages imported on their own (not in qbits.__all__) and the command
+    # (its example models, sweeps and reports, qbits._experiments, are not API).
     subpackages = (
         "qbits.ptq", "qbits.lora", "qbits.kvcache", "qbits.diagnostics", "qbits.hlo"
     )  # fmt: skip
-    for name in (*subpackages, "qbits.cli", "qbits.experiments"):
+    for name in (*subpackages, "qbits.cli"):
         modules[name] = importlib.import_module(name)
     return modules
 

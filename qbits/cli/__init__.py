@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     """Runs a command; a user error is one line on stderr and status 2."""
     import qbits
-    from qbits.experiments import SweepError
+    from qbits._experiments import SweepError
 
     try:
         with warnings.catch_warnings():

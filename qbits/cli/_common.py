@@ -26,7 +26,7 @@ class UsageError(Exception):
 def _config(arg: str):
     """A preset name or a YAML file -> (name, QuantConfig or None, origin).
 
-    ``origin`` holds the :class:`~qbits.experiments.Entry` fields that place
+    ``origin`` holds the :class:`~qbits._experiments.Entry` fields that place
     the config's errors found during training: the file, or the preset.
     """
     import qbits

@@ -17,7 +17,7 @@ def _generate(args: argparse.Namespace) -> int:
     import numpy as np
 
     from qbits import kvcache
-    from qbits.experiments import build_model, load_trained, spec, train
+    from qbits._experiments import build_model, load_trained, spec, train
 
     config = kvcache.as_cache_config("qbits generate", args.cache)
     if args.run_dir and (args.steps or args.size != "default"):

@@ -15,7 +15,7 @@ def _inspect(args: argparse.Namespace) -> int:
         return _inspect_target(args)
 
     import qbits
-    from qbits.experiments import build_model, sample_batch, spec
+    from qbits._experiments import build_model, sample_batch, spec
 
     name, config, _ = _config(args.config)
     model_spec = spec(args.model)
@@ -30,7 +30,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.diagnostics:
         if config is None:
             raise UsageError("--diagnostics: config 'none' quantizes nothing")
-        from qbits.experiments import diagnose_batches
+        from qbits._experiments import diagnose_batches
 
         metrics = diagnose_batches(model_spec, config, args.diagnostics)
         print(
@@ -57,7 +57,7 @@ def _inspect_target(args: argparse.Namespace) -> int:
     import qbits.hlo
 
     qbits.hlo.prepare_environment()  # before jax starts its backends
-    from qbits.experiments import gpu_step
+    from qbits._experiments import gpu_step
 
     name, config, _ = _config(args.config)
     if config is None:

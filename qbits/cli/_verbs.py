@@ -19,7 +19,7 @@ from qbits.cli._common import (
 
 
 def _train(args: argparse.Namespace) -> int:
-    from qbits.experiments import Entry, Sweep, config_bits, run_sweep, spec
+    from qbits._experiments import Entry, Sweep, config_bits, run_sweep, spec
 
     name, config, origin = _config(args.config)
     model_spec = spec(args.model, args.size)
@@ -52,7 +52,7 @@ def _train(args: argparse.Namespace) -> int:
             save_params="float32",
             diagnostics=args.diagnostics,
         )
-    from qbits.experiments import summarize
+    from qbits._experiments import summarize
 
     rows = summarize(runs, "float32")
     metric = "char accuracy" if args.model == "lm" else "accuracy"
@@ -67,7 +67,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _ptq(args: argparse.Namespace) -> int:
     import qbits
-    from qbits.experiments import post_train
+    from qbits._experiments import post_train
 
     name, config, _ = _config(args.config)
     if config is None:
@@ -102,7 +102,7 @@ def _ptq(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from qbits.experiments import load_sweep, run_sweep
+    from qbits._experiments import load_sweep, run_sweep
 
     sweep = load_sweep(args.file)
     out = _out_dir(args.out or f"runs/{sweep.name}")

@@ -23,7 +23,7 @@ Numbers in exponent notation without a dot or a signed exponent (``1e-3``,
 ``2.5e3``), which YAML 1.1 reads as strings, are read as floats, as YAML 1.2
 and JSON read them.
 
-Sweep files (:func:`qbits.experiments.load_sweep`) are read the same way,
+Sweep files (``qbits sweep``) are read the same way,
 with :func:`read_yaml`.
 """
 

@@ -15,7 +15,7 @@ Imported on its own: ``from qbits import kvcache``.
   of the newest tokens over a cache.
 - :func:`generate`: greedy or temperature sampling with a cache, for any
   nnx model with ``init_cache`` and ``decode`` methods
-  (:class:`qbits.experiments.TransformerLM` has them).
+  (the ``qbits`` command's example transformer has them).
 
 The package sits on layer 8 (with :mod:`qbits.serving`): it uses the
 quantizer, numerics, granularities, :class:`~qbits.QTensor` and the config

@@ -1,7 +1,7 @@
 """Autoregressive decoding with a KV cache: :func:`generate`.
 
 The model is any nnx module with two methods (what
-:class:`qbits.experiments.TransformerLM` has):
+the ``qbits`` command's example transformer has):
 
 - ``init_cache(batch, config)``: an empty cache, a pytree of
   :class:`~qbits.kvcache.KVCache` (one per attention layer) of the model's
@@ -100,7 +100,7 @@ def generate(
 
     Args:
       model: An nnx model with ``init_cache`` and ``decode`` methods (see
-        the module docstring), e.g. :class:`qbits.experiments.TransformerLM`.
+        the module docstring), e.g. the ``qbits`` command's example transformer.
       prompt: int tokens, ``[batch, length]`` or ``[length]``, at least
         one, each in ``0 .. vocab - 1`` (the last axis of the model's
         logits). Checked here, where the prompt is concrete; a prompt
@@ -163,7 +163,7 @@ def generate(
             type(model).__name__,
             "an nnx model that decodes with a KV cache: methods "
             "init_cache(batch, config) and decode(tokens, cache), as "
-            "qbits.experiments.TransformerLM has",
+            "the qbits command's example transformer has",
             why="it has no KV cache",
         )
     config = as_cache_config(_OWNER, cache)

@@ -254,7 +254,7 @@ def test_ptq_out_is_never_the_folder_of_a_training_run(tmp_path, capsys):
     assert "report of a training run" in line and "ptq-w4a8" in line
     assert sorted(p.name for p in sweep.iterdir()) == ["results.json", "runs"]
     with pytest.raises(qbits.InvalidArgumentError, match=r"out.*training run"):
-        qbits.experiments.post_train(tmp_path / "run", "nf4", sweep)
+        qbits._experiments.post_train(tmp_path / "run", "nf4", sweep)
 
 
 def test_fp8_delayed_trains_the_default_model_with_every_matmul(
@@ -478,10 +478,10 @@ def test_rerun_after_ctrl_c_keeps_the_finished_float32_run(
     tmp_path, capsys, monkeypatch
 ):
     """Ctrl-C says "finished runs are kept, rerun to continue": a rerun does so."""
-    from qbits.experiments import _report as report_lib
-    from qbits.experiments import _sweep as sweep_lib
-    from qbits.experiments import build_model
-    from qbits.experiments._train import RunResult
+    from qbits._experiments import _report as report_lib
+    from qbits._experiments import _sweep as sweep_lib
+    from qbits._experiments import build_model
+    from qbits._experiments._train import RunResult
 
     trained = []
 

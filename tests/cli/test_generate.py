@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import qbits.experiments
+import qbits._experiments
+from qbits._experiments import build_model, spec
+from qbits._experiments._sweep import save_model_params, write_json_atomic
 from qbits.cli import main
-from qbits.experiments import build_model, spec
-from qbits.experiments._sweep import save_model_params, write_json_atomic
 
 
 def _tiny_lm():
@@ -36,7 +36,7 @@ def test_generate_trains_or_loads_what_qbits_train_saved(tmp_path, monkeypatch, 
         trained.append(_tiny_lm())
         on_trained(trained[0])
 
-    monkeypatch.setattr(qbits.experiments, "train", fake_train)
+    monkeypatch.setattr(qbits._experiments, "train", fake_train)
     argv = ["generate", "--prompt", "The ", "--tokens", "12"]
     assert main([*argv, "--size", "tiny", "--steps", "3"]) == 0
     captured = capsys.readouterr()

@@ -11,9 +11,14 @@ import numpy as np
 import pytest
 
 import qbits
-from qbits.experiments import TransformerLM, load_sweep, spec, train
-from qbits.experiments import _corpus as corpus
-from qbits.experiments._data import char_batch, char_data, char_eval_batches, class_data
+from qbits._experiments import TransformerLM, load_sweep, spec, train
+from qbits._experiments import _corpus as corpus
+from qbits._experiments._data import (
+    char_batch,
+    char_data,
+    char_eval_batches,
+    class_data,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOKENS = jax.ShapeDtypeStruct((2, 16), jnp.int32)
@@ -111,7 +116,7 @@ def test_deep_lm_scans_stacked_blocks_and_trains_quantized():
 
 
 def test_gpu_step_trains_every_preset_kind():
-    from qbits.experiments import gpu_step
+    from qbits._experiments import gpu_step
 
     with pytest.raises(qbits.InvalidArgumentError, match="model"):
         gpu_step("mlp", None)

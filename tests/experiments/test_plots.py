@@ -7,13 +7,13 @@ import matplotlib
 import numpy as np
 import pytest
 
+from qbits._experiments import _plots as plots
+from qbits._experiments import _report as report_lib
+from qbits._experiments import _sweep as sweep_lib
+from qbits._experiments import build_model, summarize, write_report
+from qbits._experiments._loss_curves import loss_figure
+from qbits._experiments._train import RunResult
 from qbits.cli import main
-from qbits.experiments import _plots as plots
-from qbits.experiments import _report as report_lib
-from qbits.experiments import _sweep as sweep_lib
-from qbits.experiments import build_model, summarize, write_report
-from qbits.experiments._loss_curves import loss_figure
-from qbits.experiments._train import RunResult
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -22,7 +22,7 @@ STEPS = 40  # under 50 steps the moving average is one step: the raw losses
 
 
 def run(name, seed, bits, curve):
-    """One run file's data, as :func:`qbits.experiments.run_sweep` writes it."""
+    """One run file's data, as :func:`qbits._experiments.run_sweep` writes it."""
     curve = [float(x) for x in curve]
     half = len(curve) // 2
     return {
@@ -323,7 +323,7 @@ def test_diagnostics_tables_and_plots(tmp_path, monkeypatch, capsys):
 
 
 def test_diagnostics_table_names_a_nonfinite_operand():
-    from qbits.experiments._diagnostic_plots import FIELDS, diagnostics_table
+    from qbits._experiments._diagnostic_plots import FIELDS, diagnostics_table
 
     def rec(matmul, operand, sqnr, nonfinite=0):
         return {"step": 3, "matmul": matmul, "operand": operand, "sqnr_db": sqnr,

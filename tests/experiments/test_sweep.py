@@ -12,11 +12,11 @@ import time
 import pytest
 
 import qbits
+from qbits._experiments import SweepError, load_sweep, run_sweep
+from qbits._experiments import _report as report_lib
+from qbits._experiments import _sweep as sweep_lib
+from qbits._experiments._train import RunResult
 from qbits.cli import main
-from qbits.experiments import SweepError, load_sweep, run_sweep
-from qbits.experiments import _report as report_lib
-from qbits.experiments import _sweep as sweep_lib
-from qbits.experiments._train import RunResult
 
 # The module fixtures run once: these tests share one worker.
 pytestmark = pytest.mark.xdist_group("sweep")

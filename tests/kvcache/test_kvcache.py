@@ -11,7 +11,7 @@ import pytest
 
 import qbits
 from qbits import kvcache
-from qbits.experiments import Classifier, TransformerLM, spec
+from qbits._experiments import Classifier, TransformerLM, spec
 
 # The module fixtures run once: these tests share one worker.
 pytestmark = pytest.mark.xdist_group("kvcache")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qbits import InvalidArgumentError
-from qbits.experiments import train_scalify_mlp
+from qbits._experiments import train_scalify_mlp
 from qbits.scaled import (
     as_scaled_array,
     asarray,

@@ -644,7 +644,7 @@ def test_weight_only_presets_on_the_example_transformer():
     writes: its result ran with the preset as the default, and a head
     dimension of 32 failed the attention einsums ("expected a divisor of 32
     ... in layer 'blocks/0/attn/qk'"). Traced only: nothing is computed."""
-    from qbits.experiments import ModelSpec, TransformerLM
+    from qbits._experiments import ModelSpec, TransformerLM
 
     spec = ModelSpec("lm", 128, 1, 4, 8, 2, 1, 1e-3)
     model = nnx.eval_shape(lambda: TransformerLM(7, spec, rngs=nnx.Rngs(0)))

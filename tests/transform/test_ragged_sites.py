@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import qbits
-from qbits.experiments._moe import moe
+from qbits._experiments._moe import moe
 
 INT8 = qbits.Quantizer(qbits.IntNumerics(bits=8), granularity=qbits.PerChannel())
 MM = qbits.MatmulConfig(lhs=INT8, rhs=INT8)

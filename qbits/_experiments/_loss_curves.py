@@ -9,7 +9,7 @@
   curves lie on top of each other, this panel shows how far apart they are;
 - the eval loss at each evaluation.
 
-Seeds, styles, log scales and diverged runs: see :mod:`qbits.experiments._plots`.
+Seeds, styles, log scales and diverged runs: see :mod:`qbits._experiments._plots`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from qbits.experiments._plots import (
+from qbits._experiments._plots import (
     DIVERGED_FACTOR,
     clip,
     diverged,
@@ -181,7 +181,7 @@ def loss_figure(
       The figure (``matplotlib.figure.Figure``; close it when done).
 
     Example:
-      >>> from qbits.experiments._loss_curves import loss_figure
+      >>> from qbits._experiments._loss_curves import loss_figure
       >>> run = lambda name, loss: {"name": name, "seed": 0, "result": {
       ...     "curve": [loss] * 8, "eval_curve": [[8, loss]], "eval_loss": loss}}
       >>> fig = loss_figure("demo", [run("none", 2.0), run("int8", 2.02)],

@@ -27,7 +27,7 @@ from flax import nnx
 
 import qbits
 from qbits._errors import InvalidArgumentError
-from qbits.experiments._models import ModelSpec, TransformerLM
+from qbits._experiments._models import ModelSpec, TransformerLM
 
 __all__ = ["gpu_step"]
 
@@ -46,7 +46,7 @@ def _config(preset: Any) -> Any:
     return (
         None
         if preset is None
-        else qbits.config.as_dot_general_config("qbits.experiments.block_step", preset)
+        else qbits.config.as_dot_general_config("qbits._experiments.block_step", preset)
     )
 
 
@@ -192,7 +192,7 @@ def gpu_step(model: str, preset: Any, **sizes: int) -> Step:
       InvalidArgumentError: For an unknown model.
 
     Example:
-      >>> make, args = qbits.experiments.gpu_step(
+      >>> make, args = qbits._experiments.gpu_step(
       ...     "block", "int8", tokens=32, d_model=16, d_ff=32)
       >>> params, state = make()(*args)
       >>> params["w1"].dtype
@@ -200,6 +200,6 @@ def gpu_step(model: str, preset: Any, **sizes: int) -> Step:
     """
     if model not in _STEPS:
         raise InvalidArgumentError(
-            "qbits.experiments.gpu_step", "model", model, "'block' or 'lm'"
+            "qbits._experiments.gpu_step", "model", model, "'block' or 'lm'"
         )
     return _STEPS[model](preset, **sizes)

@@ -50,8 +50,8 @@ import numpy as np
 import yaml
 
 import qbits
+from qbits._experiments._models import ModelSpec, spec
 from qbits.config import read_yaml
-from qbits.experiments._models import ModelSpec, spec
 
 __all__ = ["MAX_RUNS", "Entry", "Sweep", "SweepError", "config_bits", "load_sweep"]
 
@@ -67,7 +67,7 @@ class SweepError(ValueError):
     """A sweep file is invalid; the message is one line naming the place.
 
     Example:
-      >>> from qbits.experiments import SweepError
+      >>> from qbits._experiments import SweepError
       >>> str(SweepError("sweep.yaml: seeds: expected a list of ints, got 'x'"))
       "sweep.yaml: seeds: expected a list of ints, got 'x'"
     """
@@ -91,7 +91,7 @@ class Entry:
         ``default`` of ``config``: its paths start at ``fwd``, not ``default``.
 
     Example:
-      >>> from qbits.experiments import Entry
+      >>> from qbits._experiments import Entry
       >>> entry = Entry("w", qbits.QuantConfig(default="int8"), 8.0,
       ...               source="s.yaml", where="configs[1]", single=True)
       >>> e = qbits.ConfigError("default.fwd.rhs.granularity.tile_size", 48,
@@ -147,7 +147,7 @@ class Sweep:
       size: ``default``, ``tiny`` or (lm) ``deep``.
 
     Example:
-      >>> sweep = qbits.experiments.load_sweep("examples/sweep_lm.yaml")
+      >>> sweep = qbits._experiments.load_sweep("examples/sweep_lm.yaml")
       >>> sweep.spec.model, [e.name for e in sweep.entries][:3], sweep.seeds
       ('lm', ['none', 'int8_fwd', 'int8'], (0, 1))
     """
@@ -197,7 +197,7 @@ def config_bits(config: qbits.QuantConfig | None) -> float:
     The x value of a sweep's quality-versus-bits plot.
 
     Example:
-      >>> from qbits.experiments import config_bits
+      >>> from qbits._experiments import config_bits
       >>> config_bits(qbits.load_config("configs/w4a8.yaml")), config_bits(None)
       (4.0, 32.0)
     """
@@ -402,7 +402,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     r"""Reads and checks a sweep file.
 
     Args:
-      path: The YAML file (format in :mod:`qbits.experiments._sweep`).
+      path: The YAML file (format in :mod:`qbits._experiments._sweep`).
 
     Returns:
       A :class:`Sweep`.
@@ -413,7 +413,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
 
     Example:
       >>> import pathlib, tempfile
-      >>> from qbits.experiments import load_sweep
+      >>> from qbits._experiments import load_sweep
       >>> f = pathlib.Path(tempfile.mkdtemp()) / "s.yaml"
       >>> _ = f.write_text("model: mlp\nconfigs: [none, int8]\nseeds: [0, 1]")
       >>> sweep = load_sweep(f)

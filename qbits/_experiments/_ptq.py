@@ -6,7 +6,7 @@ weights with :func:`qbits.ptq.quantize_weights` by each method on
 calibration batches of the training data (drawn from keys that training
 never uses), evaluates each result on the held-out batches that training
 evaluated on, and writes the same table, CSV and JSON as a sweep
-(:func:`~qbits.experiments.write_report`), the float32 model first, and
+(:func:`~qbits._experiments.write_report`), the float32 model first, and
 ``eval_loss.png`` (each method's eval loss beside float32's) in place of
 the loss curves: nothing here trains. The float32 row keeps its training
 loss; the time columns of the table are "—" for it (evaluated here, not
@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import qbits
 from qbits import ptq
 from qbits._errors import InvalidArgumentError, check_int
-from qbits.experiments._models import spec as model_spec
-from qbits.experiments._report import write_report
-from qbits.experiments._saved import load_trained
-from qbits.experiments._sweep_file import config_bits
-from qbits.experiments._train import (
+from qbits._experiments._models import spec as model_spec
+from qbits._experiments._report import write_report
+from qbits._experiments._saved import load_trained
+from qbits._experiments._sweep_file import config_bits
+from qbits._experiments._train import (
     eval_batches,
     loss_and_accuracy,
     train_batch,
@@ -40,7 +40,7 @@ from qbits.experiments._train import (
 
 __all__ = ["post_train"]
 
-_OWNER = "qbits.experiments.post_train"
+_OWNER = "qbits._experiments.post_train"
 #: Calibration batches are training batches at steps from here on: no
 #: training run of the example models gets that far.
 _CALIBRATION_STEP = 2**30
@@ -98,7 +98,7 @@ def post_train(
       log: Called with one line per method.
 
     Returns:
-      The summary rows (:func:`~qbits.experiments.summarize`): float32 first.
+      The summary rows (:func:`~qbits._experiments.summarize`): float32 first.
 
     Raises:
       InvalidArgumentError: For a folder without saved params (or with
@@ -113,10 +113,10 @@ def post_train(
       folder without them is refused:
 
       >>> import tempfile
-      >>> from qbits.experiments import post_train
+      >>> from qbits._experiments import post_train
       >>> post_train(tempfile.mkdtemp(), "nf4", "out")  # doctest: +ELLIPSIS
       Traceback (most recent call last):
-      qbits.InvalidArgumentError: qbits.experiments.post_train: run_dir=... is not
+      qbits.InvalidArgumentError: qbits._experiments.post_train: run_dir=... is not
       allowed (it holds no saved params); expected the output folder of 'qbits
       train' (it saves the float32 params as runs/float32__seed<S>.params).
     """

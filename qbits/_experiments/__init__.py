@@ -1,6 +1,8 @@
 """Layer 9: example models, their training loop, ablation sweeps and reports.
 
-What the ``qbits`` command runs (:mod:`qbits.cli`), usable from Python too:
+What the ``qbits`` command runs (:mod:`qbits.cli`); the examples, benchmarks
+and tests use it too. Not library API (private: names may change in any
+release):
 
 - :func:`spec`, :class:`ModelSpec`: the ``lm`` (a character-level decoder-only
   transformer on a corpus that ships with qbits) and ``mlp`` (a classifier on
@@ -18,21 +20,21 @@ What the ``qbits`` command runs (:mod:`qbits.cli`), usable from Python too:
   example transformer), for the GPU benchmark and ``qbits inspect --target``.
 """
 
-from qbits.experiments._gpu_steps import gpu_step
-from qbits.experiments._models import Classifier, ModelSpec, TransformerLM, spec
-from qbits.experiments._ptq import post_train
-from qbits.experiments._report import summarize, write_report
-from qbits.experiments._saved import load_trained
-from qbits.experiments._scalify_mlp import train_scalify_mlp
-from qbits.experiments._sweep import run_sweep
-from qbits.experiments._sweep_file import (
+from qbits._experiments._gpu_steps import gpu_step
+from qbits._experiments._models import Classifier, ModelSpec, TransformerLM, spec
+from qbits._experiments._ptq import post_train
+from qbits._experiments._report import summarize, write_report
+from qbits._experiments._saved import load_trained
+from qbits._experiments._scalify_mlp import train_scalify_mlp
+from qbits._experiments._sweep import run_sweep
+from qbits._experiments._sweep_file import (
     Entry,
     Sweep,
     SweepError,
     config_bits,
     load_sweep,
 )
-from qbits.experiments._train import (
+from qbits._experiments._train import (
     RunResult,
     build_model,
     diagnose_batches,

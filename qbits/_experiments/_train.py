@@ -27,8 +27,8 @@ import qbits
 import qbits.diagnostics
 import qbits.hlo
 from qbits._errors import check_int
-from qbits.experiments import _data as data_lib
-from qbits.experiments._models import Classifier, ModelSpec, TransformerLM
+from qbits._experiments import _data as data_lib
+from qbits._experiments._models import Classifier, ModelSpec, TransformerLM
 
 __all__ = ["RunResult", "build_model", "diagnose_batches", "train"]
 
@@ -55,7 +55,7 @@ class RunResult:
         (:meth:`qbits.diagnostics.Metrics.rows` with ``"step"``).
 
     Example:
-      >>> from qbits.experiments import spec, train
+      >>> from qbits._experiments import spec, train
       >>> result = train(spec("mlp", "tiny"), "int8_fwd", steps=2)
       >>> sorted(result.as_dict())[:3]
       ['compile_seconds', 'curve', 'diagnostics']
@@ -81,7 +81,7 @@ def build_model(spec: ModelSpec, seed: int) -> tuple[nnx.Module, Any]:
     """The float model of ``spec`` initialised from ``seed``, and its data.
 
     Example:
-      >>> from qbits.experiments import build_model, spec
+      >>> from qbits._experiments import build_model, spec
       >>> model, data = build_model(spec("mlp", "tiny"), seed=0)
       >>> type(model).__name__, data.classes
       ('Classifier', 10)
@@ -100,7 +100,7 @@ def sample_batch(spec: ModelSpec, data: Any) -> Any:
     Abstract data (from ``nnx.eval_shape``) gives a ``jax.ShapeDtypeStruct``.
 
     Example:
-      >>> from qbits.experiments import build_model, sample_batch, spec
+      >>> from qbits._experiments import build_model, sample_batch, spec
       >>> s = spec("lm", "tiny")
       >>> sample_batch(s, build_model(s, seed=0)[1]).shape == (s.batch, s.context)
       True
@@ -121,8 +121,8 @@ def train_batch(spec: ModelSpec, data: Any, seed: int, step: Any) -> tuple[Any, 
     A function of ``(seed, step)`` only (traceable: ``step`` may be traced).
 
     Example:
-      >>> from qbits.experiments._train import build_model, train_batch
-      >>> from qbits.experiments import spec
+      >>> from qbits._experiments._train import build_model, train_batch
+      >>> from qbits._experiments import spec
       >>> s = spec("mlp", "tiny")
       >>> x, y = train_batch(s, build_model(s, 0)[1], 0, 3)
       >>> x.shape[0] == y.shape[0] == s.batch
@@ -139,8 +139,8 @@ def eval_batches(spec: ModelSpec, data: Any) -> tuple[jax.Array, jax.Array]:
     """The held-out ``(inputs, labels)``, stacked: ``spec.eval_batches`` batches.
 
     Example:
-      >>> from qbits.experiments._train import build_model, eval_batches
-      >>> from qbits.experiments import spec
+      >>> from qbits._experiments._train import build_model, eval_batches
+      >>> from qbits._experiments import spec
       >>> s = spec("mlp", "tiny")
       >>> x, y = eval_batches(s, build_model(s, 0)[1])
       >>> x.shape[:2] == y.shape == (s.eval_batches, s.batch)
@@ -161,7 +161,7 @@ def loss_and_accuracy(
     """Mean cross-entropy and accuracy of ``logits`` against integer ``labels``.
 
     Example:
-      >>> from qbits.experiments._train import loss_and_accuracy
+      >>> from qbits._experiments._train import loss_and_accuracy
       >>> loss, acc = loss_and_accuracy(jnp.array([[2.0, 0.0]]), jnp.array([0]))
       >>> round(float(loss), 4), float(acc)
       (0.1269, 1.0)
@@ -231,7 +231,7 @@ def train(
         that does not divide its axis), naming the layer.
 
     Example:
-      >>> from qbits.experiments import spec, train
+      >>> from qbits._experiments import spec, train
       >>> result = train(spec("mlp", "tiny"), "int8_fwd", steps=2)
       >>> len(result.curve), result.eval_loss > 0
       (2, True)
@@ -360,7 +360,7 @@ def diagnose_batches(
     each metric is the mean over the batches (``qbits inspect --diagnostics``).
 
     Example:
-      >>> from qbits.experiments import diagnose_batches, spec
+      >>> from qbits._experiments import diagnose_batches, spec
       >>> m = diagnose_batches(spec("mlp", "tiny"), "w4a8")  # doctest: +SKIP
       >>> print(m.table())  # doctest: +SKIP
       | sqnr_db | fwd.lhs | fwd.rhs |

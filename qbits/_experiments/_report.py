@@ -19,11 +19,11 @@
   more than one bit width below 32 (else one left by an earlier report in
   the folder is removed).
 
-The plots are drawn by :mod:`qbits.experiments._loss_curves` and
-:mod:`qbits.experiments._plots` (what they show; when a run has diverged).
+The plots are drawn by :mod:`qbits._experiments._loss_curves` and
+:mod:`qbits._experiments._plots` (what they show; when a run has diverged).
 With runs trained with diagnostics (``--diagnostics N``), also
 ``diagnostics.{md,csv}``, ``diagnostics_sqnr.png`` and
-``diagnostics_layers.png`` (:mod:`qbits.experiments._diagnostic_plots`).
+``diagnostics_layers.png`` (:mod:`qbits._experiments._diagnostic_plots`).
 
 ``results.json`` lists the files written, under ``"files"``.
 """
@@ -41,13 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from qbits.experiments._diagnostic_plots import (
+from qbits._experiments._diagnostic_plots import (
     diagnostics_figures,
     diagnostics_table,
     write_csv,
 )
-from qbits.experiments._loss_curves import loss_figure
-from qbits.experiments._plots import eval_figure, quality_figure, run_curve
+from qbits._experiments._loss_curves import loss_figure
+from qbits._experiments._plots import eval_figure, quality_figure, run_curve
 
 __all__ = ["replace_file", "summarize", "write_report"]
 
@@ -72,7 +72,7 @@ def summarize(
     """One row per config: means over seeds, ratio of eval loss to ``baseline``.
 
     Example:
-      >>> from qbits.experiments._report import summarize
+      >>> from qbits._experiments._report import summarize
       >>> run = lambda name, loss: {"name": name, "seed": 0, "bits": 8.0,
       ...     "result": {"train_loss": loss, "eval_loss": loss,
       ...                "eval_accuracy": 0.5, "seconds": 1.0}}
@@ -170,7 +170,7 @@ def replace_file(path: pathlib.Path, data: str | bytes) -> None:
 
     Example:
       >>> import pathlib, tempfile
-      >>> from qbits.experiments._report import replace_file
+      >>> from qbits._experiments._report import replace_file
       >>> f = pathlib.Path(tempfile.mkdtemp()) / "a.txt"
       >>> replace_file(f, "hello")
       >>> f.read_text(), [p.name for p in f.parent.iterdir()]
@@ -210,7 +210,7 @@ def write_report(
 
     Args:
       name: The title.
-      runs: Data of the run files (see :func:`qbits.experiments.run_sweep`).
+      runs: Data of the run files (see :func:`qbits._experiments.run_sweep`).
       out: The folder.
       baseline: The config the ratios are relative to.
 
@@ -224,7 +224,7 @@ def write_report(
       ...                "eval_curve": [(1, loss)], "eval_accuracy": 0.5,
       ...                "seconds": 1.0}}
       >>> out = pathlib.Path(tempfile.mkdtemp())
-      >>> rows = qbits.experiments.write_report(
+      >>> rows = qbits._experiments.write_report(
       ...     "demo", [run("none", 2.0), run("int8", 2.02)], out, "none")
       >>> sorted(p.name for p in out.iterdir())  # one bit width: no quality plot
       ['loss_curves.png', 'results.csv', 'results.json', 'results.md']

@@ -27,7 +27,7 @@ def init_moe(
     """Parameters of :func:`moe`: ``router``, ``w_in`` and ``w_out``.
 
     Example:
-      >>> from qbits.experiments._moe import init_moe
+      >>> from qbits._experiments._moe import init_moe
       >>> p = jax.eval_shape(lambda k: init_moe(k, 8, 16, 4), jax.random.key(0))
       >>> {k: v.shape for k, v in p.items()}
       {'router': (8, 4), 'w_in': (4, 8, 16), 'w_out': (4, 16, 8)}
@@ -63,7 +63,7 @@ def moe(
       dot_general: The router's matmul.
 
     Example:
-      >>> from qbits.experiments._moe import moe
+      >>> from qbits._experiments._moe import moe
       >>> p = {"router": jnp.ones((8, 4)), "w_in": jnp.ones((4, 8, 16)),
       ...      "w_out": jnp.ones((4, 16, 8))}
       >>> jax.eval_shape(moe, p, jnp.ones((5, 8))).shape

@@ -1,6 +1,6 @@
 """Datasets of the example models; nothing is downloaded.
 
-- ``lm``: the shipped character corpus (:mod:`qbits.experiments.corpus`),
+- ``lm``: the shipped character corpus (:mod:`qbits._experiments.corpus`),
   its first 90% for training and the last 10% held out.
 - ``mlp``: a generated 10-class problem (inputs from a normal distribution,
   labels from a fixed random teacher network, as in ``examples/qat_mlp.py``);
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qbits.experiments import _corpus as corpus
+from qbits._experiments import _corpus as corpus
 
 __all__ = ["CharData", "ClassData", "char_data", "class_data"]
 
@@ -48,7 +48,7 @@ def char_data(text: str | None = None, eval_fraction: float = 0.1) -> CharData:
     """Tokenizes ``text`` (default: the shipped corpus) by character.
 
     Example:
-      >>> from qbits.experiments._data import char_data
+      >>> from qbits._experiments._data import char_data
       >>> data = char_data("abcabcabca")
       >>> data.chars, data.train.shape, data.eval.shape
       ('abc', (9,), (1,))
@@ -106,7 +106,7 @@ def class_data(
     """A nonlinear ``classes``-way problem from a fixed random teacher network.
 
     Example:
-      >>> from qbits.experiments._data import class_data
+      >>> from qbits._experiments._data import class_data
       >>> data = class_data(n=32, n_eval=8, features=4, classes=3)
       >>> data.x.shape, data.y_eval.shape, data.classes
       ((32, 4), (8,), 3)

@@ -1,6 +1,6 @@
 """The plots of a report: what they share, eval loss against bits, eval loss.
 
-The loss curves are :mod:`qbits.experiments._loss_curves`.
+The loss curves are :mod:`qbits._experiments._loss_curves`.
 :func:`eval_figure` (``eval_loss.png``) draws each config's eval loss beside
 the baseline's, one point per config: the figure of a report whose runs
 were evaluated, not trained (``qbits ptq``: the float32 model and each
@@ -79,7 +79,7 @@ def styles(n: int) -> list[dict[str, Any]]:
     apart). Past 280, the colours are ``n`` distinct hues.
 
     Example:
-      >>> from qbits.experiments._plots import styles
+      >>> from qbits._experiments._plots import styles
       >>> s = styles(14)
       >>> s[0]["color"], s[10]["color"], s[10]["linestyle"], s[10]["marker"]
       ('tab:blue', 'tab:blue', '--', 'v')
@@ -138,14 +138,14 @@ def diverged(runs: Sequence[dict[str, Any]], baseline: str | None = None) -> set
     loss but below where it started) has not diverged.
 
     Args:
-      runs: Data of the run files (see :func:`qbits.experiments.run_sweep`).
+      runs: Data of the run files (see :func:`qbits._experiments.run_sweep`).
       baseline: The config the reference loss comes from.
 
     Returns:
       The names of the configs with at least one diverged run.
 
     Example:
-      >>> from qbits.experiments._plots import diverged
+      >>> from qbits._experiments._plots import diverged
       >>> run = lambda name, curve: {"name": name, "result": {
       ...     "curve": curve, "eval_loss": curve[-1]}}
       >>> runs = [run("none", [2.3, 0.5]), run("int2", [2.3, 1.5]),
@@ -241,7 +241,7 @@ def quality_figure(
     Args:
       name: The title.
       runs: Data of the run files (for :func:`diverged`).
-      rows: The summary rows (:func:`qbits.experiments.summarize`).
+      rows: The summary rows (:func:`qbits._experiments.summarize`).
       baseline: The config the eval losses are relative to.
 
     Returns:
@@ -249,8 +249,8 @@ def quality_figure(
       than the baseline have fewer than two bit widths below 32.
 
     Example:
-      >>> from qbits.experiments import summarize
-      >>> from qbits.experiments._plots import quality_figure
+      >>> from qbits._experiments import summarize
+      >>> from qbits._experiments._plots import quality_figure
       >>> run = lambda name, bits, loss: {"name": name, "seed": 0, "bits": bits,
       ...     "result": {"curve": [loss], "eval_loss": loss, "train_loss": loss}}
       >>> runs = [run("none", 32.0, 2.0), run("int8", 8.0, 2.02)]
@@ -346,15 +346,15 @@ def eval_figure(
     Args:
       name: The title.
       runs: Data of the run files (for :func:`diverged`).
-      rows: The summary rows (:func:`qbits.experiments.summarize`).
+      rows: The summary rows (:func:`qbits._experiments.summarize`).
       baseline: The config the eval losses are relative to.
 
     Returns:
       The figure (close it when done).
 
     Example:
-      >>> from qbits.experiments import summarize
-      >>> from qbits.experiments._plots import eval_figure
+      >>> from qbits._experiments import summarize
+      >>> from qbits._experiments._plots import eval_figure
       >>> run = lambda name, loss: {"name": name, "seed": 0, "bits": 4.0,
       ...     "result": {"eval_loss": loss, "train_loss": loss}}
       >>> runs = [run("float32", 2.0), run("w4 rtn", 2.1), run("w4 gptq", 2.02)]

@@ -1,6 +1,6 @@
 """The text corpus of the example language model, and how it was made.
 
-The character-level ``lm`` trains on ``qbits/experiments/data/corpus.txt``,
+The character-level ``lm`` trains on ``qbits/_experiments/data/corpus.txt``,
 which ships with qbits (no download at run time). The file is the output of
 :func:`generate`: English-like sentences from a small probabilistic grammar,
 interleaved with short arithmetic facts, drawn with ``random.Random(seed)``
@@ -9,7 +9,7 @@ version since 3.2). It is licence-clean: every word list below was written
 for qbits. ``tests/experiments`` checks that the shipped file equals
 ``generate()``, so its origin can be verified.
 
-Regenerate it with ``python -m qbits.experiments.corpus``.
+Regenerate it with ``python -m qbits._experiments.corpus``.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def generate(n_chars: int = 300_000, seed: int = 0) -> str:
       The text, ASCII, paragraphs separated by blank lines.
 
     Example:
-      >>> from qbits.experiments import _corpus as corpus
+      >>> from qbits._experiments import _corpus as corpus
       >>> corpus.generate(40) == corpus.generate(40)
       True
     """
@@ -168,7 +168,7 @@ def read() -> str:
     """The shipped corpus file.
 
     Example:
-      >>> from qbits.experiments import _corpus as corpus
+      >>> from qbits._experiments import _corpus as corpus
       >>> corpus.read()[:5]
       'Every'
     """

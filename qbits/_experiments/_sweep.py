@@ -5,7 +5,7 @@ the output folder, atomically (a temporary file, then ``os.replace``), with
 a fingerprint of everything that determines it. A rerun skips every run whose
 file exists with the same fingerprint, so an interrupted sweep loses no
 finished run and a changed setting reruns what it changes. The table and the
-plots are rebuilt from the run files (:func:`qbits.experiments.write_report`).
+plots are rebuilt from the run files (:func:`qbits._experiments.write_report`).
 A file that cannot be written (a full disk) leaves no partial file behind,
 and the error names the file.
 
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 import qbits
-from qbits.experiments._report import replace_file
-from qbits.experiments._sweep_file import Sweep
-from qbits.experiments._train import RunResult, train
+from qbits._experiments._report import replace_file
+from qbits._experiments._sweep_file import Sweep
+from qbits._experiments._train import RunResult, train
 
 __all__ = ["run_sweep"]
 
@@ -107,7 +107,7 @@ def run_sweep(
 
     Example:
       >>> import pathlib, tempfile
-      >>> from qbits.experiments import load_sweep, run_sweep
+      >>> from qbits._experiments import load_sweep, run_sweep
       >>> d = pathlib.Path(tempfile.mkdtemp())
       >>> text = "model: mlp\nsize: tiny\nsteps: 2\nconfigs: [none]"
       >>> _ = (d / "s.yaml").write_text(text)
@@ -115,7 +115,7 @@ def run_sweep(
       >>> sorted(p.name for p in (d / "out").iterdir())  # one config: no bits plot
       ['loss_curves.png', 'results.csv', 'results.json', 'results.md', 'runs']
     """
-    from qbits.experiments._report import write_report
+    from qbits._experiments._report import write_report
 
     out = pathlib.Path(out)
     runs_dir = out / "runs"

@@ -2,7 +2,7 @@
 
 784 inputs, two hidden layers, 10 classes, on a generated problem shaped
 like MNIST (nothing is downloaded): a 32-dimensional latent labelled by
-:func:`qbits.experiments.class_data`'s fixed teacher network, projected to
+:func:`qbits._experiments.class_data`'s fixed teacher network, projected to
 784 "pixels" by a fixed random map, plus pixel noise. Like MNIST, the inputs
 are high-dimensional but lie near a low-dimensional set, so the MLP learns
 the task rather than memorizing its training set. The same training step
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qbits import scaled
-from qbits.experiments._data import class_data
+from qbits._experiments._data import class_data
 
 __all__ = ["PRECISIONS", "ScalifyResult", "train_scalify_mlp"]
 
@@ -154,7 +154,7 @@ def train_scalify_mlp(
       ValueError: For an unknown precision.
 
     Example:
-      >>> from qbits.experiments import train_scalify_mlp
+      >>> from qbits._experiments import train_scalify_mlp
       >>> # "float32" is the baseline; "float16" and "fp8" run under scalify
       >>> # (a few seconds more to trace: tests/scaled/test_ops.py runs them).
       >>> result = train_scalify_mlp("float32", steps=2, hidden=16, n_train=64,

@@ -2,7 +2,7 @@
 
 Runs trained with ``diagnostics=N`` (``qbits train/sweep --diagnostics N``)
 hold the metrics of every quantized operand of every matmul every ``N``
-steps (:attr:`~qbits.experiments.RunResult.diagnostics`). From them
+steps (:attr:`~qbits._experiments.RunResult.diagnostics`). From them
 :func:`write_diagnostics` writes:
 
 - ``diagnostics.csv``: every record of every run (config, seed, step,
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from qbits.experiments._plots import palette, pyplot
+from qbits._experiments._plots import palette, pyplot
 
 __all__ = ["FIELDS", "diagnostics_figures", "diagnostics_table", "write_csv"]
 

@@ -58,7 +58,7 @@ class ModelSpec:
         ``nnx.scan`` (one traced block however deep; the ``deep`` size).
 
     Example:
-      >>> from qbits.experiments import spec
+      >>> from qbits._experiments import spec
       >>> spec("lm").width, spec("lm", "tiny").width
       (128, 16)
     """
@@ -96,7 +96,7 @@ def spec(model: str, size: str = "default") -> ModelSpec:
       ValueError: For an unknown model or size (the message lists them).
 
     Example:
-      >>> from qbits.experiments import spec
+      >>> from qbits._experiments import spec
       >>> spec("mlp").batch
       256
     """
@@ -142,7 +142,7 @@ class TransformerLM(nnx.Module):
 
     Example:
       >>> import flax.nnx as nnx
-      >>> from qbits.experiments import TransformerLM, spec
+      >>> from qbits._experiments import TransformerLM, spec
       >>> make = lambda: TransformerLM(10, spec("lm", "tiny"), rngs=nnx.Rngs(0))
       >>> lm = nnx.eval_shape(make)  # the graph only, no parameters computed
       >>> tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
@@ -215,7 +215,7 @@ class TransformerLM(nnx.Module):
 
         Example:
           >>> import flax.nnx as nnx
-          >>> from qbits.experiments import TransformerLM, spec
+          >>> from qbits._experiments import TransformerLM, spec
           >>> make = lambda: TransformerLM(10, spec("lm", "tiny"), rngs=nnx.Rngs(0))
           >>> lm = nnx.eval_shape(make)  # the graph only: caches need no weights
           >>> cache = lm.init_cache(2, "kv_int8")
@@ -269,7 +269,7 @@ class TransformerLM(nnx.Module):
           :func:`qbits.kvcache.generate` for the decoding loop):
 
           >>> import flax.nnx as nnx
-          >>> from qbits.experiments import TransformerLM, spec
+          >>> from qbits._experiments import TransformerLM, spec
           >>> make = lambda: TransformerLM(10, spec("lm", "tiny"), rngs=nnx.Rngs(0))
           >>> lm = nnx.eval_shape(make)
           >>> decode = lambda m, t, c: m.decode(t, c)
@@ -366,7 +366,7 @@ class Classifier(nnx.Module):
 
     Example:
       >>> import flax.nnx as nnx
-      >>> from qbits.experiments import Classifier, spec
+      >>> from qbits._experiments import Classifier, spec
       >>> net = nnx.eval_shape(
       ...     lambda: Classifier(8, 3, spec("mlp", "tiny"), rngs=nnx.Rngs(0))
       ... )

@@ -3,7 +3,7 @@
 ``qbits train`` saves the float32 run's trained params beside its run file
 (``runs/float32__seed<S>.params``: an Orbax checkpoint of
 :func:`qbits.nnx.as_function`'s params, with checksums; see
-:func:`~qbits.experiments.run_sweep`'s ``save_params``).
+:func:`~qbits._experiments.run_sweep`'s ``save_params``).
 :func:`load_trained` rebuilds the model they belong to and loads them: what
 ``qbits ptq`` quantizes and ``qbits generate`` decodes with.
 """
@@ -18,9 +18,9 @@ import flax.nnx as nnx
 
 import qbits
 from qbits._errors import InvalidArgumentError
-from qbits.experiments._models import spec as model_spec
-from qbits.experiments._sweep import read_run
-from qbits.experiments._train import build_model
+from qbits._experiments._models import spec as model_spec
+from qbits._experiments._sweep import read_run
+from qbits._experiments._train import build_model
 
 __all__ = ["load_trained"]
 
@@ -63,7 +63,7 @@ def load_trained(
     run_dir: str | os.PathLike,
     seed: int | None = None,
     *,
-    owner: str = "qbits.experiments.load_trained",
+    owner: str = "qbits._experiments.load_trained",
 ) -> tuple[nnx.Module, Any, dict[str, Any]]:
     """The trained model whose params ``qbits train`` saved in ``run_dir``.
 
@@ -75,7 +75,7 @@ def load_trained(
 
     Returns:
       ``(model, data, run)``: the nnx model with the saved params, its
-      dataset (as :func:`~qbits.experiments.build_model` gives it) and the
+      dataset (as :func:`~qbits._experiments.build_model` gives it) and the
       run file's data (``model``, ``size``, ``seed``, ``result``...).
 
     Raises:
@@ -85,10 +85,10 @@ def load_trained(
 
     Example:
       >>> import tempfile
-      >>> from qbits.experiments import load_trained
+      >>> from qbits._experiments import load_trained
       >>> load_trained(tempfile.mkdtemp())  # doctest: +ELLIPSIS
       Traceback (most recent call last):
-      qbits.InvalidArgumentError: qbits.experiments.load_trained: run_dir=...
+      qbits.InvalidArgumentError: qbits._experiments.load_trained: run_dir=...
       is not allowed (it holds no saved params); expected the output folder
       of 'qbits train' (it saves the float32 params as
       runs/float32__seed<S>.params).
