@@ -31,22 +31,7 @@ import numpy as np
 
 from qbits._experiments._plots import palette, pyplot
 
-__all__ = ["FIELDS", "diagnostics_figures", "diagnostics_table", "write_csv"]
-
-FIELDS = (
-    "config",
-    "seed",
-    "step",
-    "matmul",
-    "operand",
-    "sqnr_db",
-    "clipped",
-    "flushed",
-    "wasted_bits",
-    "log2_scale_min",
-    "log2_scale_max",
-    "nonfinite",
-)
+__all__ = ["diagnostics_figures", "diagnostics_table", "write_csv"]
 
 
 def _records(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -58,13 +43,18 @@ def _records(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_csv(runs: Sequence[dict[str, Any]]) -> str:
-    """``diagnostics.csv``: one line per record of every run (see the module)."""
+    """``diagnostics.csv``: one line per record of every run (see the module).
+
+    The columns are the records' fields, in order: config, seed, step,
+    matmul, operand, then the metrics :meth:`qbits.diagnostics.Metrics.rows`
+    gives.
+    """
+    records = _records(runs)
+    fields = list(dict.fromkeys(k for r in records for k in r))
     buffer = io.StringIO()
-    writer = csv.DictWriter(
-        buffer, fieldnames=FIELDS, lineterminator="\n", extrasaction="ignore"
-    )
+    writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(_records(runs))
+    writer.writerows(records)
     return buffer.getvalue()
 
 

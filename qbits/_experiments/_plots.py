@@ -230,6 +230,30 @@ def pyplot():
     return plt
 
 
+def _against_baseline(
+    runs: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], baseline: str | None
+) -> tuple[set[str], dict[str, Any], float, bool]:
+    """Diverged configs, styles, the baseline's eval loss, whether it is the unit.
+
+    The losses are drawn relative to the baseline's where it is finite, > 0.
+    """
+    base = next((r["eval_loss"] for r in rows if r["config"] == baseline), math.nan)
+    style_of = palette([r["config"] for r in rows], baseline)
+    return diverged(runs, baseline), style_of, base, math.isfinite(base) and base > 0
+
+
+def _set_title(
+    ax: Any, title: str, rows: Sequence[dict[str, Any]], notes: list[str], bad: str
+) -> None:
+    """``title``, then a line each: ``notes``, the error bars, ``bad`` (if any)."""
+    seeds = max((r["seeds"] for r in rows), default=1)
+    if seeds > 1:
+        notes.append(f"mean over seeds; error bars: ± one std over {seeds} seeds")
+    if bad:
+        notes.append(bad)
+    ax.set_title(title + "".join(f"\n{n}" for n in notes), fontsize=10)
+
+
 def quality_figure(
     name: str,
     runs: Sequence[dict[str, Any]],
@@ -265,10 +289,7 @@ def quality_figure(
     if len(widths) < 2:
         return None
     plt = pyplot()
-    bad = diverged(runs, baseline)
-    style_of = palette([r["config"] for r in rows], baseline)
-    base = next((r["eval_loss"] for r in rows if r["config"] == baseline), math.nan)
-    relative = math.isfinite(base) and base > 0
+    bad, style_of, base, relative = _against_baseline(runs, rows, baseline)
     scale = base if relative else 1.0
     fit = [1.0] if relative else []
     for r in rows:
@@ -318,14 +339,9 @@ def quality_figure(
     ax.set_xlabel("forward weight bits")
     ax.set_ylabel(f"eval loss / {baseline}" if relative else "eval loss")
     ax.grid(alpha=0.3)
-    seeds = max(r["seeds"] for r in rows)
-    notes = []
-    if seeds > 1:
-        notes.append(f"mean over seeds; error bars: ± one std over {seeds} seeds")
-    if bad:
-        notes.append("diverged: drawn clipped at the top edge")
-    title = f"{name}: eval loss vs forward weight bits"  # notes under it
-    ax.set_title(title + "".join(f"\n{n}" for n in notes), fontsize=10)
+    title = f"{name}: eval loss vs forward weight bits"
+    bad_note = "diverged: drawn clipped at the top edge" if bad else ""
+    _set_title(ax, title, rows, [], bad_note)
     fig.legend(loc="outside right upper", fontsize=8)
     return fig
 
@@ -341,13 +357,8 @@ def eval_figure(
     Each point is labelled with its eval loss relative to the baseline's (a
     dotted line); with several seeds, the mean and an error bar of one
     standard deviation. A loss that is not finite, or a diverged config's
-    (:func:`diverged`), is drawn at the top edge, labelled.
-
-    Args:
-      name: The title.
-      runs: Data of the run files (for :func:`diverged`).
-      rows: The summary rows (:func:`qbits._experiments.summarize`).
-      baseline: The config the eval losses are relative to.
+    (:func:`diverged`), is drawn at the top edge, labelled. The arguments are
+    :func:`quality_figure`'s.
 
     Returns:
       The figure (close it when done).
@@ -365,11 +376,8 @@ def eval_figure(
       ['1.0000', '1.0500', '1.0100']
     """
     plt = pyplot()
-    bad = diverged(runs, baseline)
+    bad, style_of, base, relative = _against_baseline(runs, rows, baseline)
     names = [r["config"] for r in rows]
-    style_of = palette(names, baseline)
-    base = next((r["eval_loss"] for r in rows if r["config"] == baseline), math.nan)
-    relative = math.isfinite(base) and base > 0
     fit = [
         r["eval_loss"] + sign * r["eval_loss_std"]
         for r in rows
@@ -417,12 +425,7 @@ def eval_figure(
     ax.set_ylabel("eval loss")
     ax.grid(alpha=0.3, axis="y")
     notes = [f"labels: eval loss / {baseline} (dotted)"] if relative else []
-    seeds = max((r["seeds"] for r in rows), default=1)
-    if seeds > 1:
-        notes.append(f"mean over seeds; error bars: ± one std over {seeds} seeds")
-    if bad:
-        notes.append("diverged or not finite: drawn at the top edge")
-    title = f"{name}: eval loss of each config"
-    ax.set_title(title + "".join(f"\n{n}" for n in notes), fontsize=10)
+    bad_note = "diverged or not finite: drawn at the top edge" if bad else ""
+    _set_title(ax, f"{name}: eval loss of each config", rows, notes, bad_note)
     fig.set_layout_engine("constrained")
     return fig
