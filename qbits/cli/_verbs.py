@@ -6,6 +6,7 @@ import argparse
 import os
 import pathlib
 import sys
+from typing import Any
 
 from qbits.cli._common import (
     UsageError,
@@ -18,8 +19,30 @@ from qbits.cli._common import (
 )
 
 
+def _run_sweep(
+    args: argparse.Namespace, sweep: Any, out: pathlib.Path, **kwargs: Any
+) -> list[dict[str, Any]]:
+    """Runs ``sweep`` into ``out`` as the training commands' options say.
+
+    (``--rerun``, ``-q``, ``--diagnostics``: ``_run_options`` of the parser),
+    with a progress bar over each run's steps.
+    """
+    from qbits._experiments import run_sweep
+
+    with _progress(args.quiet, sweep.steps) as progress:
+        return run_sweep(
+            sweep,
+            out,
+            resume=not args.rerun,
+            progress=progress,
+            log=_log(args.quiet),
+            diagnostics=args.diagnostics,
+            **kwargs,
+        )
+
+
 def _train(args: argparse.Namespace) -> int:
-    from qbits._experiments import Entry, Sweep, config_bits, run_sweep, spec
+    from qbits._experiments import Entry, Sweep, config_bits, spec
 
     name, config, origin = _config(args.config)
     model_spec = spec(args.model, args.size)
@@ -42,16 +65,7 @@ def _train(args: argparse.Namespace) -> int:
             f"training {args.model} ({args.size}) for {steps} steps, seed "
             f"{args.seed}: float32 and {name}; results in {out}"
         )
-    with _progress(args.quiet, steps) as progress:
-        runs = run_sweep(
-            sweep,
-            out,
-            resume=not args.rerun,
-            progress=progress,
-            log=_log(args.quiet),
-            save_params="float32",
-            diagnostics=args.diagnostics,
-        )
+    runs = _run_sweep(args, sweep, out, save_params="float32")
     from qbits._experiments import summarize
 
     rows = summarize(runs, "float32")
@@ -102,7 +116,7 @@ def _ptq(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from qbits._experiments import load_sweep, run_sweep
+    from qbits._experiments import load_sweep
 
     sweep = load_sweep(args.file)
     out = _out_dir(args.out or f"runs/{sweep.name}")
@@ -113,15 +127,7 @@ def _sweep(args: argparse.Namespace) -> int:
             f"{len(sweep.seeds)} seeds = {total} runs of {sweep.spec.model} "
             f"({sweep.size}, {sweep.steps} steps); results in {out}"
         )
-    with _progress(args.quiet, sweep.steps) as progress:
-        runs = run_sweep(
-            sweep,
-            out,
-            resume=not args.rerun,
-            progress=progress,
-            log=_log(args.quiet),
-            diagnostics=args.diagnostics,
-        )
+    runs = _run_sweep(args, sweep, out)
     if not args.quiet:
         print((out / "results.md").read_text(encoding="utf-8"))
     print(_wrote(out, len(runs)))
