@@ -6,7 +6,7 @@ step of N Dense layers (width 256, batch 128, ReLU, MSE loss), on one core
 with single-threaded XLA:CPU. Variants: float32, qbits ``int8`` (forward
 and both backward matmuls, stochastic rounding of the gradients, the layers'
 keys a chain of ``qbits.numerics.next_key``), ``int8_derive_key`` (the same
-with each layer's key ``qbits.numerics.derive_key(key, i)``),
+with each layer's key ``qbits.numerics._derive_key(key, i)``),
 ``int8_nearest`` (int8 everywhere, rounding to nearest), ``int8_reuse``
 (the same, with the backward matmuls reusing the forward's quantized
 operands: the work Qwix's QT does), ``int8_fwd``, ``fp8``,
@@ -107,7 +107,7 @@ def child(variant: str, model: str, depth: int) -> dict[str, float]:
 
         def layer_keys(key: jax.Array) -> list[jax.Array]:
             if variant == "int8_derive_key":  # a layer index in each key
-                return [qbits.numerics.derive_key(key, i) for i in range(len(params))]
+                return [qbits.numerics._derive_key(key, i) for i in range(len(params))]
             keys = []  # a chain: the same kernel for every layer's key
             for _ in params:
                 key = qbits.numerics.next_key(key)

@@ -3,14 +3,14 @@
 The public API, layer by layer (each layer imports only the ones above it
 in this file):
 
-1. numerics: :class:`IntNumerics`, :class:`FpNumerics`, :class:`NoNumerics`
-   (:mod:`qbits.numerics`: the base class, fp8, stochastic rounding and its
-   keys).
-2. calibration: :class:`AbsMax`, :class:`Percentile`, :class:`MseSearch`,
-   :class:`ConstantBound` (base :class:`Calibration`); scale providers
-   (scales from state): :class:`DelayedScaling`, :class:`LearnedScale`
-   (base :class:`ScaleProvider`); granularity: :class:`PerTensor`,
-   :class:`PerChannel`, :class:`Tiled` (base :class:`Granularity`).
+1. numerics: :class:`IntNumerics`, :class:`FpNumerics` (:mod:`qbits.numerics`:
+   the base class, no quantization, fp8, NF4, ternary, stochastic rounding).
+2. calibration: :class:`AbsMax`, :class:`AbsMean`, :class:`Percentile`,
+   :class:`MseSearch`, :class:`ConstantBound` (base :class:`Calibration`);
+   scale providers (scales from state): :class:`DelayedScaling`,
+   :class:`LearnedScale` (base :class:`ScaleProvider`); granularity:
+   :class:`PerTensor`, :class:`PerChannel`, :class:`Tiled` (base
+   :class:`Granularity`).
 3. :class:`QTensor` and :class:`Quantizer`. :mod:`qbits.scaled`:
    :class:`~qbits.scaled.ScaledArray` and :func:`~qbits.scaled.scalify`,
    scale propagation through a whole graph (float16 and fp8 training
@@ -35,21 +35,22 @@ in this file):
 """
 
 from qbits import config, numerics, ops, scaled
-from qbits._errors import ConfigError, InvalidArgumentError
-from qbits._quantizer import Quantizer
-from qbits.calibration import (
+from qbits._calibration import (
     AbsMax,
+    AbsMean,
     Calibration,
     ConstantBound,
     MseSearch,
     Percentile,
 )
+from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._granularity import Granularity, PerChannel, PerTensor, Tiled
+from qbits._providers import DelayedScaling, LearnedScale, ScaleProvider
+from qbits._quantizer import Quantizer
+from qbits._tensor import QTensor
 from qbits.config import QuantConfig, Rule, load_config, presets
-from qbits.granularity import Granularity, PerChannel, PerTensor, Tiled
-from qbits.numerics import FpNumerics, IntNumerics, NoNumerics
+from qbits.numerics import FpNumerics, IntNumerics
 from qbits.ops import DotGeneralConfig, MatmulConfig
-from qbits.providers import DelayedScaling, LearnedScale, ScaleProvider
-from qbits.tensor import QTensor
 
 from qbits.config._refs import conv_general_dilated, dot_general, einsum  # isort: skip
 from qbits._ranges import freeze_ranges  # isort: skip
@@ -66,6 +67,7 @@ del _fn
 
 __all__ = [
     "AbsMax",
+    "AbsMean",
     "Calibration",
     "ConfigError",
     "ConstantBound",
@@ -78,7 +80,6 @@ __all__ = [
     "LearnedScale",
     "MatmulConfig",
     "MseSearch",
-    "NoNumerics",
     "PerChannel",
     "PerTensor",
     "Percentile",

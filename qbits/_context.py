@@ -18,7 +18,7 @@ class Context(struct.PyTreeNode):
     Attributes:
       key: A PRNG key (``jax.random.key`` or a raw ``uint32[2]`` key), or
         ``None`` when nothing random is needed. Checked where a numerics
-        draws from it (:func:`qbits.numerics.check_key`): a context is a
+        draws from it (a typed key, or 2 or 4 uint32 words): a context is a
         pytree, rebuilt by JAX's transformations with placeholder leaves.
       cast_next: Whether the values a numerics returns are cast to its
         storage dtype (:meth:`~qbits.numerics.QNumerics.get_dtype`) right

@@ -163,6 +163,14 @@ def check_bool(owner: str, argument: str, value: Any) -> None:
         raise InvalidArgumentError(owner, argument, value, "True or False")
 
 
+def check_choice(owner: str, argument: str, value: Any, choices: Any) -> None:
+    """Raises InvalidArgumentError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise InvalidArgumentError(
+            owner, argument, value, "one of " + ", ".join(map(str, choices))
+        )
+
+
 def check_int(
     owner: str, argument: str, value: Any, lo: int | None = None, hi: int | None = None
 ) -> None:

@@ -23,8 +23,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from qbits._calibration import ConstantBound
 from qbits._errors import InvalidArgumentError
-from qbits.calibration import ConstantBound
 from qbits.config import QuantConfig, Rule, as_quant_config
 
 __all__ = ["freeze_ranges"]

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 
 import qbits
 from qbits import AbsMax, ConstantBound, InvalidArgumentError, MseSearch, Percentile
+from qbits._calibration import make_scale, round_scale
 from qbits._formats import FLOAT_FORMATS
-from qbits.calibration import make_scale, round_scale
 from tests.helpers import fake_quant, float_arrays, quant
 
 X = jnp.array([[1.0, -4.0, 0.5, 2.0], [0.25, 0.5, -0.125, 0.0]])

@@ -2,7 +2,7 @@ import pytest
 
 import qbits
 from qbits import InvalidArgumentError, PerChannel, PerTensor, Tiled
-from qbits.granularity import BlockLayout
+from qbits._granularity import BlockLayout
 
 
 def test_block_sizes():

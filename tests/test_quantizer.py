@@ -19,7 +19,7 @@ from qbits import (
     Tiled,
 )
 from qbits._formats import FLOAT_FORMATS
-from qbits.tensor import storage_dtype
+from qbits._tensor import storage_dtype
 from tests.helpers import (
     FLOAT_DTYPES,
     bits_equal,
@@ -33,7 +33,7 @@ from tests.helpers import (
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_no_numerics_returns_the_input_bit_for_bit(dtype):
     x = jnp.array([[0.1, -0.0, jnp.nan], [jnp.inf, 3e4, 1e-5]], dtype)
-    q = Quantizer(qbits.NoNumerics(), granularity=PerChannel((0,)))
+    q = Quantizer(qbits.numerics.NoNumerics(), granularity=PerChannel((0,)))
     for store in (False, True):
         y = q.quant(x, store=store).dequant()
         assert y.dtype == dtype
@@ -451,7 +451,7 @@ def test_zero_size_input_gives_an_empty_qtensor(granularity, scale_shape):
     assert qt.scale.shape == (0, 1)
 
 
-# --- Edge blocks: zero, tiny, huge, mixed sign (see qbits.calibration). --------
+# --- Edge blocks: zero, tiny, huge, mixed sign (see qbits._calibration). --------
 
 F32_MAX = float(np.finfo(np.float32).max)
 TINY = float(np.finfo(np.float32).tiny)
@@ -620,7 +620,7 @@ def _mixed_requests(x, w, key):
         Request(Quantizer(IntNumerics(bits=3)), x, None, False, (1,)),
         Request(noisy, w, qbits.numerics.Context(key), True, (1,)),
         Request(provided, w, None, True, (0,), jnp.full((1, 32), 0.01)),
-        Request(Quantizer(qbits.NoNumerics()), x, None, False, (1,)),
+        Request(Quantizer(qbits.numerics.NoNumerics()), x, None, False, (1,)),
         Request(int8, jnp.zeros((0, 32)), None, True, (1,)),
         Request(int8, x, None, True, (1,)),
     ]

@@ -8,7 +8,7 @@ from hypothesis.extra import numpy as hnp
 
 import qbits
 from qbits import InvalidArgumentError, QTensor
-from qbits.tensor import pack_nibbles, unpack_nibbles
+from qbits._tensor import pack_nibbles, unpack_nibbles
 
 NIBBLE_VALUES = {
     "int4": np.arange(-8, 8),

@@ -14,7 +14,7 @@ initialization and batches:
   ScaledArrays; scalify propagates the scales;
 - ``fp8``: float16 storage with every matmul operand rounded to E4M3 in the
   forward pass and every matmul's incoming gradient rounded to E5M2 in the
-  backward pass (``cast_ml_dtype`` / ``cast_ml_dtype_grad``), as simulated
+  backward pass (``cast_ml_dtype``, ``grad=True`` for the gradient), as simulated
   FP8 training does.
 
 The only scaling hints in the model are the ones Scalify's own MNIST example
@@ -99,7 +99,7 @@ def _dense(x: jax.Array, layer: dict[str, jax.Array], fp8: bool) -> jax.Array:
         x, w = scaled.cast_ml_dtype(x, _E4M3), scaled.cast_ml_dtype(w, _E4M3)
     y = x @ w
     if fp8:
-        y = scaled.cast_ml_dtype_grad(y, _E5M2)
+        y = scaled.cast_ml_dtype(y, _E5M2, grad=True)
     return y + layer["b"]
 
 
@@ -110,7 +110,7 @@ def _logits(params: list[dict[str, jax.Array]], x: jax.Array, fp8: bool) -> jax.
 
 
 def _loss(params: Any, x: jax.Array, onehot: jax.Array, fp8: bool) -> jax.Array:
-    logits = scaled.dynamic_rescale_l2_grad(_logits(params, x, fp8))
+    logits = scaled.dynamic_rescale_l2(_logits(params, x, fp8), grad=True)
     logp = logits - jax.nn.logsumexp(logits, axis=1, keepdims=True)
     return -jnp.mean(jnp.sum(logp * onehot.astype(logp.dtype), axis=1))
 

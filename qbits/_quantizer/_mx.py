@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from qbits._errors import InvalidArgumentError
+from qbits._calibration import AbsMax
+from qbits._errors import check_choice
+from qbits._granularity import Tiled
 from qbits._quantizer._quantizer import Quantizer
-from qbits.calibration import AbsMax
-from qbits.granularity import Tiled
 from qbits.numerics import FpNumerics, IntNumerics
 
 __all__ = ["mx_quantizer"]
@@ -35,7 +35,8 @@ def mx_quantizer(element: str = "float8_e4m3fn", axis: int | None = None) -> Qua
         contracting axis.
 
     Returns:
-      A :class:`Quantizer`.
+      A :class:`Quantizer`: an absmax scale per tile of 32, a power of two
+      (E8M0).
 
     Raises:
       InvalidArgumentError: For another element format.
@@ -47,9 +48,6 @@ def mx_quantizer(element: str = "float8_e4m3fn", axis: int | None = None) -> Qua
       >>> qt.scale.shape, qt.scale[0, 0]
       ((1, 2), Array(0.25, dtype=float32))
     """
-    if element not in _MX_ELEMENTS:
-        raise InvalidArgumentError(
-            "mx_quantizer", "element", element, "one of " + ", ".join(_MX_ELEMENTS)
-        )
+    check_choice("mx_quantizer", "element", element, _MX_ELEMENTS)
     numerics = IntNumerics(bits=8) if element == "int8" else FpNumerics(element)
     return Quantizer(numerics, AbsMax(), Tiled(axis=axis, tile_size=32), "e8m0")

@@ -13,19 +13,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from qbits._context import Context
-from qbits._errors import InvalidArgumentError
-from qbits._formats import check_float_input, compute_dtype
-from qbits._jaxpr import varying
-from qbits._quantizer._arithmetic import (
-    flat_vector,
-    negatives_stay_negative,
-    scales_and_inverses,
-)
-from qbits._quantizer._storage import encode, to_storage
-from qbits._quantizer._two_level import quantize_two_level
-from qbits._quantizer._zero_point import quantize_asymmetric
-from qbits.calibration import (
+from qbits._calibration import (
     SCALE_ROUNDINGS,
     AbsMax,
     Calibration,
@@ -35,10 +23,22 @@ from qbits.calibration import (
     make_scale,
     scale_limits,
 )
-from qbits.granularity import BlockLayout, Granularity, PerTensor
+from qbits._context import Context
+from qbits._errors import InvalidArgumentError, check_choice
+from qbits._formats import check_float_input, compute_dtype
+from qbits._granularity import BlockLayout, Granularity, PerTensor
+from qbits._jaxpr import varying
+from qbits._providers import ScaleProvider
+from qbits._quantizer._arithmetic import (
+    flat_vector,
+    negatives_stay_negative,
+    scales_and_inverses,
+)
+from qbits._quantizer._storage import blocked, encode, to_storage
+from qbits._quantizer._two_level import quantize_two_level
+from qbits._quantizer._zero_point import quantize_asymmetric
+from qbits._tensor import QTensor
 from qbits.numerics import QNumerics
-from qbits.providers import ScaleProvider
-from qbits.tensor import QTensor
 
 __all__ = ["Quantizer", "Request", "quantize_all"]
 
@@ -60,10 +60,10 @@ class Quantizer(struct.PyTreeNode):
     quantization ``quant(x).dequant()`` has exactly the numerics' gradient
     (straight-through, or masked with ``clip_gradient``). Inputs of every
     float dtype are quantized in float32 (float64 stays); ``dequant`` returns
-    the input's dtype. With :class:`~qbits.NoNumerics` the input comes back
+    the input's dtype. With :class:`~qbits.numerics.NoNumerics` the input comes back
     bit for bit.
 
-    Edge cases (the rules are in the :mod:`qbits.calibration` docstring):
+    Edge cases (the calibrations' rules):
 
     - A block holding a NaN or an inf dequantizes to NaN.
     - A block whose bound is 0 (all zeros) has scale 1 and dequantizes to
@@ -97,11 +97,11 @@ class Quantizer(struct.PyTreeNode):
 
     Attributes:
       numerics: The grid (:class:`~qbits.IntNumerics`,
-        :class:`~qbits.FpNumerics`, :class:`~qbits.NoNumerics`, ...).
+        :class:`~qbits.FpNumerics`, :class:`~qbits.numerics.NoNumerics`, ...).
       calibration: How each block's bound is found.
       granularity: Which elements share a scale.
       scale_rounding: ``"none"``, ``"pow2"`` or ``"e8m0"`` (power of two
-        rounded up), see :func:`qbits.calibration.round_scale`; or
+        rounded up); or
         ``"e4m3"``: float8_e4m3fn block scales under a float32 scale for
         the whole tensor (NVFP4's two-level scaling).
 
@@ -146,13 +146,7 @@ class Quantizer(struct.PyTreeNode):
                 raise InvalidArgumentError(
                     "Quantizer", name, getattr(self, name), f"a qbits {label}"
                 )
-        if self.scale_rounding not in _ROUNDINGS:
-            raise InvalidArgumentError(
-                "Quantizer",
-                "scale_rounding",
-                self.scale_rounding,
-                "one of " + ", ".join(_ROUNDINGS),
-            )
+        check_choice("Quantizer", "scale_rounding", self.scale_rounding, _ROUNDINGS)
         asymmetric = self.numerics.asymmetric
         if asymmetric and self.scale_rounding != "none":
             raise InvalidArgumentError(
@@ -226,7 +220,7 @@ class Quantizer(struct.PyTreeNode):
 
         ``scale`` gives the scale (one entry per block, the scale's shape)
         instead of calibrating: required when the calibration is a scale
-        provider (:mod:`qbits.providers`), which takes it from state.
+        provider (:class:`~qbits.ScaleProvider`), which takes it from state.
 
         Returns:
           ``(qtensor, grad)``.
@@ -389,10 +383,13 @@ def _calibrate(
     if self.numerics.is_identity:
         qt = QTensor(x, jnp.ones((1,) * x.ndim, jnp.float32), dtype=x.dtype)
         return qt, (jax.tree_util.Partial(_identity) if vjp else None)
-    if self.numerics.asymmetric:
-        return quantize_asymmetric(request._replace(x=x), vjp)
-    if self.scale_rounding == "e4m3":
-        return quantize_two_level(request._replace(x=x), vjp)
+    if self.numerics.asymmetric or self.scale_rounding == "e4m3":
+        request = request._replace(x=x)
+        found = blocked(request, vjp)
+        if found is None:  # a placeholder
+            return None
+        own = quantize_asymmetric if self.numerics.asymmetric else quantize_two_level
+        return own(request, found, vjp)
 
     blocks = self.granularity.block_sizes(x.shape, request.contracting_axes)
     layout = BlockLayout.create(x.shape, blocks)
@@ -419,10 +416,7 @@ def _calibrate(
         flat = jnp.zeros(layout.scale_shape, compute).reshape(-1)
     elif given is not None:
         bound = None
-        blocks = tuple(
-            1 if a in layout.reduce_axes else n
-            for a, n in enumerate(layout.blocked_shape)
-        )
+        blocks = layout.reduced_shape
         flat = flat_vector(_given_scale(given, layout.scale_shape, compute))
     else:
         if x.size and _exact_in_input_dtype(self.calibration, x.dtype):
@@ -434,11 +428,7 @@ def _calibrate(
         elif x.size:
             bound = self.calibration(no_grad(xb), layout.reduce_axes, quantize)
         else:  # nothing to calibrate: every (empty) block gets scale 1
-            reduced = [
-                1 if a in layout.reduce_axes else n
-                for a, n in enumerate(layout.blocked_shape)
-            ]
-            bound = jnp.zeros(reduced, xb.dtype)
+            bound = jnp.zeros(layout.reduced_shape, xb.dtype)
         blocks = bound.shape
         flat = flat_vector(no_grad(bound))
     # A scale above 2**126 has a subnormal inverse, which XLA:CPU flushes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,24 +15,29 @@ from jax import lax
 
 from qbits._errors import InvalidArgumentError
 from qbits._formats import compute_dtype
-from qbits.granularity import BlockLayout
+from qbits._granularity import BlockLayout
+from qbits._tensor import storage_dtype
 from qbits.numerics import QNumerics
-from qbits.tensor import storage_dtype
 
-__all__ = ["NumericsGrad", "blocked", "encode", "to_storage"]
+__all__ = ["Blocked", "NumericsGrad", "blocked", "encode", "to_storage"]
 
 
-def blocked(
-    request: Any, vjp: bool
-) -> tuple[BlockLayout, jax.Array, Callable[[jax.Array], jax.Array]] | None:
-    """A request's tensor in its scale blocks; ``None`` for a placeholder.
+class Blocked(NamedTuple):
+    """A request's tensor in its scale blocks (see :func:`blocked`)."""
 
-    Returns:
-      The block layout, the tensor reshaped to its blocked shape (in its
-      compute dtype), and what to apply to values computed from it that
-      must carry no gradient (``lax.stop_gradient``, or the identity when
-      the caller differentiates through its own VJP).
-    """
+    layout: BlockLayout
+    #: The tensor reshaped to its blocked shape, in its compute dtype.
+    xb: jax.Array
+    #: ``xb`` without gradient: what calibrations read.
+    xs: jax.Array
+    #: What to apply to values computed from ``xb`` that must carry no
+    #: gradient (``lax.stop_gradient``, or the identity when the caller
+    #: differentiates through its own VJP).
+    no_grad: Callable[[jax.Array], jax.Array]
+
+
+def blocked(request: Any, vjp: bool) -> Blocked | None:
+    """A request's tensor in its scale blocks; ``None`` for a placeholder."""
     x = request.x
     if isinstance(x, jax.ShapeDtypeStruct):
         return None
@@ -42,7 +47,7 @@ def blocked(
     layout = BlockLayout.create(x.shape, blocks)
     xb = x.astype(compute_dtype(x.dtype)).reshape(layout.blocked_shape)
     no_grad = (lambda v: v) if vjp else lax.stop_gradient
-    return layout, xb, no_grad
+    return Blocked(layout, xb, no_grad(xb), no_grad)
 
 
 def encode(
@@ -85,7 +90,7 @@ def to_storage(
 
     Integers saturate at the dtype's range unless the numerics already clip.
     A NaN element always lies in a block whose scale is NaN (see
-    :mod:`qbits.calibration`), so its integer code does not matter.
+    :mod:`qbits._calibration`), so its integer code does not matter.
     ``codes`` turns grid values into the codes stored (a codebook's indices).
     With ``guard``, differentiating through the stored values raises.
     """

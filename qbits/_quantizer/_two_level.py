@@ -23,7 +23,7 @@ subnormal ``g`` would read as zero on XLA:CPU). Below ``amax = 448 m
 block scales no longer reach E4M3's top (448), which costs no precision
 while they stay E4M3 normals: measured, the same error down to ``amax =
 1e-36``; smaller tensors are float32 subnormals, which XLA:CPU reads as
-zero (:mod:`qbits.calibration`).
+zero (:mod:`qbits._calibration`).
 
 A block whose ``b`` is 0 (a block of zeros, or one below ``2**-10 m g``,
 about ``2e-6 amax`` for NVFP4) dequantizes to exact zeros (codes 0); there
@@ -43,9 +43,9 @@ import numpy as np
 from jax import lax
 
 from qbits._formats import float_format, round_to_format
-from qbits._quantizer._storage import blocked, encode, to_storage
+from qbits._quantizer._storage import Blocked, encode, to_storage
+from qbits._tensor import QTensor
 from qbits.numerics import QNumerics
-from qbits.tensor import QTensor
 
 __all__ = ["BLOCK_SCALE_DTYPE", "quantize_two_level", "two_level_scale"]
 
@@ -89,22 +89,15 @@ def _encode(x: jax.Array, b: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Ar
 
 
 def quantize_two_level(
-    request: Any, vjp: bool
-) -> tuple[QTensor, jax.tree_util.Partial | None] | None:
-    """Quantizes a request whose ``scale_rounding`` is ``"e4m3"``.
+    request: Any, found: Blocked, vjp: bool
+) -> tuple[QTensor, jax.tree_util.Partial | None]:
+    """Quantizes a request whose ``scale_rounding`` is ``"e4m3"``, in its blocks.
 
-    Returns ``(qtensor, grad)`` as :func:`qbits._quantizer.quantize_all`
-    does, ``None`` for a placeholder.
+    Returns ``(qtensor, grad)`` as :func:`qbits._quantizer.quantize_all` does.
     """
-    q = request.quantizer
-    numerics: QNumerics = q.numerics
-    x, context = request.x, request.context
-    found = blocked(request, vjp)
-    if found is None:
-        return None
-    layout, xb, no_grad = found
-    axes = layout.reduce_axes
-    xs = no_grad(xb)
+    layout, xb, xs, no_grad = found
+    numerics: QNumerics = request.quantizer.numerics
+    x, context, axes = request.x, request.context, layout.reduce_axes
     mapped = float(numerics.abs_val_mapped_to())
     finite = jnp.where(jnp.isfinite(xs), jnp.abs(xs), 0)
     amax = jnp.max(finite) if x.size else jnp.zeros((), xs.dtype)
@@ -118,10 +111,9 @@ def quantize_two_level(
         return on_grid(v, *two_level_scale(bound, amax, mapped))
 
     if x.size:
-        bound = q.calibration(xs, axes, quantize)
+        bound = request.quantizer.calibration(xs, axes, quantize)
     else:
-        reduced = [1 if a in axes else n for a, n in enumerate(layout.blocked_shape)]
-        bound = jnp.zeros(reduced, xs.dtype)
+        bound = jnp.zeros(layout.reduced_shape, xs.dtype)
     b, g = two_level_scale(no_grad(bound), no_grad(amax), mapped)
     y, zero = _encode(xb, b, g)
     codes, grad = encode(numerics, y, context, layout, vjp)

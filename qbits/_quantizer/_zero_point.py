@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qbits._quantizer._storage import blocked, encode, to_storage
+from qbits._quantizer._storage import Blocked, encode, to_storage
+from qbits._tensor import QTensor
 from qbits.numerics import UintNumerics
-from qbits.tensor import QTensor
 
 __all__ = ["ZERO_POINT_DTYPE", "quantize_asymmetric", "scale_and_zero_point"]
 
@@ -103,30 +103,21 @@ def _fake(
 
 
 def quantize_asymmetric(
-    request: Any, vjp: bool
-) -> tuple[QTensor, jax.tree_util.Partial | None] | None:
-    """Quantizes a request whose numerics is a :class:`UintNumerics`.
+    request: Any, found: Blocked, vjp: bool
+) -> tuple[QTensor, jax.tree_util.Partial | None]:
+    """Quantizes a request with a :class:`UintNumerics` grid, in its blocks.
 
-    Returns ``(qtensor, grad)`` as :func:`qbits._quantizer.quantize_all`
-    does, ``None`` for a placeholder.
+    A scale and a zero point per block; the result as
+    :func:`qbits._quantizer.quantize_all` gives it, with its gradient.
     """
-    q = request.quantizer
-    numerics: UintNumerics = q.numerics
-    x, context = request.x, request.context
-    found = blocked(request, vjp)
-    if found is None:
-        return None
-    layout, xb, no_grad = found
-    axes = layout.reduce_axes
-    xs = no_grad(xb)
+    layout, xb, xs, no_grad = found
+    numerics: UintNumerics = request.quantizer.numerics
+    x, context, axes = request.x, request.context, layout.reduce_axes
     if x.size:
         lo = jnp.min(xs, axis=axes, keepdims=True)
         hi = jnp.max(xs, axis=axes, keepdims=True)
     else:
-        lo = hi = jnp.zeros(
-            [1 if a in axes else n for a, n in enumerate(layout.blocked_shape)],
-            xs.dtype,
-        )
+        lo = hi = jnp.zeros(layout.reduced_shape, xs.dtype)
     half = np.asarray(0.5, xs.dtype)
     mid = lo * half + hi * half  # no overflow, unlike (lo + hi) / 2
 
@@ -134,7 +125,8 @@ def quantize_asymmetric(
         s, z = scale_and_zero_point(mid - bound, mid + bound, numerics.top)
         return _fake(numerics, v + mid, s, z, context) - mid
 
-    bound = q.calibration(xs - mid, axes, quantize) if x.size else lo
+    calibration = request.quantizer.calibration
+    bound = calibration(xs - mid, axes, quantize) if x.size else lo
     scale, zero = scale_and_zero_point(mid - bound, mid + bound, numerics.top)
     scale, zero = no_grad(scale), no_grad(zero)
     codes, grad = encode(numerics, xb / scale + zero, context, layout, vjp)

@@ -28,9 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from qbits._errors import ConfigError, InvalidArgumentError
-from qbits._quantizer import Quantizer
-from qbits.calibration import (
+from qbits._calibration import (
     AbsMax,
     AbsMean,
     Calibration,
@@ -38,8 +36,11 @@ from qbits.calibration import (
     MseSearch,
     Percentile,
 )
+from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._granularity import Granularity, PerChannel, PerTensor, Tiled
+from qbits._providers import DelayedScaling, LearnedScale, ScaleProvider
+from qbits._quantizer import Quantizer
 from qbits.config import presets
-from qbits.granularity import Granularity, PerChannel, PerTensor, Tiled
 from qbits.numerics import (
     Fp8Numerics,
     FpNumerics,
@@ -52,7 +53,6 @@ from qbits.numerics import (
     UniformNoise,
 )
 from qbits.ops import DotGeneralConfig, MatmulConfig
-from qbits.providers import DelayedScaling, LearnedScale, ScaleProvider
 
 __all__ = ["from_dict", "register", "to_dict"]
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+from qbits._calibration import AbsMax, AbsMean
 from qbits._errors import ConfigError
+from qbits._granularity import PerChannel, PerTensor, Tiled
+from qbits._providers import DelayedScaling
 from qbits._quantizer import Quantizer, mx_quantizer
-from qbits.calibration import AbsMax, AbsMean
-from qbits.granularity import PerChannel, PerTensor, Tiled
 from qbits.numerics import (
     Fp8Numerics,
     FpNumerics,
@@ -31,7 +32,6 @@ from qbits.numerics import (
     UniformNoise,
 )
 from qbits.ops import DotGeneralConfig, MatmulConfig
-from qbits.providers import DelayedScaling
 
 __all__ = [
     "describe",

@@ -22,8 +22,8 @@ from flax import struct
 from jax import lax
 
 from qbits._errors import InvalidArgumentError, check_int
+from qbits._tensor import QTensor
 from qbits.kvcache._config import CacheConfig, as_cache_config
-from qbits.tensor import QTensor
 
 __all__ = ["KVCache", "attend"]
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from qbits._calibration import AbsMax
 from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._granularity import PerChannel
 from qbits._quantizer import Quantizer
-from qbits.calibration import AbsMax
 from qbits.config import from_dict, read_yaml, to_dict
-from qbits.granularity import PerChannel
 from qbits.numerics import Fp8Numerics, IntNumerics, QNumerics
 
 __all__ = [

@@ -35,7 +35,7 @@ from qbits._errors import ConfigError, InvalidArgumentError
 from qbits.config import QuantConfig, Rule, from_dict, read_yaml
 from qbits.lora._config import LoraConfig
 from qbits.lora._function import AdaptedLayer, Lora, LoraBase, LoraFunction
-from qbits.numerics import check_key
+from qbits.numerics import _check_key as check_key
 from qbits.ptq import operand_indices
 
 __all__ = ["apply"]

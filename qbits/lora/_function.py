@@ -21,9 +21,9 @@ from flax import struct
 
 from qbits import transform
 from qbits._errors import InvalidArgumentError
+from qbits._tensor import QTensor
 from qbits.config import QuantConfig
 from qbits.lora._config import LoraConfig
-from qbits.tensor import QTensor
 
 __all__ = ["AdaptedLayer", "Lora", "LoraBase", "LoraFunction", "nbytes"]
 

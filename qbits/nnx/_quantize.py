@@ -18,7 +18,7 @@ in one child node, ``qbits``:
 
 - ``qbits.rngs``: the key stream of stochastic rounding (nnx ``RngState``
   Variables, forked from the ``rngs`` given to :func:`quantize`; a
-  :func:`qbits.numerics.hash_key`), one key per call;
+  counter-based hash key), one key per call;
 - ``qbits.state``: the scale state of delayed and learned scales,
   ``{matmul path: {entry: Variable}}``, the layout of
   :func:`qbits.init_state`: :class:`ScaleState` Variables for replaced
@@ -44,9 +44,9 @@ import numpy as np
 
 from qbits import ops, transform
 from qbits._errors import InvalidArgumentError
+from qbits._tensor import QTensor
 from qbits.config import LayerTable, QuantConfig, as_quant_config
-from qbits.numerics import hash_key
-from qbits.tensor import QTensor
+from qbits.numerics import _hash_key as hash_key
 
 STREAM = "quant"
 _ATTR = "qbits"
@@ -246,7 +246,7 @@ def _run(module: Any, method: Callable[..., Any], args: Any, kwargs: Any) -> Any
 def _stream(rngs: Any) -> nnx.RngStream | None:
     """A stream forked from ``rngs``' ``quant`` (or default) stream, or ``None``.
 
-    Its key is a :func:`qbits.numerics.hash_key`: each call's ``fold_in`` is
+    Its key is a counter-based hash key: each call's ``fold_in`` is
     a few integer operations, not a threefry loop.
     """
     if rngs is None:

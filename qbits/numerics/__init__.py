@@ -5,10 +5,9 @@ The grids (:class:`IntNumerics`, :class:`FpNumerics`, :class:`NoNumerics`;
 :class:`Nf4Numerics` for QLoRA's NF4 levels, :class:`TernaryNumerics` for
 BitNet b1.58's -1, 0, +1;
 :class:`QNumerics` to write one's own), stochastic rounding
-(:class:`UniformNoise`, whose key comes in a :class:`Context`) and the PRNG
-keys it draws from (:func:`check_key`, :func:`next_key`, :func:`derive_key`,
-:func:`hash_key`). The float formats themselves (ml_dtypes' fp8, fp6, fp4)
-are described in :mod:`qbits._formats`.
+(:class:`UniformNoise`, whose key comes in a :class:`Context`) and the
+chain of PRNG keys it draws from (:func:`next_key`). The float formats
+themselves (ml_dtypes' fp8, fp6, fp4) are described in :mod:`qbits._formats`.
 """
 
 from qbits._context import Context
@@ -16,7 +15,7 @@ from qbits.numerics._base import QNumerics
 from qbits.numerics._codebook import Nf4Numerics
 from qbits.numerics._fp_numerics import Fp8Numerics, FpNumerics
 from qbits.numerics._int_numerics import IntNumerics
-from qbits.numerics._keys import check_key, derive_key, hash_key, next_key
+from qbits.numerics._keys import next_key
 from qbits.numerics._no_numerics import NoNumerics
 from qbits.numerics._noise import UniformNoise
 from qbits.numerics._ternary import TernaryNumerics
@@ -33,8 +32,13 @@ __all__ = [
     "TernaryNumerics",
     "UintNumerics",
     "UniformNoise",
-    "check_key",
-    "derive_key",
-    "hash_key",
     "next_key",
 ]
+
+# Key helpers for ops, transform, lora and nnx (checking a key where it
+# enters, a key per operand, the counter-based hash key): not public.
+from qbits.numerics._keys import (  # isort: skip
+    check_key as _check_key,  # noqa: F401
+    derive_key as _derive_key,  # noqa: F401
+    hash_key as _hash_key,  # noqa: F401
+)

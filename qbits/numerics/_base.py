@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import struct
 
@@ -90,42 +91,28 @@ class QNumerics(struct.PyTreeNode, metaclass=abc.ABCMeta):
 
     # What the rest of qbits asks a grid (quantizer, storage, serving, the
     # matmuls' accumulators, caches): each numerics answers for itself, with
-    # these defaults for a fake-quantization grid that stores nothing.
+    # these defaults for a fake-quantization grid that stores nothing. A
+    # subclass sets a flag as a class attribute, or as a property when its
+    # fields decide it.
 
-    @property
-    def is_identity(self) -> bool:
-        """Whether this numerics quantizes nothing (:class:`NoNumerics`)."""
-        return False
-
-    @property
-    def asymmetric(self) -> bool:
-        """Whether the grid is unsigned codes with a zero point per block.
-
-        A :class:`~qbits.Quantizer` then maps each block's range onto the
-        codes ``0 .. abs_val_mapped_to()`` through a scale and a zero point
-        (:class:`UintNumerics`).
-        """
-        return False
+    #: Whether this numerics quantizes nothing (:class:`NoNumerics`).
+    is_identity: ClassVar[bool] = False
+    #: Whether the grid is unsigned codes with a zero point per block: a
+    #: :class:`~qbits.Quantizer` then maps each block's range onto the codes
+    #: ``0 .. abs_val_mapped_to()`` through a scale and a zero point
+    #: (:class:`UintNumerics`).
+    asymmetric: ClassVar[bool] = False
+    #: Whether the input is clipped to ``gradient_range()``, every output in it.
+    clips: ClassVar[bool] = False
+    #: Whether 0 is a grid point (a grid of signs, like binary, has none).
+    has_zero: ClassVar[bool] = True
+    #: Whether 0 comes back exactly 0, whatever the noise.
+    keeps_zero: ClassVar[bool] = False
 
     @property
     def codebook(self) -> tuple[float, ...] | None:
         """The values that stored codes stand for, or ``None`` (codes are values)."""
         return None
-
-    @property
-    def clips(self) -> bool:
-        """Whether the input is clipped to ``gradient_range()``, every output in it."""
-        return False
-
-    @property
-    def has_zero(self) -> bool:
-        """Whether 0 is a grid point (a grid of signs, like binary, has none)."""
-        return True
-
-    @property
-    def keeps_zero(self) -> bool:
-        """Whether 0 comes back exactly 0, whatever the noise."""
-        return False
 
     def code_bound(self) -> int | None:
         """The largest magnitude of the integer codes stored, if below the dtype's.
@@ -222,3 +209,17 @@ def require_key(owner: str, context: Context | None) -> jax.Array:
             "stochastically (noise_fn is set) and draws its noise from that key",
         )
     return check_key(owner, key)
+
+
+def integer_dtype(owner: str, dtype: Any, allowed: str) -> tuple[np.dtype, Any]:
+    """``dtype`` as a NumPy dtype, and its ``ml_dtypes.iinfo``.
+
+    Raises:
+      InvalidArgumentError: If ``dtype`` is not an integer dtype (``allowed``
+        says what is).
+    """
+    try:
+        dt = np.dtype(dtype)
+        return dt, ml_dtypes.iinfo(dt)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(owner, "dtype", dtype, allowed) from None

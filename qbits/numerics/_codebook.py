@@ -78,6 +78,9 @@ class Nf4Numerics(ClippedStraightThrough):
 
     clip_gradient: bool = struct.field(pytree_node=False, default=False)
 
+    clips = True  # to [-1, 1]
+    keeps_zero = True  # 0 is a level
+
     def __post_init__(self) -> None:
         check_bool("Nf4Numerics", "clip_gradient", self.clip_gradient)
 
@@ -127,13 +130,3 @@ class Nf4Numerics(ClippedStraightThrough):
     def codebook(self) -> tuple[float, ...]:
         """The levels: stored codes are indices into them (see :meth:`codes`)."""
         return NF4_LEVELS
-
-    @property
-    def clips(self) -> bool:
-        """``True``: the input is clipped to ``[-1, 1]``."""
-        return True
-
-    @property
-    def keeps_zero(self) -> bool:
-        """``True``: 0 is a level."""
-        return True

@@ -70,6 +70,8 @@ class FpNumerics(ClippedStraightThrough):
     clip_gradient: bool = struct.field(pytree_node=False, default=False)
     noise_fn: NoiseFn | None = struct.field(pytree_node=False, default=None)
 
+    keeps_zero = True  # 0 is on every float grid, and its noise keeps it 0
+
     def __post_init__(self) -> None:
         owner = type(self).__name__
         fmt = float_format(self.dtype, owner=owner, bits=self._format_bits())
@@ -125,11 +127,6 @@ class FpNumerics(ClippedStraightThrough):
     def clips(self) -> bool:
         """``clip``."""
         return self.clip
-
-    @property
-    def keeps_zero(self) -> bool:
-        """``True``: 0 is on every float grid, and its noise keeps it 0."""
-        return True
 
     def saturation_edge(self) -> float:
         """The largest value plus half its step (464 for E4M3): it rounds down."""

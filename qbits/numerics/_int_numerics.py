@@ -18,6 +18,7 @@ from qbits._formats import check_float_input, compute_dtype
 from qbits.numerics._base import (
     ClippedStraightThrough,
     NoiseFn,
+    integer_dtype,
     require_key,
 )
 
@@ -133,13 +134,9 @@ class IntNumerics(ClippedStraightThrough):
             if not integer_grid:
                 return None
             return next(np.dtype(d) for b, d in _STORAGE_BY_BITS if self.bits <= b)
-        try:
-            dt = np.dtype(dtype)
-            info = ml_dtypes.iinfo(dt)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(
-                owner, "dtype", dtype, "None or a signed integer dtype (int4, int8, ..)"
-            ) from None
+        dt, info = integer_dtype(
+            owner, dtype, "None or a signed integer dtype (int4, int8, ..)"
+        )
         if info.min >= 0:
             raise InvalidArgumentError(
                 owner, "dtype", dt, "a signed integer dtype (the grid is symmetric)"

@@ -76,10 +76,10 @@ def check_key(owner: str, key: Any, *, batched: bool = False) -> jax.Array:
         value (or its dtype and shape) and what is allowed.
 
     Example:
-      >>> qbits.numerics.check_key("my_layer", jax.random.key(0)).shape
+      >>> qbits.numerics._keys.check_key("my_layer", jax.random.key(0)).shape
       ()
       >>> try:
-      ...     qbits.numerics.check_key("my_layer", jnp.zeros(2))
+      ...     qbits.numerics._keys.check_key("my_layer", jnp.zeros(2))
       ... except qbits.InvalidArgumentError as e:
       ...     print(e.owner, e.argument, e.value, e.why)
       my_layer key float32[2] float32 values would be truncated to uint32 key data
@@ -169,8 +169,8 @@ def derive_key(key: jax.Array, stream: int | jax.Array) -> jax.Array:
 
     Example:
       >>> k = jax.random.key(0)
-      >>> bool((jax.random.key_data(qbits.numerics.derive_key(k, 1))
-      ...       != jax.random.key_data(qbits.numerics.derive_key(k, 2))).any())
+      >>> bool((jax.random.key_data(qbits.numerics._keys.derive_key(k, 1))
+      ...       != jax.random.key_data(qbits.numerics._keys.derive_key(k, 2))).any())
       True
     """
     key = check_key("derive_key", key, batched=True)
@@ -194,11 +194,11 @@ def derive_key(key: jax.Array, stream: int | jax.Array) -> jax.Array:
 
 
 def next_key(key: jax.Array) -> jax.Array:
-    """The key after ``key`` in a chain: ``derive_key(key, -1)``, settled.
+    """The key after ``key`` in a chain (the stream -1 hashed in, settled).
 
     For one key per layer, chain them (``k = next_key(k)`` before each
     layer) rather than deriving them with a layer index
-    (``derive_key(key, i)``): every link of the chain is the same
+    (``jax.random.fold_in(key, i)`` or the like): every link of the chain is the same
     computation, so XLA compiles one kernel for all of them, while a layer
     index is a constant that makes each layer's key kernel a distinct one
     (about as much XLA:CPU compile time as the rest of a quantized layer's
@@ -364,7 +364,7 @@ def hash_key(key: jax.Array) -> jax.Array:
         keys.
 
     Example:
-      >>> k = qbits.numerics.hash_key(jax.random.key(0))
+      >>> k = qbits.numerics._keys.hash_key(jax.random.key(0))
       >>> jax.random.uniform(jax.random.fold_in(k, 3), (2,)).shape
       (2,)
     """

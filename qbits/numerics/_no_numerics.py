@@ -17,9 +17,11 @@ class NoNumerics(QNumerics):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> qbits.NoNumerics()(jnp.array([0.1, 2.5]))
+      >>> qbits.numerics.NoNumerics()(jnp.array([0.1, 2.5]))
       Array([0.1, 2.5], dtype=float32)
     """
+
+    is_identity = True
 
     def fwd(self, x: jax.Array, context: Context | None) -> jax.Array:
         """Returns ``x``."""
@@ -40,8 +42,3 @@ class NoNumerics(QNumerics):
     def abs_val_mapped_to(self) -> None:
         """No grid."""
         return None
-
-    @property
-    def is_identity(self) -> bool:
-        """``True``."""
-        return True

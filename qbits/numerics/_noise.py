@@ -50,7 +50,7 @@ class UniformNoise(struct.PyTreeNode):
 
         Raises:
           InvalidArgumentError: For a ``key`` that is not one key
-            (:func:`qbits.numerics.check_key`).
+            (typed, or 2 or 4 uint32 words).
         """
         key = check_key("UniformNoise", key)
         if self.prng == "jax":

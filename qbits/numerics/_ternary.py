@@ -26,7 +26,7 @@ class TernaryNumerics(ClippedStraightThrough):
               \gamma = \mathrm{mean}(|W|),
 
     one absmean :math:`\gamma` per tensor. A :class:`~qbits.Quantizer` with
-    this grid, ``calibration=qbits.calibration.AbsMean()`` and
+    this grid, ``calibration=qbits.AbsMean()`` and
     ``PerTensor()`` does exactly that: the bound (the absmean) maps onto the
     code 1, so the scale is :math:`\gamma`. The forward pass clips to
     ``[-1, 1]`` and rounds to nearest even; NaN stays NaN. The gradient is
@@ -36,7 +36,8 @@ class TernaryNumerics(ClippedStraightThrough):
     storage); with int8 activations a stored matmul sums them in int32.
 
     Attributes:
-      clip_gradient: Zero the gradient where ``|x| > 1``.
+      clip_gradient: Zero the gradient where ``|x| > 1`` (the straight-through
+        gradient of BitNet passes everywhere).
 
     Example:
       >>> import jax.numpy as jnp
@@ -48,6 +49,9 @@ class TernaryNumerics(ClippedStraightThrough):
     """
 
     clip_gradient: bool = struct.field(pytree_node=False, default=False)
+
+    clips = True
+    keeps_zero = True
 
     def __post_init__(self) -> None:
         check_bool("TernaryNumerics", "clip_gradient", self.clip_gradient)
@@ -71,16 +75,6 @@ class TernaryNumerics(ClippedStraightThrough):
     def gradient_range(self) -> tuple[float, float]:
         """``[-1, 1]``, the clip range (the gradient's mask with ``clip_gradient``)."""
         return (-1.0, 1.0)
-
-    @property
-    def clips(self) -> bool:
-        """``True``."""
-        return True
-
-    @property
-    def keeps_zero(self) -> bool:
-        """``True``."""
-        return True
 
     def code_bound(self) -> int:
         """1: the codes' largest magnitude (a stored matmul sums in int32)."""

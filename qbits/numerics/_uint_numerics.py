@@ -13,7 +13,12 @@ from jax import lax
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError, check_bool
 from qbits._formats import check_float_input, compute_dtype
-from qbits.numerics._base import ClippedStraightThrough, NoiseFn, require_key
+from qbits.numerics._base import (
+    ClippedStraightThrough,
+    NoiseFn,
+    integer_dtype,
+    require_key,
+)
 
 __all__ = ["UintNumerics"]
 
@@ -62,6 +67,9 @@ class UintNumerics(ClippedStraightThrough):
     noise_fn: NoiseFn | None = struct.field(pytree_node=False, default=None)
     dtype: Any = struct.field(pytree_node=False, default=None)
 
+    asymmetric = True  # a scale and a zero point per block
+    clips = True  # codes are clipped to [0, 2**bits - 1]
+
     def __post_init__(self) -> None:
         owner = "UintNumerics"
         bits = self.bits
@@ -85,13 +93,9 @@ class UintNumerics(ClippedStraightThrough):
         owner = "UintNumerics"
         if dtype is None:
             return next(np.dtype(d) for b, d in _STORAGE_BY_BITS if self.bits <= b)
-        try:
-            dt = np.dtype(dtype)
-            info = ml_dtypes.iinfo(dt)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(
-                owner, "dtype", dtype, "None or an unsigned integer dtype (uint8, ..)"
-            ) from None
+        dt, info = integer_dtype(
+            owner, dtype, "None or an unsigned integer dtype (uint8, ..)"
+        )
         if info.min < 0 or info.max < self.top:
             raise InvalidArgumentError(
                 owner,
@@ -138,13 +142,3 @@ class UintNumerics(ClippedStraightThrough):
     def gradient_range(self) -> tuple[float, float]:
         """The codes' range (the gradient's mask with ``clip_gradient``)."""
         return (0.0, float(self.top))
-
-    @property
-    def asymmetric(self) -> bool:
-        """``True``: a scale and a zero point per block."""
-        return True
-
-    @property
-    def clips(self) -> bool:
-        """``True``: codes are clipped to ``[0, 2**bits - 1]``."""
-        return True

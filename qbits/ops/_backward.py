@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import zero_from_primal
 
+from qbits._tensor import QTensor
 from qbits.ops._config import IDENTITY, DotGeneralConfig, MatmulConfig
 from qbits.ops._operands import (
     Axes,
@@ -30,7 +31,6 @@ from qbits.ops._operands import (
     unquantized,
 )
 from qbits.ops._straight_through import instantiate, straight_through
-from qbits.tensor import QTensor
 
 __all__ = ["Gradient", "backward_matmuls", "gradient_operands"]
 

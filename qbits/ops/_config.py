@@ -12,7 +12,8 @@ from flax import struct
 
 from qbits._errors import InvalidArgumentError, check_bool
 from qbits._quantizer import Quantizer
-from qbits.numerics import NoNumerics, check_key
+from qbits.numerics import NoNumerics
+from qbits.numerics import _check_key as check_key
 
 __all__ = ["IDENTITY", "DotGeneralConfig", "MatmulConfig"]
 
@@ -306,7 +307,7 @@ def check_config(owner: str, config: Any, key: Any) -> jax.Array | None:
 
     Raises:
       InvalidArgumentError: For another type, a key that is not one key
-        (:func:`qbits.numerics.check_key`), or a config that rounds
+        (a typed key, or 2 or 4 uint32 words), or a config that rounds
         stochastically without a key (at once, not inside a backward pass).
     """
     if not isinstance(config, DotGeneralConfig):

@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._tensor import QTensor
 from qbits.ops import _core as core
 from qbits.ops import _state as state_lib
 from qbits.ops._config import (
@@ -24,7 +25,6 @@ from qbits.ops._dims import Axes
 from qbits.ops._kind import Call, Operand, OpKind
 from qbits.ops._rescale import common_dtypes, dot_operand
 from qbits.scaled import is_scaled, scalify
-from qbits.tensor import QTensor
 
 __all__ = ["KIND", "ConvContraction", "ConvGeneralDilated", "conv_general_dilated"]
 
@@ -285,7 +285,7 @@ def conv_general_dilated(
     Raises:
       InvalidArgumentError: If the config rounds stochastically and ``key`` is
         ``None``, or ``key`` is not one PRNG key
-        (:func:`qbits.numerics.check_key`).
+        (typed, or 2 or 4 uint32 words).
 
     Example:
       >>> import jax, jax.numpy as jnp

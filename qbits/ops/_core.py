@@ -15,7 +15,7 @@ on another form of an operand (:meth:`Contraction.prepare`).
 Scales:
   Each operand's scale is computed from the operand by its quantizer's
   calibration, or given: a quantizer whose calibration is a
-  :class:`~qbits.providers.ScaleProvider` takes the scale of its tensor
+  :class:`~qbits.ScaleProvider` takes the scale of its tensor
   (``"lhs"``, ``"rhs"`` or ``"grad"``, the output gradient) from the
   ``scales`` argument. The cotangent of a given scale is the tensor's amax
   per scale block, this step's observation of it: new scale state leaves
@@ -69,6 +69,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
+from qbits._tensor import QTensor
 from qbits.numerics import next_key
 from qbits.ops._backward import backward_matmuls, gradient_operands
 from qbits.ops._config import IDENTITY, DotGeneralConfig, MatmulConfig
@@ -93,7 +94,6 @@ from qbits.ops._straight_through import (
     straight_through,
     through_codes_error,
 )
-from qbits.tensor import QTensor
 
 __all__ = [
     "SLOTS",

@@ -29,8 +29,8 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._tensor import QTensor, expand_scale
 from qbits.ops._operands import SLOTS, block_amax
-from qbits.tensor import QTensor, expand_scale
 
 __all__ = [
     "MAXIMA",

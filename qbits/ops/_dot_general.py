@@ -12,6 +12,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from qbits._errors import InvalidArgumentError
+from qbits._tensor import QTensor
 from qbits.ops import _core as core
 from qbits.ops import _state as state_lib
 from qbits.ops._config import (
@@ -30,7 +31,6 @@ from qbits.ops._matmul import (
     stored_rhs,
 )
 from qbits.scaled import is_scaled, scalify
-from qbits.tensor import QTensor
 
 __all__ = ["KIND", "DotContraction", "DotGeneral", "dot_general"]
 
@@ -163,7 +163,7 @@ class DotGeneral(Configured):
 
     Made by :func:`dot_general`; call it exactly like ``lax.dot_general``.
     A config whose quantizers take their scales from state (a
-    :class:`~qbits.providers.ScaleProvider` such as
+    :class:`~qbits.ScaleProvider` such as
     :class:`~qbits.DelayedScaling`) also needs ``state=``, from
     :meth:`init_state`.
 
@@ -304,13 +304,13 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
       config: The forward matmul and the two gradient matmuls.
       key: A PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``, one key),
         required when any operand rounds stochastically.
-        The six operands draw from
-        ``qbits.numerics.derive_key(qbits.numerics.next_key(key), i)``,
-        i = 0..5. Pass a new key each step (and per layer) for independent
-        noise; per-layer keys chained with ``k = qbits.numerics.next_key(k)``
-        compile fastest (one kernel for every layer's key; a layer index in
-        ``derive_key(key, layer)`` makes a distinct small kernel per layer,
-        ``jax.random.fold_in`` a threefry loop of several).
+        The six operands draw from ``qbits.numerics.next_key(key)`` with
+        their index i = 0..5 hashed in. Pass a new key each step (and per
+        layer) for independent noise; per-layer keys chained with
+        ``k = qbits.numerics.next_key(k)`` compile fastest (one kernel for
+        every layer's key; a layer index hashed into a key makes a distinct
+        small kernel per layer, ``jax.random.fold_in`` a threefry loop of
+        several).
 
     Returns:
       A :class:`DotGeneral`, usable as ``dot_general=`` in ``flax.linen.Dense``
@@ -319,7 +319,7 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
     Raises:
       InvalidArgumentError: If the config rounds stochastically and ``key`` is
         ``None`` (at once, rather than inside the backward pass), or ``key``
-        is not one PRNG key (:func:`qbits.numerics.check_key`).
+        is not one PRNG key (typed, or 2 or 4 uint32 words).
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -296,7 +296,7 @@ def einsum(config: DotGeneralConfig, key: jax.Array | None = None) -> Einsum:
 
     Raises:
       InvalidArgumentError: For a config that needs a key and has none, or
-        a ``key`` that is not one PRNG key (:func:`qbits.numerics.check_key`);
+        a ``key`` that is not one PRNG key (typed, or 2 or 4 uint32 words);
         the call raises for subscripts that are not a two-operand einsum.
 
     Example:

@@ -16,9 +16,9 @@ import numpy as np
 from jax import lax
 
 from qbits._quantizer import Quantizer
+from qbits._tensor import QTensor
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes
-from qbits.tensor import QTensor
 
 __all__ = ["INT32_MAX", "code_bound", "headroom", "shifted"]
 

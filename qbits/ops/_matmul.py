@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._tensor import QTensor, expand_scale
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes, Dims
 from qbits.ops._headroom import INT32_MAX, code_bound, headroom
@@ -40,7 +41,6 @@ from qbits.ops._rescale import (
     real_dot,
     tiled_pair,
 )
-from qbits.tensor import QTensor, expand_scale
 
 
 def result_dtype(

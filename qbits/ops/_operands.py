@@ -23,16 +23,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qbits._calibration import AbsMax
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError
+from qbits._granularity import BlockLayout
 from qbits._jaxpr import varying
+from qbits._providers import ScaleProvider
 from qbits._quantizer import Quantizer, Request, quantize_all
-from qbits.calibration import AbsMax
-from qbits.granularity import BlockLayout
-from qbits.numerics import derive_key
+from qbits._tensor import QTensor
+from qbits.numerics import _derive_key as derive_key
 from qbits.ops._config import MatmulConfig
-from qbits.providers import ScaleProvider
-from qbits.tensor import QTensor
 
 __all__ = [
     "SLOTS",
@@ -58,7 +58,7 @@ TENSORS: tuple[str, ...] = ("lhs", "rhs", "grad")
 
 #: The six quantized operands: ``(matmul, side, tensor, key stream)``. A
 #: stochastic-rounding key for operand ``i`` is
-#: :func:`qbits.numerics.derive_key` ``(next_key(key), i)`` (inside
+#: ``derive_key(next_key(key), i)`` (inside
 #: ``shard_map``, with the shard's index folded in: see ``_key``).
 SLOTS: tuple[tuple[str, str, str, int], ...] = (
     ("fwd", "lhs", "lhs", 0),

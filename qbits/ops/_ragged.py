@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qbits._calibration import AbsMax, ConstantBound
 from qbits._errors import InvalidArgumentError
-from qbits.calibration import AbsMax, ConstantBound
-from qbits.granularity import PerTensor
+from qbits._granularity import PerTensor
 from qbits.ops import _state as state_lib
 from qbits.ops._config import Configured, DotGeneralConfig, check_config
 from qbits.ops._kind import Call, Operand, OpKind

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._tensor import QTensor
 from qbits.ops import _core as core
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes
@@ -25,7 +26,6 @@ from qbits.ops._matmul import _per_index_free, codes_precision
 from qbits.ops._operands import unquantized
 from qbits.ops._ragged_dims import RaggedDims, expand, group_ids, group_mask
 from qbits.ops._rescale import common_dtypes, dot_operand, permute, unless_lost
-from qbits.tensor import QTensor
 
 __all__ = ["RaggedContraction", "RaggedWeightGrad"]
 

@@ -19,10 +19,10 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._tensor import QTensor
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes, Dims
 from qbits.ops._headroom import shifted
-from qbits.tensor import QTensor
 
 __all__ = [
     "common_dtypes",

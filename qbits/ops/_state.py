@@ -1,6 +1,6 @@
 """Scale state of a quantized matmul: providers in, observations out.
 
-A quantizer whose ``provider`` is a :class:`~qbits.providers.ScaleProvider`
+A quantizer whose ``provider`` is a :class:`~qbits.ScaleProvider`
 (``DelayedScaling``, ``LearnedScale``) takes its scale from state. A
 quantized matmul has three tensors that can have one: ``"lhs"`` and
 ``"rhs"`` (quantized in the forward matmul and, as the other operand, in one
@@ -21,7 +21,7 @@ How the state is updated (Flax ``fp8_ops``' design):
   The forward pass computes this step's scale from the state, and the core
   (:mod:`qbits.ops._core`) reports each observed tensor's amax as the
   cotangent of the scale it was given; the provider turns it into the next
-  state (:meth:`~qbits.providers.ScaleProvider.update`), which becomes the
+  state (:meth:`~qbits.ScaleProvider.update`), which becomes the
   cotangent of the ``state`` argument. So ``jax.grad`` with respect to the
   state gives the next state, which a training step writes back instead of
   giving it to the optimizer (``qbits.flax.TrainState``,
@@ -64,12 +64,12 @@ from flax.linen.fp8_ops import fp32_max_grad
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._granularity import PerTensor
+from qbits._providers import ScaleProvider
 from qbits._quantizer import Quantizer
-from qbits.granularity import PerTensor
 from qbits.ops import _core as core
 from qbits.ops._config import DotGeneralConfig
 from qbits.ops._diagnose import init_probe
-from qbits.providers import ScaleProvider
 
 __all__ = [
     "TensorState",

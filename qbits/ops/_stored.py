@@ -17,10 +17,10 @@ import numpy as np
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
+from qbits._tensor import PACKABLE_DTYPES, QTensor
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes, Dims
 from qbits.ops._matmul import contract, result_dtype, stored_rhs
-from qbits.tensor import PACKABLE_DTYPES, QTensor
 
 Grad = jax.tree_util.Partial
 

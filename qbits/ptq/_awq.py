@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qbits._calibration import AbsMax
 from qbits._errors import InvalidArgumentError, check_int
 from qbits._formats import compute_dtype
 from qbits._quantizer import Quantizer
-from qbits.calibration import AbsMax
 from qbits.ptq._gptq import (
     check_finite,
     check_hessian,

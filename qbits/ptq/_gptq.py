@@ -27,8 +27,8 @@ from jax import lax
 
 from qbits._errors import InvalidArgumentError, check_bool, check_float, check_int
 from qbits._formats import compute_dtype
+from qbits._granularity import Tiled
 from qbits._quantizer import Quantizer
-from qbits.granularity import Tiled
 from qbits.ptq._method import MatrixStats, Method
 
 __all__ = ["Gptq", "GptqResult", "gptq", "output_error"]

@@ -38,9 +38,9 @@ import numpy as np
 from jax.extend import core as jcore
 
 from qbits import transform
+from qbits._calibration import ConstantBound
 from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
-from qbits.calibration import ConstantBound
 from qbits.config import QuantConfig, Rule
 from qbits.numerics import IntNumerics
 from qbits.ops import DotGeneralConfig, MatmulConfig

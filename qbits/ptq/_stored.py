@@ -28,10 +28,10 @@ import numpy as np
 
 from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
+from qbits._tensor import QTensor
 from qbits.ops import MatmulConfig, store_weight
 from qbits.ptq._collect import MatmulStats
 from qbits.ptq._gptq import GptqResult
-from qbits.tensor import QTensor
 
 __all__ = ["stored_weight"]
 

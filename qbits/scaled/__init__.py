@@ -36,11 +36,8 @@ from qbits.scaled._interpreter import (
 from qbits.scaled import _control, _rules, _structure  # noqa: F401  # isort: skip
 from qbits.scaled._ops import (  # isort: skip
     cast_ml_dtype,
-    cast_ml_dtype_grad,
     dynamic_rescale_l2,
-    dynamic_rescale_l2_grad,
     dynamic_rescale_max,
-    dynamic_rescale_max_grad,
     wasted_bits,
 )
 
@@ -50,11 +47,8 @@ __all__ = [
     "as_scaled_array",
     "asarray",
     "cast_ml_dtype",
-    "cast_ml_dtype_grad",
     "dynamic_rescale_l2",
-    "dynamic_rescale_l2_grad",
     "dynamic_rescale_max",
-    "dynamic_rescale_max_grad",
     "is_scaled",
     "register_rule",
     "scalify",

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from qbits._errors import InvalidArgumentError
+from qbits._calibration import SCALE_ROUNDINGS
+from qbits._errors import check_choice
 from qbits._jaxpr import bind
-from qbits.calibration import SCALE_ROUNDINGS
 from qbits.scaled._array import ScaledArray, is_scaled
 
 __all__ = [
@@ -266,10 +266,7 @@ def scalify(fn: Callable[..., Any], *, rounding: str = "pow2") -> Callable[..., 
       >>> add(a, b)
       ScaledArray(data=Array([1., 2.], dtype=float16), scale=4.0)
     """
-    if rounding not in SCALE_ROUNDINGS:
-        raise InvalidArgumentError(
-            "scalify", "rounding", rounding, "one of " + ", ".join(SCALE_ROUNDINGS)
-        )
+    check_choice("scalify", "rounding", rounding, SCALE_ROUNDINGS)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

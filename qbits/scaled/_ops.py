@@ -3,9 +3,9 @@
 Each operation is a ``custom_jvp`` *marker*: called on plain arrays (outside
 ``scalify``, or inside it on a tensor that is not scaled) it is what its
 docstring says in plain JAX (``dynamic_rescale_*`` is the identity); inside
-``scalify`` on a ScaledArray it runs its scaled rule. The ``*_grad``
-variants are the identity in the forward pass and apply the operation to
-the gradient in the backward pass.
+``scalify`` on a ScaledArray it runs its scaled rule. With ``grad=True``
+an operation is the identity in the forward pass and applies to the
+gradient in the backward pass.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qbits._errors import InvalidArgumentError
+from qbits._errors import InvalidArgumentError, check_bool
 from qbits._formats import float_format, round_to_format
 from qbits.scaled._array import ScaledArray
 from qbits.scaled._rules import F32, choose_scale, finish, scale32
@@ -94,7 +94,7 @@ def _tree(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
     return jax.tree.map(apply, tree, is_leaf=lambda v: isinstance(v, ScaledArray))
 
 
-def dynamic_rescale_max(tree: Any) -> Any:
+def dynamic_rescale_max(tree: Any, *, grad: bool = False) -> Any:
     """Rescales so that the data's largest magnitude is about 1.
 
     The scale absorbs ``max(|data|)`` (rounded like every scalify scale); the
@@ -102,6 +102,9 @@ def dynamic_rescale_max(tree: Any) -> Any:
 
     Args:
       tree: An array, a ScaledArray or a pytree of them (e.g. model state).
+      grad: Rescale the gradient instead: the identity in the forward pass,
+        the rescaling of ``tree``'s gradient (``tree`` an array) in the
+        backward pass.
 
     Returns:
       The same structure, rescaled.
@@ -112,51 +115,46 @@ def dynamic_rescale_max(tree: Any) -> Any:
       >>> x = scaled.as_scaled_array(np.array([0.01, -0.03], np.float32))
       >>> scaled.dynamic_rescale_max(x)
       ScaledArray(data=Array([ 0.32, -0.96], dtype=float32), scale=0.03125)
+
+      On the gradient (outside scalify the plain gradient):
+
+      >>> f = lambda x: (scaled.dynamic_rescale_max(x, grad=True) * 2).sum()
+      >>> jax.grad(f)(jnp.ones(3))
+      Array([2., 2., 2.], dtype=float32)
     """
-    return _tree(_max, tree)
+    return _rescaled("dynamic_rescale_max", _max, _max_grad, tree, grad)
 
 
-def dynamic_rescale_l2(tree: Any) -> Any:
+def dynamic_rescale_l2(tree: Any, *, grad: bool = False) -> Any:
     """Rescales so that the data's root mean square is about 1.
 
-    As :func:`dynamic_rescale_max`, with the root mean square of the data.
+    As :func:`dynamic_rescale_max` (``grad`` too), with the root mean square
+    of the data. Leaves that are not float arrays stay as they are.
 
     Example:
       >>> import numpy as np
       >>> from qbits import scaled
-      >>> x = scaled.as_scaled_array(np.array([0.01, -0.03], np.float32))
-      >>> scaled.dynamic_rescale_l2(x)
-      ScaledArray(data=Array([ 0.32, -0.96], dtype=float32), scale=0.03125)
+      >>> w = scaled.as_scaled_array(np.array([0.5, -1.5, 2.0], np.float32))
+      >>> scaled.dynamic_rescale_l2({"w": w, "step": 3})
+      {'step': 3,
+       'w': ScaledArray(data=Array([ 0.25, -0.75,  1.  ], dtype=float32), scale=2.0)}
     """
-    return _tree(_l2, tree)
+    return _rescaled("dynamic_rescale_l2", _l2, _l2_grad, tree, grad)
 
 
 _max_grad = _on_grad(_max)
 _l2_grad = _on_grad(_l2)
 
 
-def dynamic_rescale_max_grad(x: jax.Array) -> jax.Array:
-    """Identity forward; :func:`dynamic_rescale_max` on the gradient.
-
-    Example:
-      >>> from qbits import scaled
-      >>> f = lambda x: (scaled.dynamic_rescale_max_grad(x) * 2).sum()
-      >>> jax.grad(f)(jnp.ones(3))  # outside scalify: the plain gradient
-      Array([2., 2., 2.], dtype=float32)
-    """
-    return _max_grad(x)
-
-
-def dynamic_rescale_l2_grad(x: jax.Array) -> jax.Array:
-    """Identity forward; :func:`dynamic_rescale_l2` on the gradient.
-
-    Example:
-      >>> from qbits import scaled
-      >>> f = lambda x: (scaled.dynamic_rescale_l2_grad(x) * 2).sum()
-      >>> jax.grad(f)(jnp.ones(3))  # outside scalify: the plain gradient
-      Array([2., 2., 2.], dtype=float32)
-    """
-    return _l2_grad(x)
+def _rescaled(
+    owner: str,
+    marker: Callable[..., Any],
+    on_grad: Callable[..., Any],
+    tree: Any,
+    grad: bool,
+) -> Any:
+    check_bool(owner, "grad", grad)
+    return on_grad(tree) if grad else _tree(marker, tree)
 
 
 def _saturating_round(x: jax.Array, dtype: Any) -> jax.Array:
@@ -181,7 +179,7 @@ def _dtype_name(dtype: Any) -> str:
     return float_format(dtype, owner="cast_ml_dtype").dtype.name
 
 
-def cast_ml_dtype(x: Any, dtype: Any) -> Any:
+def cast_ml_dtype(x: Any, dtype: Any, *, grad: bool = False) -> Any:
     """Rounds onto a low-precision float format, keeping the storage dtype.
 
     Simulates storing in ``dtype`` (any ml_dtypes float of 8 bits or fewer:
@@ -191,6 +189,16 @@ def cast_ml_dtype(x: Any, dtype: Any) -> Any:
     carries the magnitude, so nothing saturates that the data represents
     well. The gradient passes straight through.
 
+    Args:
+      x: An array or a ScaledArray.
+      dtype: The format.
+      grad: Round the gradient instead (e.g. onto E5M2): the identity in the
+        forward pass, ``x``'s gradient rounded in the backward pass (``x``
+        an array).
+
+    Returns:
+      ``x`` rounded, in its own dtype.
+
     Raises:
       InvalidArgumentError: For a dtype that is not such a format.
 
@@ -199,26 +207,21 @@ def cast_ml_dtype(x: Any, dtype: Any) -> Any:
       >>> from qbits.scaled import cast_ml_dtype
       >>> cast_ml_dtype(jnp.array([0.3, 500.0]), jnp.float8_e4m3fn).tolist()
       [0.3125, 448.0]
+      >>> f = lambda x: (cast_ml_dtype(x, "float8_e5m2", grad=True) * 0.3).sum()
+      >>> jax.grad(f)(jnp.ones(3))  # 0.3 on the E5M2 grid
+      Array([0.3125, 0.3125, 0.3125], dtype=float32)
     """
-    marker = _cast_marker(_dtype_name(dtype))
+    check_bool("cast_ml_dtype", "grad", grad)
+    name = _dtype_name(dtype)
+    if grad:
+        return _cast_grad(name)(x)
+    marker = _cast_marker(name)
     return marker.scaled_rule(x) if isinstance(x, ScaledArray) else marker(x)
 
 
 @functools.cache
 def _cast_grad(dtype_name: str) -> Callable[[jax.Array], jax.Array]:
     return _on_grad(_cast_marker(dtype_name))
-
-
-def cast_ml_dtype_grad(x: jax.Array, dtype: Any) -> jax.Array:
-    """Identity forward; :func:`cast_ml_dtype` on the gradient (e.g. E5M2).
-
-    Example:
-      >>> from qbits import scaled
-      >>> f = lambda x: (scaled.cast_ml_dtype_grad(x, "float8_e5m2") * 0.3).sum()
-      >>> jax.grad(f)(jnp.ones(3))  # 0.3 on the E5M2 grid
-      Array([0.3125, 0.3125, 0.3125], dtype=float32)
-    """
-    return _cast_grad(_dtype_name(dtype))(x)
 
 
 def wasted_bits(x: Any, dtype: Any = None) -> jax.Array:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qbits.calibration import round_scale
+from qbits._calibration import round_scale
 from qbits.scaled._array import E8M0, ScaledArray, pow2_split
 from qbits.scaled._interpreter import Const, current_rounding, register_rule
 

@@ -22,9 +22,9 @@ import numpy as np
 
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._quantizer import Quantizer
+from qbits._tensor import QTensor, storage_dtype
 from qbits.config import QuantConfig, Rule, presets, to_dict
 from qbits.ops import DotGeneralConfig, MatmulConfig
-from qbits.tensor import QTensor, storage_dtype
 
 __all__ = [
     "LayerInfo",

@@ -34,6 +34,7 @@ from flax.core import FrozenDict, unfreeze
 
 from qbits import transform
 from qbits._errors import InvalidArgumentError
+from qbits._tensor import QTensor
 from qbits.config import QuantConfig
 from qbits.serving._layout import (
     LayerInfo,
@@ -44,7 +45,6 @@ from qbits.serving._layout import (
     stored_parts,
     stored_qtensor,
 )
-from qbits.tensor import QTensor
 
 __all__ = ["ServingParams", "convert_params", "replaced", "serve_params", "store"]
 

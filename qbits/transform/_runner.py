@@ -32,8 +32,8 @@ from jax import lax
 from qbits import ops
 from qbits._errors import InvalidArgumentError
 from qbits._jaxpr import bind, scan_counts
+from qbits._tensor import QTensor
 from qbits.numerics import next_key
-from qbits.tensor import QTensor
 from qbits.transform._adapter import adapter_input, adapter_output
 from qbits.transform._observe import (
     activation_rows,

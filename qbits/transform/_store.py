@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qbits._tensor import QTensor
 from qbits.config import as_quant_config
-from qbits.tensor import QTensor
 from qbits.transform._plan import Caller, Plan
 from qbits.transform._program import merge, trace
 from qbits.transform._runner import Frame, run_program

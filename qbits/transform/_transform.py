@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from qbits._errors import InvalidArgumentError
+from qbits._tensor import QTensor
 from qbits.config import LayerRow, LayerTable, QuantConfig, as_quant_config
-from qbits.numerics import check_key
-from qbits.tensor import QTensor
+from qbits.numerics import _check_key as check_key
 from qbits.transform import _cache
 from qbits.transform._plan import DIAGNOSTICS, Caller, Plan, applied
 from qbits.transform._program import Program, trace
@@ -299,7 +299,7 @@ def _quantize(
 
 
 def _checked_key(caller: Caller, key: Any) -> Any:
-    """The key, checked (:func:`qbits.numerics.check_key`) as the caller names it."""
+    """The key, checked (``check_key``) as the caller names it."""
     try:
         return check_key(caller.owner, key)
     except InvalidArgumentError as e:

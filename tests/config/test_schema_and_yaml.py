@@ -58,7 +58,7 @@ def test_presets_are_what_their_names_say():
     assert get("w4a8").fwd.rhs.numerics.bits == 4
     assert get("w4a8").fwd.lhs.numerics.bits == 8
     wo = get("int4_weight_only").fwd
-    assert wo.lhs.numerics == qbits.NoNumerics()
+    assert wo.lhs.numerics == qbits.numerics.NoNumerics()
     assert wo.rhs.granularity == qbits.Tiled(tile_size=128)
     fp8 = get("fp8")
     assert fp8.fwd.lhs.numerics.dtype.name == "float8_e4m3fn"
@@ -100,7 +100,7 @@ def quantizers(draw):
             noise_fn=noise,
         )
     else:
-        numerics = qbits.NoNumerics()
+        numerics = qbits.numerics.NoNumerics()
     calibration = draw(
         st.sampled_from(
             [
@@ -429,7 +429,7 @@ def test_an_error_raised_because_of_another_reads_flat():
     """The cause on a line of its own, given as the exception or inside the
     text; never one message in another's parentheses."""
     try:
-        qbits.granularity.Tiled(tile_size=3).block_sizes((3, 40), (1,))
+        qbits._granularity.Tiled(tile_size=3).block_sizes((3, 40), (1,))
     except qbits.InvalidArgumentError as e:
         inner = e
     outer = qbits.InvalidArgumentError("me", "config", "cfg", "a fit", why=inner)

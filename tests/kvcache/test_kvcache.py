@@ -115,7 +115,8 @@ def test_presets_round_trip_through_yaml(tmp_path):
         "float8_e4m3fn"
     )
     assert kvcache.as_cache_config("t", None).is_float
-    assert kvcache.CacheConfig(qbits.NoNumerics()) == kvcache.preset("kv_float")
+    float_cache = kvcache.CacheConfig(qbits.numerics.NoNumerics())
+    assert float_cache == kvcache.preset("kv_float")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from tests.helpers import FLOAT_DTYPES, bits_equal
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_no_numerics_is_the_identity(dtype):
     x = jnp.array([0.1, -0.0, jnp.nan, jnp.inf, 3e4], dtype)
-    n = qbits.NoNumerics()
+    n = qbits.numerics.NoNumerics()
     y = n(x)
     assert y.dtype == dtype and bits_equal(y, x)
     assert n.get_dtype() is None and n.abs_val_mapped_to() is None
@@ -75,10 +75,10 @@ def test_hash_bits_depend_on_every_word_of_the_key():
     ids=["key", "legacy", "rbg", "batch"],
 )
 def test_hash_key_is_a_typed_key_that_jax_random_uses(key):
-    k = qbits.numerics.hash_key(key)
+    k = qbits.numerics._hash_key(key)
     assert jnp.issubdtype(k.dtype, jax.dtypes.prng_key)
     assert k.shape == (key.shape[:-1] if key.dtype == jnp.uint32 else key.shape)
-    assert qbits.numerics.hash_key(k) is k
+    assert qbits.numerics._hash_key(k) is k
     one = k if k.ndim == 0 else k[0]
     u = jax.random.uniform(one, (100000,))
     assert abs(float(u.mean()) - 0.5) < 0.01
@@ -93,12 +93,12 @@ def test_hash_key_is_a_typed_key_that_jax_random_uses(key):
         )
     # Deterministic: the same key gives the same hash key and bits.
     np.testing.assert_array_equal(
-        jax.random.key_data(qbits.numerics.hash_key(key)), jax.random.key_data(k)
+        jax.random.key_data(qbits.numerics._hash_key(key)), jax.random.key_data(k)
     )
 
 
 def test_hash_key_fold_in_and_split_give_distinct_unrelated_keys():
-    k = qbits.numerics.hash_key(jax.random.key(0))
+    k = qbits.numerics._hash_key(jax.random.key(0))
     folded = jax.vmap(lambda i: jax.random.fold_in(k, i))(jnp.arange(4096))
     split = jax.random.split(k, 4096)
     for keys in (folded, split):
@@ -115,7 +115,7 @@ def test_hash_key_fold_in_and_split_give_distinct_unrelated_keys():
     sources = [jax.random.key(i) for i in range(64)]
     sources += [jax.random.key(i, impl="rbg") for i in range(64)]
     words = {
-        np.asarray(jax.random.key_data(qbits.numerics.hash_key(s))).tobytes()
+        np.asarray(jax.random.key_data(qbits.numerics._hash_key(s))).tobytes()
         for s in sources
     }
     assert len(words) == len(sources)
@@ -128,9 +128,13 @@ _NOISY = qbits.Quantizer(qbits.IntNumerics(noise_fn=qbits.numerics.UniformNoise(
 @pytest.mark.parametrize(
     ("call", "owner", "why"),
     [
-        (lambda: qbits.numerics.hash_key(7), "hash_key", "a seed, not a key"),
-        (lambda: qbits.numerics.hash_key(jnp.ones(1, jnp.uint32)), "hash_key", "words"),
-        (lambda: qbits.numerics.hash_key(jnp.zeros(2)), "hash_key", "truncated"),
+        (lambda: qbits.numerics._hash_key(7), "hash_key", "a seed, not a key"),
+        (
+            lambda: qbits.numerics._hash_key(jnp.ones(1, jnp.uint32)),
+            "hash_key",
+            "words",
+        ),
+        (lambda: qbits.numerics._hash_key(jnp.zeros(2)), "hash_key", "truncated"),
         (lambda: qbits.dot_general(_INT8, 3), "dot_general", "a seed, not a key"),
         (
             lambda: qbits.dot_general(_INT8, jnp.full(2, 1.5)),
@@ -153,7 +157,7 @@ _NOISY = qbits.Quantizer(qbits.IntNumerics(noise_fn=qbits.numerics.UniformNoise(
             "int32 values would be truncated",
         ),
         (
-            lambda: qbits.numerics.derive_key(jnp.full(2, 1.5), 0),
+            lambda: qbits.numerics._derive_key(jnp.full(2, 1.5), 0),
             "derive_key",
             "truncated",
         ),
@@ -172,7 +176,7 @@ _NOISY = qbits.Quantizer(qbits.IntNumerics(noise_fn=qbits.numerics.UniformNoise(
     ],
 )
 def test_keys_are_checked_where_they_enter(call, owner, why):
-    # One check (qbits.numerics.check_key) everywhere a key enters: a float
+    # One check (qbits.numerics._check_key) everywhere a key enters: a float
     # or int32 array was truncated into key bits, a batch of keys mixed into
     # one, an int or an empty key raised AttributeError / IndexError.
     with pytest.raises(
@@ -192,6 +196,6 @@ def test_noise_uses_every_bit_of_a_key():
     # Four-word (rbg) keys become hash keys of two words: 3 phi w1 ^ 5 phi w2
     # cancelled for (0, 2, 6/5, 0) against zeros.
     w2 = 6 * pow(5, -1, 2**32) % 2**32
-    zero = qbits.numerics.hash_key(jnp.zeros(4, jnp.uint32))
-    other = qbits.numerics.hash_key(jnp.array([0, 2, w2, 0], jnp.uint32))
+    zero = qbits.numerics._hash_key(jnp.zeros(4, jnp.uint32))
+    other = qbits.numerics._hash_key(jnp.array([0, 2, w2, 0], jnp.uint32))
     assert np.any(jax.random.key_data(zero) != jax.random.key_data(other))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qbits
-from qbits.calibration import AbsMean
+from qbits import AbsMean
 from qbits.numerics import TernaryNumerics
 from tests.helpers import FLOAT_DTYPES, bits_equal
 

@@ -20,7 +20,7 @@ from qbits import (
     Quantizer,
 )
 
-NONE = Quantizer(qbits.NoNumerics())
+NONE = Quantizer(qbits.numerics.NoNumerics())
 INT8 = Quantizer(IntNumerics(bits=8), granularity=PerChannel())
 
 # (lhs shape, rhs shape, dimension numbers): plain matmuls, batch dims, several
@@ -652,7 +652,7 @@ _PRESET_TOLERANCE = {"w1_58a8": 0.6}
 def _keeps_codes(config):
     """Whether a backward matmul keeps its forward operand as quantized codes."""
     return any(
-        m.use_fwd_quant or m.rhs.numerics != qbits.NoNumerics()
+        m.use_fwd_quant or m.rhs.numerics != qbits.numerics.NoNumerics()
         for m in (config.dlhs, config.drhs)
     )
 

@@ -18,7 +18,7 @@ from qbits import (
 INT8 = Quantizer(IntNumerics(bits=8), granularity=qbits.PerChannel())
 TENSOR8 = Quantizer(IntNumerics(bits=8))
 INT4 = Quantizer(IntNumerics(bits=4))
-NONE = Quantizer(qbits.NoNumerics())
+NONE = Quantizer(qbits.numerics.NoNumerics())
 
 
 def all3(lhs, rhs, mode="real"):

@@ -152,7 +152,7 @@ def _noise_kernels(depth: int) -> int:
 
     def loss(ws, x, key):
         for i, w in enumerate(ws):
-            k = qbits.numerics.derive_key(key, i)
+            k = qbits.numerics._derive_key(key, i)
             x = jax.nn.relu(qbits.dot_general(config, k)(x, w, DN))
         return jnp.sum(x**2)
 
@@ -190,7 +190,7 @@ def _kernels(depth: int, keys: str) -> tuple[int, int]:
                 key = qbits.numerics.next_key(key)
                 k = key
             else:
-                k = qbits.numerics.derive_key(key, i)
+                k = qbits.numerics._derive_key(key, i)
             x = jax.nn.relu(qbits.dot_general(config, k)(x, w, DN))
         return jnp.sum(x**2)
 

@@ -8,7 +8,7 @@ import pytest
 import qbits
 from qbits import ptq
 
-FLOAT = qbits.Quantizer(qbits.NoNumerics())  # leaves the corrected weight as it is
+FLOAT = qbits.Quantizer(qbits.numerics.NoNumerics())  # leaves the corrected weight
 
 
 def _one_layer(rows=256, k=16, n=8, noise=0.3):

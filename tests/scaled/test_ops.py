@@ -1,4 +1,4 @@
-"""dynamic_rescale_*, cast_ml_dtype(_grad), wasted_bits, and the MLP example."""
+"""dynamic_rescale_*, cast_ml_dtype (values and gradients), wasted_bits, MLP example."""
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +12,8 @@ from qbits.scaled import (
     as_scaled_array,
     asarray,
     cast_ml_dtype,
-    cast_ml_dtype_grad,
     dynamic_rescale_l2,
-    dynamic_rescale_l2_grad,
     dynamic_rescale_max,
-    dynamic_rescale_max_grad,
     is_scaled,
     scalify,
     wasted_bits,
@@ -54,17 +51,17 @@ def test_dynamic_rescale_keeps_all_zero_and_scale():
 
 
 @pytest.mark.parametrize(
-    "rescale_grad, stat",
+    "rescale, stat",
     [
-        (dynamic_rescale_max_grad, lambda d: np.max(np.abs(d))),
-        (dynamic_rescale_l2_grad, lambda d: np.sqrt(np.mean(np.square(d)))),
+        (dynamic_rescale_max, lambda d: np.max(np.abs(d))),
+        (dynamic_rescale_l2, lambda d: np.sqrt(np.mean(np.square(d)))),
     ],
 )
-def test_grad_variants_rescale_the_gradient_only(rescale_grad, stat):
+def test_grad_true_rescales_the_gradient_only(rescale, stat):
     c = jnp.asarray(RNG.normal(size=X.shape) * 1e-3, jnp.float32)
 
     def f(x, c):
-        return jnp.sum(rescale_grad(x) * c)
+        return jnp.sum(rescale(x, grad=True) * c)
 
     sx, sc = as_scaled_array(X, np.float32(4)), as_scaled_array(c)
     value, grad = jax.jit(scalify(jax.value_and_grad(f)))(sx, sc)
@@ -97,12 +94,12 @@ def test_cast_ml_dtype_on_scaled_data_keeps_the_range():
     np.testing.assert_array_equal(asarray(out), [384.0, 448.0, 512.0])
 
 
-def test_cast_ml_dtype_grad_rounds_the_gradient_to_e5m2():
+def test_cast_ml_dtype_grad_true_rounds_the_gradient_to_e5m2():
     c = jnp.asarray(RNG.normal(size=(16,)), jnp.float32)
     x = jnp.asarray(RNG.normal(size=(16,)), jnp.float32)
 
     def f(v, c):
-        return jnp.sum(cast_ml_dtype_grad(v, jnp.float8_e5m2) * c)
+        return jnp.sum(cast_ml_dtype(v, jnp.float8_e5m2, grad=True) * c)
 
     grad = jax.grad(f)(x, c)
     np.testing.assert_array_equal(
@@ -117,6 +114,15 @@ def test_cast_ml_dtype_grad_rounds_the_gradient_to_e5m2():
         sgrad.data,
         np.asarray(sgrad.data).astype(ml_dtypes.float8_e5m2).astype(np.float32),
     )
+
+
+def test_grad_is_a_bool():
+    def cast(x, grad):
+        return cast_ml_dtype(x, "float8_e5m2", grad=grad)
+
+    for op in (dynamic_rescale_max, dynamic_rescale_l2, cast):
+        with pytest.raises(InvalidArgumentError, match="grad"):
+            op(X, grad=1)
 
 
 def test_wasted_bits():

@@ -8,7 +8,8 @@ import pytest
 from flax.linen import fp8_ops
 
 import qbits
-from qbits.providers import DelayedScaling, scale_from_history, update_history
+from qbits import DelayedScaling
+from qbits._providers import scale_from_history, update_history
 
 DN = (((1,), (0,)), ((), ()))
 E4M3 = qbits.numerics.Fp8Numerics("float8_e4m3fn")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import qbits
-from qbits.lsq import grid_max, init_step, lsq_quantize
-from qbits.providers import LearnedScale
+from qbits import LearnedScale
+from qbits._lsq import grid_max, init_step, lsq_quantize
 
 DN = (((1,), (0,)), ((), ()))
 INT4 = qbits.IntNumerics(bits=4)

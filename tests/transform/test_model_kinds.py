@@ -387,8 +387,8 @@ def test_attention_gets_the_state_of_the_config_it_runs(kind):
     """A matmul of two activations runs the activation quantizer on both
     operands: its state has the rhs entries that the config gives only the
     weight side of a layer."""
+    from qbits import DelayedScaling
     from qbits.numerics import Fp8Numerics
-    from qbits.providers import DelayedScaling
 
     fp8 = Fp8Numerics("float8_e4m3fn")
     config = qbits.DotGeneralConfig(

@@ -24,9 +24,7 @@ from flax import struct
 
 from qbits._errors import InvalidArgumentError, check_int, normalize_axis
 
-__all__ = [
-    "BlockLayout",
-]
+__all__ = ["BlockLayout", "Granularity", "PerChannel", "PerTensor", "Tiled"]
 
 Axes = tuple[int, ...]
 
@@ -271,9 +269,9 @@ class BlockLayout:
             ``shape`` or a block size that does not divide its axis.
 
         Example:
-          >>> qbits.granularity.BlockLayout.create((0, 8), (0, 8)).scale_shape
+          >>> qbits._granularity.BlockLayout.create((0, 8), (0, 8)).scale_shape
           (1, 1)
-          >>> qbits.granularity.BlockLayout.create((0, 8), (1, 8)).scale_shape
+          >>> qbits._granularity.BlockLayout.create((0, 8), (1, 8)).scale_shape
           (0, 1)
         """
         shape, blocks = tuple(shape), tuple(blocks)
@@ -298,6 +296,13 @@ class BlockLayout:
                 reduce.append(len(blocked) - 1)
                 scale.append(n // b)
         return cls(tuple(blocked), tuple(reduce), tuple(scale))
+
+    @property
+    def reduced_shape(self) -> tuple[int, ...]:
+        """``blocked_shape`` reduced over ``reduce_axes`` (kept with size 1)."""
+        return tuple(
+            1 if a in self.reduce_axes else n for a, n in enumerate(self.blocked_shape)
+        )
 
 
 def _fits(n: int, block: Any) -> bool:

@@ -1,7 +1,7 @@
 """Learned step sizes (LSQ): fake quantization whose scale is trained.
 
 Layer 2 (beside calibration; it uses numerics only): the math of
-:class:`~qbits.providers.LearnedScale`. Esser et al., "Learned Step Size
+:class:`~qbits.LearnedScale`. Esser et al., "Learned Step Size
 Quantization" (arXiv 1902.08153).
 """
 
@@ -14,16 +14,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qbits._errors import InvalidArgumentError
+from qbits._errors import InvalidArgumentError, check_choice
 from qbits._formats import compute_dtype
 from qbits.numerics import QNumerics
 
-__all__ = [
-    "LSQ_INITS",
-    "grid_max",
-    "init_step",
-    "lsq_quantize",
-]
+__all__ = ["LSQ_INITS", "grid_max", "init_step", "lsq_quantize"]
 
 #: How a learned step starts: LSQ's ``2 mean|x| / sqrt(Q_p)`` or the absmax.
 LSQ_INITS: tuple[str, ...] = ("lsq", "absmax")
@@ -33,9 +28,9 @@ def grid_max(numerics: QNumerics) -> float:
     """:math:`Q_p`: the largest value ``numerics`` puts on its grid.
 
     Example:
-      >>> qbits.lsq.grid_max(qbits.IntNumerics(bits=8))
+      >>> qbits._lsq.grid_max(qbits.IntNumerics(bits=8))
       127.0
-      >>> qbits.lsq.grid_max(qbits.IntNumerics(bits=4))
+      >>> qbits._lsq.grid_max(qbits.IntNumerics(bits=4))
       7.0
     """
     mapped = numerics.abs_val_mapped_to()
@@ -63,13 +58,10 @@ def init_step(x: jax.Array, numerics: QNumerics, init: str = "lsq") -> jax.Array
     zero tensor gives step 1.
 
     Example:
-      >>> qbits.lsq.init_step(jnp.array([1.0, -3.0]), qbits.IntNumerics(bits=4))
+      >>> qbits._lsq.init_step(jnp.array([1.0, -3.0]), qbits.IntNumerics(bits=4))
       Array(1.5118579, dtype=float32)
     """
-    if init not in LSQ_INITS:
-        raise InvalidArgumentError(
-            "init_step", "init", init, "one of " + ", ".join(LSQ_INITS)
-        )
+    check_choice("init_step", "init", init, LSQ_INITS)
     x = jnp.abs(jnp.asarray(x).astype(jnp.float32))
     if init == "lsq":
         step = 2.0 * jnp.mean(x) / math.sqrt(grid_max(numerics))
@@ -97,9 +89,9 @@ def lsq_quantize(numerics: QNumerics, x: jax.Array, step: jax.Array) -> jax.Arra
     Example:
       >>> q = qbits.IntNumerics(bits=4)
       >>> x = jnp.array([0.26, 3.0])
-      >>> qbits.lsq.lsq_quantize(q, x, jnp.float32(0.1))
+      >>> qbits._lsq.lsq_quantize(q, x, jnp.float32(0.1))
       Array([0.3, 0.7], dtype=float32)
-      >>> jax.grad(lambda s: qbits.lsq.lsq_quantize(q, x, s).sum())(jnp.float32(0.1))
+      >>> jax.grad(lambda s: qbits._lsq.lsq_quantize(q, x, s).sum())(jnp.float32(0.1))
       Array(1.9777331, dtype=float32)
     """
     x = jnp.asarray(x)

@@ -1,6 +1,6 @@
 """Layer 2: scale providers, scales that come from explicit state.
 
-A :class:`~qbits.calibration.Calibration` is a pure function of the tensor
+A :class:`~qbits.Calibration` is a pure function of the tensor
 being quantized. Some scales depend on more: on the amax of earlier steps
 (:class:`DelayedScaling`) or on a trained parameter (:class:`LearnedScale`).
 Such a scale comes from a *scale provider*: an object that owns state the
@@ -35,13 +35,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from qbits._errors import InvalidArgumentError, check_float, check_int
-from qbits.lsq import LSQ_INITS, grid_max, init_step, lsq_quantize
+from qbits._errors import InvalidArgumentError, check_choice, check_float, check_int
+from qbits._lsq import LSQ_INITS, grid_max, init_step, lsq_quantize
 from qbits.numerics import QNumerics
 
 __all__ = [
-    "AMAX_COMPUTES",
-    "MAX_HISTORY_LENGTH",
+    "DelayedScaling",
+    "LearnedScale",
+    "ScaleProvider",
     "scale_from_history",
     "update_history",
 ]
@@ -62,7 +63,7 @@ class ScaleProvider(struct.PyTreeNode, metaclass=abc.ABCMeta):
     Example:
       A fixed, per-block scale kept as state (never updated):
 
-      >>> class FixedScale(qbits.providers.ScaleProvider):
+      >>> class FixedScale(qbits.ScaleProvider):
       ...     def init_state(self, shape, x, numerics, amax=None):
       ...         return {"scale": jnp.full(shape, 0.5, jnp.float32)}
       ...     def scale(self, state, numerics):
@@ -166,13 +167,7 @@ class DelayedScaling(ScaleProvider):
             1,
             MAX_HISTORY_LENGTH,
         )
-        if self.amax_compute not in AMAX_COMPUTES:
-            raise InvalidArgumentError(
-                "DelayedScaling",
-                "amax_compute",
-                self.amax_compute,
-                "one of " + ", ".join(AMAX_COMPUTES),
-            )
+        check_choice("DelayedScaling", "amax_compute", self.amax_compute, AMAX_COMPUTES)
         check_float("DelayedScaling", "margin", self.margin, lo=0.0, hi=_MAX_MARGIN)
 
     def init_state(
@@ -292,21 +287,15 @@ def scale_from_history(
 
     Example:
       >>> h = jnp.array([2.0, 8.0, 0.0])
-      >>> qbits.providers.scale_from_history(h, jnp.ones(()), 4.0)
+      >>> qbits._providers.scale_from_history(h, jnp.ones(()), 4.0)
       Array(2., dtype=float32)
-      >>> qbits.providers.scale_from_history(
+      >>> qbits._providers.scale_from_history(
       ...     h, jnp.ones(()), 4.0, amax_compute="most_recent")
       Array(0.5, dtype=float32)
-      >>> qbits.providers.scale_from_history(jnp.zeros(3), jnp.full((), 3.0), 4.0)
+      >>> qbits._providers.scale_from_history(jnp.zeros(3), jnp.full((), 3.0), 4.0)
       Array(3., dtype=float32)
     """
-    if amax_compute not in AMAX_COMPUTES:
-        raise InvalidArgumentError(
-            "scale_from_history",
-            "amax_compute",
-            amax_compute,
-            "one of " + ", ".join(AMAX_COMPUTES),
-        )
+    check_choice("scale_from_history", "amax_compute", amax_compute, AMAX_COMPUTES)
     check_float("scale_from_history", "margin", margin, lo=0.0, hi=_MAX_MARGIN)
     if history.ndim < 1 or history.shape[0] < 1:
         raise InvalidArgumentError(
@@ -342,7 +331,7 @@ def update_history(history: jax.Array, amax: jax.Array) -> jax.Array:
 
     Example:
       >>> h = jnp.array([1.0, 2.0, 3.0])
-      >>> qbits.providers.update_history(h, jnp.float32(9.0))
+      >>> qbits._providers.update_history(h, jnp.float32(9.0))
       Array([9., 3., 1.], dtype=float32)
     """
     amax = jnp.asarray(amax).astype(history.dtype).reshape(history.shape[1:])
@@ -353,7 +342,7 @@ class LearnedScale(ScaleProvider):
     r"""A learned step size (LSQ, Esser et al., arXiv 1902.08153).
 
     The scale (the step between grid points) is a trainable parameter, one
-    per tensor, trained with the LSQ gradient (:func:`qbits.lsq.lsq_quantize`):
+    per tensor, trained with the LSQ gradient:
 
     .. math::
 
@@ -384,10 +373,7 @@ class LearnedScale(ScaleProvider):
     trainable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.init not in LSQ_INITS:
-            raise InvalidArgumentError(
-                "LearnedScale", "init", self.init, "one of " + ", ".join(LSQ_INITS)
-            )
+        check_choice("LearnedScale", "init", self.init, LSQ_INITS)
 
     def init_state(
         self,

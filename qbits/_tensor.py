@@ -18,7 +18,10 @@ _FORMATS_BY_DTYPE = {f.dtype: f for f in FLOAT_FORMATS.values()}
 
 __all__ = [
     "PACKABLE_DTYPES",
+    "QTensor",
+    "expand_scale",
     "pack_nibbles",
+    "storage_dtype",
     "unpack_nibbles",
 ]
 
@@ -264,7 +267,7 @@ def pack_nibbles(values: jax.Array, axis: int = -1) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> v = jnp.array([1, -2, 7], jnp.int4)
-      >>> qbits.tensor.pack_nibbles(v)
+      >>> qbits._tensor.pack_nibbles(v)
       Array([225,   7], dtype=uint8)
     """
     axis = normalize_axis("pack_nibbles", "axis", axis, values.ndim)
@@ -283,7 +286,7 @@ def unpack_nibbles(
     Example:
       >>> import jax.numpy as jnp
       >>> packed = jnp.array([225, 7], jnp.uint8)
-      >>> qbits.tensor.unpack_nibbles(packed, jnp.int4, pad=True)
+      >>> qbits._tensor.unpack_nibbles(packed, jnp.int4, pad=True)
       Array([1, -2, 7], dtype=int4)
     """
     if packed.dtype != jnp.uint8:

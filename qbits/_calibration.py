@@ -64,14 +64,20 @@ from flax import struct
 from jax import lax
 from jax.typing import DTypeLike
 
-from qbits._errors import InvalidArgumentError, check_float
+from qbits._errors import InvalidArgumentError, check_choice, check_float
 
 __all__ = [
     "SCALE_ROUNDINGS",
+    "AbsMax",
     "AbsMean",
+    "Calibration",
+    "ConstantBound",
+    "MseSearch",
+    "Percentile",
     "ScaleRounding",
     "make_scale",
     "round_scale",
+    "scale_limits",
 ]
 
 ScaleRounding = Literal["none", "pow2", "e8m0"]
@@ -299,7 +305,7 @@ class AbsMean(Calibration):
     Example:
       >>> import jax.numpy as jnp
       >>> x = jnp.array([[1.0, -3.0], [0.5, -0.5]])
-      >>> qbits.calibration.AbsMean()(x, axes=(1,))
+      >>> qbits.AbsMean()(x, axes=(1,))
       Array([[2. ],
              [0.5]], dtype=float32)
     """
@@ -447,15 +453,12 @@ def round_scale(scale: jax.Array, rounding: ScaleRounding) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> s = jnp.array([0.3, 0.75, 4.0])
-      >>> qbits.calibration.round_scale(s, "pow2")
+      >>> qbits._calibration.round_scale(s, "pow2")
       Array([0.25, 1.  , 4.  ], dtype=float32)
-      >>> qbits.calibration.round_scale(s, "e8m0")
+      >>> qbits._calibration.round_scale(s, "e8m0")
       Array([0.5, 1. , 4. ], dtype=float32)
     """
-    if rounding not in SCALE_ROUNDINGS:
-        raise InvalidArgumentError(
-            "round_scale", "rounding", rounding, "one of " + ", ".join(SCALE_ROUNDINGS)
-        )
+    check_choice("round_scale", "rounding", rounding, SCALE_ROUNDINGS)
     if rounding == "none":
         return scale
     # Subnormal scales round to the smallest normal power of two anyway; frexp
@@ -496,9 +499,9 @@ def scale_limits(
       ``(smallest, largest)``, Python floats.
 
     Example:
-      >>> qbits.calibration.scale_limits(448.0, "e8m0")
+      >>> qbits._calibration.scale_limits(448.0, "e8m0")
       (1.1754943508222875e-38, 6.646139978924579e+35)
-      >>> qbits.calibration.scale_limits(127.5, "e8m0", jnp.float16)
+      >>> qbits._calibration.scale_limits(127.5, "e8m0", jnp.float16)
       (1.1754943508222875e-38, 512.0)
     """
     return _scale_limits(float(abs_val_mapped_to), rounding, np.dtype(dtype))
@@ -565,9 +568,9 @@ def make_scale(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> qbits.calibration.make_scale(jnp.array([255.0, 0.0]), 127.5)
+      >>> qbits._calibration.make_scale(jnp.array([255.0, 0.0]), 127.5)
       Array([2., 1.], dtype=float32)
-      >>> qbits.calibration.make_scale(jnp.array([1e-37, 3e38]), 448.0, "e8m0")
+      >>> qbits._calibration.make_scale(jnp.array([1e-37, 3e38]), 448.0, "e8m0")
       Array([1.1754944e-38, 6.6461400e+35], dtype=float32)
     """
     lo, hi = scale_limits(abs_val_mapped_to, "none", np.float32)
