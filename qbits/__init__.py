@@ -19,7 +19,8 @@ in this file):
    (and :func:`qbits.ops.ragged_dot`, grouped matmuls), configured by
    :class:`DotGeneralConfig` and :class:`MatmulConfig`, one quantized-matmul
    core (scale state through ``state=``; :mod:`qbits.ops`).
-5. config: YAML files (:func:`load_config`, :mod:`qbits.config`),
+5. config: :func:`load_config` (the one way to read a config: a file,
+   YAML text, data, a preset name), :mod:`qbits.config` (:func:`~qbits.config.dump`),
    :mod:`presets`, per-layer rules (:class:`QuantConfig`, :class:`Rule`);
    bad configs raise :class:`ConfigError`; :func:`freeze_ranges` turns
    collected activation ranges into static bounds.
@@ -44,7 +45,7 @@ from qbits.calibration import (
     MseSearch,
     Percentile,
 )
-from qbits.config import QuantConfig, Rule, load_config, presets
+from qbits.config import QuantConfig, Rule, presets
 from qbits.granularity import Granularity, PerChannel, PerTensor, Tiled
 from qbits.numerics import FpNumerics, IntNumerics, NoNumerics
 from qbits.ops import DotGeneralConfig, MatmulConfig
@@ -52,6 +53,7 @@ from qbits.providers import DelayedScaling, LearnedScale, ScaleProvider
 from qbits.tensor import QTensor
 
 from qbits.config._refs import conv_general_dilated, dot_general, einsum  # isort: skip
+from qbits.config._refs import load_config  # isort: skip
 from qbits._ranges import freeze_ranges  # isort: skip
 from qbits.transform import collect_ranges, init_state, layer_table, quantize  # isort: skip  (layer 6)
 from qbits import flax, nnx  # isort: skip  (layer 7 imports everything above)
@@ -60,7 +62,7 @@ from qbits import serving  # isort: skip  (layer 8)
 __version__ = "0.1.0"
 
 # Where the functions defined in private modules are documented.
-for _fn in (conv_general_dilated, dot_general, einsum):
+for _fn in (conv_general_dilated, dot_general, einsum, load_config):
     _fn.__module__ = "qbits"
 del _fn
 

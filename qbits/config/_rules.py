@@ -176,7 +176,7 @@ class QuantConfig:
         _check_ref(self.default, "default")
 
     def to_data(self) -> dict[str, Any]:
-        """The rules as plain data (:func:`qbits.config.to_dict` of them)."""
+        """The rules as plain data (what :func:`qbits.config.dump` writes)."""
         return {
             "rules": [
                 {"pattern": r.pattern, "config": schema.ref_to_data(r.config)}
@@ -187,7 +187,7 @@ class QuantConfig:
 
     @classmethod
     def from_data(cls, data: Any, path: str = "") -> QuantConfig:
-        """Rules from plain data (:func:`qbits.config.from_dict` of them).
+        """Rules from plain data (what :func:`qbits.load_config` reads).
 
         Raises:
           ConfigError: Naming the path of the first bad value.
@@ -326,7 +326,7 @@ class LayerRow:
         return f"{name} ({self.note})" if self.note else name
 
     def as_dict(self) -> dict[str, Any]:
-        """The row as plain data (the config as :func:`qbits.config.to_dict`)."""
+        """The row as plain data (the config as :func:`qbits.config.dump` writes it)."""
         res = self.resolution
         operands = {"operands": self.operands} if self.operands else {}
         return {

@@ -5,7 +5,7 @@ Imported on its own: ``from qbits import kvcache``.
 - :class:`CacheConfig`: how keys and values are stored: float, int8 or fp8
   (any numerics stored in one byte, written by a :class:`~qbits.Quantizer`),
   one scale per token and head or one per head; YAML like every qbits
-  config (:func:`qbits.config.to_dict` / :func:`qbits.config.dumps`;
+  config (:func:`qbits.config.dump`, :func:`qbits.load_config`;
   :func:`as_cache_config` reads a file). Presets: :func:`preset`,
   :func:`preset_names` (``kv_float``, ``kv_int8``, ``kv_fp8``,
   ``kv_int8_per_head``, ``kv_fp8_per_head``).

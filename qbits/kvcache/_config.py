@@ -28,7 +28,7 @@ import numpy as np
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._quantizer import Quantizer
 from qbits.calibration import AbsMax
-from qbits.config import from_dict, read_yaml, to_dict
+from qbits.config import _from_dict, _read_yaml, _to_dict
 from qbits.granularity import PerChannel
 from qbits.numerics import Fp8Numerics, IntNumerics, QNumerics
 
@@ -122,7 +122,7 @@ class CacheConfig:
       ...                           values=qbits.IntNumerics(bits=8))
       >>> cfg == kvcache.preset("kv_int8")
       True
-      >>> print(qbits.config.dumps(cfg), end="")
+      >>> print(qbits.config.dump(cfg), end="")
       keys:
         type: int
         bits: 8
@@ -204,7 +204,7 @@ class CacheConfig:
         return f"{stored}, {self.granularity.replace('_', '-')} scales"
 
     def to_data(self) -> dict[str, Any]:
-        """The config as plain data (what :func:`qbits.config.to_dict` gives)."""
+        """The config as plain data (what :func:`qbits.config.dump` writes)."""
         return {
             "keys": _numerics_to_data(self.keys),
             "values": _numerics_to_data(self.values),
@@ -213,7 +213,7 @@ class CacheConfig:
 
     @classmethod
     def from_data(cls, data: Any, path: str = "") -> CacheConfig:
-        """A config from plain data (what :func:`qbits.config.from_dict` calls).
+        """A config from plain data (what :func:`qbits.load_config` calls).
 
         Raises:
           ConfigError: Naming the path of the first bad value, the value and
@@ -222,9 +222,9 @@ class CacheConfig:
         Example:
           >>> from qbits import kvcache
           >>> data = {"keys": {"type": "int", "bits": 8}, "granularity": "per_head"}
-          >>> qbits.config.from_dict(data, kvcache.CacheConfig).describe()
+          >>> qbits.load_config(data, kvcache.CacheConfig).describe()
           'int8 keys, float values, per-head scales'
-          >>> qbits.config.from_dict({"granularity": "per_row"}, kvcache.CacheConfig)
+          >>> qbits.load_config({"granularity": "per_row"}, kvcache.CacheConfig)
           Traceback (most recent call last):
           ...
           qbits.ConfigError: granularity: expected one of per_token, per_head,
@@ -264,13 +264,13 @@ def _numerics_to_data(numerics: QNumerics | None) -> Any:
     """A numerics as a quantizer's ``numerics`` field is written (type tag)."""
     if numerics is None:
         return None
-    return to_dict(Quantizer(numerics))["numerics"]
+    return _to_dict(Quantizer(numerics))["numerics"]
 
 
 def _numerics_from_data(value: Any, where: str) -> QNumerics:
     """A numerics from data, read as a quantizer's ``numerics`` field is."""
     try:
-        return from_dict({"numerics": value}, Quantizer).numerics
+        return _from_dict({"numerics": value}, Quantizer).numerics
     except ConfigError as e:
         # from_dict names the place "numerics..."; the cache's is ``where``.
         rest = e.path.removeprefix("numerics")
@@ -388,7 +388,7 @@ def as_cache_config(owner: str, config: Any) -> CacheConfig:
                 _ALLOWED,
                 why="no such file" if not os.path.exists(source) else "not a file",
             )
-        data = read_yaml(source)
+        data = _read_yaml(source)
         try:
             if isinstance(data, str):
                 if data not in _PRESETS:
@@ -403,7 +403,7 @@ def as_cache_config(owner: str, config: Any) -> CacheConfig:
                     "a mapping (keys, values, granularity) or a cache preset",
                     why="the document is empty",
                 )
-            return from_dict(data, CacheConfig)
+            return _from_dict(data, CacheConfig)
         except ConfigError as e:
             raise e.within(source=source) from None
     raise InvalidArgumentError(owner, "cache", config, _ALLOWED)

@@ -105,8 +105,8 @@ def test_quantized_cache_stores_codes_once_per_token(name, stored, scales):
 def test_presets_round_trip_through_yaml(tmp_path):
     for name in kvcache.preset_names():
         cfg = kvcache.preset(name)
-        data = qbits.config.to_dict(cfg)
-        assert qbits.config.from_dict(data, kvcache.CacheConfig) == cfg
+        data = qbits.config._to_dict(cfg)
+        assert qbits.load_config(data, kvcache.CacheConfig) == cfg
         path = tmp_path / f"{name}.yaml"
         qbits.config.dump(cfg, path)
         assert kvcache.as_cache_config("test", path) == cfg
