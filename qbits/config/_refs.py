@@ -206,7 +206,7 @@ def resolve(
                 return _typed(data, cls, None)
             except ConfigError as e:
                 raise InvalidArgumentError(
-                    owner, argument, config, allowed + "; " + e.allowed
+                    owner, argument, config, allowed + ", or " + e.allowed
                 ) from None
     elif isinstance(config, Mapping):
         data = config

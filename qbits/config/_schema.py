@@ -330,6 +330,11 @@ def _build(cls: type, data: Any, path: str) -> Any:
             raise ConfigError(
                 _join(path, name), MISSING, "a value (the key is required)"
             )
+    return construct(cls, kwargs, path)
+
+
+def construct(cls: type, kwargs: dict[str, Any], path: str) -> Any:
+    """``cls(**kwargs)``, its refusal as a ConfigError naming the place."""
     try:
         return cls(**kwargs)
     except InvalidArgumentError as e:
