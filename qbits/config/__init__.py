@@ -43,6 +43,7 @@ __all__ = [
 from qbits.config._refs import as_dot_general_config as _as_dot_general_config  # isort: skip  # noqa: F401
 from qbits.config._refs import as_quant_config as _as_quant_config  # isort: skip  # noqa: F401
 from qbits.config._refs import resolve as _resolve  # isort: skip  # noqa: F401
+from qbits.config._rules import rule_tuple as _rule_tuple  # isort: skip  # noqa: F401
 from qbits.config._schema import construct as _construct  # isort: skip  # noqa: F401
 from qbits.config._schema import from_dict as _from_dict  # isort: skip  # noqa: F401
 from qbits.config._schema import to_dict as _to_dict  # isort: skip  # noqa: F401

@@ -137,6 +137,16 @@ class Resolution:
         return "default" if self.rule is None else f"rules[{self.rule}].config"
 
 
+def rule_tuple(rules: Any, cls: type, name: str) -> tuple:
+    """``rules`` as a tuple of ``cls`` (``name`` in the error); ConfigError else."""
+    if not isinstance(rules, Sequence) or isinstance(rules, str):
+        raise ConfigError("rules", rules, f"a sequence of {name}")
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, cls):
+            raise ConfigError(f"rules[{i}]", rule, f"a {name}")
+    return tuple(rules)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     """Per-layer quantization: ordered rules, first full match wins.
@@ -167,12 +177,7 @@ class QuantConfig:
     source: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rules, Sequence) or isinstance(self.rules, str):
-            raise ConfigError("rules", self.rules, "a sequence of qbits.Rule")
-        object.__setattr__(self, "rules", tuple(self.rules))
-        for i, rule in enumerate(self.rules):
-            if not isinstance(rule, Rule):
-                raise ConfigError(f"rules[{i}]", rule, "a qbits.Rule")
+        object.__setattr__(self, "rules", rule_tuple(self.rules, Rule, "qbits.Rule"))
         _check_ref(self.default, "default")
 
     def to_data(self) -> dict[str, Any]:

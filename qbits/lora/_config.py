@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from qbits._errors import ConfigError, InvalidArgumentError
@@ -21,6 +21,7 @@ from qbits.config import (
     Rule,
     _as_quant_config,
     _from_dict,
+    _rule_tuple,
     _to_dict,
     presets,
 )
@@ -166,12 +167,8 @@ class LoraConfig:
                 "dropout", d, "a number in [0, 1) (the probability of dropping "
                 "an input of the adapter; 0 for none)",
             )  # fmt: skip
-        if not isinstance(self.rules, Sequence) or isinstance(self.rules, str):
-            raise ConfigError("rules", self.rules, "a sequence of qbits.lora.LoraRule")
-        object.__setattr__(self, "rules", tuple(self.rules))
-        for i, rule in enumerate(self.rules):
-            if not isinstance(rule, LoraRule):
-                raise ConfigError(f"rules[{i}]", rule, "a qbits.lora.LoraRule")
+        rules = _rule_tuple(self.rules, LoraRule, "qbits.lora.LoraRule")
+        object.__setattr__(self, "rules", rules)
         if self.init not in INITS:
             raise ConfigError("init", self.init, "one of " + ", ".join(INITS))
         try:
