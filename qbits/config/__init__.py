@@ -1,4 +1,4 @@
-"""Layer 5: typed configs, YAML files, presets and per-layer rules.
+"""Layer 4: typed configs, YAML files, presets and per-layer rules.
 
 One way to read a config, whatever form it comes in (a file, YAML text,
 plain data, a preset name, an object): :func:`qbits.load_config`; one way
@@ -38,8 +38,13 @@ __all__ = [
     "register",
 ]
 
-# For the other packages of qbits (not public): the one resolution of a
-# config argument, plain data both ways, and the YAML reader.
+# For the other packages of qbits (not public): the matmul configs (public
+# as qbits.DotGeneralConfig, qbits.MatmulConfig; here so that the ops, above
+# this layer, take preset names and files), the one resolution of a config
+# argument, plain data both ways, and the YAML reader.
+from qbits.config._matmul import IDENTITY as _IDENTITY  # isort: skip  # noqa: F401
+from qbits.config._matmul import DotGeneralConfig as _DotGeneralConfig  # isort: skip  # noqa: F401
+from qbits.config._matmul import MatmulConfig as _MatmulConfig  # isort: skip  # noqa: F401
 from qbits.config._refs import as_dot_general_config as _as_dot_general_config  # isort: skip  # noqa: F401
 from qbits.config._refs import as_quant_config as _as_quant_config  # isort: skip  # noqa: F401
 from qbits.config._refs import resolve as _resolve  # isort: skip  # noqa: F401

@@ -1,13 +1,14 @@
 """What every entry point takes as a config, and :func:`qbits.load_config`.
 
-``qbits.load_config``, ``qbits.quantize``, ``qbits.dot_general``, the linen
-and nnx adapters, serving, lora, the KV cache and the command line all
-accept the same forms, resolved here by one function (:func:`resolve`): a
-config object, a preset name (``"int8"``), the path of a YAML file
-(``"rules.yaml"``, anything ending in ``.yaml``/``.yml``, or any
-``os.PathLike``), YAML text, or the plain data of a config (a dict). Rules
-read from a file remember it (``QuantConfig.source``), so that an error
-found later, when a matmul is traced, names the file too.
+``qbits.load_config``, ``qbits.quantize``, the ops (``qbits.dot_general``
+and the others), the linen and nnx adapters, serving, lora, the KV cache
+and the command line all accept the same forms, resolved here by one
+function (:func:`resolve`): a config object, a preset name (``"int8"``),
+the path of a YAML file (``"rules.yaml"``, anything ending in
+``.yaml``/``.yml``, or any ``os.PathLike``), YAML text, or the plain data
+of a config (a dict). Rules read from a file remember it
+(``QuantConfig.source``), so that an error found later, when a matmul is
+traced, names the file too.
 """
 
 from __future__ import annotations
@@ -18,20 +19,16 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from qbits import ops
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits.config import presets
+from qbits.config._matmul import DotGeneralConfig
 from qbits.config._rules import QuantConfig
 from qbits.config._schema import MISSING, from_dict
 from qbits.config._yamlio import parse_yaml, read_yaml
-from qbits.ops import DotGeneralConfig
 
 __all__ = [
     "as_dot_general_config",
     "as_quant_config",
-    "conv_general_dilated",
-    "dot_general",
-    "einsum",
     "load_config",
     "resolve",
 ]
@@ -284,88 +281,3 @@ def as_quant_config(
 def as_dot_general_config(owner: str, config: Any) -> DotGeneralConfig:
     """``config`` as one config (:func:`resolve` into a DotGeneralConfig)."""
     return resolve(owner, config, DotGeneralConfig)
-
-
-def dot_general(config: Any, key: Any = None) -> ops.DotGeneral:
-    """A quantized drop-in for ``jax.lax.dot_general``.
-
-    :func:`qbits.ops.dot_general` with ``config`` given as every entry point
-    takes it: a :class:`~qbits.DotGeneralConfig`, a preset name or the path
-    of a YAML file holding one config. The returned function has exactly
-    the signature of ``lax.dot_general``; its gradient runs the config's
-    ``dlhs`` and ``drhs`` matmuls, quantized as configured.
-
-    Args:
-      config: The forward matmul and the two gradient matmuls.
-      key: A PRNG key, required when any operand rounds stochastically (see
-        :func:`qbits.ops.dot_general` for how to give each layer its own).
-
-    Returns:
-      A :class:`~qbits.ops.DotGeneral`, usable as ``dot_general=`` in
-      ``flax.linen.Dense`` and ``flax.nnx.Linear``.
-
-    Raises:
-      InvalidArgumentError: For a config of another kind, or one that rounds
-        stochastically without a key.
-      ConfigError: For a file that does not hold one config.
-
-    Example:
-      >>> dg = qbits.dot_general("int8_fwd")
-      >>> x, w = jnp.ones((4, 16)), jnp.ones((16, 8))
-      >>> dg(x, w, (((1,), (0,)), ((), ()))).shape
-      (4, 8)
-    """
-    return ops.dot_general(as_dot_general_config("qbits.dot_general", config), key)
-
-
-def einsum(config: Any, key: Any = None) -> ops.Einsum:
-    """A quantized drop-in for two-operand ``jnp.einsum``.
-
-    :func:`qbits.ops.einsum` with ``config`` given as for
-    :func:`qbits.dot_general` (a config, a preset name or a YAML file).
-    Usable as ``nnx.Einsum(einsum_op=...)``.
-
-    Args:
-      config: The forward matmul and the two gradient matmuls.
-      key: A PRNG key, required when the config rounds stochastically.
-
-    Returns:
-      An :class:`~qbits.ops.Einsum`.
-
-    Raises:
-      InvalidArgumentError: As :func:`qbits.dot_general`.
-
-    Example:
-      >>> op = qbits.einsum("int8_fwd")
-      >>> op("btd,dh->bth", jnp.ones((2, 3, 8)), jnp.ones((8, 4))).shape
-      (2, 3, 4)
-    """
-    return ops.einsum(as_dot_general_config("qbits.einsum", config), key)
-
-
-def conv_general_dilated(config: Any, key: Any = None) -> ops.ConvGeneralDilated:
-    """A quantized drop-in for ``jax.lax.conv_general_dilated``.
-
-    :func:`qbits.ops.conv_general_dilated` with ``config`` given as for
-    :func:`qbits.dot_general` (a config, a preset name or a YAML file).
-    Usable as ``conv_general_dilated=`` in ``flax.linen.Conv`` and
-    ``flax.nnx.Conv``.
-
-    Args:
-      config: The forward convolution and the two gradient convolutions.
-      key: A PRNG key, required when the config rounds stochastically.
-
-    Returns:
-      A :class:`~qbits.ops.ConvGeneralDilated`.
-
-    Raises:
-      InvalidArgumentError: As :func:`qbits.dot_general`.
-
-    Example:
-      >>> conv = qbits.conv_general_dilated("int8_fwd")
-      >>> conv(jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3)), (1, 1), "SAME").shape
-      (1, 4, 8, 8)
-    """
-    return ops.conv_general_dilated(
-        as_dot_general_config("qbits.conv_general_dilated", config), key
-    )

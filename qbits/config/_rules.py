@@ -18,8 +18,8 @@ from typing import Any
 from qbits._errors import ConfigError
 from qbits.config import _schema as schema
 from qbits.config import presets
+from qbits.config._matmul import DotGeneralConfig
 from qbits.config._patterns import backtracking
-from qbits.ops import DotGeneralConfig
 
 ConfigRef = DotGeneralConfig | str | None
 

@@ -41,6 +41,7 @@ from qbits.calibration import (
     Percentile,
 )
 from qbits.config import presets
+from qbits.config._matmul import DotGeneralConfig, MatmulConfig
 from qbits.granularity import Granularity, PerChannel, PerTensor, Tiled
 from qbits.numerics import (
     Fp8Numerics,
@@ -53,7 +54,6 @@ from qbits.numerics import (
     UintNumerics,
     UniformNoise,
 )
-from qbits.ops import DotGeneralConfig, MatmulConfig
 from qbits.providers import DelayedScaling, LearnedScale, ScaleProvider
 
 __all__ = ["from_dict", "register", "to_dict"]

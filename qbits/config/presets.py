@@ -20,6 +20,7 @@ from collections.abc import Callable
 from qbits._errors import ConfigError
 from qbits._quantizer import Quantizer, mx_quantizer
 from qbits.calibration import AbsMax, AbsMean
+from qbits.config._matmul import DotGeneralConfig, MatmulConfig
 from qbits.granularity import PerChannel, PerTensor, Tiled
 from qbits.numerics import (
     Fp8Numerics,
@@ -30,7 +31,6 @@ from qbits.numerics import (
     UintNumerics,
     UniformNoise,
 )
-from qbits.ops import DotGeneralConfig, MatmulConfig
 from qbits.providers import DelayedScaling
 
 __all__ = [
