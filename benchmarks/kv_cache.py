@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import qbits
 from qbits import kvcache
 from qbits._experiments import build_model, spec, train
 
@@ -73,8 +74,8 @@ def run(seed: int, steps: int | None, rounds: int) -> dict:
     prompts = jnp.stack(
         [data.eval[int(s) : int(s) + PROMPT_LENGTH] for s in starts]
     ).astype(jnp.int32)
-    names = kvcache.preset_names()
-    configs = {n: kvcache.preset(n) for n in names}
+    names = ("kv_float", "kv_int8", "kv_fp8", "kv_int8_per_head", "kv_fp8_per_head")
+    configs = {n: qbits.load_config(n, kvcache.CacheConfig) for n in names}
     graphdef, state = nnx.split(model)
 
     ref_tokens = kvcache.generate(model, prompts, NEW, cache="kv_float")

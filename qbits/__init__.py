@@ -15,13 +15,16 @@ in this file):
    :class:`~qbits.scaled.ScaledArray` and :func:`~qbits.scaled.scalify`,
    scale propagation through a whole graph (float16 and fp8 training
    without overflow).
-4. ops: :func:`dot_general`, :func:`einsum` and :func:`conv_general_dilated`
-   (and :func:`qbits.ops.ragged_dot`, grouped matmuls), configured by
-   :class:`DotGeneralConfig` and :class:`MatmulConfig`, one quantized-matmul
-   core (scale state through ``state=``; :mod:`qbits.ops`).
-5. config: YAML files (:func:`load_config`, :mod:`qbits.config`),
-   :mod:`presets`, per-layer rules (:class:`QuantConfig`, :class:`Rule`);
-   bad configs raise :class:`ConfigError`; :func:`freeze_ranges` turns
+4. config: :class:`DotGeneralConfig` and :class:`MatmulConfig` (one
+   quantized matmul and a dot_general's three), :func:`load_config` (the
+   one way to read a config: a file, YAML text, data, a preset name),
+   :mod:`qbits.config` (:func:`~qbits.config.dump`), :mod:`presets`,
+   per-layer rules (:class:`QuantConfig`, :class:`Rule`); bad configs raise
+   :class:`ConfigError`.
+5. ops: :func:`dot_general`, :func:`einsum` and :func:`conv_general_dilated`
+   (and :func:`qbits.ops.ragged_dot`, grouped matmuls), each taking a
+   config, a preset name or a YAML file; one quantized-matmul core (scale
+   state through ``state=``; :mod:`qbits.ops`); :func:`freeze_ranges` turns
    collected activation ranges into static bounds.
 6. The engine (:mod:`qbits.transform`): :func:`quantize` quantizes every
    matmul of any function or model (custom layers, raw einsums and ``@``,
@@ -48,11 +51,17 @@ from qbits._granularity import Granularity, PerChannel, PerTensor, Tiled
 from qbits._providers import DelayedScaling, LearnedScale, ScaleProvider
 from qbits._quantizer import Quantizer
 from qbits._tensor import QTensor
-from qbits.config import QuantConfig, Rule, load_config, presets
+from qbits.config import QuantConfig, Rule, presets
 from qbits.numerics import FpNumerics, IntNumerics
-from qbits.ops import DotGeneralConfig, MatmulConfig
+from qbits.ops import (
+    DotGeneralConfig,
+    MatmulConfig,
+    conv_general_dilated,
+    dot_general,
+    einsum,
+)
 
-from qbits.config._refs import conv_general_dilated, dot_general, einsum  # isort: skip
+from qbits.config._refs import load_config  # isort: skip
 from qbits._ranges import freeze_ranges  # isort: skip
 from qbits.transform import collect_ranges, init_state, layer_table, quantize  # isort: skip  (layer 6)
 from qbits import flax, nnx  # isort: skip  (layer 7 imports everything above)
@@ -60,10 +69,8 @@ from qbits import serving  # isort: skip  (layer 8)
 
 __version__ = "0.1.0"
 
-# Where the functions defined in private modules are documented.
-for _fn in (conv_general_dilated, dot_general, einsum):
-    _fn.__module__ = "qbits"
-del _fn
+# Where the function defined in a private module is documented.
+load_config.__module__ = "qbits"
 
 __all__ = [
     "AbsMax",

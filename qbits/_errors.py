@@ -247,7 +247,7 @@ class ConfigError(ValueError):
     Example:
       >>> data = {"fwd": {"lhs": {"numerics": {"type": "int", "bits": 32}}}}
       >>> try:
-      ...     qbits.config.from_dict(data)
+      ...     qbits.load_config(data, qbits.DotGeneralConfig)
       ... except qbits.ConfigError as e:
       ...     print(e)
       fwd.lhs.numerics.bits: expected an int in 1..16, got 32.

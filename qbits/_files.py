@@ -3,7 +3,7 @@
 Opening a FIFO (named pipe) for reading waits for a writer, forever if none
 comes, and a device can stream without end. :func:`read_regular_file` opens
 without blocking and reads only a regular file; config and sweep files
-(:func:`qbits.config.read_yaml`) and ``qbits generate --prompt-file`` are
+(:func:`qbits.load_config`) and ``qbits generate --prompt-file`` are
 read through it.
 """
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from qbits._calibration import ConstantBound
 from qbits._errors import InvalidArgumentError
-from qbits.config import QuantConfig, Rule, as_quant_config
+from qbits.config import QuantConfig, Rule, _as_quant_config
 
 __all__ = ["freeze_ranges"]
 
@@ -55,7 +55,7 @@ def freeze_ranges(config: Any, ranges: Mapping[str, float]) -> QuantConfig:
       >>> frozen.resolve("fc2").name
       'int8_fwd'
     """
-    qc = as_quant_config("freeze_ranges", config, allow_none=True)
+    qc = _as_quant_config("freeze_ranges", config, allow_none=True)
     if not isinstance(ranges, Mapping):
         raise InvalidArgumentError(
             "freeze_ranges", "ranges", ranges, "a mapping {layer path: absmax}"

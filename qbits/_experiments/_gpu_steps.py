@@ -46,7 +46,9 @@ def _config(preset: Any) -> Any:
     return (
         None
         if preset is None
-        else qbits.config.as_dot_general_config("qbits._experiments.block_step", preset)
+        else qbits.config._as_dot_general_config(
+            "qbits._experiments.block_step", preset
+        )
     )
 
 

@@ -224,7 +224,7 @@ class TransformerLM(nnx.Module):
         """
         owner = "TransformerLM.init_cache"
         self._check_decodes(owner)
-        config = kvcache.as_cache_config(owner, config)
+        config = kvcache._as_cache_config(owner, config)
         context, dtype = self.pos.shape[0], self.pos.dtype
         return tuple(
             kvcache.KVCache.create(

@@ -126,7 +126,7 @@ def post_train(
             raise InvalidArgumentError(
                 _OWNER, "methods", method, "names among " + ", ".join(METHODS)
             )
-    quant = qbits.config.as_quant_config(_OWNER, config)
+    quant = qbits.config._as_quant_config(_OWNER, config)
     _check_out(run_dir, out, name)
     model, data, run = load_trained(run_dir, seed, owner=_OWNER)
     spec = model_spec(run["model"], run["size"])

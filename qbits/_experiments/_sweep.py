@@ -166,9 +166,7 @@ def run_sweep(
             "model": sweep.spec.model,
             "size": sweep.size,
             "steps": sweep.steps,
-            "config": None
-            if entry.config is None
-            else qbits.config.dumps(entry.config),
+            "config": None if entry.config is None else qbits.config.dump(entry.config),
             "result": result.as_dict(),
         }
         if diagnostics and entry.config is not None:

@@ -47,11 +47,10 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-import yaml
 
 import qbits
 from qbits._experiments._models import ModelSpec, spec
-from qbits.config import read_yaml
+from qbits.config import _read_yaml as read_yaml
 
 __all__ = ["MAX_RUNS", "Entry", "Sweep", "SweepError", "config_bits", "load_sweep"]
 
@@ -166,7 +165,7 @@ class Sweep:
 
     def fingerprint(self, entry: Entry, seed: int) -> str:
         """A hash of everything that determines one run's result."""
-        config = "float" if entry.config is None else qbits.config.dumps(entry.config)
+        config = "float" if entry.config is None else qbits.config.dump(entry.config)
         # The spec's default steps do not matter: self.steps is what runs.
         model = dataclasses.asdict(self.spec) | {"steps": None}
         text = json.dumps([model, self.steps, seed, config, qbits.__version__])
@@ -234,7 +233,7 @@ def _as_config(
                         f"{source}: {path}: no config file {value!r} "
                         f"(paths are relative to the sweep file's folder)"
                     )
-                config = qbits.config.load(base / value)
+                config = qbits.load_config(base / value, None)
                 origin = {"source": os.fspath(base / value)}
             else:
                 raise _fail(
@@ -245,7 +244,7 @@ def _as_config(
                     value,
                 )
         elif isinstance(value, dict):
-            config = qbits.config.loads(yaml.safe_dump(value))
+            config = qbits.load_config(value, None)
             origin = {"source": source, "where": path}
         else:
             raise _fail(source, path, "a preset name, a .yaml file or a mapping", value)
@@ -327,7 +326,7 @@ def _check_grid_values(grid: dict[str, Any], source: str) -> None:
             else:  # granularity, calibration: as a quantizer's field
                 data = {"numerics": {"type": "int", "bits": 8}, key: value}
                 try:
-                    qbits.config.from_dict(data, qbits.Quantizer)
+                    qbits.load_config(data, qbits.Quantizer)
                 except qbits.ConfigError as e:
                     message = str(e).removeprefix(f"{e.path}: ")
                     place = where + e.path.removeprefix(key)

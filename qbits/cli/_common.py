@@ -36,7 +36,7 @@ def _config(arg: str):
         config = None if arg == "none" else qbits.QuantConfig(default=arg)
         return arg, config, {"where": arg, "single": True}
     if path.suffix in (".yaml", ".yml") or path.exists():
-        config = qbits.config.load(path)
+        config = qbits.load_config(path, None)
         origin = {"source": os.fspath(path)}
         if isinstance(config, qbits.QuantConfig):
             return path.stem, config, origin

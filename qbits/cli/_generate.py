@@ -19,7 +19,7 @@ def _generate(args: argparse.Namespace) -> int:
     from qbits import kvcache
     from qbits._experiments import build_model, load_trained, spec, train
 
-    config = kvcache.as_cache_config("qbits generate", args.cache)
+    config = kvcache._as_cache_config("qbits generate", args.cache)
     if args.run_dir and (args.steps or args.size != "default"):
         raise UsageError("--steps and --size train a model; --run loads one")
     if not 1 <= args.tokens <= 1_000_000:

@@ -18,8 +18,8 @@ from typing import Any
 from qbits._errors import ConfigError
 from qbits.config import _schema as schema
 from qbits.config import presets
+from qbits.config._matmul import DotGeneralConfig
 from qbits.config._patterns import backtracking
-from qbits.ops import DotGeneralConfig
 
 ConfigRef = DotGeneralConfig | str | None
 
@@ -137,6 +137,16 @@ class Resolution:
         return "default" if self.rule is None else f"rules[{self.rule}].config"
 
 
+def rule_tuple(rules: Any, cls: type, name: str) -> tuple:
+    """``rules`` as a tuple of ``cls`` (``name`` in the error); ConfigError else."""
+    if not isinstance(rules, Sequence) or isinstance(rules, str):
+        raise ConfigError("rules", rules, f"a sequence of {name}")
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, cls):
+            raise ConfigError(f"rules[{i}]", rule, f"a {name}")
+    return tuple(rules)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     """Per-layer quantization: ordered rules, first full match wins.
@@ -167,16 +177,11 @@ class QuantConfig:
     source: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rules, Sequence) or isinstance(self.rules, str):
-            raise ConfigError("rules", self.rules, "a sequence of qbits.Rule")
-        object.__setattr__(self, "rules", tuple(self.rules))
-        for i, rule in enumerate(self.rules):
-            if not isinstance(rule, Rule):
-                raise ConfigError(f"rules[{i}]", rule, "a qbits.Rule")
+        object.__setattr__(self, "rules", rule_tuple(self.rules, Rule, "qbits.Rule"))
         _check_ref(self.default, "default")
 
     def to_data(self) -> dict[str, Any]:
-        """The rules as plain data (:func:`qbits.config.to_dict` of them)."""
+        """The rules as plain data (what :func:`qbits.config.dump` writes)."""
         return {
             "rules": [
                 {"pattern": r.pattern, "config": schema.ref_to_data(r.config)}
@@ -187,7 +192,7 @@ class QuantConfig:
 
     @classmethod
     def from_data(cls, data: Any, path: str = "") -> QuantConfig:
-        """Rules from plain data (:func:`qbits.config.from_dict` of them).
+        """Rules from plain data (what :func:`qbits.load_config` reads).
 
         Raises:
           ConfigError: Naming the path of the first bad value.
@@ -326,7 +331,7 @@ class LayerRow:
         return f"{name} ({self.note})" if self.note else name
 
     def as_dict(self) -> dict[str, Any]:
-        """The row as plain data (the config as :func:`qbits.config.to_dict`)."""
+        """The row as plain data (the config as :func:`qbits.config.dump` writes it)."""
         res = self.resolution
         operands = {"operands": self.operands} if self.operands else {}
         return {

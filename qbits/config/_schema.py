@@ -1,5 +1,7 @@
 """Configs as plain data: ``to_dict`` and ``from_dict``.
 
+Behind :func:`qbits.config.dump` and :func:`qbits.load_config`.
+
 The typed, frozen dataclasses of layers 1-4 (numerics, calibrations,
 granularities, :class:`~qbits.Quantizer`, :class:`~qbits.MatmulConfig`,
 :class:`~qbits.DotGeneralConfig`) *are* the schema: this module walks their
@@ -41,6 +43,7 @@ from qbits._granularity import Granularity, PerChannel, PerTensor, Tiled
 from qbits._providers import DelayedScaling, LearnedScale, ScaleProvider
 from qbits._quantizer import Quantizer
 from qbits.config import presets
+from qbits.config._matmul import DotGeneralConfig, MatmulConfig
 from qbits.numerics import (
     Fp8Numerics,
     FpNumerics,
@@ -52,7 +55,6 @@ from qbits.numerics import (
     UintNumerics,
     UniformNoise,
 )
-from qbits.ops import DotGeneralConfig, MatmulConfig
 
 __all__ = ["from_dict", "register", "to_dict"]
 
@@ -135,10 +137,11 @@ def register(field: str, name: str, cls: type) -> None:
       ...         return self.n * jnp.sqrt(jnp.mean(x * x, axis=axes, keepdims=True))
       >>> qbits.config.register("calibration", "sigmas", Sigmas)
       >>> q = qbits.Quantizer(qbits.IntNumerics(bits=8), Sigmas(n=4.0))
-      >>> qbits.config.to_dict(q)["calibration"]
-      {'type': 'sigmas', 'n': 4.0}
-      >>> qbits.config.from_dict(qbits.config.to_dict(q), qbits.Quantizer) == q
-      True
+      >>> print(qbits.config.dump(q.calibration), end="")
+      n: 4.0
+      >>> text = qbits.config.dump(q)
+      >>> "type: sigmas" in text, qbits.load_config(text, qbits.Quantizer) == q
+      (True, True)
     """
     if field not in _KINDS:
         raise InvalidArgumentError(
@@ -183,7 +186,7 @@ def _type_name(field: str, obj: Any) -> str:
         if type(obj) is cls:
             return name
     raise InvalidArgumentError(
-        "to_dict",
+        "qbits.config.dump",
         field,
         obj,
         f"an instance of a registered class ({_names(_KINDS[field][1])}); "
@@ -208,7 +211,7 @@ def to_dict(obj: Any) -> Any:
         custom class that was not :func:`register` ed).
 
     Example:
-      >>> lhs = qbits.config.to_dict(qbits.presets.get("int8_fwd"))["fwd"]["lhs"]
+      >>> lhs = qbits.config._to_dict(qbits.presets.get("int8_fwd"))["fwd"]["lhs"]
       >>> lhs["numerics"], lhs["granularity"]
       ({'type': 'int', 'bits': 8, 'dtype': 'int8'}, 'per_channel')
     """
@@ -216,7 +219,9 @@ def to_dict(obj: Any) -> Any:
     if to_data is not None and not isinstance(obj, type):  # a QuantConfig
         return to_data()
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
-        raise InvalidArgumentError("to_dict", "obj", obj, "a qbits config object")
+        raise InvalidArgumentError(
+            "qbits.config.dump", "config", obj, "a qbits config object"
+        )
     return _fields_to_data(obj)
 
 
@@ -260,7 +265,7 @@ def _value_to_data(name: str, value: Any) -> Any:
         return value.item()
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    raise InvalidArgumentError("to_dict", name, value, "plain data")
+    raise InvalidArgumentError("qbits.config.dump", name, value, "plain data")
 
 
 def from_dict(data: Any, cls: type = DotGeneralConfig, path: str = "") -> Any:
@@ -279,37 +284,13 @@ def from_dict(data: Any, cls: type = DotGeneralConfig, path: str = "") -> Any:
     Raises:
       ConfigError: Naming the path of the first bad value, the value and what
         is allowed.
-      InvalidArgumentError: For a ``cls`` that is not a config class (the
-        arguments swapped: ``from_dict(cls, data)``).
 
     Example:
-      >>> cfg = qbits.config.from_dict(
+      >>> cfg = qbits.config._from_dict(
       ...     {"fwd": {"rhs": {"numerics": {"type": "int", "bits": 4}}}})
       >>> cfg.fwd.rhs.numerics.bits
       4
     """
-    if not (
-        isinstance(cls, type)
-        and (hasattr(cls, "from_data") or dataclasses.is_dataclass(cls))
-    ):
-        swapped = isinstance(data, type)
-        raise InvalidArgumentError(
-            "qbits.config.from_dict",
-            "cls",
-            cls,
-            "a config class (qbits.DotGeneralConfig, the default; "
-            "qbits.QuantConfig, qbits.MatmulConfig, qbits.Quantizer...): "
-            + (
-                f"qbits.config.from_dict(data, {data.__name__})"
-                if swapped
-                else "qbits.config.from_dict(data, cls)"
-            ),
-            why="the arguments are swapped: the data comes first" if swapped else "",
-        )
-    if not isinstance(path, str):
-        raise InvalidArgumentError(
-            "qbits.config.from_dict", "path", path, "a str (the prefix of error paths)"
-        )
     from_data = getattr(cls, "from_data", None)
     if from_data is not None:  # a QuantConfig
         return from_data(data, path)
@@ -349,6 +330,11 @@ def _build(cls: type, data: Any, path: str) -> Any:
             raise ConfigError(
                 _join(path, name), MISSING, "a value (the key is required)"
             )
+    return construct(cls, kwargs, path)
+
+
+def construct(cls: type, kwargs: dict[str, Any], path: str) -> Any:
+    """``cls(**kwargs)``, its refusal as a ConfigError naming the place."""
     try:
         return cls(**kwargs)
     except InvalidArgumentError as e:

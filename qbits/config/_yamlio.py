@@ -24,7 +24,7 @@ Numbers in exponent notation without a dot or a signed exponent (``1e-3``,
 and JSON read them.
 
 Sweep files (``qbits sweep``) are read the same way,
-with :func:`read_yaml`.
+with :func:`read_yaml`. :func:`dump` writes a config.
 """
 
 from __future__ import annotations
@@ -38,9 +38,7 @@ import yaml
 from qbits._errors import ConfigError
 from qbits._files import read_regular_file
 from qbits.config import presets
-from qbits.config._rules import QuantConfig
-from qbits.config._schema import MISSING, from_dict, to_dict
-from qbits.ops import DotGeneralConfig
+from qbits.config._schema import to_dict
 
 __all__ = [
     "MAX_BYTES",
@@ -49,20 +47,13 @@ __all__ = [
     "MAX_ITEMS",
     "MAX_VALUES",
     "dump",
-    "dumps",
-    "load",
-    "load_config",
-    "loads",
     "parse_yaml",
     "preset_yaml",
     "read_yaml",
     "write_presets",
 ]
 
-_SINGLE = ("fwd", "dlhs", "drhs")
-_RULES = ("rules", "default")
-
-#: Largest file (bytes; characters for :func:`loads`) qbits reads as YAML.
+#: Largest file (bytes; characters for YAML text) qbits reads as YAML.
 MAX_BYTES = 1 << 20
 #: Deepest nesting of mappings and lists (the top-level value is depth 1).
 MAX_DEPTH = 32
@@ -248,7 +239,7 @@ def _decode(data: bytes) -> str:
 def parse_yaml(text: str | bytes, source: str | None = None) -> Any:
     r"""Parses YAML into plain data, safely and within the limits above.
 
-    The reader behind :func:`loads` and sweep files: only plain YAML
+    The reader behind :func:`qbits.load_config` and sweep files: only plain YAML
     (mappings, lists, strings, numbers, booleans, null; no tags that build
     Python objects), each key once per mapping, and the size limits of this
     module.
@@ -360,19 +351,24 @@ def read_yaml(path: str | os.PathLike) -> Any:
     return parse_yaml(data, source)
 
 
-def dumps(config: Any, comment: str = "") -> str:
-    """A config as YAML text.
+def dump(config: Any, path: str | os.PathLike | None = None, comment: str = "") -> str:
+    """A config as YAML text; written to the file ``path`` too when given.
+
+    The one way to write a config: :func:`qbits.load_config` reads the text
+    or the file back into an equal config.
 
     Args:
-      config: A :class:`~qbits.DotGeneralConfig`, :class:`~qbits.QuantConfig`
-        or a piece of one.
+      config: A :class:`~qbits.DotGeneralConfig`, :class:`~qbits.QuantConfig`,
+        any piece of one, or another config (``qbits.kvcache.CacheConfig``,
+        ``qbits.lora.LoraConfig``).
+      path: The file to write (``None``: only return the text).
       comment: Text put first, each line as a ``#`` comment.
 
     Returns:
-      YAML that :func:`loads` turns back into an equal config.
+      The YAML text.
 
     Example:
-      >>> print(qbits.config.dumps(qbits.presets.get("int4_weight_only")))
+      >>> print(qbits.config.dump(qbits.presets.get("int4_weight_only")))
       fwd:
         rhs:
           numerics:
@@ -383,134 +379,21 @@ def dumps(config: Any, comment: str = "") -> str:
             type: tiled
             tile_size: 128
       <BLANKLINE>
+      >>> import tempfile
+      >>> path = tempfile.mkdtemp() + "/w4a8.yaml"
+      >>> _ = qbits.config.dump(qbits.presets.get("w4a8"), path)
+      >>> qbits.load_config(path, qbits.DotGeneralConfig) == qbits.presets.get("w4a8")
+      True
     """
     header = "".join(f"# {line}".rstrip() + "\n" for line in comment.splitlines())
     body = yaml.dump(
         to_dict(config), Dumper=_Dumper, sort_keys=False, default_flow_style=False
     )
-    return header + (body if body.strip() != "{}" else "{}\n")
-
-
-def loads(text: str, source: str | None = None) -> DotGeneralConfig | QuantConfig:
-    """Parses a YAML config.
-
-    Args:
-      text: YAML holding a config (``fwd``/``dlhs``/``drhs``), a per-layer
-        config (``rules``/``default``) or a preset name.
-      source: The file name, for error messages.
-
-    Returns:
-      A :class:`~qbits.DotGeneralConfig` for a single config or preset name, a
-      :class:`~qbits.QuantConfig` for rules.
-
-    Raises:
-      ConfigError: For YAML that does not parse, uses tags that would build
-        Python objects, repeats a key, exceeds a limit of this module, is
-        empty or not a mapping, or holds a bad value (the message names its
-        path, e.g. ``rules[1].config.fwd.rhs.numerics.bits``).
-
-    Example:
-      >>> qc = qbits.config.loads('''
-      ... rules:
-      ...   - {pattern: head, config: null}
-      ... default: int8_fwd
-      ... ''')
-      >>> qc.resolve("head").config is None, qc.resolve("mlp/fc1").name
-      (True, 'int8_fwd')
-    """
-    data = parse_yaml(text, source)
-    try:
-        return _from_document(data)
-    except ConfigError as e:
-        raise e.within(source=source) from None
-
-
-def _from_document(data: Any) -> DotGeneralConfig | QuantConfig:
-    if data is None:
-        raise ConfigError(
-            "", MISSING, "a mapping or a preset name", why="the document is empty"
-        )
-    if isinstance(data, str):
-        return presets.get(presets.check_name(data))
-    if not isinstance(data, dict):
-        raise ConfigError(
-            "",
-            data,
-            "a mapping (keys fwd/dlhs/drhs, or rules/default) or a preset name",
-        )
-    keys = set(data)
-    if keys <= set(_SINGLE):  # {} is the identity config
-        return from_dict(data, DotGeneralConfig)
-    if keys <= set(_RULES):
-        return from_dict(data, QuantConfig)
-    unknown = [k for k in data if k not in _SINGLE + _RULES]
-    bad = unknown[0] if unknown else next(iter(data))
-    mixed = not unknown
-    raise ConfigError(
-        str(bad),
-        bad,
-        "the keys fwd, dlhs, drhs (one config) or rules, default (per-layer rules)",
-        why="both kinds of keys in one file" if mixed else "",
-    )
-
-
-def dump(config: Any, path: str | os.PathLike, comment: str = "") -> None:
-    """Writes :func:`dumps` of ``config`` to the file ``path``.
-
-    Example:
-      >>> import tempfile
-      >>> path = tempfile.mkdtemp() + "/w4a8.yaml"
-      >>> qbits.config.dump(qbits.presets.get("w4a8"), path)
-      >>> qbits.config.load(path) == qbits.presets.get("w4a8")
-      True
-    """
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(dumps(config, comment))
-
-
-def load(path: str | os.PathLike) -> DotGeneralConfig | QuantConfig:
-    """Reads a config file (see :func:`loads` and :func:`read_yaml`).
-
-    Raises:
-      ConfigError: For a file that cannot be read, is not UTF-8 text, is
-        larger or deeper than the limits of this module, or holds a bad
-        config; the message starts with the file name.
-
-    Example:
-      >>> qbits.config.load("configs/int8.yaml") == qbits.presets.get("int8")
-      True
-    """
-    source = os.fspath(path)
-    try:
-        return _from_document(read_yaml(path))
-    except ConfigError as e:
-        raise e.within(source=source) from None
-
-
-def load_config(path: str | os.PathLike) -> QuantConfig:
-    """Reads a per-layer config file.
-
-    A file with a single config or a preset name becomes the ``default`` of a
-    :class:`~qbits.QuantConfig` without rules: every layer gets it.
-
-    Args:
-      path: A YAML file.
-
-    Returns:
-      A :class:`~qbits.QuantConfig`.
-
-    Raises:
-      ConfigError: As :func:`loads`.
-
-    Example:
-      >>> qc = qbits.load_config("configs/int8_fwd.yaml")
-      >>> qc.resolve("any/layer").config == qbits.presets.get("int8_fwd")
-      True
-    """
-    config = load(path)
-    if isinstance(config, QuantConfig):
-        return config
-    return QuantConfig(default=config)
+    text = header + (body if body.strip() != "{}" else "{}\n")
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    return text
 
 
 def preset_yaml(name: str) -> str:
@@ -525,7 +408,7 @@ def preset_yaml(name: str) -> str:
       {}
       <BLANKLINE>
     """
-    return dumps(presets.get(name), f"{name}: {presets.describe(name)}")
+    return dump(presets.get(name), comment=f"{name}: {presets.describe(name)}")
 
 
 def write_presets(directory: str | os.PathLike) -> list[str]:

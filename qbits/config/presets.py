@@ -22,6 +22,7 @@ from qbits._errors import ConfigError
 from qbits._granularity import PerChannel, PerTensor, Tiled
 from qbits._providers import DelayedScaling
 from qbits._quantizer import Quantizer, mx_quantizer
+from qbits.config._matmul import DotGeneralConfig, MatmulConfig
 from qbits.numerics import (
     Fp8Numerics,
     FpNumerics,
@@ -31,7 +32,6 @@ from qbits.numerics import (
     UintNumerics,
     UniformNoise,
 )
-from qbits.ops import DotGeneralConfig, MatmulConfig
 
 __all__ = [
     "describe",

@@ -32,7 +32,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from qbits import transform
 from qbits._errors import InvalidArgumentError
-from qbits.config import LayerTable, QuantConfig, as_quant_config
+from qbits.config import LayerTable, QuantConfig, _as_quant_config
 
 __all__ = ["LEARNED", "STATE", "Quantized", "layer_table", "quantize"]
 
@@ -266,7 +266,7 @@ def quantize(model: nn.Module, config: Any) -> Quantized:
         )
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(_CALLER.owner, "model", model, "a flax.linen.Module")
-    return Quantized(model, as_quant_config(_CALLER.owner, config, allow_none=True))
+    return Quantized(model, _as_quant_config(_CALLER.owner, config, allow_none=True))
 
 
 def layer_table(

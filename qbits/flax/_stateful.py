@@ -30,7 +30,7 @@ from flax.training import train_state
 
 from qbits import ops
 from qbits._errors import InvalidArgumentError
-from qbits.config import as_dot_general_config
+from qbits.config import _as_dot_general_config
 from qbits.flax._quantize import STATE
 
 __all__ = ["Stateful", "TrainState"]
@@ -88,7 +88,7 @@ class Stateful(nn.Module):
             raise InvalidArgumentError(
                 owner, "op", self.op, "one of " + ", ".join(_OPS)
             )
-        config = as_dot_general_config(owner, self.config)
+        config = _as_dot_general_config(owner, self.config)
         key = self.make_rng("quant") if config.needs_key else None
         op = _OPS[self.op](config, key)
         kinds = config.state_kinds()

@@ -82,8 +82,9 @@ class KVCache(struct.PyTreeNode):
 
         Args:
           config: A :class:`~qbits.kvcache.CacheConfig`, ``None`` (float), a
-            cache preset name or a YAML file (see
-            :func:`~qbits.kvcache.as_cache_config`).
+            cache preset name, a YAML file, text or data (as
+            :func:`qbits.load_config` reads a
+            :class:`~qbits.kvcache.CacheConfig`).
           batch: Sequences decoded together.
           capacity: The most positions the cache holds.
           heads: Key/value heads.

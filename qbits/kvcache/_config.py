@@ -19,7 +19,6 @@ head_dim]``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,19 +28,13 @@ from qbits._calibration import AbsMax
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._granularity import PerChannel
 from qbits._quantizer import Quantizer
-from qbits.config import from_dict, read_yaml, to_dict
+from qbits.config import _construct, _from_dict, _resolve, _to_dict
 from qbits.numerics import Fp8Numerics, IntNumerics, QNumerics
 
-__all__ = [
-    "GRANULARITIES",
-    "CacheConfig",
-    "as_cache_config",
-    "preset",
-    "preset_names",
-]
+__all__ = ["CacheConfig", "as_cache_config"]
 
-#: Which elements of the cache share a scale.
-GRANULARITIES = ("per_token", "per_head")
+# Which elements of the cache share a scale.
+_GRANULARITIES = ("per_token", "per_head")
 
 # The axes a scale is shared over, in the cache layout [batch, position,
 # heads, head_dim]: per token, over head_dim; per head, over the positions too.
@@ -100,6 +93,12 @@ class CacheConfig:
     reads them back (dequantize on read). ``None`` numerics store float
     values in the model's dtype.
 
+    Presets, by name wherever a cache config is taken (and
+    ``qbits.load_config(name, qbits.kvcache.CacheConfig)``): ``kv_float``
+    (float keys and values), ``kv_int8`` and ``kv_fp8`` (int8 / fp8 E4M3,
+    one scale per token and head), ``kv_int8_per_head`` and
+    ``kv_fp8_per_head`` (one scale per head, set by the prompt).
+
     Attributes:
       keys: The numerics of the stored keys: ``IntNumerics(bits=8)`` (int8),
         ``Fp8Numerics("float8_e4m3fn")`` (fp8 E4M3; any fp8 format works),
@@ -120,9 +119,9 @@ class CacheConfig:
       >>> from qbits import kvcache
       >>> cfg = kvcache.CacheConfig(keys=qbits.IntNumerics(bits=8),
       ...                           values=qbits.IntNumerics(bits=8))
-      >>> cfg == kvcache.preset("kv_int8")
+      >>> cfg == qbits.load_config("kv_int8", kvcache.CacheConfig)
       True
-      >>> print(qbits.config.dumps(cfg), end="")
+      >>> print(qbits.config.dump(cfg), end="")
       keys:
         type: int
         bits: 8
@@ -147,13 +146,13 @@ class CacheConfig:
         for name in ("keys", "values"):
             object.__setattr__(self, name, _check_numerics(name, getattr(self, name)))
         if not isinstance(self.granularity, str) or (
-            self.granularity not in GRANULARITIES
+            self.granularity not in _GRANULARITIES
         ):
             raise InvalidArgumentError(
                 "CacheConfig",
                 "granularity",
                 self.granularity,
-                "one of " + ", ".join(GRANULARITIES),
+                "one of " + ", ".join(_GRANULARITIES),
             )
 
     @property
@@ -170,7 +169,8 @@ class CacheConfig:
 
         Example:
           >>> from qbits import kvcache
-          >>> q = kvcache.preset("kv_fp8_per_head").quantizer("values")
+          >>> cfg = qbits.load_config("kv_fp8_per_head", kvcache.CacheConfig)
+          >>> q = cfg.quantizer("values")
           >>> q.numerics.dtype, q.granularity
           (dtype(float8_e4m3fn), PerChannel(shared_axes=(1, 3)))
         """
@@ -188,7 +188,7 @@ class CacheConfig:
 
         Example:
           >>> from qbits import kvcache
-          >>> kvcache.preset("kv_fp8").describe()
+          >>> qbits.load_config("kv_fp8", kvcache.CacheConfig).describe()
           'float8_e4m3fn keys and values, per-token scales'
         """
         names = [
@@ -204,7 +204,7 @@ class CacheConfig:
         return f"{stored}, {self.granularity.replace('_', '-')} scales"
 
     def to_data(self) -> dict[str, Any]:
-        """The config as plain data (what :func:`qbits.config.to_dict` gives)."""
+        """The config as plain data (what :func:`qbits.config.dump` writes)."""
         return {
             "keys": _numerics_to_data(self.keys),
             "values": _numerics_to_data(self.values),
@@ -213,7 +213,7 @@ class CacheConfig:
 
     @classmethod
     def from_data(cls, data: Any, path: str = "") -> CacheConfig:
-        """A config from plain data (what :func:`qbits.config.from_dict` calls).
+        """A config from plain data (what :func:`qbits.load_config` calls).
 
         Raises:
           ConfigError: Naming the path of the first bad value, the value and
@@ -222,38 +222,40 @@ class CacheConfig:
         Example:
           >>> from qbits import kvcache
           >>> data = {"keys": {"type": "int", "bits": 8}, "granularity": "per_head"}
-          >>> qbits.config.from_dict(data, kvcache.CacheConfig).describe()
+          >>> qbits.load_config(data, kvcache.CacheConfig).describe()
           'int8 keys, float values, per-head scales'
-          >>> qbits.config.from_dict({"granularity": "per_row"}, kvcache.CacheConfig)
+          >>> qbits.load_config({"granularity": "per_row"}, kvcache.CacheConfig)
           Traceback (most recent call last):
           ...
           qbits.ConfigError: granularity: expected one of per_token, per_head,
           got 'per_row'.
         """
-        join = _join
+        if isinstance(data, str):  # a preset name
+            if data not in _PRESETS:
+                raise ConfigError(path, data, "a cache preset: " + ", ".join(_PRESETS))
+            return _PRESETS[data]
         if not isinstance(data, Mapping) or not all(isinstance(k, str) for k in data):
             raise ConfigError(
-                path, data, "a mapping with keys among: " + ", ".join(_FIELDS)
+                path,
+                data,
+                "a mapping with keys among: "
+                + ", ".join(_FIELDS)
+                + ", or a cache preset name",
             )
         for key in data:
             if key not in _FIELDS:
                 raise ConfigError(
-                    join(path, key),
+                    _join(path, key),
                     key,
                     "one of the keys of CacheConfig: " + ", ".join(_FIELDS),
                 )
         kwargs: dict[str, Any] = {}
         for name in ("keys", "values"):
             if data.get(name) is not None:
-                kwargs[name] = _numerics_from_data(data[name], join(path, name))
+                kwargs[name] = _numerics_from_data(data[name], _join(path, name))
         if "granularity" in data:
             kwargs["granularity"] = data["granularity"]
-        try:
-            return cls(**kwargs)
-        except InvalidArgumentError as e:
-            raise ConfigError(
-                join(path, e.argument), e.value, e.allowed, why=e.why
-            ) from None
+        return _construct(cls, kwargs, path)
 
 
 def _join(path: str, key: str) -> str:
@@ -264,13 +266,13 @@ def _numerics_to_data(numerics: QNumerics | None) -> Any:
     """A numerics as a quantizer's ``numerics`` field is written (type tag)."""
     if numerics is None:
         return None
-    return to_dict(Quantizer(numerics))["numerics"]
+    return _to_dict(Quantizer(numerics))["numerics"]
 
 
 def _numerics_from_data(value: Any, where: str) -> QNumerics:
     """A numerics from data, read as a quantizer's ``numerics`` field is."""
     try:
-        return from_dict({"numerics": value}, Quantizer).numerics
+        return _from_dict({"numerics": value}, Quantizer).numerics
     except ConfigError as e:
         # from_dict names the place "numerics..."; the cache's is ``where``.
         rest = e.path.removeprefix("numerics")
@@ -294,62 +296,11 @@ _PRESETS: dict[str, CacheConfig] = {
 }
 
 
-def preset_names() -> tuple[str, ...]:
-    """The names of the cache presets.
-
-    ``kv_float`` (float keys and values), ``kv_int8`` and ``kv_fp8`` (int8 /
-    fp8 E4M3, one scale per token and head), ``kv_int8_per_head`` and
-    ``kv_fp8_per_head`` (one scale per head, set by the prompt).
-
-    Example:
-      >>> from qbits import kvcache
-      >>> kvcache.preset_names()[:3]
-      ('kv_float', 'kv_int8', 'kv_fp8')
-    """
-    return tuple(_PRESETS)
-
-
-def preset(name: str) -> CacheConfig:
-    """The cache preset called ``name`` (see :func:`preset_names`).
-
-    Raises:
-      InvalidArgumentError: For an unknown name.
-
-    Example:
-      >>> from qbits import kvcache
-      >>> kvcache.preset("kv_int8").keys.get_dtype()
-      dtype('int8')
-    """
-    if not isinstance(name, str) or name not in _PRESETS:
-        raise InvalidArgumentError(
-            "qbits.kvcache.preset", "name", name, "one of " + ", ".join(_PRESETS)
-        )
-    return _PRESETS[name]
-
-
-_ALLOWED = (
-    "a qbits.kvcache.CacheConfig, None (float), the path of a YAML file "
-    "(*.yaml) or a cache preset: " + ", ".join(_PRESETS)
-)
-
-
-def _is_path(config: Any) -> bool:
-    if isinstance(config, os.PathLike):
-        return True
-    return isinstance(config, str) and config.endswith((".yaml", ".yml"))
-
-
 def as_cache_config(owner: str, config: Any) -> CacheConfig:
-    r"""``config`` as a :class:`CacheConfig`: itself, a preset or a YAML file.
+    r"""``config`` as a :class:`CacheConfig`; ``None`` is float.
 
-    Args:
-      owner: Who asks, for the error message.
-      config: A :class:`CacheConfig`, ``None`` (float), a preset name
-        (:func:`preset_names`) or the path of a YAML file (``*.yaml``,
-        ``*.yml``) holding a cache config or a preset name.
-
-    Returns:
-      A :class:`CacheConfig`.
+    What :func:`qbits.load_config` does with ``cls=CacheConfig``, with the
+    caller's name in errors, for the entry points that take a cache config.
 
     Raises:
       InvalidArgumentError: Naming ``owner``, for anything else (a matmul
@@ -362,48 +313,16 @@ def as_cache_config(owner: str, config: Any) -> CacheConfig:
       >>> from qbits import kvcache
       >>> f = pathlib.Path(tempfile.mkdtemp()) / "cache.yaml"
       >>> _ = f.write_text("keys: {type: fp8}\nvalues: {type: int, bits: 8}\n")
-      >>> kvcache.as_cache_config("me", f).describe()
+      >>> kvcache._as_cache_config("me", f).describe()
       'float8_e4m3fn keys, int8 values, per-token scales'
-      >>> kvcache.as_cache_config("me", "int8")
+      >>> kvcache._as_cache_config("me", "int8")
       Traceback (most recent call last):
       ...
       qbits.InvalidArgumentError: me: cache='int8' is not allowed; expected a
-      qbits.kvcache.CacheConfig, None (float), the path of a YAML file (*.yaml)
-      or a cache preset: kv_float, kv_int8, kv_fp8, kv_int8_per_head,
-      kv_fp8_per_head.
+      qbits.kvcache.CacheConfig, the path of a YAML file (*.yaml), YAML text,
+      its plain data (a dict), or a cache preset: kv_float, kv_int8, kv_fp8,
+      kv_int8_per_head, kv_fp8_per_head.
     """
-    if isinstance(config, CacheConfig):
-        return config
     if config is None:
         return CacheConfig()
-    if isinstance(config, str) and config in _PRESETS:
-        return _PRESETS[config]
-    if _is_path(config):
-        source = os.fspath(config)
-        if not os.path.isfile(source):
-            raise InvalidArgumentError(
-                owner,
-                "cache",
-                source,
-                _ALLOWED,
-                why="no such file" if not os.path.exists(source) else "not a file",
-            )
-        data = read_yaml(source)
-        try:
-            if isinstance(data, str):
-                if data not in _PRESETS:
-                    raise ConfigError(
-                        "", data, "a cache preset: " + ", ".join(_PRESETS)
-                    )
-                return _PRESETS[data]
-            if data is None:
-                raise ConfigError(
-                    "",
-                    data,
-                    "a mapping (keys, values, granularity) or a cache preset",
-                    why="the document is empty",
-                )
-            return from_dict(data, CacheConfig)
-        except ConfigError as e:
-            raise e.within(source=source) from None
-    raise InvalidArgumentError(owner, "cache", config, _ALLOWED)
+    return _resolve(owner, config, CacheConfig, argument="cache")

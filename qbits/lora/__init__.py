@@ -12,8 +12,8 @@ base plus the adapters. It returns ``(fn, base, adapters)``:
 ``adapters``.
 
 - :class:`LoraConfig`, :class:`LoraRule`: rank, alpha, dropout, the
-  initialiser of ``A``, per-layer rules, the base's format; plain data and
-  YAML (:func:`qbits.config.to_dict` / :func:`~qbits.config.from_dict`).
+  initialiser of ``A``, per-layer rules, the base's format; YAML
+  (:func:`qbits.config.dump`, :func:`qbits.load_config`).
 - :func:`apply` -> :class:`Lora` (:class:`LoraFunction`,
   :class:`LoraBase`, adapters); :class:`AdaptedLayer` per matmul.
 - :func:`merge`: adapters folded into the float parameters (quantize them

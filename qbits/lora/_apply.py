@@ -16,7 +16,6 @@ frozen base is :class:`~qbits.lora.LoraBase`. The adapted function
 from __future__ import annotations
 
 import math
-import os
 import re
 import zlib
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from flax.core import FrozenDict, unfreeze
 from qbits import nnx as qnnx
 from qbits import transform
 from qbits._errors import ConfigError, InvalidArgumentError
-from qbits.config import QuantConfig, Rule, from_dict, read_yaml
+from qbits.config import QuantConfig, Rule, _resolve
 from qbits.lora._config import LoraConfig
 from qbits.lora._function import AdaptedLayer, Lora, LoraBase, LoraFunction
 from qbits.numerics import _check_key as check_key
@@ -67,19 +66,7 @@ def _model(model: Any, args: tuple[Any, ...]) -> tuple[Callable, Any, tuple]:
 
 
 def _config(config: Any) -> LoraConfig:
-    if isinstance(config, LoraConfig):
-        return config
-    if isinstance(config, str | os.PathLike) and os.fspath(config).endswith(
-        (".yaml", ".yml")
-    ):
-        try:
-            return from_dict(read_yaml(config), LoraConfig)
-        except ConfigError as e:
-            raise e.within(source=os.fspath(config)) from None
-    raise InvalidArgumentError(
-        _OWNER, "config", config,
-        "a qbits.lora.LoraConfig or the path of a YAML file holding one",
-    )  # fmt: skip
+    return _resolve(_OWNER, config, LoraConfig)
 
 
 def apply(model: Any, config: Any, *args: Any, key: Any, **kwargs: Any) -> Lora:

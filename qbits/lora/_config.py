@@ -1,7 +1,7 @@
 """``LoraConfig``: which matmuls get low-rank adapters, and the frozen base.
 
-A config is a frozen dataclass, and plain data (``to_dict``/``from_dict``,
-YAML) like every qbits config: rank, alpha, dropout, the initialiser of
+A config is a frozen dataclass, and YAML (``qbits.config.dump``,
+``qbits.load_config``) like every qbits config: rank, alpha, dropout, the initialiser of
 ``A``, ordered rules (a regex full match on the matmul path, first match
 wins, as in :class:`~qbits.QuantConfig`) and the format the frozen base's
 weights are held in (any quantization config: a preset such as ``"nf4"``,
@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits.config import (
     QuantConfig,
     Rule,
-    as_quant_config,
-    from_dict,
+    _as_quant_config,
+    _from_dict,
+    _rule_tuple,
+    _to_dict,
     presets,
-    to_dict,
 )
 from qbits.ops import DotGeneralConfig
 
@@ -145,8 +146,8 @@ class LoraConfig:
       ...            qbits.lora.LoraRule(".*")))
       >>> cfg.resolve("head"), cfg.resolve("blocks/0/mlp/fc1")
       ((0, None), (1, (4, 8)))
-      >>> qbits.config.to_dict(cfg)["base"]
-      'nf4'
+      >>> qbits.config.dump(cfg).splitlines()[-1]
+      'base: nf4'
     """
 
     rank: int = 8
@@ -166,16 +167,12 @@ class LoraConfig:
                 "dropout", d, "a number in [0, 1) (the probability of dropping "
                 "an input of the adapter; 0 for none)",
             )  # fmt: skip
-        if not isinstance(self.rules, Sequence) or isinstance(self.rules, str):
-            raise ConfigError("rules", self.rules, "a sequence of qbits.lora.LoraRule")
-        object.__setattr__(self, "rules", tuple(self.rules))
-        for i, rule in enumerate(self.rules):
-            if not isinstance(rule, LoraRule):
-                raise ConfigError(f"rules[{i}]", rule, "a qbits.lora.LoraRule")
+        rules = _rule_tuple(self.rules, LoraRule, "qbits.lora.LoraRule")
+        object.__setattr__(self, "rules", rules)
         if self.init not in INITS:
             raise ConfigError("init", self.init, "one of " + ", ".join(INITS))
         try:
-            as_quant_config("qbits.lora.LoraConfig", self.base, allow_none=True)
+            _as_quant_config("qbits.lora.LoraConfig", self.base, allow_none=True)
         except InvalidArgumentError as e:
             raise ConfigError("base", self.base, e.allowed, why=e.why) from None
         except ConfigError as e:
@@ -199,10 +196,10 @@ class LoraConfig:
 
     def base_rules(self) -> QuantConfig:
         """``base`` as per-layer rules (``default=None`` for a float base)."""
-        return as_quant_config("qbits.lora.LoraConfig", self.base, allow_none=True)
+        return _as_quant_config("qbits.lora.LoraConfig", self.base, allow_none=True)
 
     def to_data(self) -> dict[str, Any]:
-        """The config as plain data (:func:`qbits.config.to_dict` of it)."""
+        """The config as plain data (what :func:`qbits.config.dump` writes)."""
         default = LoraConfig()
         out: dict[str, Any] = {"rank": self.rank, "alpha": self.alpha}
         if self.dropout != default.dropout:
@@ -219,12 +216,12 @@ class LoraConfig:
         if self.init != default.init:
             out["init"] = self.init
         base = self.base
-        out["base"] = base if base is None or isinstance(base, str) else to_dict(base)
+        out["base"] = base if base is None or isinstance(base, str) else _to_dict(base)
         return out
 
     @classmethod
     def from_data(cls, data: Any, path: str = "") -> LoraConfig:
-        """A config from plain data (:func:`qbits.config.from_dict` of it).
+        """A config from plain data (:func:`qbits.load_config` of it).
 
         Raises:
           ConfigError: Naming the path of the first bad value.
@@ -280,5 +277,5 @@ def _base(data: Any, path: str) -> Any:
             presets.check_name(data, path)
         return data
     if isinstance(data, Mapping) and set(data) <= {"rules", "default"} and data:
-        return from_dict(data, QuantConfig, path)
-    return from_dict(data, DotGeneralConfig, path)
+        return _from_dict(data, QuantConfig, path)
+    return _from_dict(data, DotGeneralConfig, path)

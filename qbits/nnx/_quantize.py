@@ -45,7 +45,7 @@ import numpy as np
 from qbits import ops, transform
 from qbits._errors import InvalidArgumentError
 from qbits._tensor import QTensor
-from qbits.config import LayerTable, QuantConfig, as_quant_config
+from qbits.config import LayerTable, QuantConfig, _as_quant_config
 from qbits.numerics import _hash_key as hash_key
 
 STREAM = "quant"
@@ -355,7 +355,7 @@ def quantize(
       >>> qbits.ops.jaxpr_dot_dtypes(lambda s: nnx.merge(graphdef, s)(x), state)
       [('int8', 'int8', 'int32'), ('float32', 'float32', 'float32')]
     """
-    rules = as_quant_config(_CALLER.owner, config, allow_none=True)
+    rules = _as_quant_config(_CALLER.owner, config, allow_none=True)
     stochastic = [c for c in rules.all_configs() if c.needs_key]
     if stochastic and rngs is None:
         raise InvalidArgumentError(
@@ -504,7 +504,7 @@ def layer_table(
       layers/1 float
     """
     caller = dataclasses.replace(_CALLER, owner="qbits.nnx.layer_table")
-    rules = as_quant_config(caller.owner, config, allow_none=True)
+    rules = _as_quant_config(caller.owner, config, allow_none=True)
     fn, state = as_function(model)
     cls = getattr(type(model), "_qbits_model_class", type(model))
     call = "qbits.nnx.layer_table(model, config, {inputs})"

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from qbits import ops
 from qbits._errors import InvalidArgumentError
-from qbits.config import as_dot_general_config
+from qbits.config import _as_dot_general_config
 from qbits.nnx._quantize import ScaleState, _stream
 
 __all__ = ["Stateful"]
@@ -78,7 +78,7 @@ class Stateful(nnx.Module):
         rngs: nnx.Rngs | nnx.RngStream | None = None,
     ):
         owner = "qbits.nnx.Stateful"
-        self.config = as_dot_general_config(owner, config)
+        self.config = _as_dot_general_config(owner, config)
         if op not in _OPS:
             raise InvalidArgumentError(owner, "op", op, "one of " + ", ".join(_OPS))
         self.op = op

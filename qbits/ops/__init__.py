@@ -1,4 +1,4 @@
-"""Layer 4: quantized dot_general, einsum, conv and ragged_dot.
+"""Layer 5: quantized dot_general, einsum, conv and ragged_dot.
 
 One core (one custom VJP) computes the three quantized matmuls of each;
 scales come from calibration or from scale state (see

@@ -275,7 +275,10 @@ def conv_general_dilated(
     run in float on the quantized values (the same numbers).
 
     Args:
-      config: The forward convolution and the two gradient convolutions.
+      config: The forward convolution and the two gradient convolutions:
+        a :class:`~qbits.DotGeneralConfig`, a preset name (``"int8"``) or
+        the path of a YAML file holding one config (as
+        :func:`qbits.load_config` reads it).
       key: A PRNG key, required when the config rounds stochastically.
 
     Returns:
@@ -298,7 +301,7 @@ def conv_general_dilated(
       >>> conv(x, w, (1, 1), "SAME").shape
       (2, 4, 8, 8)
     """
-    key = check_config("conv_general_dilated", config, key)
+    config, key = check_config("conv_general_dilated", config, key)
     state_lib.check_providers(config, "conv_general_dilated")
     return ConvGeneralDilated(config, key)
 

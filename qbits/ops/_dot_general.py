@@ -301,7 +301,10 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
     :meth:`DotGeneral.init_state` and :mod:`qbits.ops._state`).
 
     Args:
-      config: The forward matmul and the two gradient matmuls.
+      config: The forward matmul and the two gradient matmuls: a
+        :class:`~qbits.DotGeneralConfig`, a preset name (``"int8"``) or the
+        path of a YAML file holding one config (as
+        :func:`qbits.load_config` reads it).
       key: A PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``, one key),
         required when any operand rounds stochastically.
         The six operands draw from ``qbits.numerics.next_key(key)`` with
@@ -334,7 +337,7 @@ def dot_general(config: DotGeneralConfig, key: jax.Array | None = None) -> DotGe
       >>> gx, gw = jax.grad(lambda x, w: dg(x, w, (((1,), (0,)), ((), ()))).sum(),
       ...                   argnums=(0, 1))(x, w)
     """
-    key = check_config("dot_general", config, key)
+    config, key = check_config("dot_general", config, key)
     state_lib.check_providers(config, "dot_general")
     return DotGeneral(config, key)
 

@@ -288,7 +288,10 @@ def einsum(config: DotGeneralConfig, key: jax.Array | None = None) -> Einsum:
     when it calls a ``_dot_general``).
 
     Args:
-      config: The forward matmul and the two gradient matmuls.
+      config: The forward matmul and the two gradient matmuls: a
+        :class:`~qbits.DotGeneralConfig`, a preset name (``"int8"``) or the
+        path of a YAML file holding one config (as
+        :func:`qbits.load_config` reads it).
       key: A PRNG key, required when the config rounds stochastically.
 
     Returns:
@@ -310,6 +313,6 @@ def einsum(config: DotGeneralConfig, key: jax.Array | None = None) -> Einsum:
       >>> op("bthd,bshd->bhts", q, k).shape
       (2, 4, 5, 7)
     """
-    key = check_config("einsum", config, key)
+    config, key = check_config("einsum", config, key)
     state_lib.check_providers(config, "einsum")
     return Einsum(config, key)

@@ -513,7 +513,8 @@ def ragged_dot(config: DotGeneralConfig, key: jax.Array | None = None) -> Ragged
 
     Args:
       config: The forward matmul and the two gradient matmuls (a
-        :class:`~qbits.DotGeneralConfig`, as for :func:`qbits.dot_general`).
+        :class:`~qbits.DotGeneralConfig`, a preset name or a YAML file, as
+        for :func:`qbits.dot_general`).
       key: A PRNG key, required when any operand rounds stochastically.
 
     Returns:
@@ -539,7 +540,7 @@ def ragged_dot(config: DotGeneralConfig, key: jax.Array | None = None) -> Ragged
       >>> float(jnp.abs(gw[1]).max())            # no rows, no gradient
       0.0
     """
-    key = check_config("ragged_dot", config, key)
+    config, key = check_config("ragged_dot", config, key)
     state_lib.check_providers(config, "ragged_dot")
     _check_config(config, "ragged_dot")
     return RaggedDot(config, key)

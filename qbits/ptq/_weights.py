@@ -31,7 +31,7 @@ from tqdm import tqdm
 from qbits import transform
 from qbits._errors import InvalidArgumentError, check_bool, check_float
 from qbits._quantizer import Quantizer
-from qbits.config import QuantConfig, Rule, as_quant_config
+from qbits.config import QuantConfig, Rule, _as_quant_config
 from qbits.numerics import NoNumerics
 from qbits.ops import DotGeneralConfig
 from qbits.ptq._collect import MatmulStats, collect_stats
@@ -297,7 +297,7 @@ def quantize_weights(
       [('w1', 'gptq', True), ('w2', 'gptq', True)]
     """
     method = _method(method, deprecated)
-    quant = as_quant_config(_OWNER, config)
+    quant = _as_quant_config(_OWNER, config)
     if smooth is not None:
         check_float(_OWNER, "smooth", smooth, lo=0.0, hi=1.0)
     check_bool(_OWNER, "rotate", rotate)

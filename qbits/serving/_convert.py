@@ -10,7 +10,7 @@ import flax.linen as nn
 import flax.nnx as nnx
 
 from qbits._errors import InvalidArgumentError
-from qbits.config import QuantConfig, as_quant_config
+from qbits.config import QuantConfig, _as_quant_config
 from qbits.flax import Quantized
 from qbits.ptq import PtqResult
 from qbits.serving._linen import convert_linen
@@ -98,7 +98,7 @@ def convert(
       (256, 4)
     """
     owner = "qbits.serving.convert"
-    rules = as_quant_config(owner, config)
+    rules = _as_quant_config(owner, config)
     if isinstance(model, Quantized):
         model = model.model
     if isinstance(model, nnx.Module):

@@ -23,7 +23,7 @@ import numpy as np
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._quantizer import Quantizer
 from qbits._tensor import QTensor, storage_dtype
-from qbits.config import QuantConfig, Rule, presets, to_dict
+from qbits.config import QuantConfig, Rule, _to_dict, presets
 from qbits.ops import DotGeneralConfig, MatmulConfig
 
 __all__ = [
@@ -124,7 +124,7 @@ def describe_matmul(data: dict[str, Any]) -> str:
 
 def fingerprint(cfg: MatmulConfig) -> str:
     """The forward matmul config as canonical JSON: equal iff configs are."""
-    return json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":"))
+    return json.dumps(_to_dict(cfg), sort_keys=True, separators=(",", ":"))
 
 
 def _fwd_only(ref: Any) -> DotGeneralConfig | None:

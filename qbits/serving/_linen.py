@@ -19,7 +19,7 @@ import flax.linen as nn
 import flax.nnx as nnx
 
 from qbits._errors import InvalidArgumentError
-from qbits.config import QuantConfig, as_quant_config
+from qbits.config import QuantConfig, _as_quant_config
 from qbits.flax import Quantized
 from qbits.serving._params import ServingParams, convert_params, serve_params
 
@@ -154,7 +154,7 @@ def convert_linen(
         model = model.model
     method = _as_method(method, owner)
     _check_inputs(owner, model, method, bool(args or kwargs))
-    rules = as_quant_config(owner, config)
+    rules = _as_quant_config(owner, config)
     fn = _apply(model, method)
     return convert_params(owner, fn, rules, variables, args, kwargs, given)
 
@@ -191,7 +191,7 @@ def serve(model: nn.Module | Callable[..., Any], config: Any) -> Any:
     owner = "qbits.serving.serve"
     if isinstance(model, Quantized | Served):
         model = model.model
-    quant = as_quant_config(owner, config)
+    quant = _as_quant_config(owner, config)
     if isinstance(model, nnx.Module):
         raise InvalidArgumentError(
             owner,

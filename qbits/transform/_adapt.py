@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from qbits._errors import InvalidArgumentError
-from qbits.config import as_quant_config
+from qbits.config import _as_quant_config
 from qbits.transform._adapter import DATA, Adapter
 from qbits.transform._observe import ObservedMatmul, describe
 from qbits.transform._plan import Caller, Plan
@@ -211,7 +211,7 @@ def _adapt(
     stored: Mapping[str, Any] | None = None,
 ) -> Callable[..., Any]:
     """:func:`adapt`, its errors naming ``caller``."""
-    quant = as_quant_config(caller.owner, config, allow_none=True)
+    quant = _as_quant_config(caller.owner, config, allow_none=True)
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
     if not isinstance(adapter, Adapter) or (

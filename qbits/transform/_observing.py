@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from qbits._errors import InvalidArgumentError
-from qbits.config import as_quant_config
+from qbits.config import _as_quant_config
 from qbits.transform._observe import ObservedMatmul, Observer
 from qbits.transform._plan import Caller, Plan
 from qbits.transform._program import trace
@@ -96,7 +96,7 @@ def _observe_matmuls(
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
     every = config is None
-    rules = as_quant_config(caller.owner, config, allow_none=True)
+    rules = _as_quant_config(caller.owner, config, allow_none=True)
     found: dict[str, ObservedMatmul] = {}
 
     def observe(params: Any, batch: Any) -> dict[str, Any]:

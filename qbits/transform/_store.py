@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from qbits._tensor import QTensor
-from qbits.config import as_quant_config
+from qbits.config import _as_quant_config
 from qbits.transform._plan import Caller, Plan
 from qbits.transform._program import merge, trace
 from qbits.transform._runner import Frame, run_program
@@ -115,7 +115,7 @@ def _store_weights(
     **kwargs: Any,
 ) -> dict[str, StoredMatmul]:
     """:func:`store_weights`, its errors naming ``caller``."""
-    quant = as_quant_config(caller.owner, config, allow_none=True)
+    quant = _as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     plan = Plan(program, quant, caller, store=True)
     leaves = [

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from qbits._errors import InvalidArgumentError
 from qbits._tensor import QTensor
-from qbits.config import LayerRow, LayerTable, QuantConfig, as_quant_config
+from qbits.config import LayerRow, LayerTable, QuantConfig, _as_quant_config
 from qbits.numerics import _check_key as check_key
 from qbits.transform import _cache
 from qbits.transform._plan import DIAGNOSTICS, Caller, Plan, applied
@@ -234,7 +234,7 @@ def _quantize(
     same function (default ``(fn,)``; an adapter that makes a new ``fn``
     for each call gives what it is made from).
     """
-    quant = as_quant_config(caller.owner, config, allow_none=True)
+    quant = _as_quant_config(caller.owner, config, allow_none=True)
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
     if key is not None:
@@ -402,7 +402,7 @@ def _init_state(
     **kwargs: Any,
 ) -> dict[str, dict[str, jax.Array]]:
     """:func:`init_state`, its errors naming ``caller``."""
-    quant = as_quant_config(caller.owner, config, allow_none=True)
+    quant = _as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     plan = Plan(program, quant, caller)
     collect: dict[str, Any] = {}
@@ -454,7 +454,7 @@ def _init_probes(
     **kwargs: Any,
 ) -> dict[str, dict[str, jax.Array]]:
     """:func:`init_probes`, its errors naming ``caller``."""
-    quant = as_quant_config(caller.owner, config, allow_none=True)
+    quant = _as_quant_config(caller.owner, config, allow_none=True)
 
     def collect(*args: Any, **kwargs: Any) -> dict[str, Any]:
         program = trace(fn, args, kwargs, params_argnum, caller.owner)
@@ -530,7 +530,7 @@ def _layer_table(
     **kwargs: Any,
 ) -> LayerTable:
     """:func:`layer_table`, its errors naming ``caller``."""
-    quant = as_quant_config(caller.owner, config, allow_none=True)
+    quant = _as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     Plan(program, quant, caller)  # the checks a run makes before it starts
     return table(program, quant)

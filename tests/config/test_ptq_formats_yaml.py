@@ -25,23 +25,24 @@ E2M1 = qbits.FpNumerics("float4_e2m1fn")
 )
 def test_new_configs_round_trip_through_yaml(quantizer):
     cfg = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(lhs=quantizer, rhs=quantizer))
-    assert qc.loads(qc.dumps(cfg)) == cfg
-    assert qc.from_dict(qc.to_dict(cfg)) == cfg
+    assert qbits.load_config(qc.dump(cfg), None) == cfg
+    assert qbits.load_config(qc._to_dict(cfg), qbits.DotGeneralConfig) == cfg
 
 
 def test_the_yaml_of_the_new_formats_reads_as_written():
-    cfg = qc.loads(
+    cfg = qbits.load_config(
         "fwd:\n"
         "  lhs: {numerics: {type: fp, dtype: float4_e2m1fn}, scale_rounding: e4m3,\n"
         "        granularity: {type: tiled, tile_size: 16}}\n"
         "  rhs: {numerics: {type: uint, bits: 4}, calibration: mse,\n"
-        "        granularity: {type: tiled, tile_size: 128}}\n"
+        "        granularity: {type: tiled, tile_size: 128}}\n",
+        None,
     )
     assert cfg.fwd.lhs == qbits.presets.get("nvfp4").fwd.lhs
     w4g128_asym = qbits.presets.get("w4g128_asym").fwd.rhs
     assert cfg.fwd.rhs == w4g128_asym.replace(calibration=qbits.MseSearch())
-    assert qc.loads("fwd: {rhs: {numerics: nf4, granularity: {type: tiled, "
-                    "tile_size: 64}}}") == qbits.presets.get("nf4")  # fmt: skip
+    assert qbits.load_config("fwd: {rhs: {numerics: nf4, granularity: {type: tiled, "
+                    "tile_size: 64}}}", None) == qbits.presets.get("nf4")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -54,8 +55,12 @@ def test_the_yaml_of_the_new_formats_reads_as_written():
 )
 def test_bad_values_name_their_path(text, where, allowed):
     with pytest.raises(qbits.ConfigError, match=rf"{where}.*{allowed}"):
-        qc.loads(f"fwd: {{rhs: {{numerics: {text}}}}}\n")
+        qbits.load_config(f"fwd: {{rhs: {{numerics: {text}}}}}\n", None)
     with pytest.raises(qbits.ConfigError, match=r"fwd\.rhs\.scale_rounding.*e4m3"):
-        qc.loads("fwd: {rhs: {numerics: {type: int, bits: 4}, scale_rounding: e5m2}}")
+        qbits.load_config(
+            "fwd: {rhs: {numerics: {type: int, bits: 4}, scale_rounding: e5m2}}", None
+        )
     with pytest.raises(qbits.ConfigError, match=r"fwd\.rhs\.provider.*zero point"):
-        qc.loads("fwd: {rhs: {numerics: {type: uint, bits: 4}, provider: delayed}}")
+        qbits.load_config(
+            "fwd: {rhs: {numerics: {type: uint, bits: 4}, provider: delayed}}", None
+        )

@@ -77,7 +77,7 @@ def test_table_lists_each_matmul_and_the_rules_that_matched_nothing():
     }
     data = table.as_dicts()
     assert data[0]["source"] == "rules[0].config"
-    assert data[0]["resolved"] == qbits.config.to_dict(qbits.presets.get("int8_fwd"))
+    assert data[0]["resolved"] == qbits.config._to_dict(qbits.presets.get("int8_fwd"))
     assert data[2]["source"] == "kept: inside custom_vjp"
     assert data[3]["resolved"] is None
     assert table["head"].kind == "dot_general (activation x weight)"

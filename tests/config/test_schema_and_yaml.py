@@ -24,10 +24,10 @@ FORMATS = sorted(FLOAT_FORMATS)
 @pytest.mark.parametrize("name", qbits.presets.names())
 def test_every_preset_round_trips_through_yaml_and_dicts(name):
     cfg = qbits.presets.get(name)
-    assert qc.loads(qc.dumps(cfg)) == cfg
-    assert qc.from_dict(qc.to_dict(cfg)) == cfg
+    assert qbits.load_config(qc.dump(cfg), None) == cfg
+    assert qbits.load_config(qc._to_dict(cfg), qbits.DotGeneralConfig) == cfg
     # The dump is plain data: safe_dump accepts it, safe_load gives it back.
-    data = qc.to_dict(cfg)
+    data = qc._to_dict(cfg)
     assert yaml.safe_load(yaml.safe_dump(data)) == data
 
 
@@ -38,7 +38,7 @@ def test_configs_folder_holds_every_preset_and_is_current(name):
         f"{path} is stale: run python -c "
         "\"import qbits; qbits.config._yamlio.write_presets('configs')\""
     )
-    assert qc.load(path) == qbits.presets.get(name)
+    assert qbits.load_config(path, None) == qbits.presets.get(name)
     assert qbits.load_config(path).default == qbits.presets.get(name)
     # The header says what it is for and which work it follows.
     assert "arXiv" in path.read_text() or name == "none"
@@ -141,7 +141,7 @@ def test_any_config_round_trips(qs, mode, accumulator):
     except qbits.InvalidArgumentError:
         assume(False)
     cfg = qbits.DotGeneralConfig(*mms)
-    assert qc.loads(qc.dumps(cfg)) == cfg
+    assert qbits.load_config(qc.dump(cfg), None) == cfg
 
 
 def test_multi_rule_file_round_trips(tmp_path):
@@ -167,7 +167,7 @@ default: int8
     assert loaded.rules[3].config is None and loaded.default == "int8"
     qc.dump(loaded, tmp_path / "again.yaml")
     assert qbits.load_config(tmp_path / "again.yaml") == loaded
-    assert qc.from_dict(qc.to_dict(loaded), qbits.QuantConfig) == loaded
+    assert qbits.load_config(qc._to_dict(loaded), qbits.QuantConfig) == loaded
 
 
 def test_single_config_and_preset_name_files_become_defaults(tmp_path):
@@ -390,12 +390,12 @@ def test_python_tag_never_runs(tmp_path):
     marker = tmp_path / "ran"
     text = f"default: !!python/object/apply:os.system ['touch {marker}']\n"
     with pytest.raises(qbits.ConfigError):
-        qc.loads(text)
+        qbits.load_config(text, None)
     assert not marker.exists()
 
 
-def test_unreadable_file_is_a_config_error(tmp_path):
-    with pytest.raises(qbits.ConfigError, match="a readable file"):
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(qbits.InvalidArgumentError, match="no such file"):
         qbits.load_config(tmp_path / "missing.yaml")
 
 
@@ -409,20 +409,51 @@ def test_config_errors_from_python():
     with pytest.raises(qbits.ConfigError, match="default: expected a preset name"):
         qbits.QuantConfig(default=3)
     with pytest.raises(qbits.ConfigError, match=r"fwd\.lhs\.numerics\.bits"):
-        qc.from_dict({"fwd": {"lhs": {"numerics": {"type": "int", "bits": 0}}}})
+        qbits.load_config(
+            {"fwd": {"lhs": {"numerics": {"type": "int", "bits": 0}}}},
+            qbits.DotGeneralConfig,
+        )
 
 
 @pytest.mark.parametrize(
     "args, says",
     [
-        ((qbits.MatmulConfig, {"lhs": {}}), "from_dict(data, MatmulConfig)"),
-        (({"default": "int8"}, "QuantConfig"), "from_dict(data, cls)"),
-        (({}, qbits.DotGeneralConfig, ["fwd"]), "path=['fwd'] is not allowed"),
+        ((qbits.MatmulConfig, {"lhs": {}}), "load_config(data, MatmulConfig)"),
+        (({"default": "int8"}, "QuantConfig"), "load_config(source, cls)"),
     ],
 )
-def test_from_dict_with_its_arguments_swapped_says_what_to_pass(args, says):
+def test_load_config_with_its_arguments_swapped_says_what_to_pass(args, says):
     with pytest.raises(qbits.InvalidArgumentError, match=re.escape(says)):
-        qc.from_dict(*args)
+        qbits.load_config(*args)
+
+
+@pytest.mark.parametrize(
+    "source, says",
+    [
+        (42, "source=42 is not allowed; expected a qbits.QuantConfig"),
+        ("int9", "did you mean 'int8'?"),
+        ("rules.txt", "source='rules.txt' is not allowed"),
+        ("missing.yaml", "no such file"),
+        ("[1, 2]", "the path of a YAML file (*.yaml), YAML text"),
+    ],
+)
+def test_load_config_says_what_it_got_and_what_it_accepts(source, says):
+    with pytest.raises(qbits.InvalidArgumentError, match=re.escape(says)) as info:
+        qbits.load_config(source)
+    assert str(info.value).startswith("qbits.load_config: source=")
+    assert "int8_fwd" in str(info.value)  # the preset names are listed
+
+
+def test_load_config_takes_every_form_of_a_config(tmp_path):
+    cfg = qbits.presets.get("w4a8")
+    path = tmp_path / "w4a8.yaml"
+    text = qbits.config.dump(cfg, path)
+    forms = [cfg, "w4a8", path, str(path), text, yaml.safe_load(text)]
+    for form in forms:
+        assert qbits.load_config(form, qbits.DotGeneralConfig) == cfg
+        assert qbits.load_config(form).resolve("any").config == cfg
+    assert qbits.load_config(path).source == str(path)
+    assert qbits.load_config("w4a8").resolve("any").name == "w4a8"
 
 
 def test_an_error_raised_because_of_another_reads_flat():
@@ -462,9 +493,9 @@ def test_values_in_errors_keep_their_shape(value, shown):
 def test_to_dict_rejects_what_it_cannot_write():
     unregistered = qbits.Quantizer(qbits.IntNumerics(bits=8, noise_fn=lambda s, k: 0))
     with pytest.raises(qbits.InvalidArgumentError, match="noise_fn"):
-        qc.to_dict(unregistered)
+        qc._to_dict(unregistered)
     with pytest.raises(qbits.InvalidArgumentError, match="a qbits config object"):
-        qc.to_dict({"fwd": {}})
+        qc._to_dict({"fwd": {}})
 
 
 def test_register_rejects_bad_arguments():
@@ -548,11 +579,11 @@ def test_hostile_files_are_refused_quickly_naming_the_file(tmp_path, data, needl
 
 def test_loads_is_bounded_too():
     with pytest.raises(qbits.ConfigError, match="at most 1048576 bytes"):
-        qc.loads("# x\n" * 300_000)
+        qbits.load_config("# x\n" * 300_000, None)
     with pytest.raises(qbits.ConfigError, match="nested at most 32 deep"):
-        qc.loads("[" * 20_000)
+        qbits.load_config("[" * 20_000, None)
     with pytest.raises(qbits.ConfigError, match="expected UTF-8 text"):
-        qc.loads("fwd: {}".encode("utf-16"))
+        qbits.load_config("fwd: {}".encode("utf-16"), None)
 
 
 def test_limits_leave_room_for_real_files(tmp_path):
@@ -577,9 +608,9 @@ def test_read_yaml_is_plain_data_with_the_same_rules(tmp_path):
     file = tmp_path / "s.yaml"
     file.write_text("seeds: [0, 1]\nseeds: [2]\n")
     with pytest.raises(qbits.ConfigError, match="duplicate key at line 2"):
-        qc.read_yaml(file)
+        qc._read_yaml(file)
     file.write_text("a: &x [1, 2]\nb: *x\n")
-    assert qc.read_yaml(file) == {"a": [1, 2], "b": [1, 2]}
+    assert qc._read_yaml(file) == {"a": [1, 2], "b": [1, 2]}
 
 
 def test_layer_is_a_field_of_config_errors():
@@ -606,18 +637,18 @@ fwd:
     calibration: {type: mse, clip_factors: [5E-1, 2.5e0, +7.5e-1]}
   lhs: {numerics: int, calibration: {type: constant, value: 3e2}}
 """
-    cfg = qc.loads(text)
+    cfg = qbits.load_config(text, None)
     assert cfg.fwd.rhs.calibration.clip_factors == (0.5, 2.5, 0.75)
     assert cfg.fwd.lhs.calibration.value == 300.0
-    assert qc.loads(qc.dumps(cfg)) == cfg
+    assert qbits.load_config(qc.dump(cfg), None) == cfg
     # Words and version-like strings stay strings; a string that looks like
     # such a number is quoted when written.
     assert qc._yamlio.parse_yaml("a: [e3, 1e, 1.2.3, 3e2x]") == {
         "a": ["e3", "1e", "1.2.3", "3e2x"]
     }
     rules = qbits.QuantConfig(rules=(qbits.Rule("1e3", None),))
-    assert "'1e3'" in qc.dumps(rules)
-    assert qc.loads(qc.dumps(rules)) == rules
+    assert "'1e3'" in qc.dump(rules)
+    assert qbits.load_config(qc.dump(rules), None) == rules
 
 
 def test_a_fifo_is_refused_not_waited_for(tmp_path):
@@ -660,6 +691,6 @@ def test_constructor_errors_become_config_errors_naming_the_place():
         }
     }
     with pytest.raises(qbits.ConfigError) as info:
-        qc.from_dict(data)
+        qbits.load_config(data, qbits.DotGeneralConfig)
     assert info.value.path == "fwd.rhs.calibration.clip_factor"
     assert "a finite number" in str(info.value)

@@ -103,20 +103,22 @@ def test_quantized_cache_stores_codes_once_per_token(name, stored, scales):
 
 
 def test_presets_round_trip_through_yaml(tmp_path):
-    for name in kvcache.preset_names():
-        cfg = kvcache.preset(name)
-        data = qbits.config.to_dict(cfg)
-        assert qbits.config.from_dict(data, kvcache.CacheConfig) == cfg
+    names = ("kv_float", "kv_int8", "kv_fp8", "kv_int8_per_head", "kv_fp8_per_head")
+    for name in names:
+        cfg = qbits.load_config(name, kvcache.CacheConfig)
+        data = qbits.config._to_dict(cfg)
+        assert qbits.load_config(data, kvcache.CacheConfig) == cfg
         path = tmp_path / f"{name}.yaml"
         qbits.config.dump(cfg, path)
-        assert kvcache.as_cache_config("test", path) == cfg
+        assert qbits.load_config(path, kvcache.CacheConfig) == cfg
     (tmp_path / "named.yaml").write_text("kv_fp8\n")
-    assert kvcache.as_cache_config("t", tmp_path / "named.yaml").keys.dtype.name == (
-        "float8_e4m3fn"
+    assert qbits.load_config(
+        tmp_path / "named.yaml", kvcache.CacheConfig
+    ).keys.dtype.name == ("float8_e4m3fn")
+    assert kvcache._as_cache_config("t", None).is_float
+    assert kvcache.CacheConfig(qbits.numerics.NoNumerics()) == qbits.load_config(
+        "kv_float", kvcache.CacheConfig
     )
-    assert kvcache.as_cache_config("t", None).is_float
-    float_cache = kvcache.CacheConfig(qbits.numerics.NoNumerics())
-    assert float_cache == kvcache.preset("kv_float")
 
 
 @pytest.mark.parametrize(
@@ -154,15 +156,17 @@ def test_bad_cache_config_files_name_the_file_and_place(tmp_path, text, message)
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(qbits.ConfigError) as e:
-        kvcache.as_cache_config("test", path)
+        qbits.load_config(path, kvcache.CacheConfig)
     assert str(e.value).startswith(str(tmp_path)) and message in str(e.value)
 
 
 def test_cache_arguments_are_checked():
     with pytest.raises(qbits.InvalidArgumentError, match=r"cache='int8'.*kv_int8"):
-        kvcache.as_cache_config("test", "int8")  # a matmul preset
+        kvcache.KVCache.create("int8", 1, 2, 1, 1)  # a matmul preset
+    with pytest.raises(qbits.InvalidArgumentError, match=r"source='int8'.*kv_int8"):
+        qbits.load_config("int8", kvcache.CacheConfig)
     with pytest.raises(qbits.InvalidArgumentError, match=r"missing\.yaml"):
-        kvcache.as_cache_config("test", "missing.yaml")
+        qbits.load_config("missing.yaml", kvcache.CacheConfig)
     with pytest.raises(qbits.InvalidArgumentError, match="capacity=0"):
         kvcache.KVCache.create("kv_int8", 1, 0, 1, 1)
     with pytest.raises(qbits.InvalidArgumentError, match="dtype=int32"):

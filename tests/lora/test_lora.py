@@ -316,8 +316,8 @@ def test_config_is_plain_data_and_yaml(tmp_path):
         ),
         lora.LoraConfig(base=qbits.presets.get("w4g128_asym")),
     ):
-        text = qbits.config.dumps(cfg)
-        assert qbits.config.from_dict(yaml.safe_load(text), lora.LoraConfig) == cfg
+        text = qbits.config.dump(cfg)
+        assert qbits.load_config(yaml.safe_load(text), lora.LoraConfig) == cfg
     path, cfg = tmp_path / "lora.yaml", lora.LoraConfig(rank=2, alpha=4.0)
     qbits.config.dump(cfg, path)
     w, x = np.ones((64, 4), np.float32), np.ones((1, 64), np.float32)
@@ -333,9 +333,9 @@ def test_config_is_plain_data_and_yaml(tmp_path):
     with pytest.raises(
         qbits.ConfigError, match=r"^rules\[0\]\.rank: expected an int >= 1"
     ):
-        qbits.config.from_dict(bad, lora.LoraConfig)
+        qbits.load_config(bad, lora.LoraConfig)
     with pytest.raises(qbits.ConfigError, match=r"^base: expected a preset name"):
-        qbits.config.from_dict({"base": "nf5"}, lora.LoraConfig)
+        qbits.load_config({"base": "nf5"}, lora.LoraConfig)
 
 
 @pytest.mark.parametrize(

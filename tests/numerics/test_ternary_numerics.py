@@ -91,7 +91,9 @@ def test_quantizer_is_bitnets_absmean_quantization():
 
 def test_preset_matmul_and_gradient():
     config = qbits.presets.get("w1_58a8")
-    assert config == qbits.config.from_dict(qbits.config.to_dict(config))
+    assert config == qbits.load_config(
+        qbits.config._to_dict(config), qbits.DotGeneralConfig
+    )
     rhs = config.fwd.rhs
     assert rhs.numerics == TernaryNumerics() and rhs.calibration == AbsMean()
     x = jax.random.normal(jax.random.key(2), (8, 64))
@@ -111,7 +113,7 @@ def test_preset_matmul_and_gradient():
 
 
 def test_yaml_kinds():
-    cfg = qbits.config.loads(
-        "fwd:\n  rhs:\n    numerics: ternary\n    calibration: absmean\n"
+    cfg = qbits.load_config(
+        "fwd:\n  rhs:\n    numerics: ternary\n    calibration: absmean\n", None
     )
     assert cfg.fwd.rhs == qbits.Quantizer(TernaryNumerics(), AbsMean())

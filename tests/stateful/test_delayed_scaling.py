@@ -386,7 +386,7 @@ def test_a_quantizer_says_by_name_whether_it_calibrates_or_takes_a_provider():
     with pytest.raises(qbits.InvalidArgumentError, match=r"provider=DelayedScaling"):
         qbits.Quantizer(E4M3, DelayedScaling(4))  # a provider in calibration
     q = qbits.Quantizer(E4M3, provider=DelayedScaling(4))
-    data = qbits.config.to_dict(q)
+    data = qbits.config._to_dict(q)
     assert data["provider"] == {"type": "delayed", "history_length": 4}
     assert "calibration" not in data
-    assert qbits.config.from_dict(data, qbits.Quantizer) == q
+    assert qbits.load_config(data, qbits.Quantizer) == q

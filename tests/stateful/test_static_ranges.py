@@ -55,7 +55,7 @@ def test_linen_ranges_are_the_max_over_batches_and_freeze_into_the_forward():
     )
     assert frozen.resolve("head").config is None
     # Serialisable: the ranges are in the YAML.
-    assert qbits.config.loads(qbits.config.dumps(frozen)) == frozen
+    assert qbits.load_config(qbits.config.dump(frozen), None) == frozen
     # The forward uses the frozen bound, not the batch's own absmax.
     x = batches[0] * 10.0  # beyond the calibrated range: clips
     y = qbits.flax.quantize(model, frozen).apply(v, x)
