@@ -27,7 +27,7 @@ from qbits.tensor import QTensor
 
 __all__ = ["AdaptedLayer", "Lora", "LoraBase", "LoraFunction", "nbytes"]
 
-_CALLER = transform.Caller("qbits.lora", key="dropout_key")
+_CALLER = transform._Caller("qbits.lora", key="dropout_key")
 
 
 class LoraBase(struct.PyTreeNode):

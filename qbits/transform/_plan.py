@@ -11,12 +11,13 @@ the entry point in its errors and warnings. :mod:`._runner` runs the plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import sys
 import warnings
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, TypeVar
 
 import flax
 import jax
@@ -40,6 +41,7 @@ __all__ = [
     "Plan",
     "Planned",
     "applied",
+    "entry_point",
 ]
 
 # The prefix of a probe's name among a run's per-site data (as the adapter
@@ -64,6 +66,12 @@ class Caller:
         matches no matmul, or a config that quantizes nothing, is worth a
         warning (a method that runs part of a model is not; nor is an entry
         point's second trace of the same call: it warns once).
+      identity: What the function is made of, for the kept programs of
+        ``quantize`` (:mod:`._cache`): ``(owner, *hashable extras)``, the
+        same whenever it computes the same function (``None``: the function
+        itself; an adapter that makes a new function for each call gives
+        what it is made from). Not compared: a caller is part of a kept
+        program's key, its owner is not.
     """
 
     owner: str = "qbits.quantize"
@@ -71,6 +79,9 @@ class Caller:
     state: str = "state"
     state_fix: str = "qbits.init_state(fn, config, *args) makes it"
     whole: bool = True
+    identity: tuple[Any, ...] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     def check_inputs(
         self, method: Callable[..., Any], args: Any, kwargs: Any, call: str
@@ -115,6 +126,37 @@ class Caller:
             f"jax.ShapeDtypeStruct s): {call.format(inputs=', '.join(required))}",
             why=problem,
         )
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def entry_point(caller: Caller) -> Callable[[_F], _F]:
+    """The public entry point of ``run(caller, ...)``, its errors naming ``caller``.
+
+    Each entry point of the engine is written once, as a function whose
+    first parameter is the :class:`Caller` its errors name; this decorator
+    makes the public function of its other parameters (the same name,
+    docstring and signature, less ``caller``). The adapters, serving, ptq,
+    lora and diagnostics call the function it wraps (``__wrapped__``,
+    re-exported with a leading underscore by :mod:`qbits.transform`) with
+    a caller of their own.
+    """
+
+    def public(run: _F) -> _F:
+        @functools.wraps(run)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            return run(caller, *args, **kwargs)
+
+        signature = inspect.signature(run)
+        params = list(signature.parameters.values())[1:]
+        entry.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        entry.__annotations__ = {
+            k: v for k, v in run.__annotations__.items() if k != "caller"
+        }
+        return entry  # type: ignore[return-value]
+
+    return public
 
 
 @dataclasses.dataclass(frozen=True)
