@@ -27,6 +27,7 @@ from qbits.transform._program import Program, Site, trace
 from qbits.transform._runner import Frame, run_program
 from qbits.transform._transform import (
     _check_key,
+    _check_mapping,
     _check_names,
     _check_state,
     _checked_key,
@@ -190,13 +191,7 @@ def adapt(  # noqa: D417 (caller: its public form has none)
             "a qbits.transform.Adapter with apply (what it adds to the output), "
             "before (what it makes of the input) or both",
         )
-    if not isinstance(adapters, Mapping):
-        raise InvalidArgumentError(
-            caller.owner,
-            "adapters",
-            type(adapters).__name__,
-            "a mapping {matmul path: the adapter's data}",
-        )
+    _check_mapping(caller, "adapters", adapters, "a mapping {matmul path: data}")
     if key is not None:
         key = _checked_key(caller, key)
     if adapter.needs_key and key is None:

@@ -283,15 +283,15 @@ def _checked_key(caller: Caller, key: Any) -> Any:
         ) from None
 
 
+def _check_mapping(caller: Caller, arg: str, given: Any, allowed: str) -> None:
+    """Raises unless ``given`` is a mapping (``{matmul path: ...}``)."""
+    if not isinstance(given, Mapping):
+        raise InvalidArgumentError(caller.owner, arg, type(given).__name__, allowed)
+
+
 def _stored_weights(caller: Caller, stored: Any) -> dict[str, QTensor]:
     """``{name: QTensor}`` from a mapping of QTensors or of ``store_weights``."""
-    if not isinstance(stored, Mapping):
-        raise InvalidArgumentError(
-            caller.owner,
-            "stored",
-            type(stored).__name__,
-            "a mapping {matmul path: QTensor}, e.g. qbits.serving.convert's weights",
-        )
+    _check_mapping(caller, "stored", stored, "a mapping {matmul path: QTensor}")
     return {name: getattr(w, "weight", w) for name, w in stored.items()}
 
 
