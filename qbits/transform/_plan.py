@@ -249,51 +249,16 @@ class Plan:
                 continue
             config = applied(site, res.config)
             if observe is not None:
-                chosen = every or not (config is None or config.is_identity)
-                weight = site.weights and not site.op.limited
-                if chosen and weight and not site.control:
-                    self._add(site, None, res)
-                    flip = site.ctx in self.swapped
-                    self.observed[site.ctx] = describe(site, program, flip)
-                    self.sliced[site.path] = next(iter(site.weights)).sliced
+                self._observe(site, config, res, program, every)
                 continue
             if config is None or config.is_identity:
                 continue
             # A weight in a cond or while body is quantized on the fly: the
             # stored copy could not leave the body (like scale state).
             if store and _stores(config, site) and not site.control:
-                if config.needs_state or config.fwd.needs_key:
-                    what = ("rounds stochastically" if config.fwd.needs_key
-                            else "takes its scales from state")  # fmt: skip
-                    raise ConfigError(
-                        f"{res.where}.fwd",
-                        f"a forward matmul that {what}",
-                        "a forward matmul that computes its scales and rounds "
-                        "to nearest (serving is deterministic and stateless)",
-                        why=f"matmul {site.path!r}, in {caller.owner}",
-                        source=rules.source,
-                    )
-                self.stored[site.ctx] = site.path
-                self.sliced[site.path] = next(iter(site.weights)).sliced
+                self._store(site, config, res)
             elif config.needs_state:
-                if site.control:
-                    raise InvalidArgumentError(
-                        caller.owner,
-                        "config",
-                        f"the config of {site.path!r}",
-                        "a config without scale state for a matmul inside a "
-                        f"{site.control} body, or qbits.Rule({site.base!r}, None)",
-                        why="scale state cannot be carried through "
-                        f"{site.control} (an untaken branch or a repeated "
-                        "iteration would overwrite it)",
-                    )
-                self.state_keys[site.ctx] = site.path
-                if site.weights:
-                    self.sliced[site.path] = next(iter(site.weights)).sliced
-                kinds = config.state_kinds()
-                self.replaced[site.path] = tuple(
-                    k for k, v in kinds.items() if v == "replaced"
-                )
+                self._state(site, config)
             self._add(site, config, res)
             if config.needs_key:
                 self.needs_key.append(site.path)
@@ -311,6 +276,53 @@ class Plan:
             self.holds.add(site.ctx[:n])
         if config is not None:
             self._check_fits(site, config, res)
+
+    def _observe(
+        self, site: Site, config: Any, res: Resolution, program: Program, every: bool
+    ) -> None:
+        """Observing: a weight matmul the rules quantize (or ``every`` one)."""
+        chosen = every or not (config is None or config.is_identity)
+        weight = site.weights and not site.op.limited
+        if chosen and weight and not site.control:
+            self._add(site, None, res)
+            flip = site.ctx in self.swapped
+            self.observed[site.ctx] = describe(site, program, flip)
+            self.sliced[site.path] = next(iter(site.weights)).sliced
+
+    def _store(self, site: Site, config: Any, res: Resolution) -> None:
+        """Serving: the weight is stored, forward only, deterministic."""
+        if config.needs_state or config.fwd.needs_key:
+            what = ("rounds stochastically" if config.fwd.needs_key
+                    else "takes its scales from state")  # fmt: skip
+            raise ConfigError(
+                f"{res.where}.fwd",
+                f"a forward matmul that {what}",
+                "a forward matmul that computes its scales and rounds "
+                "to nearest (serving is deterministic and stateless)",
+                why=f"matmul {site.path!r}, in {self.caller.owner}",
+                source=self.rules.source,
+            )
+        self.stored[site.ctx] = site.path
+        self.sliced[site.path] = next(iter(site.weights)).sliced
+
+    def _state(self, site: Site, config: Any) -> None:
+        """A config with scale state: its name, slicing and replaced entries."""
+        if site.control:
+            raise InvalidArgumentError(
+                self.caller.owner,
+                "config",
+                f"the config of {site.path!r}",
+                "a config without scale state for a matmul inside a "
+                f"{site.control} body, or qbits.Rule({site.base!r}, None)",
+                why="scale state cannot be carried through "
+                f"{site.control} (an untaken branch or a repeated "
+                "iteration would overwrite it)",
+            )
+        self.state_keys[site.ctx] = site.path
+        if site.weights:
+            self.sliced[site.path] = next(iter(site.weights)).sliced
+        kinds = config.state_kinds()
+        self.replaced[site.path] = tuple(k for k, v in kinds.items() if v == "replaced")
 
     def _diagnose(self, site: Site) -> None:
         name = self.probes[site.ctx] = DIAGNOSTICS + site.path
