@@ -63,7 +63,8 @@ from qbits.ops import (
 
 from qbits.config._refs import load_config  # isort: skip
 from qbits._ranges import freeze_ranges  # isort: skip
-from qbits.transform import collect_ranges, init_state, layer_table, quantize  # isort: skip  (layer 6)
+from qbits.transform._transform import init_state, layer_table, quantize  # isort: skip  (layer 6)
+from qbits.transform._observing import collect_ranges  # isort: skip
 from qbits import flax, nnx  # isort: skip  (layer 7 imports everything above)
 from qbits import serving  # isort: skip  (layer 8)
 

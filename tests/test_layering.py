@@ -102,7 +102,8 @@ def _public_modules() -> dict[str, object]:
     # Subpackages imported on their own (not in qbits.__all__) and the command
     # (its example models, sweeps and reports, qbits._experiments, are not API).
     subpackages = (
-        "qbits.ptq", "qbits.lora", "qbits.kvcache", "qbits.diagnostics", "qbits.hlo"
+        "qbits.transform", "qbits.ptq", "qbits.lora", "qbits.kvcache",
+        "qbits.diagnostics", "qbits.hlo",
     )  # fmt: skip
     for name in (*subpackages, "qbits.cli"):
         modules[name] = importlib.import_module(name)

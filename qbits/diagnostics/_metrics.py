@@ -18,8 +18,8 @@ from qbits.diagnostics._loops import into_while
 
 __all__ = ["Metrics", "diagnose", "init", "read"]
 
-_DIAGNOSE = transform.Caller("qbits.diagnostics.diagnose")
-_INIT = transform.Caller("qbits.diagnostics.init")
+_DIAGNOSE = transform._Caller("qbits.diagnostics.diagnose")
+_INIT = transform._Caller("qbits.diagnostics.init")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ STATE = OVERWRITE_WITH_GRADIENT
 #: The entry of ``params`` holding learned scale state (LSQ step sizes).
 LEARNED = "qbits"
 _KEY = "quant"
-_CALLER = transform.Caller(
+_CALLER = transform._Caller(
     "qbits.flax.quantize",
     key="rngs['quant']",
     state=f"variables[{STATE!r}]",
@@ -175,14 +175,14 @@ class Quantized:
         key, rest = _split_rngs(rngs)
         variables, state = _variables(variables)
         whole = method is None or method == "__call__"
-        run = transform._quantize(
-            _CALLER if whole else dataclasses.replace(_CALLER, whole=False),
-            self._fn(method, mutable),
-            self.config,
-            key,
-            state=state,
+        caller = dataclasses.replace(
+            _CALLER,
+            whole=whole,
             # what the function is made of: its program is traced once
             identity=(self, method, _hashable(mutable)),
+        )
+        run = transform._quantize(
+            caller, self._fn(method, mutable), self.config, key, state=state
         )
         return run(variables, rest, *args, **kwargs)
 

@@ -1,12 +1,12 @@
 """``apply``: low-rank adapters on an unmodified model, over a frozen base.
 
 The model (a function of its parameters, a linen module, an nnx module) is
-traced once by the engine (:func:`qbits.transform.weight_matmuls`): every
+traced once by the engine (its ``weight_matmuls``): every
 weight matmul is found and named as :func:`qbits.layer_table` names it,
 the :class:`~qbits.lora.LoraConfig`'s rules choose the adapted ones, and
 each gets ``A`` (initialised) and ``B`` (zeros). The base's weight matmuls
 that ``config.base`` quantizes get their weights stored once
-(:func:`qbits.transform.store_weights`: int4 and NF4 packed two per byte),
+(the engine's ``store_weights``: int4 and NF4 packed two per byte),
 and the float parameters they replace become empty placeholders: the
 frozen base is :class:`~qbits.lora.LoraBase`. The adapted function
 (:class:`~qbits.lora.LoraFunction`) runs the model through
@@ -129,7 +129,7 @@ def apply(model: Any, config: Any, *args: Any, key: Any, **kwargs: Any) -> Lora:
             _OWNER, "params", type(params).__name__,
             "the model's float parameters (a pytree of arrays)",
         )  # fmt: skip
-    caller = transform.Caller(_OWNER)
+    caller = transform._Caller(_OWNER)
     found = transform._weight_matmuls(caller, fn, params, *args, **kwargs)
     chosen = _choose(config, found)
     base_rules, stored_rules = _base_rules(config, found)
@@ -168,7 +168,7 @@ def apply(model: Any, config: Any, *args: Any, key: Any, **kwargs: Any) -> Lora:
 
 
 def _choose(
-    config: LoraConfig, found: dict[str, transform.WeightMatmul]
+    config: LoraConfig, found: dict[str, transform._WeightMatmul]
 ) -> dict[str, tuple[int | None, tuple[int, float] | None]]:
     """Each matmul's deciding rule and ``(rank, alpha)``; checks the rules."""
     chosen = {}
@@ -230,7 +230,7 @@ def _choose(
 
 
 def _base_rules(
-    config: LoraConfig, found: dict[str, transform.WeightMatmul]
+    config: LoraConfig, found: dict[str, transform._WeightMatmul]
 ) -> tuple[QuantConfig, QuantConfig]:
     """The base's rules, and rules for exactly the weight matmuls it stores.
 
@@ -294,7 +294,7 @@ def _frozen_base(params: Any, stored: dict[str, Any]) -> LoraBase:
     )
 
 
-def _merge_check(m: transform.WeightMatmul, index: np.ndarray | None) -> str:
+def _merge_check(m: transform._WeightMatmul, index: np.ndarray | None) -> str:
     """Why ``merge`` cannot fold this matmul's weight back, or ``""``."""
     if m.matmul is None:
         return ""

@@ -27,7 +27,7 @@ from qbits.lora._config import LoraConfig
 
 __all__ = ["AdaptedLayer", "Lora", "LoraBase", "LoraFunction", "nbytes"]
 
-_CALLER = transform.Caller("qbits.lora", key="dropout_key")
+_CALLER = transform._Caller("qbits.lora", key="dropout_key")
 
 
 class LoraBase(struct.PyTreeNode):

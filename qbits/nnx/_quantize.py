@@ -50,7 +50,7 @@ from qbits.numerics import _hash_key as hash_key
 
 STREAM = "quant"
 _ATTR = "qbits"
-_CALLER = transform.Caller(
+_CALLER = transform._Caller(
     "qbits.nnx.quantize",
     key="rngs",
     state="the model's qbits.state",
@@ -234,10 +234,10 @@ def _run(module: Any, method: Callable[..., Any], args: Any, kwargs: Any) -> Any
                 tensor_scale=arrays.get("tensor_scale"),
                 codebook=codebook,
             )
-    run = transform._quantize(
-        _CALLER, fn, node.config, key, state=scale or None, stored=stored,
-        identity=(module, fn.graphdef, method),  # what fn is made of
-    )  # fmt: skip
+    caller = dataclasses.replace(_CALLER, identity=(module, fn.graphdef, method))
+    run = transform._quantize(  # identity: what fn is made of
+        caller, fn, node.config, key, state=scale or None, stored=stored
+    )
     out, new = run(_filled(state, node.fills), *args, **kwargs)
     nnx.update(module, new)
     return out

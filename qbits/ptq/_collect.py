@@ -23,7 +23,8 @@ from qbits import transform
 from qbits._errors import InvalidArgumentError
 from qbits.ptq._layout import indices
 from qbits.ptq._stats import InputStats
-from qbits.transform import Caller, ObservedMatmul, Observer
+from qbits.transform import ObservedMatmul, Observer
+from qbits.transform import _Caller as Caller
 
 __all__ = ["MatmulStats", "collect_stats"]
 

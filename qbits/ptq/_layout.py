@@ -11,7 +11,7 @@ weight matmul, which entry of the parameter each entry of its operand is.
 
 Where the function rearranges no parameter (its jaxpr applies no such
 operation to one: most models), every operand is its parameter as it is.
-Otherwise the engine stores the weights (:func:`qbits.transform.store_weights`,
+Otherwise the engine stores the weights (its ``store_weights``,
 one compile) of the model with every parameter replaced by the digits of
 its entries' flat indices, on an exact 16-bit integer grid (scale 1):
 base-256 digits, which every float dtype a weight may be cast to on the
@@ -93,7 +93,7 @@ def operand_indices(
     ``None``; one that transposes it first gets the transposed indices of
     its entries (a scan's layers stacked first). Traces ``fn``; where it
     rearranges a parameter, also runs the engine's storing pass
-    (:func:`qbits.transform.store_weights`, compiled once) on the digits of
+    (``store_weights``, compiled once) on the digits of
     the parameters' indices.
 
     Args:
@@ -124,7 +124,7 @@ def operand_indices(
       >>> qbits.ptq.operand_indices(lambda p, x: x @ p["w"], {"w": jnp.ones((2, 3))}, x)
       {'w': None}
     """
-    caller = transform.Caller(_OWNER)
+    caller = transform._Caller(_OWNER)
     found = transform._weight_matmuls(caller, fn, params, *args, **kwargs)
     matmuls = {p: m.matmul for p, m in found.items() if m.matmul is not None}
     if paths is not None:
@@ -146,7 +146,7 @@ def indices(
       params: As for :func:`operand_indices`.
       args: The sample arguments.
       kwargs: The sample keyword arguments.
-      matmuls: ``{path: ObservedMatmul}`` (:func:`qbits.transform.weight_matmuls`).
+      matmuls: ``{path: ObservedMatmul}`` (the engine's ``weight_matmuls``).
 
     Returns:
       ``{path: index}``, as :func:`operand_indices` returns it.
@@ -166,7 +166,7 @@ def indices(
     sizes = [math.prod(np.shape(leaves[i][1])) for i in arrays]
     passes = max([1, *(math.ceil(math.log(n, _BASE)) for n in sizes if n > 1)])
     config = _exact_rules(list(matmuls))
-    caller = transform.Caller(_OWNER, whole=False)
+    caller = transform._Caller(_OWNER, whole=False)
 
     def store(probe: list[Any]) -> dict[str, jax.Array]:
         stored = transform._store_weights(

@@ -24,7 +24,8 @@ from jax import lax
 
 from qbits import transform
 from qbits._errors import InvalidArgumentError
-from qbits.transform import Caller, ObservedMatmul, Observer
+from qbits.transform import ObservedMatmul, Observer
+from qbits.transform import _Caller as Caller
 
 __all__ = ["PairStats", "propagated_stats"]
 

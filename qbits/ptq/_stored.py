@@ -53,7 +53,7 @@ def stored_weight(
 
     Returns:
       The stored :class:`~qbits.QTensor` (what
-      :func:`qbits.transform.store_weights` gives for this matmul, with the
+      the engine's ``store_weights`` gives for this matmul, with the
       given grids' scales in place of freshly calibrated ones), or ``None``
       where the grids' blocks are not the operand's own (a tensor scale per
       group of a grouped weight, where the operand has one), or where the

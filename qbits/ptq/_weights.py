@@ -109,7 +109,7 @@ class PtqResult(NamedTuple):
         transformed ones, so run the model with :meth:`function`.
       stored: ``{matmul path: QTensor}``: each weight the method put on its
         quantizer's grid (``"rtn"``, ``"gptq"``), stored as serving stores
-        it (:func:`qbits.transform.store_weights`) with the method's own
+        it (:func:`qbits.serving.convert`) with the method's own
         codes and scales, zero points and tensor scale, so that serving
         keeps them: ``qbits.serving.convert(fn, config, result, x)`` (the
         config given to :func:`quantize_weights`) takes them, as does
@@ -167,7 +167,7 @@ class PtqResult(NamedTuple):
         if not self.transforms:
             # What it quantizes besides the written weights may be nothing
             # (a weight-only result): not worth a warning here.
-            caller = transform.Caller("qbits.ptq.PtqResult.function", whole=False)
+            caller = transform._Caller("qbits.ptq.PtqResult.function", whole=False)
             return transform._quantize(caller, fn, self.config, key=key)
         return transform.adapt(
             fn, self.config, ACTIVATION, dict(self.transforms), key=key

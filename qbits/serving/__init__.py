@@ -3,11 +3,10 @@
 :func:`convert` turns a model's float weights into stored int8, int4 (two
 values per byte) or fp8 weights plus scales, as the training (QAT) forward
 pass quantizes them, for linen models, nnx models and functions of any
-pytree of parameters alike (one path: the engine's
-:func:`qbits.transform.store_weights`), or keeps the codes and scales that
-post-training quantization chose (a :class:`qbits.ptq.PtqResult` in place
-of the params); the serving model (:func:`serve`
-for linen models and functions, the copy :func:`convert` returns for nnx)
+pytree of parameters alike (one path: the engine's storing pass), or keeps
+the codes and scales that post-training quantization chose (a
+:class:`qbits.ptq.PtqResult` in place of the params); the serving model
+(:func:`serve` for linen models and functions, the copy :func:`convert` returns for nnx)
 computes with them and equals the QAT forward bit for bit. :func:`save` /
 :func:`restore` write and read them with Orbax (checking the config);
 :func:`size_report` counts the bytes.

@@ -1,7 +1,7 @@
 """Serving params: a function's stored low-precision weights, any pytree.
 
 :func:`convert_params` traces the function as :func:`qbits.quantize` does
-(:func:`qbits.transform.store_weights`) and stores every weight matmul
+(the engine's ``store_weights``) and stores every weight matmul
 whose forward config quantizes the weight: custom layers, einsum weights,
 ``x @ w``, tied heads and scanned layers as much as Flax's own ``Dense``.
 Each stored weight is the QTensor the training (QAT) forward pass computes
@@ -135,7 +135,7 @@ def store(
       :class:`LayerInfo` per stored weight.
     """
     fwd = forward_only(config)
-    caller = transform.Caller(owner)
+    caller = transform._Caller(owner)
     found = transform._store_weights(caller, fn, fwd, params, *args, **kwargs)
     for name, qt in (given or {}).items():
         if name not in found:
@@ -304,7 +304,7 @@ def serve_params(
     owner: str, fn: Callable[..., Any], config: QuantConfig
 ) -> Callable[..., Any]:
     """``served(serving_params, *args, **kwargs)`` running ``fn`` on them."""
-    caller = transform.Caller(owner)
+    caller = transform._Caller(owner)
 
     def served(serving: Any, *args: Any, **kwargs: Any) -> Any:
         params, stored = _unpack(owner, config, serving)

@@ -1,60 +1,54 @@
 """Layer 6: the engine. Every matmul of any function, quantized by rules.
 
-:func:`quantize` traces a function (a model's ``apply``, a loss, an nnx
-model's forward over its state) to a jaxpr, names each matmul by the
+:func:`qbits.quantize` traces a function (a model's ``apply``, a loss, an
+nnx model's forward over its state) to a jaxpr, names each matmul by the
 parameter that feeds it, and runs it again with every matched
-``dot_general``, einsum, ``@`` and convolution on qbits' quantized core.
-:func:`layer_table` lists them; :func:`init_state` gives the scale state of
-delayed and learned scales; :func:`collect_ranges` measures activation
-ranges for :func:`qbits.freeze_ranges`; :func:`store_weights` quantizes the
-weights once, for serving (``quantize(..., stored=...)``);
-:func:`observe_matmuls` hands every weight matmul's activation to an
-:class:`Observer` (ranges, post-training statistics); :func:`adapt` runs
-a function whose weight matmuls add an :class:`Adapter`'s output
-(low-rank adapters), :func:`weight_matmuls` lists which can be adapted
-(:class:`WeightMatmul`). The linen and nnx adapters, serving,
-post-training quantization and LoRA run through these functions
-(:class:`Caller` names them in errors).
+``dot_general``, einsum, ``@`` and convolution on qbits' quantized core;
+:func:`qbits.layer_table`, :func:`qbits.init_state` and
+:func:`qbits.collect_ranges` are the engine's too. The linen and nnx
+adapters, serving, post-training quantization, LoRA and diagnostics run
+through it.
+
+This module is the engine's face for extending it:
+
+- :func:`observe_matmuls` runs a function in float over batches and hands
+  every weight matmul's activation to an :class:`Observer` (what
+  :func:`qbits.collect_ranges` and :func:`qbits.ptq.collect_stats`
+  record);
+- :func:`adapt` runs a function whose weight matmuls add what an
+  :class:`Adapter` computes (what :mod:`qbits.lora` adds, or transforms
+  the activation first, as :mod:`qbits.ptq`'s smoothing does).
+
+Both see each weight matmul as an :class:`ObservedMatmul`: the weight's
+contraction, batch and free axes, and the scans over stacked layers.
 """
 
-from qbits.transform._adapt import WeightMatmul, adapt, weight_matmuls
+from qbits.transform._adapt import adapt
 from qbits.transform._adapter import Adapter
 from qbits.transform._observe import ObservedMatmul, Observer
-from qbits.transform._observing import collect_ranges, observe_matmuls
-from qbits.transform._plan import Caller
-from qbits.transform._store import StoredMatmul, store_weights
-from qbits.transform._transform import (
-    init_probes,
-    init_state,
-    layer_table,
-    quantize,
-)
+from qbits.transform._observing import observe_matmuls
 
 __all__ = [
     "Adapter",
-    "Caller",
     "ObservedMatmul",
     "Observer",
-    "StoredMatmul",
-    "WeightMatmul",
     "adapt",
-    "collect_ranges",
-    "init_probes",
-    "init_state",
-    "layer_table",
     "observe_matmuls",
-    "quantize",
-    "store_weights",
-    "weight_matmuls",
 ]
 
-# The entry points with the caller their errors name (a Caller), for the
-# adapters, serving, ptq, lora and diagnostics: not public.
-from qbits.transform._adapt import _adapt as _adapt  # isort: skip
-from qbits.transform._adapt import _weight_matmuls as _weight_matmuls  # isort: skip
-from qbits.transform._observing import _observe_matmuls as _observe_matmuls  # isort: skip
-from qbits.transform._store import _store_weights as _store_weights  # isort: skip
-from qbits.transform._transform import _init_probes as _init_probes  # isort: skip
-from qbits.transform._transform import _init_state as _init_state  # isort: skip
-from qbits.transform._transform import _layer_table as _layer_table  # isort: skip
-from qbits.transform._transform import _quantize as _quantize  # isort: skip
+# For the adapters, serving, ptq, lora and diagnostics: not public. Each
+# entry point takes the Caller its errors name first; the public ones
+# (qbits.quantize...) wrap it with their own (_plan.entry_point).
+from qbits.transform import _plan, _store, _transform  # isort: skip
+from qbits.transform import _adapt as _adapting  # isort: skip
+
+_Caller = _plan.Caller
+_WeightMatmul = _adapting.WeightMatmul
+_adapt = adapt.__wrapped__  # type: ignore[attr-defined]
+_init_probes = _transform.init_probes
+_init_state = _transform.init_state.__wrapped__
+_layer_table = _transform.layer_table.__wrapped__
+_observe_matmuls = observe_matmuls.__wrapped__  # type: ignore[attr-defined]
+_quantize = _transform.quantize.__wrapped__
+_store_weights = _store.store_weights
+_weight_matmuls = _adapting.weight_matmuls

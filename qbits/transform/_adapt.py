@@ -22,11 +22,12 @@ from qbits._errors import InvalidArgumentError
 from qbits.config import _as_quant_config
 from qbits.transform._adapter import DATA, Adapter
 from qbits.transform._observe import ObservedMatmul, describe
-from qbits.transform._plan import Caller, Plan
+from qbits.transform._plan import Caller, Plan, entry_point
 from qbits.transform._program import Program, Site, trace
 from qbits.transform._runner import Frame, run_program
 from qbits.transform._transform import (
     _check_key,
+    _check_mapping,
     _check_names,
     _check_state,
     _checked_key,
@@ -35,9 +36,6 @@ from qbits.transform._transform import (
 )
 
 __all__ = ["WeightMatmul", "adapt", "weight_matmuls"]
-
-_ADAPT = Caller("qbits.transform.adapt")
-_WEIGHT_MATMULS = Caller("qbits.transform.weight_matmuls")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +99,7 @@ def _matmuls(program: Program) -> dict[str, WeightMatmul]:
 
 
 def weight_matmuls(
+    caller: Caller,
     fn: Callable[..., Any],
     *args: Any,
     **kwargs: Any,
@@ -114,6 +113,7 @@ def weight_matmuls(
     gradient) cannot.
 
     Args:
+      caller: Who calls (named in errors).
       fn: ``fn(params, *args, **kwargs)``; the parameters name the matmuls.
       *args: The parameters, then example arguments (arrays or
         ``jax.ShapeDtypeStruct`` s).
@@ -121,34 +121,15 @@ def weight_matmuls(
 
     Returns:
       ``{path: WeightMatmul}``, in program order.
-
-    Example:
-      >>> def f(params, x):
-      ...     h = x @ params["w"]
-      ...     return jnp.einsum("bi,ci->bc", h, h)
-      >>> found = qbits.transform.weight_matmuls(f, {"w": jnp.ones((4, 2))},
-      ...                                        jnp.ones((3, 4)))
-      >>> [(m.path, m.why_not) for m in found.values()]
-      [('w', ''), ('bi,ci->bc', 'activation x activation (no weight)')]
-      >>> found["w"].matmul.k, found["w"].matmul.n
-      (4, 2)
     """
-    return _weight_matmuls(_WEIGHT_MATMULS, fn, *args, **kwargs)
-
-
-def _weight_matmuls(
-    caller: Caller,
-    fn: Callable[..., Any],
-    *args: Any,
-    **kwargs: Any,
-) -> dict[str, WeightMatmul]:
-    """:func:`weight_matmuls`, its errors naming ``caller``."""
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
     return _matmuls(trace(fn, args, kwargs, 0, caller.owner))
 
 
-def adapt(
+@entry_point(Caller("qbits.transform.adapt"))
+def adapt(  # noqa: D417 (caller: its public form has none)
+    caller: Caller,
     fn: Callable[..., Any],
     config: Any,
     adapter: Adapter,
@@ -197,20 +178,6 @@ def adapt(
       >>> adapted(params, x).tolist()[0]  # 4 (int8 x int8) + 4 (adapter)
       [8.0, 8.0]
     """
-    return _adapt(_ADAPT, fn, config, adapter, adapters, key, stored=stored)
-
-
-def _adapt(
-    caller: Caller,
-    fn: Callable[..., Any],
-    config: Any,
-    adapter: Adapter,
-    adapters: Mapping[str, Any],
-    key: jax.Array | None = None,
-    *,
-    stored: Mapping[str, Any] | None = None,
-) -> Callable[..., Any]:
-    """:func:`adapt`, its errors naming ``caller``."""
     quant = _as_quant_config(caller.owner, config, allow_none=True)
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
@@ -224,13 +191,7 @@ def _adapt(
             "a qbits.transform.Adapter with apply (what it adds to the output), "
             "before (what it makes of the input) or both",
         )
-    if not isinstance(adapters, Mapping):
-        raise InvalidArgumentError(
-            caller.owner,
-            "adapters",
-            type(adapters).__name__,
-            "a mapping {matmul path: the adapter's data}",
-        )
+    _check_mapping(caller, "adapters", adapters, "a mapping {matmul path: data}")
     if key is not None:
         key = _checked_key(caller, key)
     if adapter.needs_key and key is None:
@@ -257,8 +218,8 @@ def _adapt(
         _check_state(None, plan)
         if stored is not None:
             _check_names(caller, "stored", stored, plan.stored.values(),
-                         "stored with this config: "
-                         "qbits.transform.store_weights",
+                         "stored with this config: qbits.serving.convert "
+                         "stores them, qbits.serving.serve runs them",
                          "their forward configs quantize a weight")  # fmt: skip
         if caller.whole:
             table(program, quant).warn_unused()

@@ -25,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qbits.transform._observe import ObservedMatmul, activation_rows
-from qbits.transform._swap import swapped
 
-__all__ = ["DATA", "Adapter", "adapter_input", "adapter_output"]
+__all__ = ["DATA", "Adapter", "adapted"]
 
 # The prefix of an adapter's data name among a run's per-site data: a
 # matmul's path never starts with "/", so it never meets a stored weight's
@@ -78,82 +77,71 @@ class Adapter:
     before: Callable[[ObservedMatmul, jax.Array, Any], jax.Array] | None = None
 
 
-def adapter_input(
+def adapted(
     adapter: Adapter,
     matmul: ObservedMatmul,
-    lhs: Any,
-    rhs: Any,
+    operands: tuple[Any, Any],
     dimension_numbers: Any,
     data: Any,
-) -> tuple[Any, Any]:
-    """``(lhs, rhs)`` with the activation replaced by ``adapter.before``'s.
+    next_key: Callable[[], Any],
+    run: Callable[[Any, Any], Any],
+) -> Any:
+    """``run(lhs, rhs)`` (the matmul), adapted by ``adapter``.
 
     The activation (the operand that is not the weight) goes to the adapter
-    as rows of ``K`` values (:func:`~._observe.activation_rows`) and comes
-    back in its own layout; the weight is unchanged.
+    as rows of ``K`` values (:func:`~._observe.activation_rows`): what
+    ``adapter.before`` returns replaces it (back in its own layout) before
+    the matmul runs; what ``adapter.apply`` returns, rows of ``N`` values
+    from the activation as the model computed it, is added to the output
+    in the equation's own layout (its batch axes, then the lhs's free axes,
+    then the rhs's), whichever operand the weight is. ``next_key`` draws
+    the adapter's key (after the matmul's own).
     """
+    lhs, rhs = operands
     weight_left = matmul.side == "rhs"
     x, dn = (
         (rhs, _flipped(dimension_numbers)) if weight_left else (lhs, dimension_numbers)
     )
     (xc, wc), (xb, wb) = dn
     rows = activation_rows(x, dn, matmul.grouped)
-    new = adapter.before(matmul, rows, data)  # type: ignore[misc]
-    if jnp.shape(new) != jnp.shape(rows):
-        raise ValueError(
-            f"an Adapter's before() returned shape {jnp.shape(new)} for the "
-            f"activation rows of {matmul.path!r} of shape {jnp.shape(rows)}; "
-            "it must keep the rows' shape"
-        )
     # activation_rows: transposed to (batch, free, contracting) in the
-    # weight's order, then flattened; undo both.
+    # weight's order, then flattened.
     xc = [a for _, a in sorted(zip(wc, xc, strict=True))]
     xb = [a for _, a in sorted(zip(wb, xb, strict=True))]
     free = [a for a in range(jnp.ndim(x)) if a not in xc and a not in xb]
-    order = (*xb, *free, *xc)
-    moved = jnp.reshape(new, tuple(jnp.shape(x)[a] for a in order))
-    x = jnp.transpose(moved, np.argsort(order)).astype(x.dtype)
-    return (lhs, x) if weight_left else (x, rhs)
+    if adapter.before is not None:
+        new = adapter.before(matmul, rows, data)
+        if jnp.shape(new) != jnp.shape(rows):
+            raise ValueError(
+                f"an Adapter's before() returned shape {jnp.shape(new)} for the "
+                f"activation rows of {matmul.path!r} of shape {jnp.shape(rows)}; "
+                "it must keep the rows' shape"
+            )
+        order = (*xb, *free, *xc)
+        moved = jnp.reshape(new, tuple(jnp.shape(x)[a] for a in order))
+        new = jnp.transpose(moved, np.argsort(order)).astype(x.dtype)
+        lhs, rhs = (lhs, new) if weight_left else (new, rhs)
+    out = run(lhs, rhs)
+    if adapter.apply is None:
+        return out
+    added = adapter.apply(matmul, rows, data, next_key() if adapter.needs_key else None)
+    # Back to the activation's batch axes in the equation's order, its free
+    # axes, the weight's free axes; then the equation's own output layout.
+    by_weight = sorted(range(len(xb)), key=lambda i: wb[i])
+    shape = (
+        *(jnp.shape(x)[xb[i]] for i in by_weight),
+        *(jnp.shape(x)[a] for a in free),
+        *(matmul.shape[a] for a in matmul.free),
+    )
+    added = jnp.reshape(added, shape)
+    nb, nx = len(xb), len(free)
+    perm = [*np.argsort(by_weight), *range(nb, len(shape))]
+    if weight_left:  # the weight's free axes come first in the output
+        perm = [*perm[:nb], *perm[nb + nx :], *perm[nb : nb + nx]]
+    return out + jnp.transpose(added, perm).astype(out.dtype)
 
 
 def _flipped(dn: Any) -> Any:
     """Dimension numbers with the operands' roles exchanged."""
     (lc, rc), (lb, rb) = dn
     return (rc, lc), (rb, lb)
-
-
-def adapter_output(
-    adapter: Adapter,
-    matmul: ObservedMatmul,
-    lhs: Any,
-    rhs: Any,
-    dimension_numbers: Any,
-    data: Any,
-    key: Any,
-) -> jax.Array:
-    """What ``adapter`` adds to ``lax.dot_general(lhs, rhs, dimension_numbers)``.
-
-    In the equation's own output layout (its batch axes, then the lhs's
-    free axes, then the rhs's), whichever operand the weight is.
-    """
-    perm = None
-    dn = dimension_numbers
-    if matmul.side == "rhs":  # the weight is the lhs: the activation first
-        lhs, rhs, dn, _, perm = swapped(lhs, rhs, dn, None)
-    (lc, _), (lb, rb) = dn
-    rows = activation_rows(lhs, dn, matmul.grouped)
-    out = adapter.apply(matmul, rows, data, key)
-    # activation_rows orders the batch axes as the weight's: back to the
-    # equation's order, then the activation's free axes, then the weight's.
-    by_weight = sorted(range(len(lb)), key=lambda i: rb[i])
-    free = [a for a in range(jnp.ndim(lhs)) if a not in lc and a not in lb]
-    shape = (
-        *(jnp.shape(lhs)[lb[i]] for i in by_weight),
-        *(jnp.shape(lhs)[a] for a in free),
-        *(matmul.shape[a] for a in matmul.free),
-    )
-    out = jnp.reshape(out, shape)
-    out = jnp.transpose(out, (*np.argsort(by_weight), *range(len(lb), len(shape))))
-    if perm is not None:  # back to the equation's own output layout
-        out = jnp.transpose(out, np.argsort(perm))
-    return out

@@ -1,6 +1,6 @@
 """Traced programs, kept: an eager quantized call traces once per signature.
 
-:func:`~qbits.transform.quantize` traces its function to a
+:func:`qbits.quantize` traces its function to a
 :class:`~qbits.transform._program.Program` and plans it; both depend only
 on what the function is, the rules and mode of the call, and the
 *signature* of the arguments: their tree, which leaves are arrays, the
@@ -178,5 +178,5 @@ class Programs:
             self._entries.clear()
 
 
-#: The engine's programs (of :func:`~qbits.transform.quantize`).
+#: The engine's programs (of :func:`qbits.quantize`).
 PROGRAMS = Programs()

@@ -57,6 +57,17 @@ class ObservedMatmul:
         elements than its parameter) is one matrix, its groups' rows
         observed together.
       kind: The matmul's kind, as in the layer table.
+
+    Example:
+      >>> def f(params, x):
+      ...     return jnp.einsum("btd,dhk->bthk", x, params["w"])
+      >>> count = qbits.transform.Observer(
+      ...     lambda matmul, rows: jnp.float32(rows.shape[0]), jnp.add, jnp.sum)
+      >>> found, rows = qbits.transform.observe_matmuls(
+      ...     f, {"w": jnp.ones((8, 2, 4))}, [jnp.ones((3, 5, 8))], count)
+      >>> m = found["w"]
+      >>> m.side, m.contracting, m.free, m.k, m.n, float(rows["w"])
+      ('lhs', (0,), (1, 2), 8, 8, 15.0)
     """
 
     path: str
@@ -101,6 +112,18 @@ class Observer:
         axis (the steps of a loop) merged into one.
       per_layer: Keep the records of a scan over stacked layers stacked
         (one per layer) rather than merged.
+
+    Example:
+      >>> def mlp(params, x):
+      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+      >>> params = {"w1": jnp.ones((2, 3)), "w2": jnp.ones((3, 1))}
+      >>> per_channel = qbits.transform.Observer(  # max |x| of each channel
+      ...     lambda matmul, rows: jnp.max(jnp.abs(rows), axis=0),
+      ...     jnp.maximum, lambda steps: jnp.max(steps, axis=0))
+      >>> batches = [jnp.array([[1.0, -4.0]]), jnp.array([[-2.0, 3.0]])]
+      >>> _, amax = qbits.transform.observe_matmuls(mlp, params, batches, per_channel)
+      >>> amax["w1"].tolist(), amax["w2"].tolist()
+      ([2.0, 4.0], [1.0, 1.0, 1.0])
     """
 
     observe: Callable[[ObservedMatmul, jax.Array], Any]

@@ -19,17 +19,18 @@ import jax.numpy as jnp
 from qbits._errors import InvalidArgumentError
 from qbits.config import _as_quant_config
 from qbits.transform._observe import ObservedMatmul, Observer
-from qbits.transform._plan import Caller, Plan
+from qbits.transform._plan import Caller, Plan, entry_point
 from qbits.transform._program import trace
 from qbits.transform._runner import Frame, run_program
 
 __all__ = ["collect_ranges", "observe_matmuls"]
 
 _COLLECT_RANGES = Caller("qbits.collect_ranges")
-_OBSERVE = Caller("qbits.transform.observe_matmuls")
 
 
-def observe_matmuls(
+@entry_point(Caller("qbits.transform.observe_matmuls"))
+def observe_matmuls(  # noqa: D417 (caller: its public form has none)
+    caller: Caller,
     fn: Callable[..., Any],
     params: Any,
     batches: Iterable[Any],
@@ -80,19 +81,6 @@ def observe_matmuls(
       >>> found["w2"].k, found["w2"].contracting, found["w2"].side, float(counts["w2"])
       (8, (0,), 'lhs', 8.0)
     """
-    return _observe_matmuls(_OBSERVE, fn, params, batches, observer, config=config)
-
-
-def _observe_matmuls(
-    caller: Caller,
-    fn: Callable[..., Any],
-    params: Any,
-    batches: Iterable[Any],
-    observer: Observer,
-    *,
-    config: Any = None,
-) -> tuple[dict[str, ObservedMatmul], dict[str, Any]]:
-    """:func:`observe_matmuls`, its errors naming ``caller``."""
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
     every = config is None
@@ -164,5 +152,6 @@ def collect_ranges(
       >>> qbits.collect_ranges(mlp, params, [jnp.ones((3, 4)), -2 * jnp.ones((3, 4))])
       {'w1': 2.0, 'w2': 4.0}
     """
-    _, ranges = _observe_matmuls(_COLLECT_RANGES, fn, params, batches, _RANGES)
+    observe = observe_matmuls.__wrapped__  # type: ignore[attr-defined]
+    _, ranges = observe(_COLLECT_RANGES, fn, params, batches, _RANGES)
     return {path: float(value) for path, value in ranges.items()}

@@ -11,12 +11,13 @@ the entry point in its errors and warnings. :mod:`._runner` runs the plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import sys
 import warnings
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, TypeVar
 
 import flax
 import jax
@@ -40,6 +41,7 @@ __all__ = [
     "Plan",
     "Planned",
     "applied",
+    "entry_point",
 ]
 
 # The prefix of a probe's name among a run's per-site data (as the adapter
@@ -64,6 +66,12 @@ class Caller:
         matches no matmul, or a config that quantizes nothing, is worth a
         warning (a method that runs part of a model is not; nor is an entry
         point's second trace of the same call: it warns once).
+      identity: What the function is made of, for the kept programs of
+        ``quantize`` (:mod:`._cache`): ``(owner, *hashable extras)``, the
+        same whenever it computes the same function (``None``: the function
+        itself; an adapter that makes a new function for each call gives
+        what it is made from). Not compared: a caller is part of a kept
+        program's key, its owner is not.
     """
 
     owner: str = "qbits.quantize"
@@ -71,6 +79,9 @@ class Caller:
     state: str = "state"
     state_fix: str = "qbits.init_state(fn, config, *args) makes it"
     whole: bool = True
+    identity: tuple[Any, ...] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     def check_inputs(
         self, method: Callable[..., Any], args: Any, kwargs: Any, call: str
@@ -115,6 +126,37 @@ class Caller:
             f"jax.ShapeDtypeStruct s): {call.format(inputs=', '.join(required))}",
             why=problem,
         )
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def entry_point(caller: Caller) -> Callable[[_F], _F]:
+    """The public entry point of ``run(caller, ...)``, its errors naming ``caller``.
+
+    Each entry point of the engine is written once, as a function whose
+    first parameter is the :class:`Caller` its errors name; this decorator
+    makes the public function of its other parameters (the same name,
+    docstring and signature, less ``caller``). The adapters, serving, ptq,
+    lora and diagnostics call the function it wraps (``__wrapped__``,
+    re-exported with a leading underscore by :mod:`qbits.transform`) with
+    a caller of their own.
+    """
+
+    def public(run: _F) -> _F:
+        @functools.wraps(run)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            return run(caller, *args, **kwargs)
+
+        signature = inspect.signature(run)
+        params = list(signature.parameters.values())[1:]
+        entry.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        entry.__annotations__ = {
+            k: v for k, v in run.__annotations__.items() if k != "caller"
+        }
+        return entry  # type: ignore[return-value]
+
+    return public
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,51 +249,16 @@ class Plan:
                 continue
             config = applied(site, res.config)
             if observe is not None:
-                chosen = every or not (config is None or config.is_identity)
-                weight = site.weights and not site.op.limited
-                if chosen and weight and not site.control:
-                    self._add(site, None, res)
-                    flip = site.ctx in self.swapped
-                    self.observed[site.ctx] = describe(site, program, flip)
-                    self.sliced[site.path] = next(iter(site.weights)).sliced
+                self._observe(site, config, res, program, every)
                 continue
             if config is None or config.is_identity:
                 continue
             # A weight in a cond or while body is quantized on the fly: the
             # stored copy could not leave the body (like scale state).
             if store and _stores(config, site) and not site.control:
-                if config.needs_state or config.fwd.needs_key:
-                    what = ("rounds stochastically" if config.fwd.needs_key
-                            else "takes its scales from state")  # fmt: skip
-                    raise ConfigError(
-                        f"{res.where}.fwd",
-                        f"a forward matmul that {what}",
-                        "a forward matmul that computes its scales and rounds "
-                        "to nearest (serving is deterministic and stateless)",
-                        why=f"matmul {site.path!r}, in {caller.owner}",
-                        source=rules.source,
-                    )
-                self.stored[site.ctx] = site.path
-                self.sliced[site.path] = next(iter(site.weights)).sliced
+                self._store(site, config, res)
             elif config.needs_state:
-                if site.control:
-                    raise InvalidArgumentError(
-                        caller.owner,
-                        "config",
-                        f"the config of {site.path!r}",
-                        "a config without scale state for a matmul inside a "
-                        f"{site.control} body, or qbits.Rule({site.base!r}, None)",
-                        why="scale state cannot be carried through "
-                        f"{site.control} (an untaken branch or a repeated "
-                        "iteration would overwrite it)",
-                    )
-                self.state_keys[site.ctx] = site.path
-                if site.weights:
-                    self.sliced[site.path] = next(iter(site.weights)).sliced
-                kinds = config.state_kinds()
-                self.replaced[site.path] = tuple(
-                    k for k, v in kinds.items() if v == "replaced"
-                )
+                self._state(site, config)
             self._add(site, config, res)
             if config.needs_key:
                 self.needs_key.append(site.path)
@@ -269,6 +276,53 @@ class Plan:
             self.holds.add(site.ctx[:n])
         if config is not None:
             self._check_fits(site, config, res)
+
+    def _observe(
+        self, site: Site, config: Any, res: Resolution, program: Program, every: bool
+    ) -> None:
+        """Observing: a weight matmul the rules quantize (or ``every`` one)."""
+        chosen = every or not (config is None or config.is_identity)
+        weight = site.weights and not site.op.limited
+        if chosen and weight and not site.control:
+            self._add(site, None, res)
+            flip = site.ctx in self.swapped
+            self.observed[site.ctx] = describe(site, program, flip)
+            self.sliced[site.path] = next(iter(site.weights)).sliced
+
+    def _store(self, site: Site, config: Any, res: Resolution) -> None:
+        """Serving: the weight is stored, forward only, deterministic."""
+        if config.needs_state or config.fwd.needs_key:
+            what = ("rounds stochastically" if config.fwd.needs_key
+                    else "takes its scales from state")  # fmt: skip
+            raise ConfigError(
+                f"{res.where}.fwd",
+                f"a forward matmul that {what}",
+                "a forward matmul that computes its scales and rounds "
+                "to nearest (serving is deterministic and stateless)",
+                why=f"matmul {site.path!r}, in {self.caller.owner}",
+                source=self.rules.source,
+            )
+        self.stored[site.ctx] = site.path
+        self.sliced[site.path] = next(iter(site.weights)).sliced
+
+    def _state(self, site: Site, config: Any) -> None:
+        """A config with scale state: its name, slicing and replaced entries."""
+        if site.control:
+            raise InvalidArgumentError(
+                self.caller.owner,
+                "config",
+                f"the config of {site.path!r}",
+                "a config without scale state for a matmul inside a "
+                f"{site.control} body, or qbits.Rule({site.base!r}, None)",
+                why="scale state cannot be carried through "
+                f"{site.control} (an untaken branch or a repeated "
+                "iteration would overwrite it)",
+            )
+        self.state_keys[site.ctx] = site.path
+        if site.weights:
+            self.sliced[site.path] = next(iter(site.weights)).sliced
+        kinds = config.state_kinds()
+        self.replaced[site.path] = tuple(k for k, v in kinds.items() if v == "replaced")
 
     def _diagnose(self, site: Site) -> None:
         name = self.probes[site.ctx] = DIAGNOSTICS + site.path

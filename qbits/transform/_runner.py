@@ -34,7 +34,7 @@ from qbits._errors import InvalidArgumentError
 from qbits._jaxpr import bind, scan_counts
 from qbits._tensor import QTensor
 from qbits.numerics import next_key
-from qbits.transform._adapter import adapter_input, adapter_output
+from qbits.transform._adapter import adapted
 from qbits.transform._observe import (
     activation_rows,
     record,
@@ -115,21 +115,18 @@ class Runner:
             env[v] = a
         for i, eqn in enumerate(jaxpr.eqns):
             here = (*ctx, i)
-            invals = given = [read(v) for v in eqn.invars]
+            invals = [read(v) for v in eqn.invars]
             if here in self.plan.planned or here in self.plan.adapted:
-                invals = given = float_operands(eqn, invals)
-            adapter = self.plan.adapter if here in self.plan.adapted else None
-            if adapter is not None and adapter.before is not None:
-                invals = self._before(eqn, invals, here, frame)
-            if here in self.plan.planned:
+                invals = float_operands(eqn, invals)
+            if here in self.plan.adapted:
+                outs = [self._adapted(eqn, invals, here, frame)]
+            elif here in self.plan.planned:
                 outs = [self._matmul(eqn, invals, here, frame)]
             elif here in self.plan.holds:
                 outs = self._body(eqn, invals, here, frame)
             else:
                 out = bind(eqn, invals)
                 outs = out if eqn.primitive.multiple_results else [out]
-            if adapter is not None and adapter.apply is not None:
-                outs = [self._adapted(eqn, given, here, frame, outs[0])]
             for v, val in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(v, jax.extend.core.DropVar):
                     env[v] = val
@@ -191,28 +188,20 @@ class Runner:
             preferred_element_type=pet, **call.kwargs, **extra,
         )  # fmt: skip
 
-    def _before(
-        self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame
-    ) -> list[Any]:
-        """The operands with the activation as the plan's adapter transforms it."""
-        lhs, rhs = adapter_input(
-            self.plan.adapter, self.plan.adapted[here], invals[0], invals[1],  # type: ignore[arg-type]
-            eqn.params["dimension_numbers"], frame.states[self.plan.adapter_data[here]],
-        )  # fmt: skip
-        return [lhs, rhs, *invals[2:]]
+    def _adapted(self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame) -> Any:
+        """The weight matmul (float or quantized), adapted by the plan's adapter."""
 
-    def _adapted(
-        self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame, out: Any
-    ) -> Any:
-        """``out`` plus what the plan's adapter adds to this weight matmul."""
-        adapter = self.plan.adapter
-        key = frame.next_key() if adapter.needs_key else None  # type: ignore[union-attr]
-        data = frame.states[self.plan.adapter_data[here]]
-        added = adapter_output(
-            adapter, self.plan.adapted[here], invals[0], invals[1],  # type: ignore[arg-type]
-            eqn.params["dimension_numbers"], data, key,
+        def run(lhs: Any, rhs: Any) -> Any:
+            operands = [lhs, rhs, *invals[2:]]
+            if here in self.plan.planned:
+                return self._matmul(eqn, operands, here, frame)
+            return bind(eqn, operands)
+
+        return adapted(
+            self.plan.adapter, self.plan.adapted[here], (invals[0], invals[1]),  # type: ignore[arg-type]
+            eqn.params["dimension_numbers"], frame.states[self.plan.adapter_data[here]],
+            frame.next_key, run,
         )  # fmt: skip
-        return out + added.astype(out.dtype)
 
     def _check_stored(
         self, name: str, qt: Any, weight: Any, config: Any, dims: Any

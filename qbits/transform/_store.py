@@ -27,8 +27,6 @@ from qbits.transform._runner import Frame, run_program
 
 __all__ = ["StoredMatmul", "store_weights"]
 
-_STORE = Caller("qbits.transform.store_weights")
-
 
 @dataclasses.dataclass(frozen=True)
 class StoredMatmul:
@@ -62,6 +60,7 @@ class StoredMatmul:
 
 
 def store_weights(
+    caller: Caller,
     fn: Callable[..., Any],
     config: Any,
     *args: Any,
@@ -70,7 +69,12 @@ def store_weights(
 ) -> dict[str, StoredMatmul]:
     """Every weight matmul's weight, quantized once as its forward does.
 
+    The one path from float weights to stored ones
+    (:func:`qbits.serving.convert`, :mod:`qbits.ptq`, :mod:`qbits.lora`),
+    its errors naming ``caller``.
+
     Args:
+      caller: Who calls (named in errors).
       fn: The function, as for :func:`qbits.quantize`.
       config: The rules it runs with (only forward matmuls matter).
       *args: Arguments for ``fn``; ``args[params_argnum]`` holds the float
@@ -88,33 +92,7 @@ def store_weights(
     Raises:
       ConfigError: For a weight matmul whose forward config keeps scale
         state or rounds stochastically.
-
-    Example:
-      >>> def mlp(params, x):
-      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
-      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
-      >>> x = jnp.ones((3, 4))
-      >>> stored = qbits.transform.store_weights(mlp, "w4a8", params, x)
-      >>> {n: s.weight.qvalue.dtype.name for n, s in stored.items()}
-      {'w1': 'uint8', 'w2': 'uint8'}
-      >>> served = qbits.quantize(mlp, "w4a8", stored=stored)
-      >>> bool((served(params, x) == qbits.quantize(mlp, "w4a8")(params, x)).all())
-      True
     """
-    return _store_weights(
-        _STORE, fn, config, *args, params_argnum=params_argnum, **kwargs
-    )
-
-
-def _store_weights(
-    caller: Caller,
-    fn: Callable[..., Any],
-    config: Any,
-    *args: Any,
-    params_argnum: int = 0,
-    **kwargs: Any,
-) -> dict[str, StoredMatmul]:
-    """:func:`store_weights`, its errors naming ``caller``."""
     quant = _as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     plan = Plan(program, quant, caller, store=True)

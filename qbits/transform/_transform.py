@@ -5,9 +5,10 @@ matmul site gets the config its rule resolves to (:mod:`._plan`), and the
 jaxpr is run again on the actual arguments with each quantized site on
 qbits' core (:mod:`._runner`). :func:`quantize` keeps the traced program
 by the signature of its arguments (:mod:`._cache`): an eager call runs it
-compiled, and traces again only for a new structure or shape. The private
-``_name(caller, ...)`` form of each entry point names ``caller`` in its
-errors (the adapters, serving, ptq, lora and diagnostics call those).
+compiled, and traces again only for a new structure or shape. Each entry
+point is written once, taking the :class:`~._plan.Caller` its errors name
+first (:func:`~._plan.entry_point` makes the public function; the
+adapters, serving, ptq, lora and diagnostics give their own).
 Nothing global is changed: a function traced before
 or after, float or quantized, keeps its own numbers. Every entry point of
 qbits (this module's functions, the linen and nnx adapters, serving) runs
@@ -17,6 +18,7 @@ scale state are the same everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,7 +31,7 @@ from qbits._tensor import QTensor
 from qbits.config import LayerRow, LayerTable, QuantConfig, _as_quant_config
 from qbits.numerics import _check_key as check_key
 from qbits.transform import _cache
-from qbits.transform._plan import DIAGNOSTICS, Caller, Plan, applied
+from qbits.transform._plan import DIAGNOSTICS, Caller, Plan, applied, entry_point
 from qbits.transform._program import Program, trace
 from qbits.transform._runner import Frame, run_program
 
@@ -39,11 +41,6 @@ __all__ = [
     "layer_table",
     "quantize",
 ]
-
-_QUANTIZE = Caller()
-_INIT_STATE = Caller("qbits.init_state")
-_LAYER_TABLE = Caller("qbits.layer_table")
-_INIT_PROBES = Caller("qbits.diagnostics.init")
 
 
 def _check_key(key: Any, plan: Plan) -> None:
@@ -91,7 +88,9 @@ def table(program: Program, rules: QuantConfig) -> LayerTable:
     )
 
 
-def quantize(
+@entry_point(Caller())
+def quantize(  # noqa: D417 (caller: its public form has none)
+    caller: Caller,
     fn: Callable[..., Any],
     config: Any,
     key: jax.Array | None = None,
@@ -209,31 +208,6 @@ def quantize(
       >>> [(row.path, row.operands) for row in table.rows]
       [('w1', 'f32[3,4] x f32[4,8]'), ('w2', 'f32[3,8] x f32[8,2]')]
     """
-    return _quantize(
-        _QUANTIZE, fn, config, key, state=state, stored=stored,
-        diagnostics=diagnostics, params_argnum=params_argnum,
-    )  # fmt: skip
-
-
-def _quantize(
-    caller: Caller,
-    fn: Callable[..., Any],
-    config: Any,
-    key: jax.Array | None = None,
-    *,
-    state: dict[str, dict[str, jax.Array]] | None = None,
-    stored: Mapping[str, Any] | None = None,
-    diagnostics: Mapping[str, Any] | None = None,
-    params_argnum: int | None = 0,
-    identity: tuple[Any, ...] | None = None,
-) -> Callable[..., Any]:
-    """:func:`quantize`, its errors naming ``caller``.
-
-    ``identity`` names ``fn`` for the kept programs (:mod:`._cache`):
-    ``(owner, *hashable extras)``, the same whenever ``fn`` computes the
-    same function (default ``(fn,)``; an adapter that makes a new ``fn``
-    for each call gives what it is made from).
-    """
     quant = _as_quant_config(caller.owner, config, allow_none=True)
     if not callable(fn):
         raise InvalidArgumentError(caller.owner, "fn", fn, "a function")
@@ -241,7 +215,8 @@ def _quantize(
         key = _checked_key(caller, key)
     if stored is not None:
         stored = _stored_weights(caller, stored)
-    owner, *extra = _cache.identity(fn, identity)
+    owner, *extra = _cache.identity(fn, caller.identity)
+    caller = dataclasses.replace(caller, identity=None)  # kept: not the owner
     mode = (quant, params_argnum, caller, stored is not None, diagnostics is not None)
     frame_leaves = jax.tree.leaves((key, state, stored, diagnostics))
     inside = any(isinstance(x, jax.core.Tracer) for x in frame_leaves)
@@ -286,8 +261,8 @@ def _quantize(
             probes = {DIAGNOSTICS + n: v for n, v in diagnostics.items()}
         if stored is not None:
             _check_names(caller, "stored", stored, plan.stored.values(),
-                         "stored with this config: qbits.serving.convert or "
-                         "qbits.transform.store_weights",
+                         "stored with this config: qbits.serving.convert "
+                         "stores them, qbits.serving.serve runs them",
                          "their forward configs quantize a weight: a missing "
                          "one was stored float (converted with another "
                          "config?)")  # fmt: skip
@@ -308,15 +283,15 @@ def _checked_key(caller: Caller, key: Any) -> Any:
         ) from None
 
 
+def _check_mapping(caller: Caller, arg: str, given: Any, allowed: str) -> None:
+    """Raises unless ``given`` is a mapping (``{matmul path: ...}``)."""
+    if not isinstance(given, Mapping):
+        raise InvalidArgumentError(caller.owner, arg, type(given).__name__, allowed)
+
+
 def _stored_weights(caller: Caller, stored: Any) -> dict[str, QTensor]:
     """``{name: QTensor}`` from a mapping of QTensors or of ``store_weights``."""
-    if not isinstance(stored, Mapping):
-        raise InvalidArgumentError(
-            caller.owner,
-            "stored",
-            type(stored).__name__,
-            "a mapping {matmul path: QTensor}, e.g. qbits.serving.convert's weights",
-        )
+    _check_mapping(caller, "stored", stored, "a mapping {matmul path: QTensor}")
     return {name: getattr(w, "weight", w) for name, w in stored.items()}
 
 
@@ -353,7 +328,9 @@ def _check_names(
     )
 
 
-def init_state(
+@entry_point(Caller("qbits.init_state"))
+def init_state(  # noqa: D417 (caller: its public form has none)
+    caller: Caller,
     fn: Callable[..., Any],
     config: Any,
     *args: Any,
@@ -388,20 +365,6 @@ def init_state(
       >>> sorted(state), state["w1"]["lhs_amax_history"].shape
       (['w1', 'w2'], (1024,))
     """
-    return _init_state(
-        _INIT_STATE, fn, config, *args, params_argnum=params_argnum, **kwargs
-    )
-
-
-def _init_state(
-    caller: Caller,
-    fn: Callable[..., Any],
-    config: Any,
-    *args: Any,
-    params_argnum: int | None = 0,
-    **kwargs: Any,
-) -> dict[str, dict[str, jax.Array]]:
-    """:func:`init_state`, its errors naming ``caller``."""
     quant = _as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     plan = Plan(program, quant, caller)
@@ -413,6 +376,7 @@ def _init_state(
 
 
 def init_probes(
+    caller: Caller,
     fn: Callable[..., Any],
     config: Any,
     *args: Any,
@@ -421,39 +385,11 @@ def init_probes(
 ) -> dict[str, dict[str, jax.Array]]:
     """A diagnostics probe for every quantized matmul of ``fn``.
 
-    What :func:`quantize` takes as ``diagnostics=``: ``{matmul path: probe}``
+    :func:`qbits.diagnostics.init`, its errors naming ``caller``: what
+    :func:`quantize` takes as ``diagnostics=``, ``{matmul path: probe}``
     (:func:`qbits.ops.init_probe`'s zeros), stacked along the scans over
     stacked layers (one probe per layer). Traced only (nothing is computed).
-
-    Args:
-      fn: The function, as for :func:`quantize`.
-      config: The rules, as for :func:`quantize`.
-      *args: Arguments for ``fn`` (arrays or ``jax.ShapeDtypeStruct``).
-      params_argnum: As for :func:`quantize`.
-      **kwargs: Keyword arguments for ``fn``.
-
-    Example:
-      >>> def mlp(params, x):
-      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
-      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
-      >>> probes = qbits.transform.init_probes(mlp, "int8", params, jnp.ones((3, 4)))
-      >>> sorted(probes), probes["w1"]["sums"].shape
-      (['w1', 'w2'], (6, 9))
     """
-    return _init_probes(
-        _INIT_PROBES, fn, config, *args, params_argnum=params_argnum, **kwargs
-    )
-
-
-def _init_probes(
-    caller: Caller,
-    fn: Callable[..., Any],
-    config: Any,
-    *args: Any,
-    params_argnum: int | None = 0,
-    **kwargs: Any,
-) -> dict[str, dict[str, jax.Array]]:
-    """:func:`init_probes`, its errors naming ``caller``."""
     quant = _as_quant_config(caller.owner, config, allow_none=True)
 
     def collect(*args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -469,7 +405,9 @@ def _init_probes(
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def layer_table(
+@entry_point(Caller("qbits.layer_table"))
+def layer_table(  # noqa: D417 (caller: its public form has none)
+    caller: Caller,
     fn: Callable[..., Any],
     config: Any,
     *args: Any,
@@ -516,20 +454,6 @@ def layer_table(
       >>> [(row.path, row.describe()) for row in table.rows]
       [('ids', 'kept'), ('w', 'int8')]
     """
-    return _layer_table(
-        _LAYER_TABLE, fn, config, *args, params_argnum=params_argnum, **kwargs
-    )
-
-
-def _layer_table(
-    caller: Caller,
-    fn: Callable[..., Any],
-    config: Any,
-    *args: Any,
-    params_argnum: int | None = 0,
-    **kwargs: Any,
-) -> LayerTable:
-    """:func:`layer_table`, its errors naming ``caller``."""
     quant = _as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     Plan(program, quant, caller)  # the checks a run makes before it starts

@@ -69,7 +69,9 @@ def test_transposed_and_reshaped_kernels_are_quantized_in_the_matmuls_layout(set
     # the float weights (the weights it stores), read from the parameters.
     rtn = ptq.quantize_weights(gpt2, params, None, CONFIG, stats=stats, method="rtn")
     assert [r.path for r in rtn.layers] == list(stats)
-    engine = qbits.transform.store_weights(gpt2, CONFIG, params, ids[0])
+    engine = qbits.transform._store_weights(
+        qbits.transform._Caller(), gpt2, CONFIG, params, ids[0]
+    )
     for path, s in engine.items():
         want = np.asarray(s.weight.dequant())
         np.testing.assert_array_equal(stats[path].operand(rtn.params[path]), want)

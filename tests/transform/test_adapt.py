@@ -62,7 +62,7 @@ def _inputs():
 
 def test_adapter_equals_its_update_folded_into_the_weight_in_every_layout():
     params, xs = _inputs()
-    found = transform.weight_matmuls(model, params, xs)
+    found = transform._weight_matmuls(transform._Caller(), model, params, xs)
     assert set(found) == set(params)
     assert found["heads"].matmul.grouped and not found["bcast"].matmul.grouped
     assert found["left"].matmul.side == "rhs" and found["scan"].matmul.layers == (3,)
@@ -112,7 +112,7 @@ def test_before_equals_its_transform_folded_into_the_weight_in_every_layout():
     # (x R) W == x (R W): an adapter that multiplies the activation's rows by
     # R gives the model with each weight matrix replaced by R W.
     params, xs = _inputs()
-    found = transform.weight_matmuls(model, params, xs)
+    found = transform._weight_matmuls(transform._Caller(), model, params, xs)
     rng = np.random.default_rng(2)
     data, merged = {}, {}
     for name, w in params.items():

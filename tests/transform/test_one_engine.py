@@ -1,6 +1,7 @@
 """One engine under every entry point: linen, nnx and functions of any pytree."""
 
 import dataclasses
+import inspect
 
 import equinox as eqx
 import flax.linen as nn
@@ -217,3 +218,19 @@ def test_flat_keys_name_every_block_uniquely_and_rules_reach_each():
     assert [r.describe() for r in table.rows] == ["float"] * 5 + ["fp8_delayed"] * 5
     state = qbits.init_state(model, rules, params, x)
     assert sorted(state) == sorted(paths[5:])
+
+
+def test_entry_points_are_written_once_and_name_their_caller():
+    """Each entry point's public form has no caller; the private one names it."""
+    public = (qbits.quantize, qbits.init_state, qbits.layer_table,
+              qbits.transform.adapt, qbits.transform.observe_matmuls)  # fmt: skip
+    for fn in public:
+        assert "caller" not in inspect.signature(fn).parameters, fn.__name__
+        assert fn.__doc__ == fn.__wrapped__.__doc__ and "Example" in fn.__doc__
+    with pytest.raises(qbits.InvalidArgumentError, match=r"^qbits\.quantize: "):
+        qbits.quantize(42, None)
+    with pytest.raises(qbits.InvalidArgumentError, match=r"^qbits\.transform\.adapt"):
+        qbits.transform.adapt(42, None, qbits.transform.Adapter(), {})
+    serve = qbits.transform._Caller("qbits.serving.serve")
+    with pytest.raises(qbits.InvalidArgumentError, match=r"^qbits\.serving\.serve: "):
+        qbits.transform._quantize(serve, 42, None)

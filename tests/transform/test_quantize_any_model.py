@@ -739,7 +739,8 @@ def test_an_integer_activation_times_a_float_weight_is_quantized(
         for h in (mixed, cast)
     ]
     np.testing.assert_array_equal(grads[0]["w"], grads[1]["w"])
-    stored = qbits.transform.store_weights(mixed, "w4a8", p, x)
+    caller = qbits.transform._Caller()
+    stored = qbits.transform._store_weights(caller, mixed, "w4a8", p, x)
     assert list(stored) == ["w"]
     served = qbits.quantize(mixed, "w4a8", stored=stored)(p, x)
     np.testing.assert_array_equal(served, qbits.quantize(cast, "w4a8")(p, x))

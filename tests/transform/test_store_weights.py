@@ -1,4 +1,4 @@
-"""qbits.transform.store_weights and qbits.quantize(..., stored=): serving."""
+"""The engine's stored weights and qbits.quantize(..., stored=): serving."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,12 @@ import pytest
 from jax import lax
 
 import qbits
+from qbits import transform
+
+
+def _store(*args, **kwargs):
+    """The engine's stored weights (what qbits.serving.convert stores)."""
+    return transform._store_weights(transform._Caller(), *args, **kwargs)
 
 
 def _params():
@@ -29,7 +35,7 @@ def _fn(params, x):
 @pytest.mark.parametrize("preset", ["int8_fwd", "w4a8", "fp8"])
 def test_stored_weights_serve_the_quantized_forward_bit_for_bit(preset):
     params, x = _params(), jax.random.normal(jax.random.key(1), (3, 16))
-    stored = qbits.transform.store_weights(_fn, preset, params, x)
+    stored = _store(_fn, preset, params, x)
     assert sorted(stored) == ["shift", "w_in", "w_left", "w_t"]
     # The weight on the left is stored as the rhs it becomes; the transposed
     # one in the layout its matmul sees.
@@ -51,8 +57,8 @@ def test_stored_weights_serve_the_quantized_forward_bit_for_bit(preset):
 def test_sample_inputs_may_be_shapes():
     params = _params()
     spec = jax.ShapeDtypeStruct((3, 16), jnp.float32)
-    by_spec = qbits.transform.store_weights(_fn, "int8_fwd", params, spec)
-    by_value = qbits.transform.store_weights(_fn, "int8_fwd", params, jnp.ones((3, 16)))
+    by_spec = _store(_fn, "int8_fwd", params, spec)
+    by_value = _store(_fn, "int8_fwd", params, jnp.ones((3, 16)))
     for name, s in by_spec.items():
         np.testing.assert_array_equal(s.weight.qvalue, by_value[name].weight.qvalue)
 
@@ -60,18 +66,18 @@ def test_sample_inputs_may_be_shapes():
 def test_stateful_and_stochastic_forward_configs_are_refused():
     params, x = _params(), jnp.ones((3, 16))
     with pytest.raises(qbits.ConfigError, match="takes its scales from state"):
-        qbits.transform.store_weights(_fn, "fp8_delayed", params, x)
+        _store(_fn, "fp8_delayed", params, x)
     noisy = qbits.Quantizer(
         qbits.IntNumerics(bits=8, noise_fn=qbits.numerics.UniformNoise())
     )
     config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(lhs=noisy, rhs=noisy))
     with pytest.raises(qbits.ConfigError, match="rounds stochastically"):
-        qbits.transform.store_weights(_fn, config, params, x)
+        _store(_fn, config, params, x)
 
 
 def test_missing_or_extra_stored_weights_are_named():
     params, x = _params(), jnp.ones((3, 16))
-    stored = qbits.transform.store_weights(_fn, "int8_fwd", params, x)
+    stored = _store(_fn, "int8_fwd", params, x)
     weights = {n: s.weight for n, s in stored.items()}
     fewer = {n: w for n, w in weights.items() if n != "w_t"}
     with pytest.raises(qbits.InvalidArgumentError, match=r"missing \['w_t'\]"):
@@ -92,7 +98,7 @@ def test_weights_inside_cond_and_while_are_quantized_on_the_fly():
             0, 2, lambda i, h: jnp.tanh(h @ params["w_left"].T @ params["w_left"]), h
         )
 
-    stored = qbits.transform.store_weights(fn, "int8_fwd", params, x)
+    stored = _store(fn, "int8_fwd", params, x)
     # fori_loop with a static trip count is a scan: its weight is stored
     # once (the same every iteration); the cond's are quantized on the fly.
     assert sorted(stored) == ["w_left", "w_left#2"]
@@ -108,16 +114,14 @@ def test_weights_inside_cond_and_while_are_quantized_on_the_fly():
 
 def test_stored_weights_are_checked_against_their_matmul_and_config():
     params, x = _params(), jnp.ones((3, 16))
-    stored = qbits.transform.store_weights(_fn, "int8_fwd", params, x)
-    # What store_weights returns goes in as it is.
+    stored = _store(_fn, "int8_fwd", params, x)
+    # What the engine stores goes in as it is.
     jax.eval_shape(qbits.quantize(_fn, "int8_fwd", stored=stored), params, x)
     # int8 weights served under w4a8 (int4 packed): refused, not misread.
     with pytest.raises(qbits.InvalidArgumentError, match=r"stored\['w_in'\]=.*int8"):
         qbits.quantize(_fn, "w4a8", stored=stored)(params, x)
     # A weight of another shape (another model): refused, naming its shape.
-    other = qbits.transform.store_weights(
-        _fn, "int8_fwd", {**params, "w_t": jnp.ones((2, 8))}, x
-    )
+    other = _store(_fn, "int8_fwd", {**params, "w_t": jnp.ones((2, 8))}, x)
     with pytest.raises(qbits.InvalidArgumentError, match=r"stored\['w_t'\]=.*\[8, 2\]"):
         qbits.quantize(_fn, "int8_fwd", stored={**stored, "w_t": other["w_t"]})(
             params, x
@@ -139,7 +143,7 @@ def test_a_stored_weight_missing_its_zero_point_or_tensor_scale_is_refused():
         ("w4g128_asym", "zero_point"),
         ("nvfp4_weight_only", "tensor_scale"),
     ):
-        stored = qbits.transform.store_weights(fn, preset, params, x)
+        stored = _store(fn, preset, params, x)
         qt = stored["w"].weight
         assert getattr(qt, part) is not None
         bare = {"w": qt.replace(**{part: None})}
