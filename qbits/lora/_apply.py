@@ -36,7 +36,7 @@ from qbits.config import QuantConfig, Rule, from_dict, read_yaml
 from qbits.lora._config import LoraConfig
 from qbits.lora._function import AdaptedLayer, Lora, LoraBase, LoraFunction
 from qbits.numerics import check_key
-from qbits.ptq import operand_indices
+from qbits.ptq import _operand_indices as operand_indices
 
 __all__ = ["apply"]
 

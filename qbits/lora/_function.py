@@ -95,7 +95,7 @@ class AdaptedLayer:
       matmul: How the engine sees it (:class:`~qbits.transform.ObservedMatmul`),
         or ``None`` for a matmul that cannot be adapted.
       index: Where its weight operand sits in its parameter
-        (:func:`qbits.ptq.operand_indices`: a kernel stored ``(out, in)``
+        (a kernel stored ``(out, in)``
         and transposed before the matmul), or ``None``: the parameter as
         it is (or a matmul with neither adapter nor stored weight).
 
