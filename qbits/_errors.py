@@ -15,7 +15,7 @@ way it is moved to a line of its own.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -163,6 +163,12 @@ def check_bool(owner: str, argument: str, value: Any) -> None:
         raise InvalidArgumentError(owner, argument, value, "True or False")
 
 
+def check_mapping(owner: str, argument: str, value: Any, allowed: str) -> None:
+    """Raises InvalidArgumentError, naming ``value``'s type, unless it is a Mapping."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(owner, argument, type(value).__name__, allowed)
+
+
 def check_int(
     owner: str, argument: str, value: Any, lo: int | None = None, hi: int | None = None
 ) -> None:
@@ -292,3 +298,16 @@ class ConfigError(ValueError):
 # Shown as qbits.InvalidArgumentError / qbits.ConfigError (their public home).
 InvalidArgumentError.__module__ = "qbits"
 ConfigError.__module__ = "qbits"
+
+
+def as_rules(value: Any, rule: type, name: str) -> tuple[Any, ...]:
+    """``value`` (a config's ``rules``) as a tuple of ``rule`` s, or ConfigError.
+
+    ``name``: how the error names the rule class (``"qbits.Rule"``).
+    """
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ConfigError("rules", value, f"a sequence of {name}")
+    for i, r in enumerate(value):
+        if not isinstance(r, rule):
+            raise ConfigError(f"rules[{i}]", r, f"a {name}")
+    return tuple(value)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._errors import ConfigError, InvalidArgumentError, as_rules
 from qbits.config import (
     QuantConfig,
     Rule,
@@ -170,12 +170,8 @@ class LoraConfig:
                 "dropout", d, "a number in [0, 1) (the probability of dropping "
                 "an input of the adapter; 0 for none)",
             )  # fmt: skip
-        if not isinstance(self.rules, Sequence) or isinstance(self.rules, str):
-            raise ConfigError("rules", self.rules, "a sequence of qbits.lora.LoraRule")
-        object.__setattr__(self, "rules", tuple(self.rules))
-        for i, rule in enumerate(self.rules):
-            if not isinstance(rule, LoraRule):
-                raise ConfigError(f"rules[{i}]", rule, "a qbits.lora.LoraRule")
+        rules = as_rules(self.rules, LoraRule, "qbits.lora.LoraRule")
+        object.__setattr__(self, "rules", rules)
         if self.init not in INITS:
             raise ConfigError("init", self.init, "one of " + ", ".join(INITS))
         try:
