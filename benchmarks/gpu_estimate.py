@@ -45,8 +45,7 @@ def _before() -> dict[str, qbits.hlo.Program]:
             m.name.removesuffix(".hlo.txt"): tar.extractfile(m).read().decode()
             for m in tar.getmembers()
         }
-    target = qbits.hlo.TARGETS["h200"]
-    return {n: qbits.hlo.Program(t, target) for n, t in texts.items()}
+    return {n: qbits.hlo.Program(t, "h200") for n, t in texts.items()}
 
 
 def main() -> None:

@@ -42,6 +42,11 @@ from qbits._experiments import _data as data_lib
 from qbits._experiments import spec, train
 
 
+def _nbytes(tree):
+    """The bytes of a pytree's arrays."""
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
 def _weight_only(
     numerics: qbits.numerics.QNumerics, group: int
 ) -> qbits.DotGeneralConfig:
@@ -141,12 +146,12 @@ def run(seed: int, pretrain_steps: int | None, steps: int, lr_full: float,
             trainable, state, value = step(trainable, state, i)
         value = float(value)
         seconds = time.perf_counter() - tic
-        return trainable, lora.nbytes(state), value, seconds
+        return trainable, _nbytes(state), value, seconds
 
     rows = []
     before = evaluate(lambda x: fn(params, x)[0])
     rows.append({"method": "pretrained (no fine-tuning)", "trainable_bytes": 0,
-                 "frozen_bytes": lora.nbytes(params), "optimizer_bytes": 0,
+                 "frozen_bytes": _nbytes(params), "optimizer_bytes": 0,
                  **{f"eval_{k}": v for k, v in before.items()}})  # fmt: skip
     print(f"{'pretrained':28s} shifted {before['shifted']:.4f} "
           f"original {before['original']:.4f}")  # fmt: skip
@@ -158,7 +163,7 @@ def run(seed: int, pretrain_steps: int | None, steps: int, lr_full: float,
 
             tuned, opt_bytes, train_loss, seconds = finetune(params, loss_full, lr_full)
             after = evaluate(lambda x, tuned=tuned: fn(tuned, x)[0])
-            trainable, frozen = lora.nbytes(params), 0
+            trainable, frozen = _nbytes(params), 0
             extra = {}
         else:
             lfn, base, adapters = lora.apply(model, cfg, x0, key=jax.random.key(seed))
@@ -173,8 +178,8 @@ def run(seed: int, pretrain_steps: int | None, steps: int, lr_full: float,
                 adapters, loss_lora, lr_lora
             )
             after = evaluate(lambda x, lfn=lfn, base=base, a=tuned: lfn(a, base, x)[0])
-            trainable, frozen = lora.nbytes(adapters), lora.nbytes(base)
-            weights = lora.nbytes(base.weights)
+            trainable, frozen = _nbytes(adapters), _nbytes(base)
+            weights = _nbytes(base.weights)
             extra = {
                 "adapted_matmuls": sum(la.rank is not None for la in lfn.layers),
                 "start_shifted": start["shifted"],

@@ -125,11 +125,11 @@ def main() -> None:
         sp = qbits.serving.convert(model, config, params, x)
         served = qbits.serving.serve(model, config)
         qat = jax.jit(qbits.flax.quantize(model, config).apply)(params, x)
-        out = jax.jit(served.apply)(sp, x)
+        out = jax.jit(served)(sp, x)
         if not bool((out == qat).all()):
             raise SystemExit(f"{name}: serving != QAT forward")
         report = qbits.serving.size_report(sp)
-        add(name, served.apply, (sp, x), report.ratio, report)
+        add(name, served, (sp, x), report.ratio, report)
     dots, dot_args = int8_dots_alone()
     add("reference: the two int8 dots alone", dots, dot_args, None)
 

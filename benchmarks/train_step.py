@@ -479,7 +479,7 @@ def main() -> None:
             entry["xla_options"] = options(name)
             target = _target()
             if target is not None:  # the estimate beside the measurement
-                program = qbits.hlo.Program(v["text"], qbits.hlo.TARGETS[target])
+                program = qbits.hlo.Program(v["text"], target)
                 entry["estimate_device_ms"] = round(program.estimate().total_ms, 3)
         if name in cold:
             entry["cold_compile"] = cold[name]
@@ -495,7 +495,7 @@ def main() -> None:
 
 
 def _target() -> str | None:
-    """The :data:`qbits.hlo.TARGETS` entry of this GPU, or ``None``."""
+    """The ``qbits.hlo`` target name of this GPU, or ``None``."""
     kind = jax.devices()[0].device_kind
     return next((t for t in ("h200", "h100") if t.upper() in kind.upper()), None)
 

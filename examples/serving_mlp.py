@@ -64,7 +64,7 @@ def main() -> None:
 
     serving = qbits.serving.convert(model, rules, params, x)
     served = qbits.serving.serve(model, rules)
-    out = jax.jit(served.apply)(serving, x)
+    out = jax.jit(served)(serving, x)
     same = bool((out == jax.jit(qat.apply)(params, x)).all())
     print(f"serving forward == QAT forward, bit for bit: {same}")
     print(qbits.serving.size_report(serving))
@@ -73,7 +73,7 @@ def main() -> None:
     qbits.serving.save(path, serving)
     like = jax.eval_shape(lambda: qbits.serving.convert(model, rules, params, x))
     restored = qbits.serving.restore(path, like)
-    again = jax.jit(served.apply)(restored, x)
+    again = jax.jit(served)(restored, x)
     print(f"restored checkpoint gives the same outputs: {bool((again == out).all())}")
 
 

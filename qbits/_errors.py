@@ -171,6 +171,12 @@ def check_choice(owner: str, argument: str, value: Any, choices: Any) -> None:
         )
 
 
+def check_mapping(owner: str, argument: str, value: Any, allowed: str) -> None:
+    """Raises InvalidArgumentError, naming ``value``'s type, unless it is a Mapping."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(owner, argument, type(value).__name__, allowed)
+
+
 def check_int(
     owner: str, argument: str, value: Any, lo: int | None = None, hi: int | None = None
 ) -> None:

@@ -31,7 +31,7 @@ from flax.core import unfreeze
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from qbits import transform
-from qbits._errors import InvalidArgumentError
+from qbits._errors import InvalidArgumentError, check_mapping
 from qbits.config import LayerTable, QuantConfig, _as_quant_config
 
 __all__ = ["LEARNED", "STATE", "Quantized", "layer_table", "quantize"]
@@ -198,13 +198,8 @@ def _is_array(x: Any) -> bool:
 
 def _variables(variables: Any) -> tuple[dict[str, Any], Any]:
     """The model's own variables, and the scale state (``None`` without)."""
-    if not isinstance(variables, Mapping):
-        raise InvalidArgumentError(
-            _CALLER.owner,
-            "variables",
-            type(variables).__name__,
-            "the model's variables, a dict of collections (Quantized.init)",
-        )
+    allowed = "the model's variables, a dict of collections (Quantized.init)"
+    check_mapping(_CALLER.owner, "variables", variables, allowed)
     variables = dict(variables)
     state: dict[str, dict[str, Any]] = {}
     for path, entries in dict(variables.pop(STATE, {})).items():

@@ -20,11 +20,9 @@ from qbits.hlo._program import (
     prepare_environment,
     program,
 )
-from qbits.hlo._targets import TARGETS
 
 __all__ = [
     "GPU_COMPILER_OPTIONS",
-    "TARGETS",
     "Program",
     "prepare_environment",
     "program",

@@ -100,8 +100,10 @@ class Program:
 
     Attributes:
       text: The module's text.
-      target: The target it was compiled for (for its estimate), or
-        ``None`` (this machine's backend).
+      target: The target it was compiled for (for its estimate): a
+        :class:`~qbits.hlo._targets.Target`, given as its name
+        (``"h100"``, ``"h200"``, ``"v5e"``) or itself; or ``None`` (this
+        machine's backend).
       temp_bytes: The device memory XLA allocates for the program's
         temporaries (its buffer assignment: activations, gradients, codes),
         besides its arguments and outputs; ``None`` where unknown.
@@ -115,8 +117,13 @@ class Program:
     """
 
     text: str
-    target: Target | None = None
+    target: Target | str | None = None
     temp_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, str):
+            named = target(self.target, "qbits.hlo.Program", "target")
+            object.__setattr__(self, "target", named)
 
     @functools.cached_property
     def kernels(self) -> tuple[Kernel, ...]:
@@ -337,7 +344,8 @@ def program(
         step, a forward pass).
       *args: Its arguments: arrays or ``jax.ShapeDtypeStruct`` s (nothing is
         computed; only shapes and dtypes are used).
-      target: ``"h100"``, ``"h200"`` or ``"v5e"`` (:data:`TARGETS`).
+      target: ``"h100"``, ``"h200"`` or ``"v5e"`` (their rates:
+        :data:`~qbits.hlo._targets.TARGETS`).
       compiler_options: XLA options for the compile; for a GPU the default
         is :data:`GPU_COMPILER_OPTIONS`.
 

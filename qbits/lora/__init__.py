@@ -15,32 +15,31 @@ base plus the adapters. It returns ``(fn, base, adapters)``:
   initialiser of ``A``, per-layer rules, the base's format; YAML
   (:func:`qbits.config.dump`, :func:`qbits.load_config`).
 - :func:`apply` -> :class:`Lora` (:class:`LoraFunction`,
-  :class:`LoraBase`, adapters); :class:`AdaptedLayer` per matmul.
+  :class:`LoraBase`, adapters); ``fn.layers``: one row per matmul (its
+  path, adapter rank, how its base weight is held, why it has no adapter).
 - :func:`merge`: adapters folded into the float parameters (quantize them
-  again for serving); :func:`delta`: one adapter's weight update.
+  again for serving).
 - :func:`save_adapters`, :func:`restore_adapters`: the adapters alone,
   with Orbax, checked and checksummed.
-- :func:`nbytes`: the bytes of a pytree (base, adapters).
+
+The bytes a base or the adapters take:
+``sum(x.nbytes for x in jax.tree.leaves(base))``.
 """
 
 from qbits.lora._apply import apply
 from qbits.lora._checkpoint import restore_adapters, save_adapters
-from qbits.lora._config import INITS, LoraConfig, LoraRule
-from qbits.lora._function import AdaptedLayer, Lora, LoraBase, LoraFunction, nbytes
-from qbits.lora._merge import delta, merge
+from qbits.lora._config import LoraConfig, LoraRule
+from qbits.lora._function import Lora, LoraBase, LoraFunction
+from qbits.lora._merge import merge
 
 __all__ = [
-    "INITS",
-    "AdaptedLayer",
     "Lora",
     "LoraBase",
     "LoraConfig",
     "LoraFunction",
     "LoraRule",
     "apply",
-    "delta",
     "merge",
-    "nbytes",
     "restore_adapters",
     "save_adapters",
 ]

@@ -35,7 +35,7 @@ from qbits.config import QuantConfig, Rule, _resolve
 from qbits.lora._config import LoraConfig
 from qbits.lora._function import AdaptedLayer, Lora, LoraBase, LoraFunction
 from qbits.numerics import _check_key as check_key
-from qbits.ptq import operand_indices
+from qbits.ptq import _operand_indices as operand_indices
 
 __all__ = ["apply"]
 

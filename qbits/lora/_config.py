@@ -125,7 +125,11 @@ class LoraConfig:
       rules: Ordered :class:`LoraRule` s, first full match wins; a weight
         matmul no rule matches gets no adapter. Every rule must match a
         matmul, and an adapting rule a weight matmul.
-      init: How ``A`` starts: one of :data:`INITS`.
+      init: How ``A`` starts (``B`` starts at zero, so the adapted model
+        starts as the base): ``"kaiming"``: uniform in
+        ``[-1/sqrt(K), 1/sqrt(K)]`` (PEFT's default, Kaiming-uniform with
+        ``a = sqrt(5)``); ``"gaussian"``: normal with standard deviation
+        ``1 / rank``.
       base: The format of the frozen base weights: a preset name
         (``"nf4"``, ``"w4g128_asym"``, ``"int4_weight_only"``...), a
         :class:`~qbits.DotGeneralConfig`, a :class:`~qbits.QuantConfig`

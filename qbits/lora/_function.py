@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from qbits import transform
@@ -25,7 +24,7 @@ from qbits._tensor import QTensor
 from qbits.config import QuantConfig
 from qbits.lora._config import LoraConfig
 
-__all__ = ["AdaptedLayer", "Lora", "LoraBase", "LoraFunction", "nbytes"]
+__all__ = ["AdaptedLayer", "Lora", "LoraBase", "LoraFunction"]
 
 _CALLER = transform._Caller("qbits.lora", key="dropout_key")
 
@@ -51,7 +50,8 @@ class LoraBase(struct.PyTreeNode):
       ...     key=jax.random.key(0))
       >>> out.base.params["w"].shape, out.base.weights["w"].qvalue.dtype
       ((0,), dtype('uint8'))
-      >>> qbits.lora.nbytes(out.base), qbits.lora.nbytes(params)  # codes + scales
+      >>> nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
+      >>> nbytes(out.base), nbytes(params)  # codes + scales
       (288, 2048)
     """
 
@@ -95,7 +95,7 @@ class AdaptedLayer:
       matmul: How the engine sees it (:class:`~qbits.transform.ObservedMatmul`),
         or ``None`` for a matmul that cannot be adapted.
       index: Where its weight operand sits in its parameter
-        (:func:`qbits.ptq.operand_indices`: a kernel stored ``(out, in)``
+        (a kernel stored ``(out, in)``
         and transposed before the matmul), or ``None``: the parameter as
         it is (or a matmul with neither adapter nor stored weight).
 
@@ -291,14 +291,3 @@ def _low_rank(scales: dict[str, float], rate: float) -> Callable[..., jax.Array]
         return ((x @ a) @ b) * jnp.asarray(scales[matmul.path], a.dtype)
 
     return apply_adapter
-
-
-def nbytes(tree: Any) -> int:
-    """The bytes of the arrays of a pytree (adapters, a base, parameters).
-
-    Example:
-      >>> qbits.lora.nbytes({"a": jnp.ones((4, 2)), "b": jnp.ones(3, jnp.int8)})
-      35
-    """
-    return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(tree))  # fmt: skip

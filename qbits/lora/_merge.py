@@ -24,40 +24,18 @@ import numpy as np
 from qbits._errors import InvalidArgumentError
 from qbits.lora._function import AdaptedLayer, LoraBase, LoraFunction
 
-__all__ = ["delta", "merge"]
+__all__ = ["merge"]
 
 _OWNER = "qbits.lora.merge"
 
 
-def delta(layer: AdaptedLayer, adapter: Mapping[str, Any]) -> jax.Array:
-    """One adapter's update of its matmul's weight operand, ``(alpha/rank) A B``.
+def _delta(layer: AdaptedLayer, adapter: Mapping[str, Any]) -> jax.Array:
+    """One adapter's update ``(alpha/rank) A B`` of its matmul's weight operand.
 
-    Args:
-      layer: The matmul (one of :attr:`LoraFunction.layers
-        <qbits.lora.LoraFunction.layers>`, with an adapter).
-      adapter: Its ``{"a": A, "b": B}``.
-
-    Returns:
-      The update in the weight operand's own layout, stacked along the
-      scans over stacked layers: shape ``(*layers, *operand shape)``.
-
-    Example:
-      >>> def f(params, x):
-      ...     return jnp.einsum("bd,hd->bh", x, params["w"])  # w as (N, K)
-      >>> fn, base, ad = qbits.lora.apply(
-      ...     f, qbits.lora.LoraConfig(rank=1, alpha=1), {"w": jnp.zeros((3, 4))},
-      ...     jnp.ones((2, 4)), key=jax.random.key(0))
-      >>> ad = {"w": {"a": jnp.ones((4, 1)), "b": jnp.arange(3.0)[None]}}
-      >>> qbits.lora.delta(fn.layers[0], ad["w"])  # K = 4 contracted, N = 3
-      Array([[0., 0., 0., 0.],
-             [1., 1., 1., 1.],
-             [2., 2., 2., 2.]], dtype=float32)
+    In the operand's own layout, stacked along the scans over stacked
+    layers: shape ``(*layers, *operand shape)``.
     """
     m = layer.matmul
-    if m is None or layer.rank is None:
-        raise InvalidArgumentError(
-            "qbits.lora.delta", "layer", layer.path, "a layer with an adapter"
-        )
     ab = adapter["a"] @ adapter["b"] * jnp.asarray(layer.scale, adapter["a"].dtype)
     lead = m.layers
     order = (*m.batch, *m.contracting, *m.free)
@@ -75,7 +53,7 @@ def merge(fn: LoraFunction, adapters: Mapping[str, Any], base: LoraBase) -> Any:
     """The model's float parameters with the adapters folded in.
 
     Stored base weights are dequantized, then every adapted weight gets
-    its update (:func:`delta`) added, in float32, and is cast back to the
+    its update ``(alpha / rank) A B`` added, in float32, and is cast back to the
     parameter's dtype. ``fn.fn(merged, x)`` (the model itself, in float)
     then equals ``fn(adapters, base, x)`` within float rounding; quantize
     ``merged`` again for a quantized server (the weights then move to
@@ -95,12 +73,13 @@ def merge(fn: LoraFunction, adapters: Mapping[str, Any], base: LoraBase) -> Any:
     A weight the model rearranges before its matmul (a kernel stored
     ``(out, in)`` and transposed, as Hugging Face's GPT-2 stores them; a
     reshape) is updated in the matmul's layout and written back where the
-    matmul reads it (:attr:`AdaptedLayer.index <qbits.lora.AdaptedLayer.index>`).
+    matmul reads it (its row in
+    :attr:`LoraFunction.layers <qbits.lora.LoraFunction.layers>`: ``index``).
 
     Raises:
       InvalidArgumentError: For adapters or a base of another model (naming
         the parameters that differ), or a weight that cannot be folded
-        back (the layer's :attr:`~qbits.lora.AdaptedLayer.merge` says why:
+        back (the layer's ``merge`` in :attr:`~qbits.lora.LoraFunction.layers` says why:
         a parameter read by another matmul or a lookup too, or broadcast
         before its matmul).
 
@@ -211,7 +190,7 @@ def _merged(
             full = param(keys)
             operand = full if idx is None else full.reshape(-1)[idx]
         if layer.rank is not None:
-            operand = operand + delta(layer, adapters[layer.path]).astype(jnp.float32)
+            operand = operand + _delta(layer, adapters[layer.path]).astype(jnp.float32)
         if idx is None:  # the operand is the parameter
             by_keys[keys] = operand.reshape(param(keys).shape)
         else:  # written back where the matmul reads it

@@ -11,20 +11,17 @@ their key stream and state.
 """
 
 from qbits.nnx._quantize import (
-    Placeholder,
     ScaleState,
     StoredWeight,
     as_function,
     layer_table,
     max_combining,
     quantize,
-    serving_copy,
     update_state,
 )
 from qbits.nnx._stateful import Stateful
 
 __all__ = [
-    "Placeholder",
     "ScaleState",
     "Stateful",
     "StoredWeight",
@@ -32,6 +29,9 @@ __all__ = [
     "layer_table",
     "max_combining",
     "quantize",
-    "serving_copy",
     "update_state",
 ]
+
+# For qbits.serving (its nnx serving copy), not users.
+from qbits.nnx._quantize import Placeholder as _Placeholder  # noqa: F401  # isort: skip
+from qbits.nnx._quantize import serving_copy as _serving_copy  # noqa: F401  # isort: skip

@@ -99,7 +99,7 @@ class Placeholder(nnx.Variable):
       >>> x = jnp.ones((2, 8))
       >>> served = qbits.serving.convert(nnx.Linear(8, 4, rngs=nnx.Rngs(0)),
       ...                                "int8_fwd", x)
-      >>> isinstance(served.kernel, qbits.nnx.Placeholder), served.kernel.shape
+      >>> isinstance(served.kernel, qbits.nnx._Placeholder), served.kernel.shape
       (True, (0,))
     """
 
@@ -422,7 +422,7 @@ def serving_copy(
       >>> linear = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
       >>> cfg = qbits.presets.get("int8_fwd")
       >>> qt = qbits.ops.store_weight(linear.kernel[...], cfg.fwd, (0,))
-      >>> served = qbits.nnx.serving_copy(
+      >>> served = qbits.nnx._serving_copy(
       ...     linear, qbits.QuantConfig(default=cfg), {"kernel": qt},
       ...     {"['kernel'].value": ((8, 4), jnp.float32)})
       >>> served.kernel.shape, served(jnp.ones((2, 8))).shape

@@ -13,28 +13,22 @@ arrays. The target grid is a :class:`~qbits.Quantizer` applied to ``w`` with
 contracting axis 0 (``qbits.PerChannel()``: a scale per output channel;
 ``qbits.Tiled(tile_size=128)``: groups of 128 input channels).
 
-- :func:`gptq`: GPTQ (arXiv 2210.17323), quantize input channel by input
+- :class:`Gptq`: GPTQ (arXiv 2210.17323), quantize input channel by input
   channel and spread each one's error onto the rest, guided by ``H``
-  (:class:`GptqResult`).
-- :func:`awq`: AWQ (arXiv 2306.00978), search per-input-channel scales
-  ``mean|x|**alpha`` that protect the salient inputs (:class:`AwqResult`).
+  (:class:`GptqResult`: the weight on its grid and its scales).
+- :class:`Awq`: AWQ (arXiv 2306.00978), search per-input-channel scales
+  ``mean|x|**alpha`` that protect the salient inputs (:meth:`Awq.search`:
+  :class:`AwqResult`).
 - :func:`smooth_scales`: SmoothQuant (arXiv 2211.10438), move activation
-  outliers into the weight before int8 activations.
-- :func:`scale_weight`, :func:`scale_activation`: apply per-input-channel
-  scales (``x @ w == (x / s) @ (s w)``), for SmoothQuant and AWQ.
-- :func:`hadamard`, :func:`rotate_weight`, :func:`rotate_activation`:
-  QuaRot-style rotations (``x @ w == (x Q) @ (Q^T w)``).
-- :func:`output_error`: ``tr((w - w_hat)^T H (w - w_hat))``, the output
-  error over the calibration set, without the activations.
-- :func:`operand_indices`: where each weight matmul reads its weight in
-  its parameter (a kernel stored ``(out, in)`` and transposed before the
-  matmul, as Hugging Face's GPT-2 stores them).
+  outliers into the weight before int8 activations
+  (``x @ w == (x / s) @ (s w)``).
+- :func:`hadamard`: QuaRot-style rotations (``x @ w == (x Q) @ (Q^T w)``).
 
 :func:`quantize_weights` is the driver: statistics of every weight matmul
 of any function or model, then a method on each weight with the grid its
 rule gives, in the layout its matmul reads it in, once for the matmuls that
-share it (:class:`PtqResult`, :class:`LayerReport`). Methods are values
-holding their settings, each a :class:`Method` (:class:`MatrixStats` in, a
+share it (:class:`PtqResult`, one report a weight in its ``layers``). Methods are values
+holding their settings, each a :class:`Method` (:class:`InputStats` in, a
 quantized weight out): :class:`Rtn` (round to nearest), :class:`Gptq`,
 :class:`Awq`, :class:`Qep` (quantization error propagation: each weight
 corrected for the error of the weights before it, arXiv 2504.09629);
@@ -45,17 +39,16 @@ it may import the quantizer, calibrations, numerics, granularities, ops,
 config and the engine.
 """
 
-from qbits.ptq._awq import Awq, AwqResult, awq
+from qbits.ptq._awq import Awq, AwqResult
 from qbits.ptq._collect import MatmulStats, collect_stats
-from qbits.ptq._gptq import Gptq, GptqResult, gptq, output_error
-from qbits.ptq._layout import operand_indices
-from qbits.ptq._method import MatrixStats, Method
+from qbits.ptq._gptq import Gptq, GptqResult
+from qbits.ptq._method import Method
 from qbits.ptq._qep import Qep
-from qbits.ptq._rotation import hadamard, rotate_activation, rotate_weight
+from qbits.ptq._rotation import hadamard
 from qbits.ptq._rtn import Rtn
-from qbits.ptq._smoothquant import scale_activation, scale_weight, smooth_scales
+from qbits.ptq._smoothquant import smooth_scales
 from qbits.ptq._stats import InputStats
-from qbits.ptq._weights import LayerReport, PtqResult, quantize_weights
+from qbits.ptq._weights import PtqResult, quantize_weights
 
 __all__ = [
     "Awq",
@@ -63,23 +56,16 @@ __all__ = [
     "Gptq",
     "GptqResult",
     "InputStats",
-    "LayerReport",
     "MatmulStats",
-    "MatrixStats",
     "Method",
     "PtqResult",
     "Qep",
     "Rtn",
-    "awq",
     "collect_stats",
-    "gptq",
     "hadamard",
-    "operand_indices",
-    "output_error",
     "quantize_weights",
-    "rotate_activation",
-    "rotate_weight",
-    "scale_activation",
-    "scale_weight",
     "smooth_scales",
 ]
+
+# For qbits.lora (where a matmul reads its weight in its parameter), not users.
+from qbits.ptq._layout import operand_indices as _operand_indices  # noqa: F401  # isort: skip

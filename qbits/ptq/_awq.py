@@ -22,8 +22,9 @@ from qbits.ptq._gptq import (
     check_quantizer,
     check_weight,
 )
-from qbits.ptq._method import MatrixStats, Method
+from qbits.ptq._method import Method
 from qbits.ptq._smoothquant import check_channels
+from qbits.ptq._stats import InputStats
 
 __all__ = ["Awq", "AwqResult", "awq"]
 
@@ -32,20 +33,19 @@ _FLOOR = 1e-4
 
 
 class AwqResult(NamedTuple):
-    """What :func:`awq` returns.
+    """What :meth:`Awq.search` returns.
 
     Attributes:
       weight: The effective weight ``Q(s[:, None] * w) / s[:, None]``:
         ``(K, N)``, ``w``'s dtype. ``x @ weight`` is what the quantized
         layer computes.
       scales: The chosen per-input-channel scales ``s``, ``(K,)``, float32.
-        To serve, store ``quantizer.quant(qbits.ptq.scale_weight(w, s),
-        contracting_axes=(0,))`` and divide the activation by ``s``
-        (:func:`~qbits.ptq.scale_activation`, or fold ``1 / s`` into the
-        layer before).
+        To serve, store ``quantizer.quant(s[:, None] * w,
+        contracting_axes=(0,))`` and divide the activation by ``s`` (or
+        fold ``1 / s`` into the layer before).
       alpha: The chosen exponent, a float32 scalar.
-      error: The output error of ``weight`` (:func:`~qbits.ptq.output_error`),
-        a float32 scalar.
+      error: The output error of ``weight``,
+        ``tr((w - weight)^T H (w - weight))``, a float32 scalar.
       clip: The clipping ratio chosen for each scale block of the scaled
         weight (the quantizer's layout, ``(K // group, N // block_n)``),
         float32; all 1 without the clipping search.
@@ -74,7 +74,26 @@ def awq(
     grid: int = 20,
     clip_grid: int = 11,
 ) -> AwqResult:
-    r"""Searches AWQ's per-input-channel scales for the weight of ``x @ w``.
+    """AWQ's search on the weight of ``x @ w``: see :class:`Awq`."""
+    owner = "awq"
+    w = check_weight(owner, w)
+    hessian = check_hessian(owner, hessian, w.shape[0])
+    act_absmean = check_channels(owner, "act_absmean", act_absmean, w.shape[0])
+    for argument, x in (("w", w), ("hessian", hessian), ("act_absmean", act_absmean)):
+        check_finite(owner, argument, x)
+    check_quantizer(owner, quantizer)
+    check_int(owner, "grid", grid, 1)
+    check_int(owner, "clip_grid", clip_grid, 1)
+    if not isinstance(quantizer.calibration, AbsMax):
+        clip_grid = 1
+    return _awq(
+        w, hessian, act_absmean, quantizer=quantizer, grid=grid, clip_grid=clip_grid
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Awq(Method):
+    r"""AWQ: activation-aware per-input-channel scales for weight-only quantization.
 
     AWQ (Lin et al., "AWQ: Activation-aware Weight Quantization for LLM
     Compression and Acceleration", arXiv 2306.00978) scales input channel
@@ -85,11 +104,12 @@ def awq(
     .. math:: s = \frac{m^\alpha}{\sqrt{\max(m^\alpha) \min(m^\alpha)}},
        \qquad \hat w(s) = \mathrm{diag}(s)^{-1} Q(\mathrm{diag}(s)\, w),
 
-    with ``m = act_absmean`` (``m**alpha`` floored at ``1e-4``, normalised
-    as the reference implementation, ``mit-han-lab/llm-awq``, does), and the
-    ``alpha`` with the least output error
-    :math:`\mathrm{tr}((w - \hat w)^T H (w - \hat w))` wins (the first on a
-    tie). The error is computed from ``H`` exactly, with no activations.
+    with ``m`` the mean ``|x|`` per input channel (``stats.absmean``;
+    ``m**alpha`` floored at ``1e-4``, normalised as the reference
+    implementation, ``mit-han-lab/llm-awq``, does), and the ``alpha`` with
+    the least output error :math:`\mathrm{tr}((w - \hat w)^T H (w - \hat w))`
+    (``H = stats.hessian``) wins (the first on a tie). The error is
+    computed from ``H`` exactly, with no activations.
     ``alpha = 0`` gives ``s = 1``: plain round-to-nearest, so the result is
     never worse than it on the calibration set. (The reference searches
     ``alpha`` in ``arange(grid) / grid``, without 1, and measures the error
@@ -109,24 +129,24 @@ def awq(
 
     Jittable: the searches are ``lax.map`` s over their grids.
 
-    Args:
-      w: The weight, ``(K, N)``, floating point.
-      hessian: ``X^T X`` over the calibration rows ``X`` of ``x``, ``(K, K)``.
-      act_absmean: The mean of ``|x|`` per input channel, ``(K,)``.
-      quantizer: The target grid (a :class:`~qbits.Quantizer` with a
-        calibration), applied to the scaled weight with contracting axis 0.
-      grid: The number of ``alpha`` values tried, >= 1.
-      clip_grid: The number of clipping ratios tried, >= 1 (1: no search).
+    :meth:`search` returns what it found (:class:`AwqResult`: the scales,
+    to serve the weight ``Q(s w)`` with the activation divided by ``s``);
+    :meth:`quantize` (what :func:`~qbits.ptq.quantize_weights` runs) the
+    effective weight ``Q(s w) / s`` alone: not on the quantizer's grid, so
+    the driver stores nothing for serving. Needs ``mean |x|``, so it
+    refuses ``rotate=True``.
 
-    Returns:
-      An :class:`AwqResult`: the effective weight, the scales, ``alpha`` and
-      the error.
+    Attributes:
+      grid: The number of exponents ``alpha`` searched, >= 1.
+      clip_grid: The number of clipping ratios searched, >= 1 (1: no
+        search).
 
     Raises:
-      InvalidArgumentError: For a ``w`` that is not a 2-D float array, a
-        ``hessian`` not ``(K, K)``, an ``act_absmean`` not ``(K,)``, any of
-        them with NaN or inf (concrete arrays), a quantizer with a scale
-        provider or ``grid`` or ``clip_grid`` < 1.
+      InvalidArgumentError: For ``grid`` or ``clip_grid`` < 1; from
+        :meth:`search` and :meth:`quantize`: for a ``w`` that is not a 2-D
+        float array, a ``hessian`` not ``(K, K)``, an ``absmean`` not
+        ``(K,)``, any of them with NaN or inf (concrete arrays), a quantizer
+        with a scale provider.
 
     Example:
       >>> rng = np.random.default_rng(0)
@@ -135,42 +155,10 @@ def awq(
       >>> w = rng.standard_normal((16, 8), np.float32)
       >>> int3 = qbits.Quantizer(qbits.IntNumerics(bits=3),
       ...                        granularity=qbits.PerChannel())
-      >>> out = qbits.ptq.awq(w, x.T @ x, np.abs(x).mean(0), int3, grid=5)
+      >>> stats = qbits.ptq.InputStats.of(x)
+      >>> out = qbits.ptq.Awq(grid=5).search(w, stats, int3)
       >>> float(out.alpha), out.scales.shape, out.weight.shape, out.clip.shape
       (0.25, (16,), (16, 8), (1, 8))
-    """
-    owner = "awq"
-    w = check_weight(owner, w)
-    hessian = check_hessian(owner, hessian, w.shape[0])
-    act_absmean = check_channels(owner, "act_absmean", act_absmean, w.shape[0])
-    for argument, x in (("w", w), ("hessian", hessian), ("act_absmean", act_absmean)):
-        check_finite(owner, argument, x)
-    check_quantizer(owner, quantizer)
-    check_int(owner, "grid", grid, 1)
-    check_int(owner, "clip_grid", clip_grid, 1)
-    if not isinstance(quantizer.calibration, AbsMax):
-        clip_grid = 1
-    return _awq(
-        w, hessian, act_absmean, quantizer=quantizer, grid=grid, clip_grid=clip_grid
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Awq(Method):
-    """AWQ as a :func:`~qbits.ptq.quantize_weights` method: :func:`awq` per weight.
-
-    The driver writes the effective weight ``Q(s w) / s`` (not on the
-    quantizer's grid: nothing stored for serving). Needs ``mean |x|``, so
-    it refuses ``rotate=True``.
-
-    Attributes:
-      grid: The number of exponents ``alpha`` searched, >= 1.
-      clip_grid: The number of clipping ratios searched (1: none).
-
-    Raises:
-      InvalidArgumentError: For ``grid`` or ``clip_grid`` < 1.
-
-    Example:
       >>> qbits.ptq.Awq(grid=10)
       Awq(grid=10, clip_grid=11)
     """
@@ -194,17 +182,27 @@ class Awq(Method):
             )  # fmt: skip
 
     def quantize(
-        self,
-        w: jax.Array,
-        stats: MatrixStats,
-        quantizer: Quantizer,
-        *,
-        name: str | None = None,
+        self, w: jax.Array, stats: InputStats, quantizer: Quantizer
     ) -> jax.Array:
         """AWQ's effective weight ``Q(s w) / s`` (see :class:`Method`)."""
-        out = awq(w, stats.hessian, stats.absmean, quantizer, grid=self.grid,
-                  clip_grid=self.clip_grid)  # fmt: skip
-        return out.weight
+        return self.search(w, stats, quantizer).weight
+
+    def search(
+        self, w: jax.Array, stats: InputStats, quantizer: Quantizer
+    ) -> AwqResult:
+        """AWQ's scales for ``w`` and the weight they give (see :class:`Awq`).
+
+        Args:
+          w: The weight, ``(K, N)``, floating point.
+          stats: Its activation's statistics (``hessian``, ``absmean``).
+          quantizer: The target grid, applied to the scaled weight with
+            contracting axis 0.
+
+        Returns:
+          An :class:`AwqResult`.
+        """
+        return awq(w, stats.hessian, stats.absmean, quantizer, grid=self.grid,
+                   clip_grid=self.clip_grid)  # fmt: skip
 
 
 def awq_scales(act_absmean: jax.Array, alpha: jax.Array) -> jax.Array:

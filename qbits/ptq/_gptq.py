@@ -8,10 +8,10 @@ output error of a quantized weight ``w_hat`` over the calibration set is
 .. math:: \lVert X w - X \hat w \rVert_F^2 = \mathrm{tr}\big((w - \hat w)^T H
    (w - \hat w)\big),
 
-which :func:`output_error` computes; GPTQ (Frantar et al., "GPTQ: Accurate
-Post-Training Quantization for Generative Pre-trained Transformers", arXiv
-2210.17323) minimises it greedily, one input channel (a row of ``w``) at a
-time.
+which :func:`output_error` computes; GPTQ (:class:`Gptq`; Frantar et al.,
+"GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers", arXiv 2210.17323) minimises it greedily, one input channel (a
+row of ``w``) at a time.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from qbits._errors import InvalidArgumentError, check_bool, check_float, check_i
 from qbits._formats import compute_dtype
 from qbits._granularity import Tiled
 from qbits._quantizer import Quantizer
-from qbits.ptq._method import MatrixStats, Method
+from qbits.ptq._method import Method
+from qbits.ptq._stats import InputStats
 
 __all__ = ["Gptq", "GptqResult", "gptq", "output_error"]
 
 
 class GptqResult(NamedTuple):
-    """What :func:`gptq` returns.
+    """A weight on its quantizer's grid with its scales (:meth:`Method.quantize`).
 
     Attributes:
       weight: The quantized weight, dequantized: ``(K, N)``, ``w``'s dtype.
@@ -73,98 +74,7 @@ def gptq(
     block_size: int = 128,
     name: str | None = None,
 ) -> GptqResult:
-    r"""Quantizes the weight of ``x @ w`` with GPTQ.
-
-    The algorithm of Frantar et al. (arXiv 2210.17323) and its reference
-    implementation (``IST-DASLab/gptq``, ``fasterquant``), in the layout
-    ``x @ w``: the input channels are the rows of ``w``.
-
-    1. Dead inputs (``H[i, i] == 0``: the input never fires) get
-       ``H[i, i] = 1`` and a zero weight row.
-    2. ``H`` is damped: ``damping * mean(diag H)`` is added to its diagonal.
-    3. ``U``, the upper Cholesky factor of ``H^{-1}``, gives the update: row
-       ``i`` is quantized to ``q_i`` and the rows after it move by
-       ``-U[i, j] (w_i - q_i) / U[i, i]`` (in blocks of ``block_size`` rows,
-       the reference's lazy batch updates; the result is the same).
-
-    The scale groups are the quantizer's scale blocks along ``K``: its
-    granularity for ``w`` with contracting axis 0 (``qbits.PerChannel()``:
-    one group of all ``K`` rows, one scale per output channel;
-    ``qbits.Tiled(tile_size=128)``: groups of 128 input channels, the
-    reference's ``groupsize=128``). A group's scales (and zero points, for a
-    :class:`~qbits.numerics.UintNumerics` grid) are computed when the group
-    starts, from its rows with every earlier row's error applied (the
-    reference computes them from rows that miss the updates made inside the
-    current block of ``block_size`` rows when a group starts inside one; the
-    two agree when ``block_size`` is a multiple of the group, e.g. both
-    128), and every row of the group is rounded with them, clipped where it
-    has moved outside their range. With one group the scales come from ``w``
-    itself. Two-level scales (``scale_rounding="e4m3"``, NVFP4) share one
-    tensor scale, which needs the whole weight: their scales all come from
-    ``w`` itself, as with ``act_order``.
-
-    The grid is the quantizer's own, the one the engine serves. For 4-bit
-    symmetric :class:`~qbits.IntNumerics` that is ``-7..7`` (15 levels: an
-    exact zero, the bound on the edge 7.5), where the reference
-    implementation and Qwix round symmetric int4 onto ``-8..7`` with the
-    same scale: values the error feedback pushes below ``-7.5`` clip at
-    ``-7`` here. On correlated calibration data (``K = 128``, per output
-    channel and in groups of 32) that costs GPTQ 1-2% more output error, on
-    average, than the reference's grid (round to nearest: 0.2%). For 16
-    levels use the
-    asymmetric grid, :class:`~qbits.numerics.UintNumerics` with zero points
-    (the ``w4g128_asym`` preset), or ``IntNumerics(bits=4,
-    preserve_zero=False)`` (``+-0.5 .. +-7.5``, no exact zero).
-
-    With ``act_order`` the rows are processed in order of descending
-    ``diag(H)`` (the most active inputs first) and the result is put back in
-    the original order. The groups stay contiguous in the original order,
-    their scales computed from ``w`` before any update (the reference's
-    ``static_groups=True``), so that the result has the quantizer's own
-    layout and serves without a permutation.
-
-    The computation runs in float32 (float64 for float64 input under
-    ``jax_enable_x64``), jitted once per shape and configuration: a
-    ``lax.fori_loop`` over blocks of rows and one inside each block. ``H``
-    may be the sum or the mean over rows (GPTQ is invariant to its scale).
-    Called with concrete arrays, a Hessian that is not positive definite
-    after damping raises; under an outer ``jit`` (traced arrays) it cannot,
-    and the weight comes back NaN.
-
-    Args:
-      w: The weight, ``(K, N)``, floating point.
-      hessian: ``X^T X`` over the calibration rows ``X`` of ``x``, ``(K, K)``.
-      quantizer: The target grid (a :class:`~qbits.Quantizer` with a
-        calibration, not a scale provider). Its granularity is applied to
-        ``w`` with contracting axis 0; stochastic rounding is not supported.
-      damping: The fraction of ``mean(diag H)`` added to the diagonal.
-      act_order: Process input channels by descending ``diag(H)``.
-      block_size: Rows per lazy-batch block: a speed knob, not a numerics
-        one. The block used is the largest size up to this that divides
-        ``K`` and divides or is a multiple of the group.
-      name: The layer's name, for error messages.
-
-    Returns:
-      A :class:`GptqResult`: the quantized weight (dequantized, ``w``'s
-      shape and dtype) and the scales it used.
-
-    Raises:
-      InvalidArgumentError: If ``w`` is not a 2-D float array, ``hessian`` is
-        not ``(K, K)``, either holds NaN or inf (concrete arrays), the
-        quantizer's groups do not divide ``K`` (its own error) or it has a
-        scale provider, or the damped Hessian, finite, is not positive
-        definite (raise ``damping``).
-
-    Example:
-      >>> rng = np.random.default_rng(0)
-      >>> x = rng.standard_normal((64, 16), np.float32)
-      >>> w = rng.standard_normal((16, 8), np.float32)
-      >>> int4 = qbits.Quantizer(qbits.IntNumerics(bits=4),
-      ...                        granularity=qbits.Tiled(tile_size=8))
-      >>> out = qbits.ptq.gptq(w, x.T @ x, int4)  # groups of 8 input channels
-      >>> out.weight.shape, out.weight.dtype, out.scale.shape
-      ((16, 8), dtype('float32'), (2, 8))
-    """
+    """GPTQ of ``w`` on ``hessian``: see :class:`Gptq` (``name``: for errors)."""
     owner = "gptq"
     w = check_weight(owner, w)
     k, n = w.shape
@@ -230,13 +140,6 @@ def output_error(w: jax.Array, w_hat: jax.Array, hessian: jax.Array) -> jax.Arra
 
     Returns:
       A float32 scalar.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> x = jnp.array([[1.0, 2.0], [0.0, 1.0]])
-      >>> w, w_hat = jnp.eye(2), jnp.zeros((2, 2))
-      >>> qbits.ptq.output_error(w, w_hat, x.T @ x)
-      Array(6., dtype=float32)
     """
     w = jnp.asarray(w)
     d = (w - jnp.asarray(w_hat, w.dtype)).astype(compute_dtype(w.dtype))
@@ -313,19 +216,6 @@ def check_quantizer(owner: str, quantizer: Any) -> None:
             quantizer.numerics.noise_fn,
             "None: post-training quantization rounds the weight to nearest",
         )
-
-
-def check_activation(owner: str, x: Any) -> jax.Array:
-    """``x`` as a float array whose last axis is the input channels."""
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
-        raise InvalidArgumentError(
-            owner,
-            "x",
-            f"{x.dtype}{list(x.shape)}",
-            "a floating-point array whose last axis is the input channels",
-        )
-    return x
 
 
 def blocks_quantizer(quantizer: Quantizer, rows: int, cols: int) -> Quantizer:
@@ -477,18 +367,97 @@ def _gptq(
 
 @dataclasses.dataclass(frozen=True)
 class Gptq(Method):
-    """GPTQ as a :func:`~qbits.ptq.quantize_weights` method: :func:`gptq` per weight.
+    r"""GPTQ: quantize the weight of ``x @ w`` input channel by input channel.
+
+    The algorithm of Frantar et al. (arXiv 2210.17323) and its reference
+    implementation (``IST-DASLab/gptq``, ``fasterquant``), in the layout
+    ``x @ w``: the input channels are the rows of ``w``.
+
+    1. Dead inputs (``H[i, i] == 0``: the input never fires) get
+       ``H[i, i] = 1`` and a zero weight row.
+    2. ``H`` is damped: ``damping * mean(diag H)`` is added to its diagonal.
+    3. ``U``, the upper Cholesky factor of ``H^{-1}``, gives the update: row
+       ``i`` is quantized to ``q_i`` and the rows after it move by
+       ``-U[i, j] (w_i - q_i) / U[i, i]`` (in blocks of ``block_size`` rows,
+       the reference's lazy batch updates; the result is the same).
+
+    The scale groups are the quantizer's scale blocks along ``K``: its
+    granularity for ``w`` with contracting axis 0 (``qbits.PerChannel()``:
+    one group of all ``K`` rows, one scale per output channel;
+    ``qbits.Tiled(tile_size=128)``: groups of 128 input channels, the
+    reference's ``groupsize=128``). A group's scales (and zero points, for a
+    :class:`~qbits.numerics.UintNumerics` grid) are computed when the group
+    starts, from its rows with every earlier row's error applied (the
+    reference computes them from rows that miss the updates made inside the
+    current block of ``block_size`` rows when a group starts inside one; the
+    two agree when ``block_size`` is a multiple of the group, e.g. both
+    128), and every row of the group is rounded with them, clipped where it
+    has moved outside their range. With one group the scales come from ``w``
+    itself. Two-level scales (``scale_rounding="e4m3"``, NVFP4) share one
+    tensor scale, which needs the whole weight: their scales all come from
+    ``w`` itself, as with ``act_order``.
+
+    The grid is the quantizer's own, the one the engine serves. For 4-bit
+    symmetric :class:`~qbits.IntNumerics` that is ``-7..7`` (15 levels: an
+    exact zero, the bound on the edge 7.5), where the reference
+    implementation and Qwix round symmetric int4 onto ``-8..7`` with the
+    same scale: values the error feedback pushes below ``-7.5`` clip at
+    ``-7`` here. On correlated calibration data (``K = 128``, per output
+    channel and in groups of 32) that costs GPTQ 1-2% more output error, on
+    average, than the reference's grid (round to nearest: 0.2%). For 16
+    levels use the
+    asymmetric grid, :class:`~qbits.numerics.UintNumerics` with zero points
+    (the ``w4g128_asym`` preset), or ``IntNumerics(bits=4,
+    preserve_zero=False)`` (``+-0.5 .. +-7.5``, no exact zero).
+
+    With ``act_order`` the rows are processed in order of descending
+    ``diag(H)`` (the most active inputs first) and the result is put back in
+    the original order. The groups stay contiguous in the original order,
+    their scales computed from ``w`` before any update (the reference's
+    ``static_groups=True``), so that the result has the quantizer's own
+    layout and serves without a permutation.
+
+    The computation runs in float32 (float64 for float64 input under
+    ``jax_enable_x64``), jitted once per shape and configuration: a
+    ``lax.fori_loop`` over blocks of rows and one inside each block. ``H``
+    may be the sum or the mean over rows (GPTQ is invariant to its scale).
+    Called with concrete arrays, a Hessian that is not positive definite
+    after damping raises; under an outer ``jit`` (traced arrays) it cannot,
+    and the weight comes back NaN.
+
+    :meth:`quantize` returns a :class:`GptqResult` of ``w`` on
+    ``stats.hessian`` (``H = X^T X`` over the calibration rows ``X`` of
+    ``x``, ``(K, K)``): the quantized weight (dequantized, ``w``'s shape and
+    dtype) and the scales it used. The quantizer is the target grid (with a
+    calibration, not a scale provider), its granularity applied to ``w``
+    with contracting axis 0; stochastic rounding is not supported.
 
     Attributes:
       damping: The fraction of ``mean(diag H)`` added to the diagonal.
       act_order: Process input channels by descending ``diag(H)``.
-      block_size: Rows per lazy-batch block (speed, not numerics).
+      block_size: Rows per lazy-batch block: a speed knob, not a numerics
+        one. The block used is the largest size up to this that divides
+        ``K`` and divides or is a multiple of the group.
 
     Raises:
       InvalidArgumentError: For a negative ``damping``, a non-bool
-        ``act_order`` or a ``block_size`` < 1.
+        ``act_order`` or a ``block_size`` < 1; from :meth:`quantize`: if
+        ``w`` is not a 2-D float array, ``hessian`` is
+        not ``(K, K)``, either holds NaN or inf (concrete arrays), the
+        quantizer's groups do not divide ``K`` (its own error) or it has a
+        scale provider, or the damped Hessian, finite, is not positive
+        definite (raise ``damping``).
 
     Example:
+      >>> rng = np.random.default_rng(0)
+      >>> x = rng.standard_normal((64, 16), np.float32)
+      >>> w = rng.standard_normal((16, 8), np.float32)
+      >>> int4 = qbits.Quantizer(qbits.IntNumerics(bits=4),
+      ...                        granularity=qbits.Tiled(tile_size=8))
+      >>> stats = qbits.ptq.InputStats.of(x)
+      >>> out = qbits.ptq.Gptq().quantize(w, stats, int4)  # groups of 8 rows
+      >>> out.weight.shape, out.weight.dtype, out.scale.shape
+      ((16, 8), dtype('float32'), (2, 8))
       >>> qbits.ptq.Gptq(damping=0.02)
       Gptq(damping=0.02, act_order=False, block_size=128)
     """
@@ -505,14 +474,8 @@ class Gptq(Method):
         check_int(owner, "block_size", self.block_size, 1)
 
     def quantize(
-        self,
-        w: jax.Array,
-        stats: MatrixStats,
-        quantizer: Quantizer,
-        *,
-        name: str | None = None,
+        self, w: jax.Array, stats: InputStats, quantizer: Quantizer
     ) -> GptqResult:
-        """:func:`gptq` of ``w`` on ``stats.hessian`` (see :class:`Method`)."""
+        """GPTQ of ``w`` on ``stats.hessian`` (see :class:`Gptq`)."""
         return gptq(w, stats.hessian, quantizer, damping=self.damping,
-                    act_order=self.act_order, block_size=self.block_size,
-                    name=name)  # fmt: skip
+                    act_order=self.act_order, block_size=self.block_size)  # fmt: skip

@@ -118,10 +118,11 @@ def operand_indices(
       >>> def gpt2_mlp(params, x):  # kernels stored (out, in), as Conv1D
       ...     return x @ params["c_fc"].T
       >>> params, x = {"c_fc": jnp.ones((3, 2))}, jnp.ones((1, 2))
-      >>> qbits.ptq.operand_indices(gpt2_mlp, params, x)
+      >>> qbits.ptq._operand_indices(gpt2_mlp, params, x)
       {'c_fc': array([[0, 2, 4],
              [1, 3, 5]])}
-      >>> qbits.ptq.operand_indices(lambda p, x: x @ p["w"], {"w": jnp.ones((2, 3))}, x)
+      >>> w = {"w": jnp.ones((2, 3))}
+      >>> qbits.ptq._operand_indices(lambda p, x: x @ p["w"], w, x)
       {'w': None}
     """
     caller = transform._Caller(_OWNER)

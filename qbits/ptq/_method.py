@@ -2,7 +2,7 @@ r"""PTQ methods as values: what :func:`~qbits.ptq.quantize_weights` runs per wei
 
 A method is a frozen dataclass (its settings are its fields) with one job:
 quantize one weight matrix ``(K, N)`` of ``x @ w`` given the statistics of
-its activation (:class:`MatrixStats`) and the weight's quantizer. The driver
+its activation (:class:`InputStats`) and the weight's quantizer. The driver
 does the rest: statistics, layouts, layers and groups, transforms, reports
 and stored weights. A method says what it needs and what it works with:
 
@@ -10,7 +10,7 @@ and stored weights. A method says what it needs and what it works with:
   the model computes it with the weights quantized before this one
   (``X_hat``) beside the float one (``X``): the driver then runs the
   calibration batches again before each weight and fills
-  :attr:`MatrixStats.quantized_hessian` and :attr:`MatrixStats.cross`;
+  :attr:`InputStats.quantized_hessian` and :attr:`InputStats.cross`;
 - :meth:`Method.check`: refuses driver options it cannot work with (AWQ's
   search needs ``mean |x|``, which a rotation does not keep).
 
@@ -23,50 +23,20 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
 from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
+from qbits.ptq._stats import InputStats
 
 if TYPE_CHECKING:
     from qbits.ptq._gptq import GptqResult
 
-__all__ = ["MatrixStats", "Method", "by_name", "method_class", "settings"]
+__all__ = ["Method", "by_name", "method_class", "settings"]
 
 _METHODS: dict[str, type[Method]] = {}
-
-
-class MatrixStats(NamedTuple):
-    r"""The statistics of one weight matrix's activation, as a method gets them.
-
-    Over the calibration rows ``X`` (``(rows, K)``) of the activation that
-    multiplies the matrix (after the driver's transforms: ``smooth``,
-    ``rotate``), float32.
-
-    Attributes:
-      hessian: ``X^T X``, ``(K, K)``.
-      absmean: The mean ``|x_k|``, ``(K,)`` (NaN after a rotation).
-      rows: The number of rows, ``()``.
-      quantized_hessian: For a :attr:`Method.propagated` method:
-        ``X_hat^T X_hat``, ``X_hat`` the activation as the model computes it
-        with the weights quantized so far (same rows); else ``None``.
-      cross: For a :attr:`Method.propagated` method: ``X_hat^T X``,
-        ``(K, K)``; else ``None``.
-
-    Example:
-      >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
-      >>> s = qbits.ptq.MatrixStats(x.T @ x, jnp.abs(x).mean(0), jnp.float32(2))
-      >>> s.hessian.tolist(), s.cross is None
-      ([[10.0, 14.0], [14.0, 20.0]], True)
-    """
-
-    hessian: jax.Array
-    absmean: jax.Array
-    rows: jax.Array
-    quantized_hessian: jax.Array | None = None
-    cross: jax.Array | None = None
 
 
 class Method(abc.ABC):
@@ -74,13 +44,14 @@ class Method(abc.ABC):
 
     Subclasses are frozen dataclasses whose fields are the method's
     settings (:class:`~qbits.ptq.Rtn`, :class:`~qbits.ptq.Gptq`,
-    :class:`~qbits.ptq.Awq`), with a class attribute ``name`` (the report's
-    :attr:`~qbits.ptq.LayerReport.method`, and ``method="<name>"``).
+    :class:`~qbits.ptq.Awq`), with a class attribute ``name`` (the
+    reports' ``method`` in :attr:`~qbits.ptq.PtqResult.layers`, and
+    ``method="<name>"``).
 
     Attributes:
       name: The method's name.
       propagated: Whether :meth:`quantize` needs the statistics of the
-        activation the quantized model computes (:class:`MatrixStats`'
+        activation the quantized model computes (:class:`InputStats`'
         ``quantized_hessian`` and ``cross``).
 
     Example:
@@ -114,12 +85,7 @@ class Method(abc.ABC):
 
     @abc.abstractmethod
     def quantize(
-        self,
-        w: jax.Array,
-        stats: MatrixStats,
-        quantizer: Quantizer,
-        *,
-        name: str | None = None,
+        self, w: jax.Array, stats: InputStats, quantizer: Quantizer
     ) -> GptqResult | jax.Array:
         """Quantizes one weight matrix ``(K, N)`` of ``x @ w``.
 
@@ -127,7 +93,6 @@ class Method(abc.ABC):
           w: The weight (after the driver's transforms).
           stats: Its activation's statistics.
           quantizer: The target grid, applied with contracting axis 0.
-          name: The matmul's path, for error messages.
 
         Returns:
           A :class:`~qbits.ptq.GptqResult` for a weight on the quantizer's

@@ -32,7 +32,8 @@ from qbits._errors import InvalidArgumentError, check_float
 from qbits._formats import compute_dtype
 from qbits._quantizer import Quantizer
 from qbits.ptq._gptq import Gptq, GptqResult
-from qbits.ptq._method import MatrixStats, Method
+from qbits.ptq._method import Method
+from qbits.ptq._stats import InputStats
 
 __all__ = ["Qep"]
 
@@ -68,14 +69,13 @@ class Qep(Method):
         ``damping`` or a ``then`` that is not a layer-wise method.
 
     Example:
-      >>> def mlp(params, x):
-      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
-      >>> k = jax.random.split(jax.random.key(0), 3)
-      >>> params = {"w1": jax.random.normal(k[0], (16, 32)),
-      ...           "w2": jax.random.normal(k[1], (32, 8))}
-      >>> x = jax.random.normal(k[2], (64, 16))
-      >>> out = qbits.ptq.quantize_weights(mlp, params, [x], "int8_fwd",
-      ...                                  method=qbits.ptq.Qep(alpha=1.0))
+      >>> ws = jax.random.normal(jax.random.key(0), (2, 16, 16))
+      >>> params = {"w1": ws[0], "w2": ws[1]}
+      >>> def mlp(params, x):  # w2 is corrected for w1's error
+      ...     return jnp.tanh(x @ params["w1"]) @ params["w2"]
+      >>> x = jax.random.normal(jax.random.key(1), (64, 16))
+      >>> qep = qbits.ptq.Qep(alpha=1.0)
+      >>> out = qbits.ptq.quantize_weights(mlp, params, [x], "int8_fwd", method=qep)
       >>> [r.method for r in out.layers]
       ['qep', 'qep']
     """
@@ -100,17 +100,12 @@ class Qep(Method):
         self.then.check(owner, smooth=smooth, rotate=rotate)
 
     def quantize(
-        self,
-        w: jax.Array,
-        stats: MatrixStats,
-        quantizer: Quantizer,
-        *,
-        name: str | None = None,
+        self, w: jax.Array, stats: InputStats, quantizer: Quantizer
     ) -> GptqResult | jax.Array:
         """``then`` on the corrected weight and ``H_hat`` (see :class:`Method`)."""
         if stats.quantized_hessian is None or stats.cross is None:
             raise InvalidArgumentError(
-                _OWNER, "stats", "MatrixStats without quantized_hessian and cross",
+                _OWNER, "stats", "InputStats without quantized_hessian and cross",
                 "the statistics quantize_weights gives a propagated method "
                 "(X_hat^T X_hat and X_hat^T X)",
             )  # fmt: skip
@@ -118,17 +113,14 @@ class Qep(Method):
             w, stats.quantized_hessian, stats.cross, self.alpha, self.damping
         )
         if not isinstance(ok, jax.core.Tracer) and not bool(ok):
-            layer = f"layer {name!r}" if name is not None else "this layer"
             raise InvalidArgumentError(
                 _OWNER, "damping", self.damping,
                 f"a larger damping (e.g. {max(10 * self.damping, 0.01):g})",
-                why=f"X_hat^T X_hat of {layer} is not positive definite after "
+                why="X_hat^T X_hat of this layer is not positive definite after "
                 "damping",
             )  # fmt: skip
-        h_hat = stats.quantized_hessian
-        return self.then.quantize(
-            corrected, stats._replace(hessian=h_hat), quantizer, name=name
-        )
+        stats = dataclasses.replace(stats, hessian=stats.quantized_hessian)
+        return self.then.quantize(corrected, stats, quantizer)
 
 
 @jax.jit

@@ -6,10 +6,10 @@ et al., arXiv 2404.00456; QuIP#, arXiv 2402.04396). A randomized Hadamard
 matrix (:func:`hadamard`) is such a ``Q`` that costs ``O(K log K)`` per row
 to apply with a fast transform, and ``O(K^2)`` as a plain matmul.
 
-:func:`rotate_weight` applies ``Q^T`` to the weight once, offline;
-:func:`rotate_activation` applies ``Q`` to the activation online, in the
-forward pass, right before the matmul (or folded into the layer before,
-where that layer is linear: QuaRot folds it into the previous weight).
+``Q^T w`` is applied to the weight once, offline; ``x @ Q`` to the
+activation online, in the forward pass, right before the matmul (or folded
+into the layer before, where that layer is linear: QuaRot folds it into the
+previous weight). ``quantize_weights(rotate=True)`` does both.
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qbits._errors import InvalidArgumentError, check_int
-from qbits._formats import compute_dtype
-from qbits.ptq._gptq import check_activation, check_weight
 
-__all__ = ["hadamard", "rotate_activation", "rotate_weight"]
+__all__ = ["hadamard"]
 
 # Paley constructions are used up to this order of the non-power-of-two part.
 _MAX_PALEY = 1024
@@ -74,80 +72,6 @@ def hadamard(n: int, key: jax.Array | None = None) -> jax.Array:
         return jnp.asarray(h)
     signs = jax.random.rademacher(key, (n,), jnp.float32)
     return signs[:, None] * h
-
-
-def rotate_weight(w: jax.Array, q: jax.Array) -> jax.Array:
-    """The weight's half of a rotation: ``q^T @ w``.
-
-    With :func:`rotate_activation`, ``rotate_activation(x, q) @
-    rotate_weight(w, q) == x @ w`` up to rounding, for an orthogonal ``q``
-    (e.g. :func:`hadamard`).
-
-    Args:
-      w: The weight of ``x @ w``, ``(K, N)``.
-      q: An orthogonal matrix, ``(K, K)``.
-
-    Returns:
-      ``(K, N)``, ``w``'s dtype, computed at full float32 precision.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> w = jnp.array([[4.0, 0.0], [0.0, 0.0]])  # an outlier input
-      >>> qbits.ptq.rotate_weight(w, qbits.ptq.hadamard(2))
-      Array([[2.828427, 0.      ],
-             [2.828427, 0.      ]], dtype=float32)
-    """
-    w = check_weight("rotate_weight", w)
-    q = _check_rotation("rotate_weight", q, w.shape[0])
-    return _matmul(q.T, w, w.dtype)
-
-
-def rotate_activation(x: jax.Array, q: jax.Array) -> jax.Array:
-    """The activation's half of a rotation: ``x @ q``, online.
-
-    Applied in the forward pass to the matmul's input (over its last axis,
-    the input channels) before it is quantized; it adds a ``K x K`` matmul
-    per row unless folded into the layer before.
-
-    Args:
-      x: The matmul's input, ``(..., K)``, floating point.
-      q: The orthogonal matrix given to :func:`rotate_weight`, ``(K, K)``.
-
-    Returns:
-      ``x @ q``, ``x``'s shape and dtype.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> x, w = jnp.array([[1.0, 2.0]]), jnp.array([[1.0], [1.0]])
-      >>> q = qbits.ptq.hadamard(2)
-      >>> qbits.ptq.rotate_activation(x, q) @ qbits.ptq.rotate_weight(w, q)
-      Array([[3.]], dtype=float32)
-    """
-    x = check_activation("rotate_activation", x)
-    q = _check_rotation("rotate_activation", q, x.shape[-1])
-    return _matmul(x, q, x.dtype)
-
-
-def _matmul(a: jax.Array, b: jax.Array, out: np.dtype) -> jax.Array:
-    """``a @ b`` at full precision in ``out``'s compute dtype, as ``out``."""
-    dtype = compute_dtype(out)
-    product = jnp.matmul(
-        a.astype(dtype), b.astype(dtype), precision=jax.lax.Precision.HIGHEST
-    )
-    return product.astype(out)
-
-
-def _check_rotation(owner: str, q: jax.Array, k: int) -> jax.Array:
-    q = jnp.asarray(q)
-    if q.shape != (k, k) or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise InvalidArgumentError(
-            owner,
-            "q",
-            f"{q.dtype}{list(q.shape)}",
-            f"a float orthogonal matrix of shape ({k}, {k}), e.g. "
-            f"qbits.ptq.hadamard({k}, key)",
-        )
-    return q
 
 
 @functools.lru_cache(maxsize=32)

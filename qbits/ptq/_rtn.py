@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from qbits._quantizer import Quantizer
 from qbits.ptq._gptq import GptqResult, blocks_quantizer
-from qbits.ptq._method import MatrixStats, Method
+from qbits.ptq._method import Method
+from qbits.ptq._stats import InputStats
 
 __all__ = ["Rtn", "rtn"]
 
@@ -22,7 +23,8 @@ class Rtn(Method):
 
     What the engine computes with the same config (``qbits.quantize``), as
     a :func:`~qbits.ptq.quantize_weights` method: the baseline of every
-    :class:`~qbits.ptq.LayerReport` (``error_rtn``). No statistics used.
+    report in :attr:`~qbits.ptq.PtqResult.layers` (``error_rtn``). No
+    statistics used.
 
     Example:
       >>> w = jnp.array([[0.3, -1.0], [0.9, 0.2]])
@@ -35,12 +37,7 @@ class Rtn(Method):
     name: ClassVar[str] = "rtn"
 
     def quantize(
-        self,
-        w: jax.Array,
-        stats: MatrixStats | None,
-        quantizer: Quantizer,
-        *,
-        name: str | None = None,
+        self, w: jax.Array, stats: InputStats | None, quantizer: Quantizer
     ) -> GptqResult:
         """``w`` rounded to nearest on the quantizer's grid (see :class:`Method`)."""
         return rtn(w, quantizer)

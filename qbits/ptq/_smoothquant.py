@@ -1,13 +1,12 @@
 r"""Per-input-channel scales that move difficulty between x and w.
 
 ``x @ w == (x / s) @ (s[:, None] * w)`` for any positive ``s`` of length
-``K`` (one entry per input channel): :func:`scale_activation` and
-:func:`scale_weight` apply the two halves. SmoothQuant (Xiao et al.,
+``K`` (one entry per input channel). SmoothQuant (Xiao et al.,
 "SmoothQuant: Accurate and Efficient Post-Training Quantization for Large
 Language Models", arXiv 2211.10438) picks ``s`` from the activations' and the
 weight's ranges (:func:`smooth_scales`) so that outlier input channels of the
 activations shrink and int8 activations lose less; AWQ
-(:func:`~qbits.ptq.awq`) searches ``s`` for weight-only quantization. The
+(:class:`~qbits.ptq.Awq`) searches ``s`` for weight-only quantization. The
 division of ``x`` is usually folded into the layer before (a norm's scale, or
 the previous matmul's output channels).
 """
@@ -20,10 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from qbits._errors import InvalidArgumentError, check_float
-from qbits._formats import compute_dtype
-from qbits.ptq._gptq import check_activation, check_weight
+from qbits.ptq._gptq import check_weight
 
-__all__ = ["scale_activation", "scale_weight", "smooth_scales"]
+__all__ = ["smooth_scales"]
 
 # The reference implementation's floors (mit-han-lab/smoothquant, smooth.py).
 _FLOOR = 1e-5
@@ -50,8 +48,9 @@ def smooth_scales(
       alpha: The migration strength, in [0, 1].
 
     Returns:
-      The scales ``s``, ``(K,)``, float32: use ``scale_weight(w, s)`` and
-      ``scale_activation(x, s)``.
+      The scales ``s``, ``(K,)``, float32: ``s[:, None] * w`` is the
+      weight's half, ``x / s`` the activation's
+      (``quantize_weights(smooth=alpha)`` does both).
 
     Raises:
       InvalidArgumentError: For a ``w`` that is not a 2-D float array,
@@ -71,58 +70,6 @@ def smooth_scales(
     w_absmax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=1, initial=0.0)
     s = act_absmax**alpha / jnp.maximum(w_absmax, _FLOOR) ** (1.0 - alpha)
     return jnp.maximum(s, _FLOOR)
-
-
-def scale_weight(w: jax.Array, s: jax.Array) -> jax.Array:
-    """The weight's half of a smoothing: ``s[:, None] * w``.
-
-    Row ``j`` of ``w`` (input channel ``j``) is multiplied by ``s[j]``; with
-    :func:`scale_activation` the matmul is unchanged:
-    ``scale_activation(x, s) @ scale_weight(w, s) == x @ w`` up to
-    rounding.
-
-    Args:
-      w: The weight of ``x @ w``, ``(K, N)``.
-      s: Positive scales, ``(K,)``.
-
-    Returns:
-      ``(K, N)``, ``w``'s dtype.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> qbits.ptq.scale_weight(jnp.ones((2, 3)), jnp.array([2.0, 0.5]))
-      Array([[2. , 2. , 2. ],
-             [0.5, 0.5, 0.5]], dtype=float32)
-    """
-    w = check_weight("scale_weight", w)
-    s = check_channels("scale_weight", "s", s, w.shape[0])
-    dtype = compute_dtype(w.dtype)
-    return (w.astype(dtype) * s.astype(dtype)[:, None]).astype(w.dtype)
-
-
-def scale_activation(x: jax.Array, s: jax.Array) -> jax.Array:
-    """The activation's half of a smoothing: ``x / s`` along the last axis.
-
-    Args:
-      x: The matmul's input, ``(..., K)``, floating point.
-      s: The scales given to :func:`scale_weight`, ``(K,)``.
-
-    Returns:
-      ``x / s``, ``x``'s shape and dtype.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> x, w = jnp.array([[4.0, 1.0]]), jnp.array([[1.0], [2.0]])
-      >>> s = jnp.array([2.0, 0.5])
-      >>> qbits.ptq.scale_activation(x, s)
-      Array([[2., 2.]], dtype=float32)
-      >>> qbits.ptq.scale_activation(x, s) @ qbits.ptq.scale_weight(w, s)
-      Array([[6.]], dtype=float32)
-    """
-    x = check_activation("scale_activation", x)
-    s = check_channels("scale_activation", "s", s, x.shape[-1])
-    dtype = compute_dtype(x.dtype)
-    return (x.astype(dtype) / s.astype(dtype)).astype(x.dtype)
 
 
 def check_channels(owner: str, argument: str, v: Any, k: int) -> jax.Array:

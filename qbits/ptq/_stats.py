@@ -42,11 +42,21 @@ class InputStats:
        \text{absmax}_k = \max |x_k|, \quad
        \text{abssum}_k = \sum |x_k|
 
+    A :class:`~qbits.ptq.Method` gets them for one ``(K, N)`` matrix (no
+    leading axes), after the driver's transforms (``smooth``, ``rotate``:
+    the statistics of the transformed activation; ``absmax`` and ``abssum``
+    NaN after a rotation, which does not keep them).
+
     Attributes:
       hessian: ``(..., K, K)``: ``sum x x^T`` (``X^T X`` for rows ``X``).
       absmax: ``(..., K)``: the largest ``|x_k|``.
       abssum: ``(..., K)``: the sum of ``|x_k|``.
       rows: ``(...)``: the number of rows (float32: exact below ``2**24``).
+      quantized_hessian: For a :attr:`~qbits.ptq.Method.propagated`
+        method: ``X_hat^T X_hat``, ``X_hat`` the activation as the model
+        computes it with the weights quantized so far (same rows); else
+        ``None``.
+      cross: For a propagated method: ``X_hat^T X``; else ``None``.
 
     Example:
       >>> x = jnp.array([[1.0, -2.0], [3.0, 0.0]])
@@ -59,6 +69,8 @@ class InputStats:
     absmax: jax.Array
     abssum: jax.Array
     rows: jax.Array
+    quantized_hessian: jax.Array | None = None
+    cross: jax.Array | None = None
 
     @classmethod
     def zeros(cls, k: int) -> InputStats:

@@ -145,63 +145,53 @@ def _encode_layers(
     layout: tuple[Any, ...],
     layers: tuple[int, ...],
 ) -> QTensor:
-    """:func:`_encode` of each layer (``arrays`` per layer, flattened), stacked."""
-    encode = functools.partial(
-        _encode, quantizer=quantizer, contracting=contracting, layout=layout
-    )
+    """The codes of ``w`` (on the grid) with these parameters, layer by layer.
+
+    ``arrays``: its scale (and zero point, tensor scale) per block, per
+    layer (flattened); ``layout``: the stored dtypes of the values, scales,
+    format and zero points, the codebook and the packed axis.
+    """
+
+    def encode(w: jax.Array, arrays: dict[str, jax.Array]) -> QTensor:
+        storage, scale_dtype, qdtype, zero_dtype, codebook, packed_axis = layout
+        numerics = quantizer.numerics
+        scale = arrays["scale"]
+        zero, tensor = arrays.get("zero_point"), arrays.get("tensor_scale")
+        if zero is None and tensor is None:  # values and scales: the quantizer's path
+            qt, _ = quantizer.quant_vjp(
+                w, store=True, contracting_axes=contracting, scale=scale
+            )
+        else:
+            x = w.astype(jnp.float32)
+
+            def full(p: jax.Array) -> jax.Array:
+                for axis, n in enumerate(x.shape):
+                    p = jnp.repeat(p, n // p.shape[axis], axis)
+                return p
+
+            if tensor is not None:  # two-level (NVFP4): blocks of scale 0 hold zeros
+                total = full(scale * tensor)
+                y = jnp.where(total == 0, x, x / jnp.where(total == 0, 1.0, total))
+            else:
+                y = x / full(scale) + full(zero)
+            q = numerics.fwd(y, None)
+            if hasattr(numerics, "codes"):  # a codebook's indices (NF4)
+                q = numerics.codes(q)
+            qt = QTensor(
+                q.astype(storage),
+                scale.astype(scale_dtype),
+                qdtype=np.dtype(qdtype),
+                dtype=w.dtype,
+                zero_point=None if zero is None else zero.astype(zero_dtype),
+                tensor_scale=None if tensor is None else tensor.astype(jnp.float32),
+                codebook=codebook,
+            )
+        if packed_axis is not None:
+            qt = qt.pack(axis=packed_axis)
+        return qt
+
     if not layers:
         return encode(w, jax.tree.map(lambda a: a[0], arrays))
     n = math.prod(layers)
     qt = jax.vmap(encode)(w.reshape(n, *w.shape[len(layers) :]), arrays)
     return jax.tree.map(lambda a: a.reshape(*layers, *a.shape[1:]), qt)
-
-
-def _encode(
-    w: jax.Array,
-    arrays: dict[str, jax.Array],
-    quantizer: Quantizer,
-    contracting: tuple[int, ...],
-    layout: tuple[Any, ...],
-) -> QTensor:
-    """The codes of one layer's ``w`` (on the grid) with these parameters.
-
-    ``arrays``: its scale (and zero point, tensor scale) per block;
-    ``layout``: the stored dtypes of the values, scales, format and zero
-    points, the codebook and the packed axis.
-    """
-    storage, scale_dtype, qdtype, zero_dtype, codebook, packed_axis = layout
-    numerics = quantizer.numerics
-    scale = arrays["scale"]
-    zero, tensor = arrays.get("zero_point"), arrays.get("tensor_scale")
-    if zero is None and tensor is None:  # values and scales: the quantizer's path
-        qt, _ = quantizer.quant_vjp(
-            w, store=True, contracting_axes=contracting, scale=scale
-        )
-    else:
-        x = w.astype(jnp.float32)
-
-        def full(p: jax.Array) -> jax.Array:
-            for axis, n in enumerate(x.shape):
-                p = jnp.repeat(p, n // p.shape[axis], axis)
-            return p
-
-        if tensor is not None:  # two-level (NVFP4): blocks of scale 0 hold zeros
-            total = full(scale * tensor)
-            y = jnp.where(total == 0, x, x / jnp.where(total == 0, 1.0, total))
-        else:
-            y = x / full(scale) + full(zero)
-        q = numerics.fwd(y, None)
-        if hasattr(numerics, "codes"):  # a codebook's indices (NF4)
-            q = numerics.codes(q)
-        qt = QTensor(
-            q.astype(storage),
-            scale.astype(scale_dtype),
-            qdtype=np.dtype(qdtype),
-            dtype=w.dtype,
-            zero_point=None if zero is None else zero.astype(zero_dtype),
-            tensor_scale=None if tensor is None else tensor.astype(jnp.float32),
-            codebook=codebook,
-        )
-    if packed_axis is not None:
-        qt = qt.pack(axis=packed_axis)
-    return qt

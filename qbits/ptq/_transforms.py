@@ -23,6 +23,7 @@ row.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -76,28 +77,29 @@ class Transform:
 
     def apply(
         self, w: jax.Array, stats: InputStats
-    ) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
-        """``(w', H', absmean', data)`` of one ``(K, N)`` weight.
+    ) -> tuple[jax.Array, InputStats, dict[str, jax.Array]]:
+        """``(w', stats', data)`` of one ``(K, N)`` weight.
 
         ``w' = T^{-1} w`` and the statistics of ``x' = x T`` for
         ``T = diag(1/s) Q``; ``data`` is what the activation's half needs.
         """
-        h, absmean = stats.hessian, stats.absmean
+        h, absmax, abssum = stats.hessian, stats.absmax, stats.abssum
         data = {}
         if self.alpha is not None:
             s = smooth_scales(stats.absmax, w, alpha=self.alpha)
             w = (w * s[:, None]).astype(w.dtype)
             h = h / s[:, None] / s[None, :]
-            absmean = absmean / s
+            absmax, abssum = absmax / s, abssum / s
             data["scale"] = s
         if self.rotation is not None:
             q = self.rotation
             w = _highest(q.T, w).astype(w.dtype)
             h = _highest(_highest(q.T, h), q)
-            # mean |x Q| is not a function of the statistics: AWQ refuses it.
-            absmean = jnp.full_like(absmean, jnp.nan)
+            # |x Q| is not a function of the statistics: AWQ refuses it.
+            absmax = abssum = jnp.full_like(abssum, jnp.nan)
             data["rotation"] = q
-        return w, h, absmean, data
+        stats = dataclasses.replace(stats, hessian=h, absmax=absmax, abssum=abssum)
+        return w, stats, data
 
     def gram(self, g: jax.Array, data: dict[str, jax.Array]) -> jax.Array:
         """``A^T B`` of two activations (``(K, K)``), transformed: ``T^T g T``."""

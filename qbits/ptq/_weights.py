@@ -36,10 +36,11 @@ from qbits.numerics import NoNumerics
 from qbits.ops import DotGeneralConfig
 from qbits.ptq._collect import MatmulStats, collect_stats
 from qbits.ptq._gptq import GptqResult, check_quantizer, output_error
-from qbits.ptq._method import MatrixStats, Method, by_name, method_class, settings
+from qbits.ptq._method import Method, by_name, method_class, settings
 from qbits.ptq._plan import Weight, check_alone, check_inputs, check_some, plan
 from qbits.ptq._propagate import PairStats, propagated_stats
 from qbits.ptq._rtn import rtn
+from qbits.ptq._stats import InputStats
 from qbits.ptq._stored import stored_weight
 from qbits.ptq._transforms import ACTIVATION, Transform
 
@@ -48,7 +49,7 @@ _OWNER = "qbits.ptq.quantize_weights"
 
 @dataclasses.dataclass(frozen=True)
 class LayerReport:
-    """What :func:`quantize_weights` did to one weight.
+    """What :func:`quantize_weights` did to one weight: a row of ``PtqResult.layers``.
 
     One report per weight quantized: per weight matmul, except that the
     matmuls that multiply by the same parameter entries in the same layout
@@ -68,9 +69,14 @@ class LayerReport:
       uses: Every matmul that multiplies by this weight, ``path`` first.
 
     Example:
-      >>> r = qbits.ptq.LayerReport("fc1", "['fc1']['kernel']", "gptq", 2.0, 0.5)
-      >>> r.error / r.error_rtn, r.uses
-      (0.25, ('fc1',))
+      >>> def fc(params, x):
+      ...     return x @ params["w"]
+      >>> params = {"w": jnp.arange(32.0).reshape(8, 4) / 32}
+      >>> x = jax.random.normal(jax.random.key(0), (16, 8))
+      >>> out = qbits.ptq.quantize_weights(fc, params, [x], "int8_fwd", method="gptq")
+      >>> r = out.layers[0]
+      >>> r.path, r.param, r.method, r.uses, r.error <= r.error_rtn
+      ('w', "['w']", 'gptq', ('w',), True)
     """
 
     path: str
@@ -91,9 +97,15 @@ class PtqResult(NamedTuple):
     Attributes:
       params: ``params`` with every quantized weight replaced (same tree,
         shapes and dtypes).
-      layers: One :class:`LayerReport` per weight, in the order of the
-        statistics: per weight matmul, with the matmuls that share a
-        weight in one (:attr:`LayerReport.uses`).
+      layers: One report per weight, in the order of the statistics: per
+        weight matmul, with the matmuls that share a weight in one. Each
+        has ``path`` (the first matmul's, as :func:`qbits.layer_table`
+        names it), ``param`` (the key path of its parameter), ``method``
+        (:attr:`Method.name`), ``error_rtn`` (the output error of
+        round-to-nearest on the calibration set, ``tr((w - w_hat)^T H (w -
+        w_hat)) / rows``, summed over scan steps, groups and the matmuls
+        sharing the weight), ``error`` (the same for the method's weight)
+        and ``uses`` (every matmul that multiplies by the weight).
       config: The rules to run ``params`` with: the given config with the
         weight quantizer of every weight written here removed (the weights
         are on their grids already), so ``qbits.quantize(fn, result.config)``
@@ -278,8 +290,8 @@ def quantize_weights(
         matmuls quantize in other layouts or on other grids (naming both),
         a weight the model broadcasts or slices, calibration statistics or
         weights with NaN or inf (naming the matmul; checked before any
-        method runs), and the errors of :func:`collect_stats` and
-        :func:`gptq` (named by layer).
+        method runs), and the errors of :func:`collect_stats` and of the
+        method (naming the weight).
       TypeError: For an unexpected keyword argument.
       ConfigError: For a bad config.
 
@@ -446,14 +458,12 @@ def _one_weight(
             s = jax.tree.map(lambda a, at=at: a[at], w.stats)
             m = mats[g]
             w_rtn = rtn(m, quantizer).weight
-            wt, h, absmean, data = t.apply(m, s)
-            extra = {}
+            wt, st, data = t.apply(m, s)
             if pairs is not None:
-                extra = {"quantized_hessian": t.gram(pairs.quantized_hessian[at], data),
-                         "cross": t.gram(pairs.cross[at], data)}  # fmt: skip
-            got = method.quantize(
-                wt, MatrixStats(h, absmean, s.rows, **extra), quantizer, name=ms.path
-            )
+                st = dataclasses.replace(
+                    st, quantized_hessian=t.gram(pairs.quantized_hessian[at], data),
+                    cross=t.gram(pairs.cross[at], data))  # fmt: skip
+            got = _run_method(method, wt, st, quantizer, ms.path)
             if isinstance(got, GptqResult):  # on the grid, with its scales
                 grids.append(got)
                 got = got.weight
@@ -476,6 +486,20 @@ def _one_weight(
         for name, v in (datas[0] if datas else {}).items()
     }
     return ms.write(param, new), report, data, qt
+
+
+def _run_method(
+    method: Method, w: jax.Array, stats: InputStats, quantizer: Quantizer, path: str
+) -> Any:
+    """``method.quantize``, its errors naming the weight (a method sees one matrix)."""
+    try:
+        return method.quantize(w, stats, quantizer)
+    except InvalidArgumentError as e:
+        where = f"the weight of {path!r}"
+        why = f"{where}: {e.why}" if e.why else where
+        raise InvalidArgumentError(
+            e.owner, e.argument, e.value, e.allowed, why=why
+        ) from e
 
 
 @jax.jit

@@ -6,23 +6,22 @@ pass quantizes them, for linen models, nnx models and functions of any
 pytree of parameters alike (one path: the engine's storing pass), or keeps
 the codes and scales that post-training quantization chose (a
 :class:`qbits.ptq.PtqResult` in place of the params); the serving model
-(:func:`serve` for linen models and functions, the copy :func:`convert` returns for nnx)
-computes with them and equals the QAT forward bit for bit. :func:`save` /
+computes with them and equals the QAT forward bit for bit:
+``serve(model, config)(serving_params, *inputs)`` for linen models and
+functions alike (:class:`ServingParams`, one ``layers`` row per stored
+weight), the copy :func:`convert` returns for nnx (its weights held in
+place, as nnx holds state). :func:`save` /
 :func:`restore` write and read them with Orbax (checking the config);
 :func:`size_report` counts the bytes.
 """
 
 from qbits.serving._checkpoint import restore, save
 from qbits.serving._convert import convert
-from qbits.serving._layout import LayerInfo
-from qbits.serving._linen import Served, serve
+from qbits.serving._linen import serve
 from qbits.serving._params import ServingParams
-from qbits.serving._report import LayerSize, SizeReport, size_report
+from qbits.serving._report import SizeReport, size_report
 
 __all__ = [
-    "LayerInfo",
-    "LayerSize",
-    "Served",
     "ServingParams",
     "SizeReport",
     "convert",

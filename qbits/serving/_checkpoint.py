@@ -5,7 +5,7 @@ A checkpoint is an Orbax composite checkpoint with two items: ``arrays``
 uint8, fp8, float32 scales, biases) and ``meta`` (JSON: format version,
 ``"params"`` (serving params of a linen model or a function) or ``"nnx"``,
 every stored layer's
-:class:`~qbits.serving.LayerInfo`, its forward config included, and every
+``LayerInfo``, its forward config included, and every
 array's path, shape, dtype and SHA-256 checksum). Restoring compares the
 metadata with the target's before reading any array, so a checkpoint of
 another config is refused with a :class:`~qbits.ConfigError` naming the layer
@@ -48,7 +48,7 @@ def _saved_state(model: nnx.Module) -> Any:
     # The empty placeholders stay out (Orbax refuses zero-size arrays), and
     # so do the key streams a quantized copy trained with stochastic
     # rounding keeps (nnx.RngState): serving draws no keys.
-    return nnx.state(model, nnx.Not(nnx.Any(qnnx.Placeholder, nnx.RngState)))
+    return nnx.state(model, nnx.Not(nnx.Any(qnnx._Placeholder, nnx.RngState)))
 
 
 def _placeholders(layers: tuple[LayerInfo, ...]) -> dict[str, Any]:
@@ -127,7 +127,7 @@ def save(directory: str | os.PathLike[str], serving: Any, *, force: bool = False
     """Writes serving params (or a served nnx model) to ``directory``.
 
     Besides the arrays and every stored layer's
-    :class:`~qbits.serving.LayerInfo`, the checkpoint holds each array's
+    ``LayerInfo``, the checkpoint holds each array's
     shape, dtype and SHA-256 checksum (of its bytes, computed on the host),
     which :func:`restore` checks. Orbax writes to a temporary directory and
     renames it when complete, so a save that fails leaves nothing at
@@ -375,6 +375,6 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
     nnx.replace_by_pure_dict(state, arrays)
     nnx.update(target, state)
     for _, variable in nnx.iter_graph(target):  # an abstract target's placeholders
-        if isinstance(variable, qnnx.Placeholder):
+        if isinstance(variable, qnnx._Placeholder):
             variable.set_value(jnp.zeros((0,), variable.get_raw_value().dtype))
     return target

@@ -53,7 +53,9 @@ def _apply(model: nn.Module, method: str | Callable[..., Any]) -> Callable[..., 
 class Served:
     """A linen model served from :class:`~qbits.serving.ServingParams`.
 
-    Made by :func:`serve`. ``apply`` takes the serving params (from
+    Made by :func:`serve`; called as a served function is
+    (``served(serving_params, *inputs)``), or as ``served.apply(...)``.
+    ``apply`` takes the serving params (from
     :func:`qbits.serving.convert` or :func:`qbits.serving.restore`) in place
     of variables; everything else is as in ``flax.linen.Module.apply``
     (``method=`` names or gives a method of the model; ``rngs=``,
@@ -72,7 +74,7 @@ class Served:
       >>> sp = qbits.serving.convert(nn.Dense(4), "w4a8", params, x)
       >>> served = qbits.serving.serve(nn.Dense(4), "w4a8")
       >>> qat = qbits.quantize(nn.Dense(4).apply, "w4a8")
-      >>> bool((jax.jit(served.apply)(sp, x) == jax.jit(qat)(params, x)).all())
+      >>> bool((jax.jit(served)(sp, x) == jax.jit(qat)(params, x)).all())
       True
     """
 
@@ -99,6 +101,8 @@ class Served:
         owner = "qbits.serving.Served.apply"
         fn = _apply(self.model, _as_method(method, owner))
         return serve_params(owner, fn, self.config)(serving, *args, **kwargs)
+
+    __call__ = apply
 
 
 def _required_inputs(model: nn.Module, method: Any) -> tuple[str, list[str]]:
@@ -171,21 +175,24 @@ def serve(model: nn.Module | Callable[..., Any], config: Any) -> Any:
         preset name).
 
     Returns:
-      For a linen model, a :class:`Served` (call
-      ``served.apply(serving_params, *inputs)``); for a function,
-      ``served(serving_params, *args, **kwargs)``.
+      The served model, called the same way for both:
+      ``served(serving_params, *args, **kwargs)`` (a linen model's also
+      takes ``method=`` and has ``served.apply``, as ``Module.apply``).
 
     Raises:
       InvalidArgumentError: For a model that is neither a linen module nor
         a function, or a config of another type.
 
     Example:
-      >>> def mlp(params, x):
-      ...     return jax.nn.relu(x @ params["w1"]) @ params["w2"]
-      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
-      >>> x = jnp.ones((3, 4))
-      >>> sp = qbits.serving.convert(mlp, "int8_fwd", params, x)
-      >>> qbits.serving.serve(mlp, "int8_fwd")(sp, x).shape
+      >>> import flax.linen as nn
+      >>> dense, x = nn.Dense(2), jnp.ones((3, 4))
+      >>> variables = dense.init(jax.random.key(0), x)
+      >>> def fn(variables, x):
+      ...     return jax.nn.relu(dense.apply(variables, x))
+      >>> for model in (dense, fn):  # a linen model, a function: one form
+      ...     sp = qbits.serving.convert(model, "int8_fwd", variables, x)
+      ...     print(qbits.serving.serve(model, "int8_fwd")(sp, x).shape)
+      (3, 2)
       (3, 2)
     """
     owner = "qbits.serving.serve"

@@ -4,10 +4,10 @@ An nnx model is served as its ``__call__`` over its state is
 (:func:`qbits.nnx.as_function`): :func:`~qbits.serving._params.store` stores
 the weight of every matmul whose forward config quantizes it (``Linear``,
 ``Einsum``, attention, custom layers alike), and the serving copy
-(:func:`qbits.nnx.serving_copy`) holds them as
-:class:`~qbits.nnx.StoredWeight` Variables (values and scales; zero points
-and NVFP4's tensor scale where the format has them), with an empty
-:class:`~qbits.nnx.Placeholder` in place of each float weight they replace.
+holds them as :class:`~qbits.nnx.StoredWeight` Variables (values and
+scales; zero points and NVFP4's tensor scale where the format has them),
+with an empty placeholder Variable (shape ``(0,)``) in place of each float
+weight they replace.
 Its output equals the quantized copy's (``qbits.nnx.quantize(model,
 config)``) bit for bit.
 """
@@ -40,7 +40,7 @@ def convert_nnx(
     """
     fn, state = qnnx.as_function(model)
     stored, fills, layers = store(owner, fn, config, state, args, kwargs, given)
-    served = qnnx.serving_copy(model, forward_only(config), stored, fills)
+    served = qnnx._serving_copy(model, forward_only(config), stored, fills)
     served.qbits.info = tuple(layers)
     return served
 

@@ -10,7 +10,7 @@ placeholder (shape ``(0,)``, its dtype) wherever it sits in the parameter
 tree (a dict, linen variables, an nnx ``State``, an equinox module, a
 dataclass node), unless something else reads it (an embedding lookup reads
 a tied head's table). The layout of every stored weight, and its forward
-config, ride along as static metadata (:class:`~qbits.serving.LayerInfo`),
+config, ride along as static metadata (a ``LayerInfo`` row per stored weight),
 also under ``jax.jit``.
 
 :func:`serve_params` runs the function with ``qbits.quantize(fn, config,
@@ -62,7 +62,10 @@ class ServingParams(struct.PyTreeNode):
       weights: ``{matmul path: {"qvalue": array, "scale": array}}``: the
         stored weights (with ``"zero_point"`` for asymmetric grids and
         ``"tensor_scale"`` for NVFP4's two-level scales).
-      layers: One :class:`~qbits.serving.LayerInfo` per stored weight.
+      layers: One ``LayerInfo`` per stored weight: its path, kind, shape
+        and dtype as the matmul sees it, contracting axes, stored format,
+        packing, the key path of the float parameter it replaces and its
+        forward config.
 
     Example:
       >>> import flax.linen as nn

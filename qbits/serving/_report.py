@@ -25,7 +25,7 @@ def _nbytes(x: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LayerSize:
-    """The weight bytes of one stored layer.
+    """The weight bytes of one stored layer: a row of :class:`SizeReport`.
 
     Attributes:
       path: The layer's path.
@@ -37,9 +37,13 @@ class LayerSize:
       float32_bytes: Bytes of the same weight in float32.
 
     Example:
-      >>> row = qbits.serving.LayerSize("fc", "int8", (4, 4), 16, 16, 64)
-      >>> row.bytes, row.ratio
-      (32, 0.5)
+      >>> def f(params, x):
+      ...     return x @ params["w"]
+      >>> w, x = {"w": jnp.ones((4, 4))}, jnp.ones((2, 4))
+      >>> sp = qbits.serving.convert(f, "int8_fwd", w, x)
+      >>> row = qbits.serving.size_report(sp).layers[0]
+      >>> row.value_bytes, row.scale_bytes, row.float32_bytes, row.ratio
+      (16, 16, 64, 0.5)
     """
 
     path: str
@@ -65,7 +69,9 @@ class SizeReport:
     """Weight bytes of a served model versus float32.
 
     Attributes:
-      layers: One :class:`LayerSize` per stored layer.
+      layers: One row per stored layer (``path``, ``format``, ``shape``,
+        ``value_bytes``, ``scale_bytes``, ``float32_bytes``; ``bytes`` and
+        ``ratio``).
       other_bytes: Bytes of every other parameter (biases, norms, float
         layers, a tied embedding's table kept for its lookup), as they are
         stored.
@@ -77,12 +83,15 @@ class SizeReport:
         parameter once (:attr:`total_float32_bytes`).
 
     Example:
-      >>> row = qbits.serving.LayerSize("fc", "int8", (4, 4), 16, 16, 64)
-      >>> report = qbits.serving.SizeReport((row,), 16, 16)
+      >>> def f(params, x):
+      ...     return x @ params["w"] + params["b"]
+      >>> params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
+      >>> sp = qbits.serving.convert(f, "int8_fwd", params, jnp.ones((2, 4)))
+      >>> report = qbits.serving.size_report(sp)
       >>> report.ratio, report.total_ratio
       (0.5, 0.6)
       >>> print(str(report).splitlines()[2])
-      | fc | int8 | 4x4 | 16 | 16 | 64 | 0.5000 |
+      | w | int8, int8_fwd | 4x4 | 16 | 16 | 64 | 0.5000 |
     """
 
     layers: tuple[LayerSize, ...]
@@ -220,7 +229,7 @@ def size_report(serving: ServingParams | nnx.Module) -> SizeReport:
     elif isinstance(serving, nnx.Module) and served_layers(serving):
         infos = served_layers(serving)
         # The key streams a trained copy may keep (nnx.RngState): not weights.
-        skip = nnx.Any(nnx.PathContains("qbits"), qnnx.Placeholder, nnx.RngState)
+        skip = nnx.Any(nnx.PathContains("qbits"), qnnx._Placeholder, nnx.RngState)
         others = _arrays(nnx.state(serving, nnx.Not(skip)))
     else:
         raise InvalidArgumentError(

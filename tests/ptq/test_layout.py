@@ -8,6 +8,8 @@ read it; serving then computes what the float model computes on the
 written parameters.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,8 +85,8 @@ def test_transposed_and_reshaped_kernels_are_quantized_in_the_matmuls_layout(set
     for r in out.layers:  # its errors, of the parameters as written
         ms = stats[r.path]
         written = ms.matrix(ms.operand(out.params[r.path]))
-        error = ptq.output_error(ms.matrix(ms.operand(params[r.path])), written,
-                                 ms.stats.hessian) / ms.stats.rows  # fmt: skip
+        d = ms.matrix(ms.operand(params[r.path])) - written
+        error = jnp.sum(d * (ms.stats.hessian @ d)) / ms.stats.rows  # tr(d^T H d)
         assert r.error == pytest.approx(float(error), rel=1e-4), r.path
         assert r.error < r.error_rtn, r.path
     # GPTQ's weights, stored as serving stores them (the matmuls' layout),
@@ -133,7 +135,8 @@ def test_a_weight_shared_by_two_matmuls_is_quantized_once_on_both_statistics():
     ]  # fmt: skip
     # GPTQ on H = X1^T X1 + X2^T X2: the output error of both uses.
     merged = stats["w"].stats.hessian + stats["w#2"].stats.hessian
-    want = ptq.gptq(params["w"], merged, INT4, name="w").weight
+    stats_w = dataclasses.replace(stats["w"].stats, hessian=merged)
+    want = ptq.Gptq().quantize(params["w"], stats_w, INT4).weight
     np.testing.assert_array_equal(out.params["w"], want)
     # One stored weight serves both matmuls: the written parameter.
     for path in ("w", "w#2"):

@@ -88,8 +88,8 @@ class _Seen(ptq.Method):
     propagated: ClassVar[bool] = True
     seen: list = dataclasses.field(default_factory=list, compare=False)
 
-    def quantize(self, w, stats, quantizer, *, name=None):
-        self.seen.append((name, stats))
+    def quantize(self, w, stats, quantizer):
+        self.seen.append(stats)
         return ptq.Rtn().quantize(w, stats, quantizer)
 
 
@@ -98,7 +98,7 @@ def test_a_propagated_method_gets_the_inputs_of_the_weights_quantized_before_it(
     method = _Seen()
     out = ptq.quantize_weights(_mlp, params, batches, W4, method=method)
     assert [r.method for r in out.layers] == ["test_seen"] * 3
-    seen = dict(method.seen)
+    seen = dict(zip(("w1", "w2", "w3"), method.seen, strict=True))  # program order
     x = jnp.concatenate(batches)
     # The first weight's input is the model's input: no error to propagate.
     s = seen["w1"]
@@ -129,7 +129,7 @@ def test_the_methods_get_plain_statistics_without_propagation():
 
     @dataclasses.dataclass(frozen=True)
     class Plain(ptq.Method):
-        def quantize(self, w, stats, quantizer, *, name=None):
+        def quantize(self, w, stats, quantizer):
             seen.append(stats)
             return ptq.Rtn().quantize(w, stats, quantizer).weight  # off its grid
 
@@ -138,3 +138,18 @@ def test_the_methods_get_plain_statistics_without_propagation():
     assert all(s.cross is None and s.quantized_hessian is None for s in seen)
     assert out.stored == {}  # a plain weight: nothing to store
     assert [r.error == r.error_rtn for r in out.layers] == [True] * 3
+
+
+def test_a_methods_error_names_the_weight_it_was_quantizing():
+    params, batches = _setup()
+
+    @dataclasses.dataclass(frozen=True)
+    class Refuses(ptq.Method):
+        def quantize(self, w, stats, quantizer):
+            raise qbits.InvalidArgumentError("refuses", "w", "it", "nothing")
+
+    Refuses.name = "test_refuses"
+    with pytest.raises(
+        qbits.InvalidArgumentError, match=r"^refuses: w='it' .*the weight of 'w1'"
+    ):
+        ptq.quantize_weights(_mlp, params, batches, W4, method=Refuses())

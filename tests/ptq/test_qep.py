@@ -1,5 +1,7 @@
 """qbits.ptq.Qep: quantization error propagation (Arai and Ichikawa, 2025)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +23,9 @@ def _one_layer(rows=256, k=16, n=8, noise=0.3):
 
 def _stats(x, x_hat):
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    return ptq.MatrixStats(
+    return dataclasses.replace(
+        ptq.InputStats.of(f32(x)),
         hessian=f32(x.T @ x),
-        absmean=f32(np.abs(x).mean(0)),
-        rows=jnp.float32(len(x)),
         quantized_hessian=f32(x_hat.T @ x_hat),
         cross=f32(x_hat.T @ x),
     )
@@ -113,6 +114,6 @@ def test_qep_needs_the_model_and_checks_its_settings():
     with pytest.raises(qbits.InvalidArgumentError, match="rotate"):  # AWQ's refusal
         ptq.quantize_weights(f, params, [x], "int8_fwd", rotate=True,
                              method=ptq.Qep(then=ptq.Awq()))  # fmt: skip
-    plain = ptq.MatrixStats(jnp.eye(4), jnp.ones(4), jnp.float32(3))
+    plain = ptq.InputStats.of(jnp.ones((3, 4)))
     with pytest.raises(qbits.InvalidArgumentError, match="quantized_hessian"):
         ptq.Qep().quantize(params["w"], plain, FLOAT)

@@ -166,9 +166,9 @@ def _transformed_reference(params, x, transforms):
 
     def act(x, data):  # over the last axis (K)
         if "scale" in data:
-            x = ptq.scale_activation(x, data["scale"])
+            x = x / data["scale"]
         if "rotation" in data:
-            x = ptq.rotate_activation(x, data["rotation"])
+            x = x @ data["rotation"]
         return x
 
     t = transforms
