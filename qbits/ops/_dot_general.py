@@ -197,9 +197,9 @@ class DotGeneral(Configured):
         result (the quantization runs on its data; see :mod:`qbits.scaled`).
         ``state`` holds the scale state of the config's providers
         (:meth:`init_state`); its gradient is the next state (see
-        :mod:`qbits.ops._state`). ``diagnostics``, a probe
-        (:func:`~qbits.ops.init_probe`): its gradient measures every
-        quantized operand (:func:`~qbits.ops.read_probe`).
+        :mod:`qbits.ops._state`). ``diagnostics``, a probe (one
+        of :func:`qbits.diagnostics.init`'s): its gradient measures every
+        quantized operand (:func:`qbits.diagnostics.read`).
         """
         if is_scaled(lhs) or is_scaled(rhs):
             return scalify(

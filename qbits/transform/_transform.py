@@ -422,7 +422,7 @@ def init_probes(
     """A diagnostics probe for every quantized matmul of ``fn``.
 
     What :func:`quantize` takes as ``diagnostics=``: ``{matmul path: probe}``
-    (:func:`qbits.ops.init_probe`'s zeros), stacked along the scans over
+    (:func:`qbits.diagnostics.init`'s zeros), stacked along the scans over
     stacked layers (one probe per layer). Traced only (nothing is computed).
 
     Args:
