@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import qbits
+import qbits.hlo
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from examples.custom_models import LM, NnxMlp, lm_batch
@@ -69,7 +70,7 @@ def _count(fn, *args) -> tuple[int, int]:
     """(int8 matmuls, all matmuls) in ``fn``'s jaxpr."""
     found = []
     for prim in ("dot_general", "conv_general_dilated"):
-        found += qbits.ops.jaxpr_dot_dtypes(fn, *args, primitive=prim)
+        found += qbits.hlo.dot_dtypes(fn, *args, primitive=prim, stage="jaxpr")
     return sum(a == "int8" for a, _, _ in found), len(found)
 
 

@@ -7,7 +7,7 @@ the first, for three weight distributions: N(0, 1), N(1, 1) (shifted away
 from zero) and Student-t with 3 degrees of freedom (heavy tails). The
 figure is the noise-to-signal ratio, mean((w - w_hat)**2) / mean(w**2);
 it depends on the draw (key 0), not on the machine. Beside it, the bytes
-each format stores the weight in (:func:`qbits.ops.store_weight`: 4-bit
+each format stores the weight in (``qbits.ops._store_weight``: 4-bit
 values packed two per byte, with their scales, zero points and tensor
 scale), over float32's.
 
@@ -61,7 +61,7 @@ def weights() -> dict[str, jax.Array]:
 
 def stored_bytes(q: qbits.Quantizer, w: jax.Array) -> float:
     """What serving stores ``w`` in, over its float32 bytes."""
-    qt = qbits.ops.store_weight(w, qbits.MatmulConfig(rhs=q), (0,))
+    qt = qbits.ops._store_weight(w, qbits.MatmulConfig(rhs=q), (0,))
     return sum(a.nbytes for a in jax.tree.leaves(qt)) / w.nbytes
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import paired  # benchmarks/paired.py
 
 import qbits
+import qbits.hlo
 import qbits.serving
 
 BATCH, IN, HIDDEN, OUT = 256, 512, 2048, 512
@@ -113,7 +114,7 @@ def main() -> None:
             "report": report,
             "dots": [
                 f"{a} x {b} -> {o}"
-                for a, b, o in qbits.ops.dot_dtypes(compiled.as_text())
+                for a, b, o in qbits.hlo.dot_dtypes(compiled.as_text())
             ],
         }
 

@@ -23,17 +23,24 @@ dict, a linen variable collection, nnx Variables); the functional form is
 
 The state of one tensor has a compact shape: the scale's shape with its
 size-1 axes dropped, ``()`` for a per-tensor scale.
+
+When one state is used several times in one gradient (a layer in every step
+of a ``lax.scan``, micro-batches in one loss), JAX adds the new states of
+its uses; :func:`max_combining`, applied once where the state is read,
+makes them combine with max. New states of separate gradients combine with
+``jax.tree.map(jnp.maximum, a, b)``.
 """
 
 from __future__ import annotations
 
 import abc
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from flax.linen.fp8_ops import fp32_max_grad
 
 from qbits._errors import InvalidArgumentError, check_choice, check_float, check_int
 from qbits._lsq import LSQ_INITS, grid_max, init_step, lsq_quantize
@@ -43,6 +50,7 @@ __all__ = [
     "DelayedScaling",
     "LearnedScale",
     "ScaleProvider",
+    "max_combining",
     "scale_from_history",
     "update_history",
 ]
@@ -52,6 +60,52 @@ AMAX_COMPUTES: tuple[str, ...] = ("max", "most_recent")
 MAX_HISTORY_LENGTH = 65536
 
 State = dict[str, jax.Array]
+
+
+def max_combining(state: Any) -> Any:
+    """Scale state whose uses in one gradient combine with max, not add.
+
+    Converts every float32 leaf to Flax's ``fp32_max_grad`` (a float32 whose
+    cotangents add by ``max``). Convert once, where the state is read, and
+    pass the result to every use (every step of a ``lax.scan``, every
+    micro-batch of one loss, under ``jit``): their new states then combine
+    with max, which is right because every use computes the same new scale
+    and history but for the newest amax, the max over all uses. Leaves
+    already converted are left alone; other dtypes are refused.
+
+    Args:
+      state: A pytree of float32 scale state (``qbits.init_state``'s dict,
+        the linen ``qbits.flax.STATE`` collection, an nnx ``ScaleState``
+        state).
+
+    Returns:
+      The same pytree in ``fp32_max_grad``.
+
+    Raises:
+      InvalidArgumentError: For a leaf that is not float32 (parameters).
+
+    Example:
+      >>> dg = qbits.dot_general(qbits.presets.get("fp8_delayed"))
+      >>> st = dg.init_state(jnp.ones((2, 4)), jnp.ones((4, 3)),
+      ...                    (((1,), (0,)), ((), ())))
+      >>> str(qbits.DelayedScaling.max_combining(st)["lhs_scale"].dtype)
+      'fp8_meta32'
+    """
+
+    def convert(x: Any) -> Any:
+        dtype = getattr(x, "dtype", None)
+        if dtype == fp32_max_grad:
+            return x
+        if dtype != jnp.float32:
+            raise InvalidArgumentError(
+                "qbits.DelayedScaling.max_combining",
+                "state",
+                x,
+                "float32 arrays (scales, histories)",
+            )
+        return jax.lax.convert_element_type(x, fp32_max_grad)
+
+    return jax.tree.map(convert, state)
 
 
 class ScaleProvider(struct.PyTreeNode, metaclass=abc.ABCMeta):
@@ -158,6 +212,9 @@ class DelayedScaling(ScaleProvider):
     margin: float = struct.field(pytree_node=False, default=0.0)
 
     observes: ClassVar[bool] = True
+    #: :func:`max_combining`: scale state whose uses in one gradient combine
+    #: with max (micro-batches, scanned steps).
+    max_combining = staticmethod(max_combining)
 
     def __post_init__(self) -> None:
         check_int(

@@ -37,7 +37,7 @@ class Metrics:
     - ``drhs.grad``, ``drhs.lhs``: the output gradient and the activation,
       as the weight-gradient matmul quantizes them.
 
-    Metrics (:func:`qbits.ops.read_probe` defines each exactly):
+    Metrics (``qbits.ops._diagnose`` defines each exactly):
     ``sqnr_db`` (signal to quantization noise, capped at 150 dB where
     nothing is lost), ``clipped`` and ``flushed`` (fractions of the values
     saturated at the grid's top, and of the nonzero values rounded to 0),
@@ -220,7 +220,7 @@ def read(grads: Mapping[str, Any]) -> Metrics:
     values = {}
     for path, raw in grads.items():
         try:
-            metrics = ops.read_probe(raw)
+            metrics = ops._read_probe(raw)
         except InvalidArgumentError as e:
             raise InvalidArgumentError(
                 owner, f"grads[{path!r}]", e.value, e.allowed, why=why

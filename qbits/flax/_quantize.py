@@ -249,7 +249,8 @@ def quantize(model: nn.Module, config: Any) -> Quantized:
       >>> qmodel = qbits.flax.quantize(MLP(), config)
       >>> x = jax.random.normal(jax.random.key(0), (2, 8))
       >>> params = qmodel.init(jax.random.key(1), x)
-      >>> qbits.ops.jaxpr_dot_dtypes(lambda p: qmodel.apply(p, x), params)
+      >>> import qbits.hlo
+      >>> qbits.hlo.dot_dtypes(lambda p: qmodel.apply(p, x), params, stage="jaxpr")
       [('int8', 'int8', 'int32'), ('float32', 'float32', 'float32')]
     """
     if isinstance(model, Quantized):

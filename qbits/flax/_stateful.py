@@ -13,7 +13,7 @@ to all variables and writes that collection back instead of giving it to
 the optimizer. :class:`TrainState` does this (Flax's own
 ``flax.training.train_state.TrainState`` does too, as the collection has
 Flax's name). A loss that uses the state more than once (micro-batches in
-one gradient) converts it once with :func:`qbits.ops.max_combining` so
+one gradient) converts it once with :func:`qbits.DelayedScaling.max_combining` so
 that the uses combine with max.
 """
 

@@ -12,8 +12,11 @@ returns (its kernels, GEMMs, estimate, the targets' rates) are plain
 dataclasses documented with it.
 :class:`Program` also reads a module compiled on this machine
 (``Program(jax.jit(f).lower(...).compile().as_text())``).
+:func:`dot_dtypes` lists the operand and result types of every dot of a
+function, as XLA compiled it for this machine or as its jaxpr has it.
 """
 
+from qbits.hlo._dots import dot_dtypes
 from qbits.hlo._program import (
     GPU_COMPILER_OPTIONS,
     Program,
@@ -24,6 +27,7 @@ from qbits.hlo._program import (
 __all__ = [
     "GPU_COMPILER_OPTIONS",
     "Program",
+    "dot_dtypes",
     "prepare_environment",
     "program",
 ]

@@ -15,7 +15,6 @@ from qbits.nnx._quantize import (
     StoredWeight,
     as_function,
     layer_table,
-    max_combining,
     quantize,
     update_state,
 )
@@ -27,7 +26,6 @@ __all__ = [
     "StoredWeight",
     "as_function",
     "layer_table",
-    "max_combining",
     "quantize",
     "update_state",
 ]

@@ -32,9 +32,8 @@ tx, wrt=nnx.Param)`` trains the parameters and leaves the rest alone.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import flax.nnx as nnx
@@ -42,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qbits import ops, transform
+from qbits import transform
 from qbits._errors import InvalidArgumentError
 from qbits._tensor import QTensor
 from qbits.config import LayerTable, QuantConfig, _as_quant_config
@@ -352,7 +351,9 @@ def quantize(
       >>> qnet = qbits.nnx.quantize(Net(nnx.Rngs(0)), config, rngs=nnx.Rngs(quant=0))
       >>> x = jnp.ones((2, 8))
       >>> graphdef, state = nnx.split(qnet)
-      >>> qbits.ops.jaxpr_dot_dtypes(lambda s: nnx.merge(graphdef, s)(x), state)
+      >>> import qbits.hlo
+      >>> qbits.hlo.dot_dtypes(lambda s: nnx.merge(graphdef, s)(x), state,
+      ...                      stage="jaxpr")
       [('int8', 'int8', 'int32'), ('float32', 'float32', 'float32')]
     """
     rules = _as_quant_config(_CALLER.owner, config, allow_none=True)
@@ -421,7 +422,7 @@ def serving_copy(
       >>> import flax.nnx as nnx
       >>> linear = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
       >>> cfg = qbits.presets.get("int8_fwd")
-      >>> qt = qbits.ops.store_weight(linear.kernel[...], cfg.fwd, (0,))
+      >>> qt = qbits.ops._store_weight(linear.kernel[...], cfg.fwd, (0,))
       >>> served = qbits.nnx._serving_copy(
       ...     linear, qbits.QuantConfig(default=cfg), {"kernel": qt},
       ...     {"['kernel'].value": ((8, 4), jnp.float32)})
@@ -515,9 +516,9 @@ def layer_table(
 def update_state(model: nnx.Module, grads: Any) -> Any:
     """Writes the new scale state in ``grads`` into ``model``.
 
-    A loss that runs the model several times (micro-batches) runs them in
-    :func:`max_combining`, so that the new states of the uses combine with
-    max.
+    A loss that runs the model several times (micro-batches) converts its
+    state once with :func:`qbits.DelayedScaling.max_combining` first, so that
+    the new states of the uses combine with max.
 
     Args:
       model: The model the gradients were taken of.
@@ -545,35 +546,3 @@ def update_state(model: nnx.Module, grads: Any) -> Any:
     state, params = nnx.split_state(grads, ScaleState, ...)
     nnx.update(model, state)
     return params
-
-
-@contextlib.contextmanager
-def max_combining(model: nnx.Module) -> Iterator[nnx.Module]:
-    """Makes every use of the model's scale state combine with max.
-
-    For a loss that runs the model more than once (micro-batches in one
-    gradient): inside the ``with`` block each :class:`ScaleState` holds its
-    value converted once by :func:`qbits.ops.max_combining`, so that the new
-    states of all uses combine with max rather than add; the float32 values
-    are put back on exit. Use it inside the differentiated function, under
-    ``nnx.jit``.
-
-    Example:
-      >>> import flax.nnx as nnx
-      >>> a, b = jnp.full((2, 8), 3.0), jnp.full((2, 8), 5.0)
-      >>> model = qbits.nnx.quantize(nnx.Linear(8, 4, rngs=nnx.Rngs(0)),
-      ...                            "fp8_delayed", a)
-      >>> wrt = nnx.DiffState(0, (nnx.Param, qbits.nnx.ScaleState))
-      >>> def loss(m):
-      ...     with qbits.nnx.max_combining(m):
-      ...         return m(a).sum() + m(b).sum()
-      >>> grads = nnx.jit(nnx.grad(loss, argnums=wrt))(model)
-      >>> grads["qbits"]["state"]["kernel"]["lhs_amax_history"][...][:2]
-      Array([5., 0.], dtype=float32)
-    """
-    state = jax.tree.map(lambda x: x, nnx.state(model, ScaleState))  # the values
-    nnx.update(model, ops.max_combining(state))
-    try:
-        yield model
-    finally:
-        nnx.update(model, state)

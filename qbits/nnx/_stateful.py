@@ -93,7 +93,7 @@ class Stateful(nnx.Module):
             )
         self.rngs = _stream(rngs) if self.config.needs_key else None
         self._kinds = self.config.state_kinds()
-        for name, value in ops.per_tensor_state(self.config).items():
+        for name, value in ops._per_tensor_state(self.config).items():
             setattr(self, name, self._variable(name, value))
 
     def _variable(self, name: str, value: jax.Array) -> nnx.Variable:

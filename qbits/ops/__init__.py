@@ -4,21 +4,23 @@ One core (one custom VJP) computes the three quantized matmuls of each;
 scales come from calibration or from scale state (see
 :func:`dot_general`'s ``state=``). :data:`KINDS` holds each primitive's
 op kind (:class:`~qbits.ops._kind.OpKind`): what the engine reads, checks
-and runs of it.
+and runs of it. The underscored names are what the engine, the adapters,
+serving and diagnostics need of the ops besides the ops: not public.
 """
 
 from qbits.ops import _conv, _dot_general, _ragged
 from qbits.ops._config import DotGeneralConfig, MatmulConfig
 from qbits.ops._conv import ConvGeneralDilated, conv_general_dilated
-from qbits.ops._diagnose import init_probe, read_probe
+from qbits.ops._diagnose import init_probe as _init_probe  # noqa: F401 (not public)
+from qbits.ops._diagnose import read_probe as _read_probe  # noqa: F401
 from qbits.ops._dims import Dims
 from qbits.ops._dot_general import DotGeneral, dot_general
 from qbits.ops._einsum import Einsum, einsum
-from qbits.ops._hlo import dot_dtypes, jaxpr_dot_dtypes
 from qbits.ops._kind import registry
 from qbits.ops._ragged import ragged_dot
-from qbits.ops._state import combine_state, max_combining, per_tensor_state
-from qbits.ops._stored import store_weight, stored_matmul
+from qbits.ops._state import per_tensor_state as _per_tensor_state  # noqa: F401
+from qbits.ops._stored import store_weight as _store_weight  # noqa: F401
+from qbits.ops._stored import stored_matmul as _stored_matmul  # noqa: F401
 
 #: ``{primitive name: OpKind}``: every primitive qbits quantizes (a new op
 #: kind is its module's ``KIND`` added here).
@@ -32,17 +34,8 @@ __all__ = [
     "DotGeneralConfig",
     "Einsum",
     "MatmulConfig",
-    "combine_state",
     "conv_general_dilated",
-    "dot_dtypes",
     "dot_general",
     "einsum",
-    "init_probe",
-    "jaxpr_dot_dtypes",
-    "max_combining",
-    "per_tensor_state",
     "ragged_dot",
-    "read_probe",
-    "store_weight",
-    "stored_matmul",
 ]

@@ -32,7 +32,10 @@ from qbits.ops._operands import (
 )
 from qbits.ops._straight_through import instantiate, straight_through
 
-__all__ = ["Gradient", "backward_matmuls", "gradient_operands"]
+__all__ = ["Gradient", "backward_matmuls", "backward_specs", "gradient_operands"]
+
+#: ``{"dlhs" | "drhs": (config, contraction, kept operand, key slot)}``.
+Specs = dict[str, tuple[MatmulConfig, Contraction, Any, int]]
 
 
 @dataclasses.dataclass
@@ -158,12 +161,8 @@ def backward_matmuls(
       for each that quantizes ``g``, ``g`` quantized (``(QTensor, grad)``).
     """
     c = c.bind(data)
-    specs = _specs(config, c, rhs_b, lhs_b)
-    matmuls = {
-        name: Gradient.create(cfg, cg, g, other, slot, gscale)
-        for name, (cfg, cg, other, slot) in specs.items()
-        if name in needed
-    }
+    each = backward_specs(config, c, rhs_b, lhs_b)
+    matmuls = _gradients(each, needed, g, gscale)
     # The output gradient quantized once for both backward matmuls when they
     # quantize it alike (same quantizer, same blocks, no noise). A matmul
     # nobody needs keeps its place in the scale kernel (a placeholder) unless
@@ -171,7 +170,7 @@ def backward_matmuls(
     # those of a call that needs both.
     operands: dict[str, Operand] = {}
     same: dict[Any, str] = {}
-    for name, (cfg, cg, _, slot) in specs.items():
+    for name, (cfg, cg, _, slot) in each.items():
         if name not in needed:
             lc = cg.contracting[0]
             if cfg.lhs == IDENTITY:
@@ -209,38 +208,46 @@ def backward_matmuls(
 
 
 def gradient_operands(
-    config: DotGeneralConfig,
-    c: Contraction,
-    needed: tuple[str, ...],
-    g: jax.Array,
-    rhs_b: Any,
-    lhs_b: Any,
-    gscale: jax.Array | None,
-    data: Any = None,
+    specs: Specs, needed: tuple[str, ...], g: jax.Array, gscale: jax.Array | None
 ) -> dict[str, Operand]:
     """The output gradient as each needed backward matmul quantizes it.
 
     What :func:`backward_matmuls` quantizes (prepared, with a reused
     operand's scale folded in), for the matmuls that quantize ``g``: the
-    diagnostics measure it (:mod:`qbits.ops._diagnose`).
+    diagnostics measure it (:mod:`qbits.ops._diagnose`). ``specs``: the
+    call's :func:`backward_specs`.
     """
-    specs = _specs(config, c.bind(data), rhs_b, lhs_b)
-    out = {}
-    for name in needed:
-        cfg, cg, other, slot = specs[name]
-        m = Gradient.create(cfg, cg, g, other, slot, gscale)
-        if m.operand is not None and cfg.lhs != IDENTITY:
-            out[name] = m.operand
-    return out
+    return {
+        name: m.operand
+        for name, m in _gradients(specs, needed, g, gscale).items()
+        if m.operand is not None and specs[name][0].lhs != IDENTITY
+    }
 
 
-def _specs(
+def backward_specs(
     config: DotGeneralConfig, c: Contraction, rhs_b: Any, lhs_b: Any
-) -> dict[str, tuple[MatmulConfig, Contraction, Any, int]]:
-    """Each backward matmul's config, contraction, kept operand and key slot."""
+) -> Specs:
+    """Each backward matmul's config, contraction, kept operand and key slot.
+
+    ``c``: the forward contraction, bound to the call's data.
+    """
     return {
         "dlhs": (config.dlhs, c.gradient("lhs"), rhs_b, 2),
         "drhs": (config.drhs, c.gradient("rhs"), lhs_b, 4),
+    }
+
+
+def _gradients(
+    specs: Specs,
+    needed: tuple[str, ...],
+    g: jax.Array,
+    gscale: jax.Array | None,
+) -> dict[str, Gradient]:
+    """The ``needed`` backward matmuls of ``g`` (in ``specs``' order)."""
+    return {
+        name: Gradient.create(cfg, cg, g, other, slot, gscale)
+        for name, (cfg, cg, other, slot) in specs.items()
+        if name in needed
     }
 
 
@@ -255,14 +262,13 @@ def _backward_matmuls_jvp(
     grads, quantized = backward_matmuls(config, c, needed, *primals)
 
     def emulated(g: jax.Array, rhs_b: Any, lhs_b: Any) -> dict[str, jax.Array]:
-        specs = _specs(config, c.bind(data), rhs_b, lhs_b)
-        out = {}
-        for name in needed:
-            cfg, cg, other, slot = specs[name]
-            m = Gradient.create(cfg, cg, g, other, slot, gscale)
-            gq, grad = quantized.get(name, (None, None))
-            out[name] = m.straight_through(gq, grad).astype(grads[name].dtype)
-        return out
+        each = backward_specs(config, c.bind(data), rhs_b, lhs_b)
+        return {
+            name: m.straight_through(*quantized.get(name, (None, None))).astype(
+                grads[name].dtype
+            )
+            for name, m in _gradients(each, needed, g, gscale).items()
+        }
 
     args = (g, rhs_b, lhs_b)
     _, t_grads = jax.jvp(emulated, args, instantiate(tangents[:3], args))

@@ -15,18 +15,15 @@ from qbits._errors import InvalidArgumentError
 from qbits._tensor import QTensor
 from qbits.ops import _core as core
 from qbits.ops import _state as state_lib
-from qbits.ops._config import (
-    Configured,
-    DotGeneralConfig,
-    MatmulConfig,
-    check_config,
-)
+from qbits.ops._config import DotGeneralConfig, MatmulConfig, check_config
 from qbits.ops._dims import Axes
 from qbits.ops._kind import Call, Operand, OpKind
+from qbits.ops._op import Op
 from qbits.ops._rescale import common_dtypes, dot_operand
-from qbits.scaled import is_scaled, scalify
 
 __all__ = ["KIND", "ConvContraction", "ConvGeneralDilated", "conv_general_dilated"]
+
+_SIGNATURE = inspect.signature(lax.conv_general_dilated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,32 +43,25 @@ class _Conv:
 
     @classmethod
     def create(
-        cls,
-        lhs_shape: tuple[int, ...],
-        rhs_shape: tuple[int, ...],
-        window_strides: Any,
-        padding: Any,
-        lhs_dilation: Any = None,
-        rhs_dilation: Any = None,
-        dimension_numbers: Any = None,
-        feature_group_count: int = 1,
-        batch_group_count: int = 1,
-        precision: Any = None,
-        preferred_element_type: Any = None,
-        out_sharding: Any = None,
+        cls, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...], *args: Any
     ) -> _Conv:
-        """The arguments of a call with operands of these shapes, hashable."""
+        """The arguments of a call with operands of these shapes, hashable.
+
+        ``args``: those of ``lax.conv_general_dilated`` after the operands.
+        """
+        (strides, padding, lhs_dilation, rhs_dilation, numbers, features,
+         batches, precision, preferred, sharding) = _arguments(*args)  # fmt: skip
         return cls(
-            tuple(window_strides),
+            tuple(strides),
             _hashable(padding),
             None if lhs_dilation is None else tuple(lhs_dilation),
             None if rhs_dilation is None else tuple(rhs_dilation),
-            lax.conv_dimension_numbers(lhs_shape, rhs_shape, dimension_numbers),
-            feature_group_count,
-            batch_group_count,
+            lax.conv_dimension_numbers(lhs_shape, rhs_shape, numbers),
+            features,
+            batches,
             _hashable(precision),
-            preferred_element_type,
-            out_sharding,
+            preferred,
+            sharding,
         )
 
     def __call__(
@@ -132,14 +122,12 @@ def _hashable(x: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ConvGeneralDilated(Configured):
+class ConvGeneralDilated(Op):
     """A drop-in ``jax.lax.conv_general_dilated`` that quantizes.
 
-    Made by :func:`conv_general_dilated`.
-
-    Attributes:
-      config: The forward convolution and the two gradient convolutions.
-      key: PRNG key for stochastic rounding, or ``None``.
+    Made by :func:`conv_general_dilated`. It holds its ``config`` (the
+    forward and the two gradient convolutions) and ``key`` (for stochastic
+    rounding, or ``None``); two are equal when those are.
 
     Example:
       >>> import flax.linen as nn
@@ -175,29 +163,17 @@ class ConvGeneralDilated(Configured):
         (:meth:`init_state`); ``diagnostics`` a probe, as for
         :class:`~qbits.ops.DotGeneral`.
         """
-        rest = (
-            window_strides,
-            padding,
-            lhs_dilation,
-            rhs_dilation,
-            dimension_numbers,
-            feature_group_count,
-            batch_group_count,
-            precision,
-            preferred_element_type,
-            out_sharding,
-        )
-        if is_scaled(lhs) or is_scaled(rhs):
-            return scalify(
-                lambda a, b: self(a, b, *rest, state=state, diagnostics=diagnostics)
-            )(lhs, rhs)
-        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        if self.config.is_identity and not state and diagnostics is None:
-            return lax.conv_general_dilated(lhs, rhs, *rest)
-        c = _contraction(lhs, rhs, *rest)
-        return state_lib.run(
-            self.config, c, lhs, rhs, self.key, state, "conv_general_dilated",
-            probe=diagnostics,
+        rest = (window_strides, padding, lhs_dilation, rhs_dilation,
+                dimension_numbers, feature_group_count, batch_group_count,
+                precision, preferred_element_type, out_sharding)  # fmt: skip
+
+        def quantized(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+            c = _contraction(lhs, rhs, *rest)
+            return self._run("conv_general_dilated", c, lhs, rhs, state, diagnostics)
+
+        return self._apply(
+            lhs, rhs, lambda a, b: lax.conv_general_dilated(a, b, *rest),
+            quantized, state, diagnostics,
         )  # fmt: skip
 
     def init_state(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -211,33 +187,21 @@ class ConvGeneralDilated(Configured):
           >>> sorted(conv.init_state(x, w, (1, 1), "SAME"))[:2]
           ['grad_amax_history', 'grad_scale']
         """
-        if not isinstance(lhs, jax.ShapeDtypeStruct):
-            lhs = jnp.asarray(lhs)
-        if not isinstance(rhs, jax.ShapeDtypeStruct):
-            rhs = jnp.asarray(rhs)
-        bound = inspect.signature(lax.conv_general_dilated).bind(
-            lhs, rhs, *args, **kwargs
+        rest = _arguments(*args, **kwargs)
+        return self._init_state(
+            "conv_general_dilated", lambda a, b: _contraction(a, b, *rest), lhs, rhs
         )
-        bound.apply_defaults()
-        rest = tuple(bound.arguments.values())[2:]
-        c = _contraction(lhs, rhs, *rest)
-        return state_lib.init_state(self.config, c, lhs, rhs, "conv_general_dilated")
 
 
-def _contraction(
-    lhs: Any,
-    rhs: Any,
-    window_strides: Any,
-    padding: Any,
-    lhs_dilation: Any,
-    rhs_dilation: Any,
-    dimension_numbers: Any,
-    feature_group_count: int,
-    batch_group_count: int,
-    precision: Any,
-    preferred_element_type: Any,
-    out_sharding: Any,
-) -> ConvContraction:
+def _arguments(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    """``lax.conv_general_dilated``'s arguments after the operands, all ten."""
+    bound = _SIGNATURE.bind(None, None, *args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())[2:]
+
+
+def _contraction(lhs: Any, rhs: Any, *args: Any) -> ConvContraction:
+    """The convolution of a call (``args``: as :func:`_arguments`)."""
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise InvalidArgumentError(
@@ -246,11 +210,7 @@ def _contraction(
                 x.dtype,
                 "a floating-point dtype",
             )
-    conv = _Conv.create(
-        lhs.shape, rhs.shape, window_strides, padding, lhs_dilation,
-        rhs_dilation, dimension_numbers, feature_group_count, batch_group_count,
-        precision, preferred_element_type, out_sharding,
-    )  # fmt: skip
+    conv = _Conv.create(lhs.shape, rhs.shape, *args)
     operands = (
         (tuple(lhs.shape), np.dtype(lhs.dtype)),
         (tuple(rhs.shape), np.dtype(rhs.dtype)),

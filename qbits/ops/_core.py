@@ -71,7 +71,11 @@ from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
 from qbits._tensor import QTensor
 from qbits.numerics import next_key
-from qbits.ops._backward import backward_matmuls, gradient_operands
+from qbits.ops._backward import (
+    backward_matmuls,
+    backward_specs,
+    gradient_operands,
+)
 from qbits.ops._config import IDENTITY, DotGeneralConfig, MatmulConfig
 from qbits.ops._diagnose import as_cotangent, init_probe, measure, to_probe
 from qbits.ops._operands import (
@@ -483,9 +487,8 @@ def _measure_backward(
     quantized: dict[str, Any],
 ) -> dict[str, jax.Array]:
     """``measured`` with the output gradient's measurements added."""
-    operands = gradient_operands(
-        plan.config, plan.contraction, needed, g, rhs_b, lhs_b, gscale, data
-    )
+    specs = backward_specs(plan.config, plan.contraction.bind(data), rhs_b, lhs_b)
+    operands = gradient_operands(specs, needed, g, gscale)
     found = {
         f"{name}.grad": measure(o.quantizer, o.x, quantized[name][0], o.contracting)
         for name, o in operands.items()

@@ -13,7 +13,7 @@ probe nothing is measured: the program is the one without diagnostics.
 The measurements are sums (:data:`SUMS`) and maxima (:data:`MAXIMA`): the
 cotangents of a probe used several times (every step of a loop over
 micro-batches) add, and those of the maxima combine by max (they are
-converted with :func:`~qbits.ops.max_combining`), so the metrics of
+converted with :func:`qbits.DelayedScaling.max_combining`), so the metrics of
 several uses are those of all their values together. :func:`read_probe`
 turns them into the metrics.
 """
@@ -90,7 +90,7 @@ def init_probe() -> dict[str, jax.Array]:
     :func:`read_probe` turns into metrics.
 
     Example:
-      >>> probe = qbits.ops.init_probe()
+      >>> probe = qbits.ops._init_probe()
       >>> {k: v.shape for k, v in probe.items()}
       {'sums': (6, 9), 'maxima': (6, 2)}
     """
@@ -175,10 +175,10 @@ def _check_raw(raw: Any) -> None:
         lead.add(tuple(np.shape(x)[:-2]))
     if not ok or len(lead) > 1:
         raise InvalidArgumentError(
-            "qbits.ops.read_probe",
+            "qbits.diagnostics.read",
             "raw",
             _shapes(raw),
-            "the gradient of a probe of qbits.ops.init_probe(): float arrays "
+            "the gradient of a probe of qbits.diagnostics.init: float arrays "
             + ", ".join(f"{k!r} shaped (..., {a}, {b})" for k, (a, b) in want.items())
             + " with the same leading (layer) axes",
         )
@@ -230,8 +230,8 @@ def read_probe(raw: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
       >>> w = jax.random.normal(jax.random.key(1), (16, 4))
       >>> loss = lambda w, probe: dg(x, w, (((1,), (0,)), ((), ())),
       ...                             diagnostics=probe).sum()
-      >>> raw = jax.jit(jax.grad(loss, argnums=1))(w, qbits.ops.init_probe())
-      >>> m = qbits.ops.read_probe(raw)
+      >>> raw = jax.jit(jax.grad(loss, argnums=1))(w, qbits.ops._init_probe())
+      >>> m = qbits.ops._read_probe(raw)
       >>> bool(m["fwd.rhs"]["sqnr_db"] > 30), float(m["fwd.rhs"]["clipped"])
       (True, 0.0)
 

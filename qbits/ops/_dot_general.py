@@ -15,12 +15,7 @@ from qbits._errors import InvalidArgumentError
 from qbits._tensor import QTensor
 from qbits.ops import _core as core
 from qbits.ops import _state as state_lib
-from qbits.ops._config import (
-    Configured,
-    DotGeneralConfig,
-    MatmulConfig,
-    check_config,
-)
+from qbits.ops._config import DotGeneralConfig, MatmulConfig, check_config
 from qbits.ops._dims import Axes, Dims
 from qbits.ops._kind import Call, Operand, OpKind
 from qbits.ops._matmul import (
@@ -30,7 +25,7 @@ from qbits.ops._matmul import (
     result_dtype,
     stored_rhs,
 )
-from qbits.scaled import is_scaled, scalify
+from qbits.ops._op import Op
 
 __all__ = ["KIND", "DotContraction", "DotGeneral", "dot_general"]
 
@@ -158,18 +153,16 @@ def _grad_sharding(sharding: Any, perm: tuple[int, ...]) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DotGeneral(Configured):
+class DotGeneral(Op):
     """A drop-in ``jax.lax.dot_general`` that quantizes as its config says.
 
     Made by :func:`dot_general`; call it exactly like ``lax.dot_general``.
     A config whose quantizers take their scales from state (a
     :class:`~qbits.ScaleProvider` such as
     :class:`~qbits.DelayedScaling`) also needs ``state=``, from
-    :meth:`init_state`.
-
-    Attributes:
-      config: The three matmuls.
-      key: PRNG key for stochastic rounding, or ``None``.
+    :meth:`init_state`. It holds its ``config`` (the three matmuls) and
+    ``key`` (for stochastic rounding, or ``None``); two are equal when
+    those are.
 
     Example:
       >>> import flax.linen as nn
@@ -197,39 +190,20 @@ class DotGeneral(Configured):
         result (the quantization runs on its data; see :mod:`qbits.scaled`).
         ``state`` holds the scale state of the config's providers
         (:meth:`init_state`); its gradient is the next state (see
-        :mod:`qbits.ops._state`). ``diagnostics``, a probe
-        (:func:`~qbits.ops.init_probe`): its gradient measures every
-        quantized operand (:func:`~qbits.ops.read_probe`).
+        :mod:`qbits.ops._state`). ``diagnostics``, a probe (one
+        of :func:`qbits.diagnostics.init`'s): its gradient measures every
+        quantized operand (:func:`qbits.diagnostics.read`).
         """
-        if is_scaled(lhs) or is_scaled(rhs):
-            return scalify(
-                lambda a, b: self(
-                    a,
-                    b,
-                    dimension_numbers,
-                    precision,
-                    preferred_element_type,
-                    out_sharding=out_sharding,
-                    state=state,
-                    diagnostics=diagnostics,
-                )
-            )(lhs, rhs)
-        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        if self.config.is_identity and not state and diagnostics is None:
-            return lax.dot_general(
-                lhs,
-                rhs,
-                dimension_numbers,
-                precision,
-                preferred_element_type,
-                out_sharding=out_sharding,
-            )
-        c = self._contraction(
-            lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding
-        )
-        return state_lib.run(
-            self.config, c, lhs, rhs, self.key, state, "dot_general",
-            probe=diagnostics,
+        args = (dimension_numbers, precision, preferred_element_type)
+
+        def quantized(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+            c = self._contraction(lhs, rhs, *args, out_sharding)
+            return self._run("dot_general", c, lhs, rhs, state, diagnostics)
+
+        return self._apply(
+            lhs, rhs,
+            lambda a, b: lax.dot_general(a, b, *args, out_sharding=out_sharding),
+            quantized, state, diagnostics,
         )  # fmt: skip
 
     def init_state(
@@ -252,14 +226,10 @@ class DotGeneral(Configured):
           >>> state["lhs_scale"], state["lhs_amax_history"].shape
           (Array([1.], dtype=float32), (1024,))
         """
-        if not isinstance(lhs, jax.ShapeDtypeStruct):
-            lhs = jnp.asarray(lhs)
-        if not isinstance(rhs, jax.ShapeDtypeStruct):
-            rhs = jnp.asarray(rhs)
-        c = self._contraction(
-            lhs, rhs, dimension_numbers, precision, preferred_element_type, None
+        args = (dimension_numbers, precision, preferred_element_type, None)
+        return self._init_state(
+            "dot_general", lambda a, b: self._contraction(a, b, *args), lhs, rhs
         )
-        return state_lib.init_state(self.config, c, lhs, rhs, "dot_general")
 
     def _contraction(
         self,

@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from qbits._errors import InvalidArgumentError
 from qbits.ops import _state as state_lib
-from qbits.ops._config import Configured, DotGeneralConfig, check_config
+from qbits.ops._config import DotGeneralConfig, check_config
 from qbits.ops._dot_general import DotGeneral
-from qbits.scaled import is_scaled, scalify
+from qbits.ops._op import Op
 
 __all__ = ["Einsum", "einsum"]
 
@@ -167,12 +167,11 @@ def _permute_sharding(sharding: Any, perm: tuple[int, ...]) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Einsum(Configured):
+class Einsum(Op):
     """A quantized two-operand ``jnp.einsum``; made by :func:`einsum`.
 
-    Attributes:
-      config: The forward matmul and the two gradient matmuls.
-      key: PRNG key for stochastic rounding, or ``None``.
+    It holds its ``config`` and ``key``, as :class:`DotGeneral`, whose
+    quantized ``dot_general`` does the contraction.
 
     Example:
       >>> import flax.nnx as nnx
@@ -204,49 +203,40 @@ class Einsum(Configured):
         ``state`` holds the scale state of the config's providers
         (:meth:`init_state`).
         """
-        if is_scaled(lhs) or is_scaled(rhs):
-            return scalify(
-                lambda a, b: self(
-                    subscripts,
-                    a,
-                    b,
-                    precision=precision,
-                    preferred_element_type=preferred_element_type,
-                    out_sharding=out_sharding,
-                    state=state,
-                )
-            )(lhs, rhs)
         if not isinstance(subscripts, str):
             raise InvalidArgumentError(
                 "einsum", "subscripts", subscripts, "a string such as 'bd,dh->bh'"
             )
-        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        plan = _plan(subscripts, lhs.shape, rhs.shape)
-        if self.config.is_identity and not state:
+        options = {
+            "precision": precision,
+            "preferred_element_type": preferred_element_type,
+        }
+
+        def plain(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+            _plan(subscripts, lhs.shape, rhs.shape)  # qbits' errors
             # jnp.einsum's own numbers
             return jnp.einsum(
-                subscripts,
+                subscripts, lhs, rhs, **options, out_sharding=out_sharding
+            )
+
+        def quantized(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+            plan = _plan(subscripts, lhs.shape, rhs.shape)
+            lhs, rhs = _prepared(plan, lhs, rhs)
+            identity = plan.perm == tuple(range(len(plan.perm)))
+            extra = {} if state is None else {"state": state}
+            out = self.dot_general(
                 lhs,
                 rhs,
-                precision=precision,
-                preferred_element_type=preferred_element_type,
-                out_sharding=out_sharding,
+                plan.dimension_numbers,
+                out_sharding=out_sharding
+                if identity
+                else _permute_sharding(out_sharding, plan.perm),
+                **options,
+                **extra,
             )
-        lhs, rhs = _prepared(plan, lhs, rhs)
-        identity = plan.perm == tuple(range(len(plan.perm)))
-        extra = {} if state is None else {"state": state}
-        out = self.dot_general(
-            lhs,
-            rhs,
-            plan.dimension_numbers,
-            precision,
-            preferred_element_type,
-            out_sharding=out_sharding
-            if identity
-            else _permute_sharding(out_sharding, plan.perm),
-            **extra,
-        )
-        return out if identity else jnp.transpose(out, plan.perm)
+            return out if identity else jnp.transpose(out, plan.perm)
+
+        return self._apply(lhs, rhs, plain, quantized, state, None)
 
     def init_state(self, subscripts: str, lhs: Any, rhs: Any) -> dict[str, jax.Array]:
         """The initial scale state for these operands (see :mod:`qbits.ops._state`).

@@ -15,12 +15,13 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
 from qbits._tensor import QTensor
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes
 
-__all__ = ["INT32_MAX", "code_bound", "headroom", "shifted"]
+__all__ = ["INT32_MAX", "code_bound", "headroom", "int32_holds", "shifted"]
 
 
 def headroom(lqt: QTensor, rqt: QTensor, cfg: MatmulConfig) -> tuple[str, float] | None:
@@ -61,6 +62,32 @@ def code_bound(qt: QTensor, quantizer: Quantizer | None = None) -> int:
         return top
     bound = numerics.code_bound()
     return top if bound is None else min(top, bound)
+
+
+def int32_holds(k: int, lqt: QTensor, rqt: QTensor, cfg: MatmulConfig) -> bool:
+    """Whether an int32 accumulator holds every sum of ``k`` code products.
+
+    The rule: ``K * max|a| * max|b| <= 2**31 - 1``, with the code bounds of
+    :func:`code_bound`. int8 x int8 sums up to K = 133,144 exactly; 16-bit
+    codes only K = 2 (wider sums accumulate in float32).
+
+    Raises:
+      InvalidArgumentError: For ``accumulator=int32`` where it could
+        overflow.
+    """
+    worst = k * code_bound(lqt, cfg.lhs) * code_bound(rqt, cfg.rhs)
+    if worst <= INT32_MAX:
+        return True
+    if cfg.accumulator == np.dtype(np.int32):
+        raise InvalidArgumentError(
+            "MatmulConfig",
+            "accumulator",
+            "int32",
+            "None or float32 for these operands",
+            why=f"{k} products of {np.dtype(lqt.qdtype)} x {np.dtype(rqt.qdtype)} "
+            f"codes can sum to {worst}, beyond int32",
+        )
+    return False
 
 
 def shifted(

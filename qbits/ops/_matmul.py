@@ -33,7 +33,7 @@ from qbits._errors import InvalidArgumentError
 from qbits._tensor import QTensor, expand_scale
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes, Dims
-from qbits.ops._headroom import INT32_MAX, code_bound, headroom
+from qbits.ops._headroom import headroom, int32_holds
 from qbits.ops._rescale import (
     dot_operand,
     is_byte_float,
@@ -172,14 +172,8 @@ def contract(
 def _int32_holds(lqt: QTensor, rqt: QTensor, dims: Dims, cfg: MatmulConfig) -> bool:
     """Whether an int32 accumulator holds every sum of this integer dot.
 
-    The rule: ``K * max|a| * max|b| <= 2**31 - 1``, with K the number of
-    products summed into one output (the tile size for tiled scales) and
-    the code bounds of :func:`code_bound`. int8 x int8 sums up to K = 133,144
-    exactly; 16-bit codes only K = 2 (wider sums accumulate in float32).
-
-    Raises:
-      InvalidArgumentError: For ``accumulator=int32`` where it could
-        overflow.
+    :func:`~qbits.ops._headroom.int32_holds`, with K the number of products
+    summed into one output (the tile size for tiled scales).
     """
     k = 1
     for la in dims.lhs_contract:
@@ -187,19 +181,7 @@ def _int32_holds(lqt: QTensor, rqt: QTensor, dims: Dims, cfg: MatmulConfig) -> b
     tiled = tiled_pair(lqt, lqt.scale, rqt.scale, dims)
     if tiled is not None:
         k = k // lqt.shape[dims.lhs_contract[tiled[0]]] * tiled[1]
-    worst = k * code_bound(lqt, cfg.lhs) * code_bound(rqt, cfg.rhs)
-    if worst <= INT32_MAX:
-        return True
-    if cfg.accumulator == np.dtype(np.int32):
-        raise InvalidArgumentError(
-            "MatmulConfig",
-            "accumulator",
-            "int32",
-            "None or float32 for these operands",
-            why=f"{k} products of {np.dtype(lqt.qdtype)} x {np.dtype(rqt.qdtype)} "
-            f"codes can sum to {worst}, beyond int32",
-        )
-    return False
+    return int32_holds(k, lqt, rqt, cfg)
 
 
 def _per_index_free(qt: QTensor, axes: Axes) -> QTensor:

@@ -46,8 +46,9 @@ from qbits._calibration import AbsMax, ConstantBound
 from qbits._errors import InvalidArgumentError
 from qbits._granularity import PerTensor
 from qbits.ops import _state as state_lib
-from qbits.ops._config import Configured, DotGeneralConfig, check_config
+from qbits.ops._config import DotGeneralConfig, check_config
 from qbits.ops._kind import Call, Operand, OpKind
+from qbits.ops._op import Op
 from qbits.ops._ragged_contract import RaggedContraction
 from qbits.ops._ragged_dims import BASIC, RaggedDims, unsupported
 
@@ -206,17 +207,14 @@ def _check_config(config: DotGeneralConfig, owner: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class RaggedDot(Configured):
+class RaggedDot(Op):
     """A drop-in ``jax.lax.ragged_dot`` that quantizes as its config says.
 
     Made by :func:`ragged_dot`; call it exactly like ``lax.ragged_dot``, or
     (:meth:`general`) like ``lax.ragged_dot_general``. A config whose
     quantizers take their scales from state also needs ``state=``, from
-    :meth:`init_state`.
-
-    Attributes:
-      config: The forward matmul and the two gradient matmuls.
-      key: PRNG key for stochastic rounding, or ``None``.
+    :meth:`init_state`. It holds its ``config`` and ``key``, as
+    :class:`~qbits.ops.DotGeneral`.
 
     Example:
       >>> rd = qbits.ops.ragged_dot(qbits.presets.get("int8_fwd"))
@@ -269,7 +267,7 @@ class RaggedDot(Configured):
                 )  # fmt: skip
         _check_shapes("ragged_dot", lhs, rhs, RaggedDims.create(BASIC, 2, 3))
         _check_group_sizes("ragged_dot", group_sizes, rhs, 0)
-        if self.config.is_identity and not state and diagnostics is None:
+        if self._passes(state, diagnostics):
             return lax.ragged_dot(
                 lhs, rhs, group_sizes, precision, preferred_element_type,
                 group_offset, out_sharding,
@@ -322,7 +320,7 @@ class RaggedDot(Configured):
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         group_sizes = jnp.asarray(group_sizes)
         rdn = ragged_dot_dimension_numbers
-        if self.config.is_identity and not state and diagnostics is None:
+        if self._passes(state, diagnostics):
             _check_dtype(_owner, group_sizes)
             _check_sizes(_owner, group_sizes)
             return lax.ragged_dot_general(
@@ -333,10 +331,7 @@ class RaggedDot(Configured):
             _owner, lhs, rhs, group_sizes, rdn, precision, preferred_element_type,
             group_offset, out_sharding,
         )  # fmt: skip
-        out = state_lib.run(
-            self.config, c, lhs, rhs, self.key, state, _owner, data=group_sizes,
-            probe=diagnostics,
-        )  # fmt: skip
+        out = self._run(_owner, c, lhs, rhs, state, diagnostics, group_sizes)
         # Traced sizes that are negative or wrap around: lax leaves them
         # undefined (on CPU a row sums the products of every group whose
         # range holds it); quantized, each row takes one group's scale.

@@ -21,7 +21,7 @@ from qbits.ops import _core as core
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes
 from qbits.ops._dot_general import DotContraction
-from qbits.ops._headroom import INT32_MAX, code_bound
+from qbits.ops._headroom import int32_holds
 from qbits.ops._matmul import _per_index_free, codes_precision
 from qbits.ops._operands import unquantized
 from qbits.ops._ragged_dims import RaggedDims, expand, group_ids, group_mask
@@ -42,9 +42,8 @@ class RaggedContraction(core.Contraction):
 
     Attributes:
       ragged: The dimension numbers.
-      precision: As for ``lax.ragged_dot_general`` (hashable).
-      preferred_element_type: As for ``lax.ragged_dot_general``.
-      out_sharding: As for ``lax.ragged_dot_general``.
+      precision, preferred_element_type, out_sharding: The call's, as
+        ``lax.ragged_dot_general`` takes them (``precision`` hashable).
       out_perm: The output is transposed by it (the lhs gradient, laid out
         like the lhs), or ``None``.
       group_sizes: The call's group sizes, once bound (:meth:`bind`).
@@ -120,19 +119,9 @@ class RaggedContraction(core.Contraction):
         lqt = _per_index_free(lqt, d.lhs_batch + d.lhs_free)
         rqt = _per_index_free(rqt, (*d.rhs_batch, *r.rhs_kept, r.rhs_group))
         a, b, acc = common_dtypes(dot_operand(lqt), dot_operand(rqt), cfg.accumulator)
-        if acc == np.dtype(np.int32):
-            k = int(np.prod([lqt.shape[x] for x in d.lhs_contract]))
-            worst = k * code_bound(lqt, cfg.lhs) * code_bound(rqt, cfg.rhs)
-            if worst > INT32_MAX:
-                if cfg.accumulator == np.dtype(np.int32):
-                    raise InvalidArgumentError(
-                        "MatmulConfig",
-                        "accumulator",
-                        "int32",
-                        "None or float32 for these operands",
-                        why=f"{k} products of codes can sum to {worst}, beyond int32",
-                    )
-                a, b, acc = common_dtypes(a, b, np.dtype(np.float32))
+        k = int(np.prod([lqt.shape[x] for x in d.lhs_contract]))
+        if acc == np.dtype(np.int32) and not int32_holds(k, lqt, rqt, cfg):
+            a, b, acc = common_dtypes(a, b, np.dtype(np.float32))
         out = self._dot(a, b, acc).astype(jnp.float32)
         nb, nf = len(d.lhs_batch), len(d.lhs_free)
         ls = jnp.transpose(lqt.scale, d.lhs_batch + d.lhs_free + d.lhs_contract)

@@ -37,11 +37,12 @@ Combining with max:
   add by ``max``) before it is used: all uses of one converted value
   combine with max. Every call converts its own state; to share one
   conversion between the calls in a loop, convert once outside the loop
-  with :func:`max_combining` (idempotent). Max is right: every use computes
-  the same new scale (from the same old history) and the same rolled
-  history except for the newest entry, whose max is the amax over all uses.
-  Gradients computed separately (one ``jax.grad`` per micro-batch) combine
-  with :func:`combine_state`. Combining inside one gradient needs ``jit``
+  with :func:`qbits.DelayedScaling.max_combining` (idempotent). Max is right:
+  every use computes the same new scale (from the same old history) and the
+  same rolled history except for the newest entry, whose max is the amax
+  over all uses. Gradients computed separately (one ``jax.grad`` per
+  micro-batch) combine with ``jax.tree.map(jnp.maximum, a, b)``. Combining
+  inside one gradient needs ``jit``
   (as a training step is): JAX cannot add two values of this dtype outside
   ``jit``.
 
@@ -65,7 +66,7 @@ from jax import lax
 
 from qbits._errors import InvalidArgumentError
 from qbits._granularity import PerTensor
-from qbits._providers import ScaleProvider
+from qbits._providers import ScaleProvider, max_combining
 from qbits._quantizer import Quantizer
 from qbits.ops import _core as core
 from qbits.ops._config import DotGeneralConfig
@@ -74,9 +75,7 @@ from qbits.ops._diagnose import init_probe
 __all__ = [
     "TensorState",
     "check_providers",
-    "combine_state",
     "init_state",
-    "max_combining",
     "per_tensor_state",
     "run",
     "tensor_states",
@@ -223,7 +222,7 @@ def per_tensor_state(config: DotGeneralConfig) -> dict[str, jax.Array]:
     until then.
 
     Example:
-      >>> st = qbits.ops.per_tensor_state(qbits.presets.get("fp8_delayed"))
+      >>> st = qbits.ops._per_tensor_state(qbits.presets.get("fp8_delayed"))
       >>> st["grad_scale"], st["grad_amax_history"].shape
       (Array([1.], dtype=float32), (1024,))
     """
@@ -309,46 +308,6 @@ def _check_state(
     return dict(state)
 
 
-def max_combining(state: Any) -> Any:
-    """Converts float32 state to Flax's ``fp32_max_grad``: cotangents add by max.
-
-    Convert once, where the state is read, and pass the result to every use
-    (every step of a ``lax.scan``, every micro-batch): their new states then
-    combine with max. Leaves already converted are left alone; other dtypes
-    are refused.
-
-    Example:
-      >>> dg = qbits.dot_general(qbits.presets.get("fp8_delayed"))
-      >>> st = dg.init_state(jnp.ones((2, 4)), jnp.ones((4, 3)),
-      ...                    (((1,), (0,)), ((), ())))
-      >>> str(qbits.ops.max_combining(st)["lhs_scale"].dtype)
-      'fp8_meta32'
-    """
-
-    def convert(x: Any) -> Any:
-        dtype = getattr(x, "dtype", None)
-        if dtype == fp32_max_grad:
-            return x
-        if dtype != np.dtype(np.float32):
-            raise InvalidArgumentError(
-                "max_combining", "state", x, "float32 arrays (scales, histories)"
-            )
-        return lax.convert_element_type(x, fp32_max_grad)
-
-    return jax.tree.map(convert, state)
-
-
-def combine_state(a: Any, b: Any) -> Any:
-    """Combines two new states (e.g. of two micro-batches) with max.
-
-    Example:
-      >>> qbits.ops.combine_state({"s": jnp.array([1.0, 5.0])},
-      ...                         {"s": jnp.array([3.0, 2.0])})
-      {'s': Array([3., 5.], dtype=float32)}
-    """
-    return jax.tree.map(jnp.maximum, a, b)
-
-
 def _f32(state: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {
         k: lax.convert_element_type(v, jnp.float32) if v.dtype == fp32_max_grad else v
@@ -389,7 +348,7 @@ def run(
 
     ``data``: the contraction's arrays besides the operands (see
     :func:`qbits.ops._core.apply`). ``probe``: a diagnostics probe
-    (:func:`~qbits.ops.init_probe`), or ``None``.
+    (:func:`~qbits.ops._diagnose.init_probe`), or ``None``.
 
     Raises:
       InvalidArgumentError: For state that does not match the config and
@@ -446,7 +405,7 @@ def run(
 
 
 def _check_probe(owner: str, probe: Any) -> dict[str, jax.Array]:
-    """The probe, its maxima max-combining (:func:`max_combining`)."""
+    """The probe, its maxima max-combining (`DelayedScaling.max_combining`)."""
     want = jax.eval_shape(init_probe)
     if (
         not isinstance(probe, dict)
@@ -457,7 +416,7 @@ def _check_probe(owner: str, probe: Any) -> dict[str, jax.Array]:
             owner,
             "diagnostics",
             jax.tree.map(jnp.shape, probe),
-            "a probe from qbits.ops.init_probe() (one matmul's; "
-            "qbits.diagnostics.init gives every matmul of a function theirs)",
+            "a probe: one matmul's of qbits.diagnostics.init(fn, config, "
+            "*args), which gives every matmul of fn its own",
         )
     return {"sums": probe["sums"], "maxima": max_combining(probe["maxima"])}

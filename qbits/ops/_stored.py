@@ -74,7 +74,7 @@ def store_weight(weight: jax.Array, cfg: MatmulConfig, contracting: Any) -> QTen
 
     Example:
       >>> cfg = qbits.presets.get("w4a8").fwd
-      >>> qt = qbits.ops.store_weight(jnp.ones((8, 3)), cfg, (0,))
+      >>> qt = qbits.ops._store_weight(jnp.ones((8, 3)), cfg, (0,))
       >>> qt.qvalue.dtype, qt.qvalue.shape, qt.shape
       (dtype('uint8'), (8, 2), (8, 3))
     """
@@ -115,7 +115,7 @@ def stored_matmul(
       >>> w, _ = qbits.ops._stored.quantize_operand(q, jnp.ones((8, 3)), (0,), None,
       ...                                   store=True)
       >>> dims = qbits.ops.Dims.create((((1,), (0,)), ((), ())), 2, 2)
-      >>> qbits.ops.stored_matmul(jnp.ones((2, 8)), w, dims, cfg).shape
+      >>> qbits.ops._stored_matmul(jnp.ones((2, 8)), w, dims, cfg).shape
       (2, 3)
     """
     if not stored_rhs(rhs, dims):

@@ -4,9 +4,9 @@
 matrices (:meth:`~qbits.ptq.MatmulStats.matrix`: one per layer of a scan,
 one per group of a grouped weight) with scales in the layout of the
 quantizer on that matrix, ``(K // group, N // block_n)``. Serving stores
-the weight operand as the matmul sees it (:func:`qbits.ops.store_weight`:
-the quantizer along the operand's contracting axes, 4-bit values packed
-along the last axis, scanned layers stacked first). :func:`stored_weight`
+the weight operand as the matmul sees it (the quantizer along the
+operand's contracting axes, 4-bit values packed along the last axis,
+scanned layers stacked first). :func:`stored_weight`
 maps the one onto the other: each per-block parameter (scale, zero point,
 tensor scale) is spread over its block's entries, moved to the operand's
 layout by the inverse of ``matrix``, and read back once per block of the
@@ -29,7 +29,7 @@ import numpy as np
 from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
 from qbits._tensor import QTensor
-from qbits.ops import MatmulConfig, store_weight
+from qbits.ops import MatmulConfig, _store_weight
 from qbits.ptq._collect import MatmulStats
 from qbits.ptq._gptq import GptqResult
 
@@ -66,7 +66,7 @@ def stored_weight(
     try:
         ref = jax.eval_shape(
             functools.partial(
-                store_weight,
+                _store_weight,
                 cfg=MatmulConfig(rhs=quantizer),
                 contracting=ms.contracting,
             ),

@@ -188,7 +188,7 @@ class Plan:
         caller checks that they are such matmuls, outside ``cond`` and
         ``while`` bodies).
       diagnose: Every quantized site measures its quantized operands: its
-        probe (:func:`qbits.ops.init_probe`) is ``frame.states[DIAGNOSTICS
+        probe (:func:`qbits.diagnostics.init`) is ``frame.states[DIAGNOSTICS
         + path]``, sliced per layer along a scan over stacked layers.
 
     Raises:

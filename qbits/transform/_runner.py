@@ -32,6 +32,7 @@ from jax import lax
 from qbits import ops
 from qbits._errors import InvalidArgumentError
 from qbits._jaxpr import bind, scan_counts
+from qbits._providers import max_combining
 from qbits._tensor import QTensor
 from qbits.numerics import next_key
 from qbits.transform._adapter import adapted
@@ -149,7 +150,7 @@ class Runner:
         probe_name = self.plan.probes.get(here)
         if probe_name is not None:
             if frame.collect is not None:  # initialising: the probe's zeros
-                frame.collect[probe_name] = ops.init_probe()
+                frame.collect[probe_name] = ops._init_probe()
             else:
                 extra["diagnostics"] = frame.states[probe_name]
         stored_name = self.plan.stored.get(here)
@@ -178,12 +179,12 @@ class Runner:
         lhs, rhs, dn, precision, pet = call.args
         dims = ops.Dims.create(dn, jnp.ndim(lhs), jnp.ndim(rhs))
         if frame.collect is not None:
-            frame.collect[name] = ops.store_weight(rhs, config.fwd, dims.rhs_contract)
+            frame.collect[name] = ops._store_weight(rhs, config.fwd, dims.rhs_contract)
             return None
         qt = frame.states[name]
         self._check_stored(name, qt, rhs, config, dims)
         qt = qt.replace(dtype=np.dtype(rhs.dtype))
-        return ops.stored_matmul(
+        return ops._stored_matmul(
             lhs, qt, dims, config.fwd, precision=precision,
             preferred_element_type=pet, **call.kwargs, **extra,
         )  # fmt: skip
@@ -209,7 +210,7 @@ class Runner:
         """Raises unless ``qt`` is what storing ``weight`` with this config gives."""
         want = jax.eval_shape(
             functools.partial(
-                ops.store_weight, cfg=config.fwd, contracting=dims.rhs_contract
+                ops._store_weight, cfg=config.fwd, contracting=dims.rhs_contract
             ),
             jax.ShapeDtypeStruct(jnp.shape(weight), jnp.result_type(weight)),
         )
@@ -343,14 +344,12 @@ class Runner:
     def _combining(self, name: str, state: dict[str, Any]) -> dict[str, Any]:
         """A state used by every iteration of a loop, its uses combining by max.
 
-        Converted once, outside the loop (:func:`qbits.ops.max_combining`):
+        Converted once, outside the loop (:func:`qbits.DelayedScaling.max_combining`):
         every iteration computes the same new scale and history but for the
         newest amax, whose max over the iterations is the loop's.
         """
         replaced = self.plan.replaced[name]
-        return {
-            k: ops.max_combining(v) if k in replaced else v for k, v in state.items()
-        }
+        return {k: max_combining(v) if k in replaced else v for k, v in state.items()}
 
     def _while(self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame) -> list:
         p = eqn.params

@@ -385,9 +385,8 @@ def init_probes(
 ) -> dict[str, dict[str, jax.Array]]:
     """A diagnostics probe for every quantized matmul of ``fn``.
 
-    :func:`qbits.diagnostics.init`, its errors naming ``caller``: what
-    :func:`quantize` takes as ``diagnostics=``, ``{matmul path: probe}``
-    (:func:`qbits.ops.init_probe`'s zeros), stacked along the scans over
+    What :func:`quantize` takes as ``diagnostics=``: ``{matmul path: probe}``
+    (:func:`qbits.diagnostics.init`'s zeros), stacked along the scans over
     stacked layers (one probe per layer). Traced only (nothing is computed).
     """
     quant = _as_quant_config(caller.owner, config, allow_none=True)

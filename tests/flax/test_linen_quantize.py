@@ -10,6 +10,7 @@ import pytest
 
 import qbits
 import qbits.flax
+import qbits.hlo
 from qbits import InvalidArgumentError
 from qbits.config import QuantConfig, Rule
 
@@ -95,8 +96,8 @@ def test_methods_mutable_collections_and_rngs_pass_through():
     model, qmodel, params = _setup()
 
     def dots(module, method):
-        return qbits.ops.jaxpr_dot_dtypes(
-            lambda p: module.apply(p, TOKENS, method=method), params
+        return qbits.hlo.dot_dtypes(
+            lambda p: module.apply(p, TOKENS, method=method), params, stage="jaxpr"
         )
 
     for method in ("first_block", Transformer.first_block, model.first_block):
@@ -135,10 +136,13 @@ def test_conv_einsum_remat_and_conv_transpose_layers():
     table = qbits.flax.layer_table(model, "int8_fwd", x)
     # ConvTranspose runs lax.conv_general_dilated too: the engine reaches it.
     assert [r.path for r in table.rows] == ["conv", "einsum", "remat", "convT"]
-    dots = qbits.ops.jaxpr_dot_dtypes(lambda p: qmodel.apply(p, x), params)
+    dots = qbits.hlo.dot_dtypes(lambda p: qmodel.apply(p, x), params, stage="jaxpr")
     assert dots == [S8] * 2
-    convs = qbits.ops.jaxpr_dot_dtypes(
-        lambda p: qmodel.apply(p, x), params, primitive="conv_general_dilated"
+    convs = qbits.hlo.dot_dtypes(
+        lambda p: qmodel.apply(p, x),
+        params,
+        primitive="conv_general_dilated",
+        stage="jaxpr",
     )
     assert [c[:2] for c in convs] == [("int8", "int8")] * 2
     y, yq = jax.jit(model.apply)(params, x), jax.jit(qmodel.apply)(params, x)
@@ -162,7 +166,7 @@ def test_a_models_own_quantized_dot_general_is_kept():
     assert table.rows[0].as_dict()["source"] == "kept: inside custom_vjp"
     assert table["b"].describe() == "int8_fwd"
     qmodel = qbits.flax.quantize(model, "int8_fwd")
-    dots = qbits.ops.jaxpr_dot_dtypes(lambda p: qmodel.apply(p, x), params)
+    dots = qbits.hlo.dot_dtypes(lambda p: qmodel.apply(p, x), params, stage="jaxpr")
     assert dots == [S8, S8]  # a: its own int4 (widened to int8); b: the rules'
 
 

@@ -199,7 +199,7 @@ def test_merge_float_and_quantized_base(float_lora, qlora):
     w = np.asarray(merged["head"])
     bound = np.max(np.diff(levels)) / 2 * np.abs(w).max(axis=0, keepdims=True)
     fwd = fn.base_rules.resolve("head").config.fwd
-    requantized = jax.jit(lambda w: qbits.ops.store_weight(w, fwd, (0,)).dequant())
+    requantized = jax.jit(lambda w: qbits.ops._store_weight(w, fwd, (0,)).dequant())
     assert (np.abs(np.asarray(requantized(w)) - w) <= bound * (1 + 1e-6)).all()
     gap = np.abs(np.asarray(nf4_model(merged, X)) - np.asarray(unmerged)).max()
     base_gap = np.asarray(nf4_model(PARAMS, X)) - np.asarray(run_model(PARAMS, X))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import qbits
+import qbits.hlo
 from qbits import (
     ConstantBound,
     DotGeneralConfig,
@@ -334,7 +335,7 @@ def test_int8_dots_are_native_s8_in_the_optimized_hlo():
     def loss(x, w):
         return jnp.sum(dg(x, w, dn) ** 2)
 
-    dots = qbits.ops.dot_dtypes(jax.grad(loss, argnums=(0, 1)), x, w)
+    dots = qbits.hlo.dot_dtypes(jax.grad(loss, argnums=(0, 1)), x, w)
     # The forward and both gradient matmuls (dlhs is live: x is differentiated)
     # stay s8 x s8 -> s32; XLA widens what it cannot run natively.
     assert dots == [("s8", "s8", "s32")] * 3
@@ -538,7 +539,7 @@ def test_integer_accumulator_never_overflows(bits, k, int32):
     top = 2 ** (bits - 1) - 1
     expected = k * (top / (top + 0.5)) ** 2  # 1.0 is stored as top, scale 1/(top+.5)
     np.testing.assert_allclose(dg(x, w, MM), [[expected]], rtol=1e-6)
-    dtypes = qbits.ops.jaxpr_dot_dtypes(lambda a, b: dg(a, b, MM), x, w)
+    dtypes = qbits.hlo.dot_dtypes(lambda a, b: dg(a, b, MM), x, w, stage="jaxpr")
     assert (dtypes[0][2] == "int32") == int32, dtypes
 
 

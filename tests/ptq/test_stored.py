@@ -107,7 +107,7 @@ def test_round_to_nearest_stores_what_convert_stores_and_errors_say_why():
     # RTN's grid is the engine's own: its stored weight is bit for bit what
     # convert stores from the float weight (the rounded weight, rounded
     # again, gets other scales on a symmetric grid).
-    want = qbits.ops.store_weight(w, qbits.presets.get(int4).fwd, (1,))
+    want = qbits.ops._store_weight(w, qbits.presets.get(int4).fwd, (1,))
     for k in ("qvalue", "scale"):
         got = served.qbits.stored["w"][k][...]
         np.testing.assert_array_equal(got, getattr(want, k), err_msg=k)

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import qbits
+import qbits.hlo
 from qbits import InvalidArgumentError
 from qbits.scaled import (
     ScaledArray,
@@ -335,7 +336,7 @@ def test_fp8_storage_feeds_fp8_dots():
     )
     out = jax.jit(fn)(sx, sg)
     assert out.data.dtype == jnp.float32
-    dots = qbits.ops.jaxpr_dot_dtypes(fn, sx, sg)
+    dots = qbits.hlo.dot_dtypes(fn, sx, sg, stage="jaxpr")
     assert dots == [("float8_e4m3fn", "float8_e5m2", "float32")]
     ref = np.asarray(asarray(sx, jnp.float32)).T @ np.asarray(asarray(sg, jnp.float32))
     err = np.abs(np.asarray(asarray(out, jnp.float32)) - ref).max() / np.abs(ref).max()

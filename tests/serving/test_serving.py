@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import qbits
+import qbits.hlo
 import qbits.serving as serving
 
 # The module fixtures run once: these tests share one worker.
@@ -371,7 +372,7 @@ def test_serving_dots_are_int8_on_xla_cpu(linen_setup):
     model, params, x = linen_setup
     sp = serving.convert(model, _rules("int8_fwd"), params, x)
     served = serving.serve(model, _rules("int8_fwd"))
-    dots = qbits.ops.dot_dtypes(served.apply, sp, x)
+    dots = qbits.hlo.dot_dtypes(served.apply, sp, x)
     assert dots.count(("s8", "s8", "s32")) == 2  # fc1 and proj; head is float
 
 
@@ -429,7 +430,7 @@ def test_custom_layers_einsum_weights_and_scanned_layers_are_stored(scan, preset
     for row in serving.size_report(sp).layers:  # stored values, not floats
         assert row.value_bytes == int(np.prod(row.shape)) * bits // 8, row.path
     if preset == "int8_fwd":
-        dots = qbits.ops.dot_dtypes(compiled.as_text())  # the program that served
+        dots = qbits.hlo.dot_dtypes(compiled.as_text())  # the program that served
         assert set(dots) == {("s8", "s8", "s32")}
 
 

@@ -275,7 +275,7 @@ def test_scan_sharing_one_state_combines_with_max_not_sum():
     start["grad_amax_history"] = jnp.array([0.0, 0.0, 0.0, 9.0])
 
     def loss(state):
-        state = qbits.ops.max_combining(state)  # once, outside the loop
+        state = qbits.DelayedScaling.max_combining(state)  # once, outside the loop
 
         def body(total, x):
             return total + jnp.sum(dg(x, w, DN, state=state) ** 2), None
@@ -305,7 +305,7 @@ def test_grad_accumulation_over_micro_batches_takes_the_max():
     # Two micro-batches, gradients computed separately and combined.
     gw0, s0 = grad(w, start, xs[0])
     gw1, s1 = grad(w, start, xs[1])
-    combined = qbits.ops.combine_state(s0, s1)
+    combined = jax.tree.map(jnp.maximum, s0, s1)
     both = xs[:2].reshape(8, 16)
     gw, full = grad(w, start, both)
     for k in start:
@@ -314,7 +314,7 @@ def test_grad_accumulation_over_micro_batches_takes_the_max():
 
     # Both micro-batches in one loss: one conversion, max inside autodiff.
     def two(state):
-        state = qbits.ops.max_combining(state)
+        state = qbits.DelayedScaling.max_combining(state)
         return loss(w, state, xs[0]) + loss(w, state, xs[1])
 
     inside = jax.jit(jax.grad(two))(start)
@@ -326,9 +326,9 @@ def test_grad_accumulation_over_micro_batches_takes_the_max():
 
 def test_max_combining_refuses_other_dtypes():
     with pytest.raises(qbits.InvalidArgumentError, match="max_combining"):
-        qbits.ops.max_combining({"s": jnp.ones(2, jnp.int32)})
-    st = qbits.ops.max_combining({"s": jnp.ones(2)})
-    assert qbits.ops.max_combining(st)["s"] is st["s"]
+        qbits.DelayedScaling.max_combining({"s": jnp.ones(2, jnp.int32)})
+    st = qbits.DelayedScaling.max_combining({"s": jnp.ones(2)})
+    assert qbits.DelayedScaling.max_combining(st)["s"] is st["s"]
 
 
 _SHARDED = """

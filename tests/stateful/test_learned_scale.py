@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import qbits
+import qbits.hlo
 from qbits import LearnedScale
 from qbits._lsq import grid_max, init_step, lsq_quantize
 
@@ -80,7 +81,9 @@ def test_learned_steps_run_real_int_dots_and_train():
     )
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
     # Real mode: the forward dot runs on the stored integers.
-    dtypes = qbits.ops.jaxpr_dot_dtypes(lambda x, w: dg(x, w, DN, state=steps), x, w)
+    dtypes = qbits.hlo.dot_dtypes(
+        lambda x, w: dg(x, w, DN, state=steps), x, w, stage="jaxpr"
+    )
     assert dtypes[0] == ("int8", "int8", "int32")
 
     def loss(params):

@@ -36,6 +36,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qbits
+import qbits.hlo
 
 WIDTH, HEADS, MLP, VOCAB, LAYERS = 32, 4, 64, 64, 1
 RULES = (
@@ -377,7 +378,7 @@ def explicit_case():
         step = jax.jit(jax.value_and_grad(lambda p, x: loss(p, x, True)))
         compiled = step.lower(sharded, batch).compile()  # once
         got = compiled(sharded, batch)
-        dots = qbits.ops.dot_dtypes(compiled.as_text())
+        dots = qbits.hlo.dot_dtypes(compiled.as_text())
     _close(got[0], want[0], f"explicit {preset} loss")
     # A rounding flip that changes a per-tensor amax moves every element
     # of that tensor's gradient a little (int8 quantizes the gradients

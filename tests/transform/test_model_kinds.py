@@ -19,6 +19,7 @@ import pytest
 
 import qbits
 import qbits.flax
+import qbits.hlo
 import qbits.nnx
 import qbits.serving as serving
 from qbits import ConfigError, InvalidArgumentError
@@ -117,8 +118,8 @@ def _dtypes(f, *args):
         jax.extend.core.jaxpr_as_fun(jax.make_jaxpr(f)(*args)),
         jax.tree.leaves(args),
     )
-    return qbits.ops.jaxpr_dot_dtypes(run, *leaves), qbits.ops.jaxpr_dot_dtypes(
-        run, *leaves, primitive="conv_general_dilated"
+    return qbits.hlo.dot_dtypes(run, *leaves, stage="jaxpr"), qbits.hlo.dot_dtypes(
+        run, *leaves, primitive="conv_general_dilated", stage="jaxpr"
     )
 
 
@@ -174,7 +175,7 @@ class Function:
 
         def loss(state):
             if combine:
-                state = qbits.ops.max_combining(state)
+                state = qbits.DelayedScaling.max_combining(state)
             apply = qbits.quantize(fn, config, state=state)
             return sum(jnp.sum(apply(v, x) ** 2) for x in xs)
 
@@ -227,7 +228,9 @@ class Linen(Function):
             if combine:
                 v = {
                     **v,
-                    qbits.flax.STATE: qbits.ops.max_combining(v[qbits.flax.STATE]),
+                    qbits.flax.STATE: qbits.DelayedScaling.max_combining(
+                        v[qbits.flax.STATE]
+                    ),
                 }
             return sum(jnp.sum(qmodel.apply(v, x) ** 2) for x in xs)
 
@@ -280,12 +283,13 @@ class Nnx:
         def loss(m):
             if not combine:
                 return sum(jnp.sum(m(x) ** 2) for x in xs)
-            with qbits.nnx.max_combining(m):
-                return sum(jnp.sum(m(x) ** 2) for x in xs)
+            graphdef, state, rest = nnx.split(m, qbits.nnx.ScaleState, ...)
+            m = nnx.merge(graphdef, qbits.DelayedScaling.max_combining(state), rest)
+            return sum(jnp.sum(m(x) ** 2) for x in xs)
 
         grads = nnx.jit(nnx.grad(loss, argnums=WRT))(model)
         state = _values(dict(model.qbits.state))
-        # max_combining puts the float32 values back after its block.
+        # The model itself keeps its float32 state (the loss merged a copy).
         assert all(s.dtype == jnp.float32 for s in jax.tree.leaves(state))
         return state, _values(grads["qbits"]["state"])
 

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import qbits
+import qbits.hlo
 import qbits.serving as serving
 
 VOCAB, WIDTH, HIDDEN = 8, 256, 256
@@ -93,7 +94,7 @@ def test_linen_model_through_the_adapter_every_dot_s8_served_bit_for_bit():
             v
         )
 
-    dots = qbits.ops.dot_dtypes(step, variables, jax.random.key(2))
+    dots = qbits.hlo.dot_dtypes(step, variables, jax.random.key(2))
     assert len(dots) == 9 and set(dots) == {S8}  # 3 forward, 6 backward
     sp = serving.convert(qmodel, "int8", variables, TOKENS)
     served = jax.jit(serving.serve(model, "int8").apply)(sp, TOKENS)
@@ -117,7 +118,7 @@ def test_nnx_model_through_the_adapter_every_dot_s8_served_bit_for_bit():
     def step(state):
         return nnx.grad(lambda m: _loss(m(TOKENS)))(nnx.merge(graphdef, state))
 
-    dots = qbits.ops.dot_dtypes(step, state)
+    dots = qbits.hlo.dot_dtypes(step, state)
     assert len(dots) == 9 and set(dots) == {S8}
     served = serving.convert(model, "int8", TOKENS)
     run = nnx.jit(lambda m, t: m(t))

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import qbits
+import qbits.hlo
 from examples.custom_models import LM, NnxMlp, lm_batch
 
 S8 = ("s8", "s8", "s32")
@@ -41,7 +42,7 @@ def test_every_dot_of_the_training_step_is_int8(scan):
     scanned and rematerialised: every dot, forward and backward, is s8."""
     model, variables, tokens = _lm(scan=scan, remat=scan, depth=2 if scan else 1)
     apply = qbits.quantize(model.apply, "int8", jax.random.key(1))
-    dots = qbits.ops.dot_dtypes(jax.grad(_lm_loss(apply, tokens)), variables["params"])
+    dots = qbits.hlo.dot_dtypes(jax.grad(_lm_loss(apply, tokens)), variables["params"])
     assert dots and set(dots) == {S8}
     # 9 matmuls per block (2 of them activation x activation) + the head,
     # three dots each (forward, both gradients; remat recomputes forwards).
@@ -91,7 +92,7 @@ def test_rules_by_path_first_match_null_is_float():
     assert described["blocks_1/mlp/w_out"] == "int8_fwd"
     assert described["blocks_1/attn/q"] == "int8"
     apply = qbits.quantize(model.apply, rules, jax.random.key(0))
-    dots = qbits.ops.jaxpr_dot_dtypes(apply, variables, tokens)
+    dots = qbits.hlo.dot_dtypes(apply, variables, tokens, stage="jaxpr")
     # 2 x (q, k, v, o, mix, w_in, w_out) int8; 2 x 2 attention einsums + head float
     assert dots.count(I8) == 14
     assert len(dots) - dots.count(I8) == 5
@@ -134,7 +135,7 @@ def test_nnx_module_with_raw_matmul_and_linear():
     table = qbits.layer_table(forward, "int8", state, x)
     assert [r.path for r in table.rows] == ["w1", "proj"]
     qforward = qbits.quantize(forward, "int8", jax.random.key(3))
-    dots = qbits.ops.dot_dtypes(jax.grad(lambda s: qforward(s, x).sum()), state)
+    dots = qbits.hlo.dot_dtypes(jax.grad(lambda s: qforward(s, x).sum()), state)
     assert dots and set(dots) == {S8}
     out = qbits.quantize(forward, "int8_fwd")(state, x)
     np.testing.assert_allclose(out, forward(state, x), atol=0.05, rtol=0.05)
@@ -175,7 +176,7 @@ def test_nnx_scanned_vmapped_blocks():
         ("blocks/lin", "dot_general (activation x weight), scanned x4")
     ]
     qforward = qbits.quantize(forward, "int8", jax.random.key(2))
-    dots = qbits.ops.dot_dtypes(jax.grad(lambda s: qforward(s, x).sum()), state)
+    dots = qbits.hlo.dot_dtypes(jax.grad(lambda s: qforward(s, x).sum()), state)
     assert dots and set(dots) == {S8}
 
 
@@ -234,7 +235,9 @@ def test_cond_while_and_nested_jit_are_reached():
     x = jnp.ones((2, 8))
     table = qbits.layer_table(fn, "int8_fwd", params, x)
     assert [r.path for r in table.rows] == ["a", "b", "c"]
-    dots = qbits.ops.jaxpr_dot_dtypes(qbits.quantize(fn, "int8_fwd"), params, x)
+    dots = qbits.hlo.dot_dtypes(
+        qbits.quantize(fn, "int8_fwd"), params, x, stage="jaxpr"
+    )
     assert dots == [I8] * 3
     np.testing.assert_allclose(
         qbits.quantize(fn, "int8_fwd")(params, x), fn(params, x), rtol=0.05
@@ -630,8 +633,8 @@ def test_w4a8_runs_int8_on_attention_and_weight_only_leaves_it_float():
     refuse the attention einsums; w4a8 used to put them on 4 bits."""
     p = {n: jax.random.normal(jax.random.key(i), (64, 24)) for i, n in enumerate("qkv")}
     x = jax.random.normal(jax.random.key(3), (5, 64))
-    dtypes = qbits.ops.jaxpr_dot_dtypes(
-        lambda p: qbits.quantize(_attention, "w4a8")(p, x), p
+    dtypes = qbits.hlo.dot_dtypes(
+        lambda p: qbits.quantize(_attention, "w4a8")(p, x), p, stage="jaxpr"
     )
     assert dtypes[3:] == [("int8", "int8", "int32")] * 2  # qk and pv
     nf4 = qbits.quantize(_attention, "nf4")(p, x)
