@@ -65,6 +65,7 @@ def _mse(a, b):
     return float(jnp.mean((a - b) ** 2))
 
 
+@pytest.mark.optimized  # float4 casts: XLA's default CPU emitters
 def test_gptq_serves_its_own_codes_and_scales_in_every_format(setup):
     params, x = setup
     out = ptq.quantize_weights(model, params, [x], CONFIG, method="gptq")

@@ -96,6 +96,7 @@ def test_a_function_serves_bit_for_bit_and_checkpoints(tmp_path, setup):
     np.testing.assert_array_equal(served(back, x), served(sp, x))
 
 
+@pytest.mark.optimized  # float4 casts: XLA's default CPU emitters
 def test_a_linen_model_serves_bit_for_bit(setup):
     _, x = setup
     model, presets = Mlp(), ("nvfp4", "nvfp4_weight_only")
@@ -129,6 +130,7 @@ UINT8 = qbits.DotGeneralConfig(  # zero points, one per output channel, unpacked
 )
 
 
+@pytest.mark.optimized  # float4 casts: XLA's default CPU emitters
 def test_an_nnx_copy_serves_bit_for_bit_and_checkpoints(tmp_path, setup):
     _, x = setup
     config = qbits.QuantConfig(
@@ -164,6 +166,7 @@ def test_an_nnx_copy_serves_bit_for_bit_and_checkpoints(tmp_path, setup):
             np.testing.assert_array_equal(back[path][name][...], v[...])
 
 
+@pytest.mark.optimized  # float4 casts: XLA's default CPU emitters
 def test_missing_arrays_are_refused(setup):
     params, x = setup
     sp = serving.convert(mlp, "nvfp4_weight_only", params, x)

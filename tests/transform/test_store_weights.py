@@ -130,6 +130,7 @@ def test_stored_weights_are_checked_against_their_matmul_and_config():
         qbits.quantize(_fn, "int8_fwd", stored=[1, 2])
 
 
+@pytest.mark.optimized  # float4 casts: XLA's default CPU emitters
 def test_a_stored_weight_missing_its_zero_point_or_tensor_scale_is_refused():
     params, x = (
         {"w": jax.random.normal(jax.random.key(0), (128, 8))},
