@@ -24,10 +24,20 @@ import sys
 # float4, which the older emitters round otherwise (a tiny negative value
 # becomes float8_e5m2fnuz's NaN; some float4 ties round the other way).
 _OPTIMIZED_RUN = "QBITS_TEST_OPTIMIZED"
-_FAST_COMPILE = (
-    "--xla_backend_optimization_level=0",
-    "--xla_cpu_use_fusion_emitters=false",
-)
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's (major, minor), read without starting jax."""
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("jaxlib").split(".")[:2])
+
+
+_FAST_COMPILE = ("--xla_backend_optimization_level=0",)
+# jaxlib 0.11's XLA has only the newer emitters and aborts on a flag it does
+# not know.
+if _jaxlib_version() < (0, 11):
+    _FAST_COMPILE += ("--xla_cpu_use_fusion_emitters=false",)
 if not os.environ.get(_OPTIMIZED_RUN):
     os.environ["XLA_FLAGS"] = " ".join(
         (os.environ.get("XLA_FLAGS", ""), *_FAST_COMPILE)
