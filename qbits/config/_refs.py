@@ -46,7 +46,9 @@ def _is_path(config: Any) -> bool:
 
 
 def _allowed(cls: type | None, none: bool) -> str:
-    if cls in _MATMUL:
+    if cls is DotGeneralConfig:  # one matmul's config: not rules
+        what = "a qbits.DotGeneralConfig"
+    elif cls in _MATMUL:
         what = "a qbits.QuantConfig, a qbits.DotGeneralConfig"
     else:
         what = f"a {cls.__module__.split('._')[0]}.{cls.__name__}"
@@ -208,7 +210,13 @@ def resolve(
     elif isinstance(config, Mapping):
         data = config
     else:
-        raise InvalidArgumentError(owner, argument, config, allowed)
+        why = (
+            "rules (a QuantConfig) are for qbits.quantize and the adapters; one "
+            "op takes one matmul's config"
+            if cls is DotGeneralConfig and isinstance(config, QuantConfig)
+            else ""
+        )
+        raise InvalidArgumentError(owner, argument, config, allowed, why=why)
     try:
         return _typed(data, cls, source)
     except ConfigError as e:

@@ -444,6 +444,15 @@ def test_load_config_says_what_it_got_and_what_it_accepts(source, says):
     assert "int8_fwd" in str(info.value)  # the preset names are listed
 
 
+def test_an_op_given_rules_says_it_takes_one_matmuls_config():
+    with pytest.raises(qbits.InvalidArgumentError) as info:
+        qbits.ops.einsum(qbits.load_config("int8"))
+    message = str(info.value)
+    assert "expected a qbits.DotGeneralConfig," in message
+    assert "QuantConfig" not in message.split("expected")[1].split("(")[0]
+    assert "rules (a QuantConfig) are for qbits.quantize" in message
+
+
 def test_load_config_takes_every_form_of_a_config(tmp_path):
     cfg = qbits.presets.get("w4a8")
     path = tmp_path / "w4a8.yaml"
