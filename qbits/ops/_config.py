@@ -1,8 +1,7 @@
-"""What an op checks of its config, and ops equal by their config and key."""
+"""What an op checks of its config and key."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -16,7 +15,6 @@ from qbits.numerics import _check_key as check_key
 
 __all__ = [
     "IDENTITY",
-    "Configured",
     "DotGeneralConfig",
     "MatmulConfig",
     "check_config",
@@ -50,26 +48,3 @@ def check_config(
             why="the config rounds stochastically",
         )
     return config, None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Configured:
-    """A quantized op's config and PRNG key (``DotGeneral``, ``RaggedDot``).
-
-    Two are equal when their configs are and they hold the same key object,
-    so that ``jit`` caches on them as static arguments and Flax compares
-    layers that hold them.
-    """
-
-    config: DotGeneralConfig
-    key: jax.Array | None = None
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            type(other) is type(self)
-            and other.config == self.config
-            and other.key is self.key
-        )
-
-    def __hash__(self) -> int:
-        return hash((self.config, id(self.key)))

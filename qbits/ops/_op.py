@@ -11,6 +11,7 @@ probe.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 from qbits.ops import _core as core
 from qbits.ops import _state as state_lib
-from qbits.ops._config import Configured
+from qbits.ops._config import DotGeneralConfig
 from qbits.scaled import is_scaled, scalify
 
 __all__ = ["Op"]
@@ -27,11 +28,27 @@ __all__ = ["Op"]
 Operands = Callable[[jax.Array, jax.Array], Any]
 
 
-class Op(Configured):
+@dataclasses.dataclass(frozen=True, eq=False)
+class Op:
     """A quantized op: its config and PRNG key, and what every call does.
 
-    Equal by value (:class:`~qbits.ops._config.Configured`).
+    Two are equal when their configs are and they hold the same key object,
+    so that ``jit`` caches on them as static arguments and Flax compares
+    layers that hold them.
     """
+
+    config: DotGeneralConfig
+    key: jax.Array | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is type(self)
+            and other.config == self.config
+            and other.key is self.key
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.config, id(self.key)))
 
     def _passes(self, state: Any, probe: Any) -> bool:
         """Whether a call is the ``lax`` op itself (no quantizer, state, probe)."""
