@@ -48,16 +48,7 @@ def _layout(x: Any) -> tuple[Any, tuple[Any, ...], bool] | None:
             return None
     if not isinstance(s, NamedSharding):
         return None
-    explicit = {
-        n for n, t in zip(s.mesh.axis_names, s.mesh.axis_types, strict=True)
-        if t == AxisType.Explicit
-    }  # fmt: skip
-
-    def keep(e: Any) -> Any:
-        names = e if isinstance(e, tuple) else (e,)
-        return e if e is not None and all(n in explicit for n in names) else None
-
-    return s.mesh, tuple(keep(e) for e in _entries(s.spec, ndim)), False
+    return s.mesh, _explicit(s.mesh, _entries(s.spec, ndim)), False
 
 
 def _entries(spec: Any, ndim: int) -> tuple[Any, ...]:
@@ -65,8 +56,22 @@ def _entries(spec: Any, ndim: int) -> tuple[Any, ...]:
     return tuple(None if e == () else e for e in entries)
 
 
+def _explicit(mesh: Any, entries: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``entries`` with only the mesh's explicit axes (``None`` for others)."""
+    explicit = {
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == AxisType.Explicit
+    }  # fmt: skip
+
+    def keep(e: Any) -> Any:
+        names = e if isinstance(e, tuple) else (e,)
+        return e if e is not None and all(n in explicit for n in names) else None
+
+    return tuple(keep(e) for e in entries)
+
+
 def spec_entries(x: Any) -> tuple[Any, ...] | None:
-    """The mesh axes of each axis of ``x`` (``None`` where it has no layout).
+    """The explicit mesh axes of each axis of ``x`` (``None``: no mesh).
 
     Example:
       >>> from qbits._sharding import spec_entries
@@ -74,7 +79,7 @@ def spec_entries(x: Any) -> tuple[Any, ...] | None:
       True
     """
     found = _layout(x)
-    return None if found is None else found[1]
+    return None if found is None else _explicit(found[0], found[1])
 
 
 def _size(mesh: Any, entry: Any) -> int:

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import qbits
 import qbits.lora
+import qbits.ptq
 
 D, F, LAYERS = 16, 32, 2
 EXPLICIT = (AxisType.Explicit,) * 2
@@ -94,12 +95,12 @@ def check_state(what: str, state: dict, params: dict, stacked: bool = False) -> 
             _expect(f"{what} {path}/{name}", x, want)
 
 
-def _weights(mesh_specs: dict, key: int = 0) -> dict:
-    """Random weights, sharded as ``mesh_specs`` says (explicit mesh set)."""
-    keys = jax.random.split(jax.random.key(key), len(mesh_specs))
+def _weights(mesh_specs: dict) -> dict:
+    """Random weights (drawn on the host), sharded as ``mesh_specs`` says."""
+    rng = np.random.default_rng(0)
     out = {}
-    for k, (name, (shape, spec)) in zip(keys, mesh_specs.items(), strict=True):
-        w = jax.random.normal(k, shape) / np.sqrt(shape[-2])
+    for name, (shape, spec) in mesh_specs.items():
+        w = rng.standard_normal(shape, np.float32) / np.sqrt(shape[-2])
         out[name] = jax.device_put(w, spec)
     return out
 
@@ -110,9 +111,8 @@ def _weights(mesh_specs: dict, key: int = 0) -> dict:
 # are): its state made outside, from the global operands.
 FN_SPECS = {
     "w1": ((D, F), P(None, "model")),
-    "w2": ((F, D), P(None, "model")),
-    "layers": ((LAYERS, D, D), P(None, None, "model")),
-    "local": ((D, D), P(None, "model")),
+    "layers": ((LAYERS, F, F), P(None, None, "model")),
+    "local": ((F, D), P(None, "model")),
 }
 LOCAL = qbits.dot_general(CONFIG)
 DIMS = (((1,), (0,)), ((), ()))
@@ -120,7 +120,6 @@ DIMS = (((1,), (0,)), ((), ()))
 
 def mlp(p, x):
     h = jax.nn.relu(x @ p["w1"])  # P("data", "model")
-    h = h @ p["w2"]  # the contraction gathered: P("data", "model")
 
     def layer(h, w):
         return jnp.tanh(h @ w), None
@@ -141,21 +140,21 @@ def fn(p, x, local_state):
 
 def function_case(mesh):
     params = _weights(FN_SPECS)
-    x = jax.device_put(jax.random.normal(jax.random.key(9), (8, D)), P("data"))
-    h = jax.ShapeDtypeStruct((8, D), jnp.float32, sharding=P("data"))
+    x = jax.device_put(np.random.default_rng(1).standard_normal((8, D), np.float32),
+                       P("data"))  # fmt: skip
+    h = jax.ShapeDtypeStruct((8, F), jnp.float32, sharding=P("data"))
     local = LOCAL.init_state(h, params["local"], DIMS)
-    state = qbits.init_state(fn, CONFIG, params, x, local)
-    flat = {"w1": params["w1"], "w2": params["w2"]}
+    # Traced (as in a jitted init); linen's and nnx's below: eager and jitted.
+    state = jax.jit(lambda *a: qbits.init_state(fn, CONFIG, *a))(params, x, local)
+    flat = {"w1": params["w1"]}
     check_state("qbits.init_state", {k: state[k] for k in flat}, flat)
     check_state("qbits.init_state (scan)", {"layers": state["layers"]},
                 {"layers": params["layers"]}, stacked=True)  # fmt: skip
     check_state("dot_general.init_state (shard_map)", {"local": local},
                 {"local": params["local"]})  # fmt: skip
-    # Inside jit, and the new state of a training step (the gradient of the
-    # state) keeps the sharding.
-    jitted = jax.jit(lambda *a: qbits.init_state(fn, CONFIG, *a))(params, x, local)
-    check_state("jit(qbits.init_state)", {k: jitted[k] for k in flat}, flat)
 
+    # The new state of a training step (the gradient of the state) keeps
+    # the sharding; so do the parameters' gradients.
     @jax.jit
     def step(state, p, local):
         def loss(state, p, local):
@@ -184,16 +183,14 @@ def _sharded_init(key, shape, dtype=jnp.float32):
 class Block(nn.Module):
     @nn.compact
     def __call__(self, h, _):
-        dense = nn.Dense(D, use_bias=False, kernel_init=_sharded_init)
+        dense = nn.Dense(F, use_bias=False, kernel_init=_sharded_init)
         return jnp.tanh(dense(h)), None
 
 
 class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):
-        init = _sharded_init
-        h = nn.Dense(F, use_bias=False, kernel_init=init, name="fc1")(x)
-        h = nn.Dense(D, use_bias=False, kernel_init=init, name="fc2")(jax.nn.relu(h))
+        h = nn.Dense(F, use_bias=False, kernel_init=_sharded_init, name="fc1")(x)
         scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                        length=LAYERS)  # fmt: skip
         return scan(name="blocks")(h, None)[0]
@@ -203,7 +200,7 @@ def linen_case(mesh, x):
     qmodel = qbits.flax.quantize(Mlp(), CONFIG)
     variables = jax.jit(qmodel.init)(jax.random.key(0), x)
     params = variables["params"]
-    kernels = {"fc1": params["fc1"]["kernel"], "fc2": params["fc2"]["kernel"]}
+    kernels = {"fc1": params["fc1"]["kernel"]}
     state = variables[qbits.flax.STATE]
     check_state("linen", {k: state[k] for k in kernels}, kernels)
     stacked = {"blocks/Dense_0": params["blocks"]["Dense_0"]["kernel"]}
@@ -215,16 +212,15 @@ class NnxMlp(nnx.Module):
     def __init__(self, rngs):
         init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
         self.fc1 = nnx.Linear(D, F, use_bias=False, kernel_init=init, rngs=rngs)
-        self.fc2 = nnx.Linear(F, D, use_bias=False, kernel_init=init, rngs=rngs)
 
     def __call__(self, x):
-        return self.fc2(jax.nn.relu(self.fc1(x)))
+        return jax.nn.relu(self.fc1(x))
 
 
 def nnx_case(mesh, x):
     model = qbits.nnx.quantize(NnxMlp(nnx.Rngs(0)), CONFIG, x)
     state = nnx.to_pure_dict(nnx.state(model, qbits.nnx.ScaleState))
-    kernels = {"fc1": model.fc1.kernel[...], "fc2": model.fc2.kernel[...]}
+    kernels = {"fc1": model.fc1.kernel[...]}
     found = {}
     for keys, v in jax.tree_util.tree_leaves_with_path(state):
         *_, path, name = (k.key for k in keys)
@@ -236,12 +232,28 @@ def nnx_case(mesh, x):
 def serving_case(mesh, other, params, x):
     """Stored codes and scales as their parameters, also restored with Orbax
     onto ``other`` (``qbits.serving.restore`` reads the target's shardings)."""
-    weights = {k: params[k] for k in ("w1", "w2", "layers")}
+    weights = {k: params[k] for k in ("w1", "layers")}
     served = qbits.serving.convert(mlp, "int8_fwd", weights, x)
     for path, w in weights.items():
         stored, spec = served.weights[path], _spec(w)
         _expect(f"stored {path} codes", stored["qvalue"], spec)
         _expect(f"stored {path} scale", stored["scale"], (*spec[:-2], None, spec[-1]))
+
+    # Post-training quantization's own codes and scales (its PtqResult),
+    # and what serving stores from them.
+    ptq = qbits.ptq.quantize_weights(mlp, weights, [x], "int8_fwd", method="rtn")
+    from_ptq = qbits.serving.convert(mlp, "int8_fwd", ptq, x)
+    for path, w in weights.items():
+        spec = _spec(w)
+        for what, qv, scale in (
+            ("PtqResult", ptq.stored[path].qvalue, ptq.stored[path].scale),
+            (
+                "stored from PtqResult",
+                *map(from_ptq.weights[path].get, ("qvalue", "scale")),
+            ),
+        ):
+            _expect(f"{what} {path} codes", qv, spec)
+            _expect(f"{what} {path} scale", scale, (*spec[:-2], None, spec[-1]))
 
     def on_other(x):
         if x.size == 0:  # a dropped parameter's placeholder
@@ -269,7 +281,7 @@ def _same(got, want, mesh, what):
 def lora_case(mesh, other, params, x):
     """LoRA's ``A`` as its weight's input axis, ``B`` as its output axis;
     adapters restored onto ``other``; the adapted model runs."""
-    weights = {k: params[k] for k in ("w1", "w2", "layers")}
+    weights = {k: params[k] for k in ("w1", "layers")}
     config = qbits.lora.LoraConfig(rank=4)
     lora_fn, base, adapters = qbits.lora.apply(mlp, config, weights, x,
                                                key=jax.random.key(1))  # fmt: skip

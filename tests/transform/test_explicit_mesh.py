@@ -22,4 +22,4 @@ def test_every_leaf_is_sharded_as_its_parameter_and_restores_onto_another_mesh()
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("ok: "), result.stdout
-    assert int(result.stdout.split()[1]) >= 140  # leaves checked
+    assert int(result.stdout.split()[1]) >= 90  # leaves checked
