@@ -226,6 +226,14 @@ def nnx_case(mesh, x):
         *_, path, name = (k.key for k in keys)
         found.setdefault(path, {})[name] = v
     check_state("nnx", found, kernels)
+    # Served: codes and scales as the kernel; the output laid out as the
+    # float model's (the program is traced with the dropped kernel's zeros).
+    float_model = NnxMlp(nnx.Rngs(0))
+    served = qbits.serving.convert(float_model, "int8_fwd", x)
+    spec = _spec(kernels["fc1"])
+    _expect("nnx stored codes", served.qbits.stored["fc1"]["qvalue"][...], spec)
+    _expect("nnx stored scale", served.qbits.stored["fc1"]["scale"][...], spec)
+    _expect("nnx served output", served(x), _spec(float_model(x)))
     return model
 
 
