@@ -220,8 +220,9 @@ def _filled(
         found = shapes.get(name)
         if found is not None:
             leaf = jnp.zeros(found[0], found[1])
-            if jnp.shape(codes.get(name)) == tuple(found[0]):
-                leaf = like(leaf, codes[name], range(leaf.ndim))
+            got = codes.get(name)
+            if got is not None and tuple(got.shape) == tuple(found[0]):
+                leaf = like(leaf, got, range(leaf.ndim))
         out.append(leaf)
     return jax.tree.unflatten(treedef, out)
 
