@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["abstract", "like", "spec_entries"]
+__all__ = ["abstract", "like", "spec_entries", "take"]
 
 
 def _layout(x: Any) -> tuple[Any, tuple[Any, ...], bool] | None:
@@ -136,3 +136,22 @@ def abstract(x: Any) -> jax.ShapeDtypeStruct:
     if not isinstance(sharding, NamedSharding):
         sharding = None
     return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype), sharding=sharding)
+
+
+def take(table: jax.Array, index: jax.Array) -> jax.Array:
+    """``jnp.take(table, index, mode="clip")``, laid out as ``index``.
+
+    A small table (a codebook's levels) looked up by codes: under explicit
+    mesh axes JAX asks where the result lives; it lives with the codes.
+
+    Example:
+      >>> from qbits._sharding import take
+      >>> take(jnp.array([0.5, 1.0]), jnp.array([1, 0, 5])).tolist()
+      [1.0, 0.5, 1.0]
+    """
+    found = _layout(index)
+    entries = None if found is None else _explicit(found[0], found[1])
+    if not entries or all(e is None for e in entries):
+        return jax.numpy.take(table, index, mode="clip")
+    out = NamedSharding(found[0], P(*entries))  # type: ignore[index]
+    return table.at[index].get(mode="clip", out_sharding=out)

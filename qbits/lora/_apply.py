@@ -277,11 +277,12 @@ def _in_base(e: ConfigError, rules: QuantConfig, exact: QuantConfig) -> ConfigEr
 
 def _frozen_base(params: Any, stored: dict[str, Any]) -> LoraBase:
     fills = {}
-    for s in stored.values():
+    for name, s in stored.items():
         if s.exclusive:
             fills[jax.tree_util.keystr(s.keys)] = (
                 tuple(int(n) for n in s.shape),
                 np.dtype(s.dtype).name,
+                name,
             )
 
     def leaf(path: Any, x: Any) -> Any:
@@ -290,9 +291,7 @@ def _frozen_base(params: Any, stored: dict[str, Any]) -> LoraBase:
 
     held = jax.tree_util.tree_map_with_path(leaf, params)
     weights = {name: s.weight for name, s in stored.items()}
-    return LoraBase(
-        held, weights, tuple((k, shape, d) for k, (shape, d) in fills.items())
-    )
+    return LoraBase(held, weights, tuple((k, *found) for k, found in fills.items()))
 
 
 def _merge_check(m: transform._WeightMatmul, index: np.ndarray | None) -> str:

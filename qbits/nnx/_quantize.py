@@ -207,7 +207,7 @@ def _filled(
     """``state`` with each placeholder given zeros of its weight's shape.
 
     Laid out as the weight's stored codes (``codes``: by key path), where
-    they have its shape: under explicit mesh axes the program traced with
+    they have its rank: under explicit mesh axes the program traced with
     them keeps the float model's layout after the matmul.
     """
     if not fills:
@@ -221,7 +221,7 @@ def _filled(
         if found is not None:
             leaf = jnp.zeros(found[0], found[1])
             got = codes.get(name)
-            if got is not None and tuple(got.shape) == tuple(found[0]):
+            if got is not None and got.ndim == leaf.ndim:  # packed: as the codes
                 leaf = like(leaf, got, range(leaf.ndim))
         out.append(leaf)
     return jax.tree.unflatten(treedef, out)

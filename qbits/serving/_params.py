@@ -323,9 +323,10 @@ def zeros_like_codes(shape: tuple[int, ...], dtype: Any, codes: Any) -> jax.Arra
 
     The program is traced with them: under explicit mesh axes their
     sharding is in its types (what follows the matmul keeps the float
-    model's layout). Codes of another shape (packed) lay out nothing.
+    model's layout). Packed codes (half the last axis) lay out the axes
+    they share with the weight; codes of another rank nothing.
     """
     zeros = jnp.zeros(shape, dtype)
-    if codes is None or tuple(jnp.shape(codes)) != tuple(shape):
+    if codes is None or jnp.ndim(codes) != len(shape):
         return zeros
     return like(zeros, codes, range(len(shape)))

@@ -288,9 +288,13 @@ def _same(got, want, mesh, what):
 
 def lora_case(mesh, other, params, x):
     """LoRA's ``A`` as its weight's input axis, ``B`` as its output axis;
-    adapters restored onto ``other``; the adapted model runs."""
+    QLoRA's NF4 base (codes packed, looked up in the codebook) as the
+    weight; adapters restored onto ``other``; the adapted model runs, its
+    output laid out as the float model's."""
     weights = {k: params[k] for k in ("w1", "layers")}
-    config = qbits.lora.LoraConfig(rank=4)
+    nf4 = qbits.Quantizer(qbits.numerics.Nf4Numerics(), granularity=qbits.PerChannel())
+    base_config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=nf4))
+    config = qbits.lora.LoraConfig(rank=4, base=base_config)
     lora_fn, base, adapters = qbits.lora.apply(mlp, config, weights, x,
                                                key=jax.random.key(1))  # fmt: skip
     for path, w in weights.items():
@@ -298,7 +302,16 @@ def lora_case(mesh, other, params, x):
         lead, (k, n) = spec[:-2], spec[-2:]
         _expect(f"LoRA {path} A", adapters[path]["a"], (*lead, k, None))
         _expect(f"LoRA {path} B", adapters[path]["b"], (*lead, None, n))
-    grads = jax.jit(jax.grad(lambda a: jnp.sum(lora_fn(a, base, x) ** 2)))(adapters)
+        _expect(f"QLoRA base {path} codes", base.weights[path].qvalue, spec)
+        _expect(f"QLoRA base {path} scale", base.weights[path].scale,
+                (*lead, None, n))  # fmt: skip
+
+    def loss(a):
+        out = lora_fn(a, base, x)
+        _expect("QLoRA output", out, _spec(mlp(weights, x)))  # its type
+        return jnp.sum(out**2)
+
+    grads = jax.jit(jax.grad(loss))(adapters)
     for path, ab in grads.items():
         for name, g in ab.items():
             _expect(f"LoRA {path} {name} gradient", g, _spec(adapters[path][name]))
