@@ -234,12 +234,13 @@ def _describe(stats: Any) -> str:
 
 
 def _summed_over_rows(x: jax.Array) -> Any:
-    """The Hessian's sharding where explicit mesh axes shard the rows.
+    """The Hessian's sharding where explicit mesh axes shard the rows or ``K``.
 
-    (JAX then asks for one: the rows are summed over. Leading axes keep
-    theirs, ``K x K`` replicated.) ``None`` otherwise.
+    (JAX then asks for one: the rows are summed over, and ``K`` would be
+    sharded twice over one mesh axis. Leading axes keep theirs, ``K x K``
+    replicated.) ``None`` otherwise.
     """
     entries = spec_entries(x)
-    if entries is None or entries[-2] is None:
+    if entries is None or entries[-2:] == (None, None):
         return None
     return P(*entries[:-2], None, None)
