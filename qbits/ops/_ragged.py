@@ -51,6 +51,7 @@ from qbits.ops._kind import Call, Operand, OpKind
 from qbits.ops._op import Op
 from qbits.ops._ragged_contract import RaggedContraction
 from qbits.ops._ragged_dims import BASIC, RaggedDims, unsupported
+from qbits.ops._ragged_grad import IDENTITY_MATMUL, own_weight_grad
 
 __all__ = ["KIND", "RaggedDot", "ragged_dot"]
 
@@ -331,7 +332,16 @@ class RaggedDot(Op):
             _owner, lhs, rhs, group_sizes, rdn, precision, preferred_element_type,
             group_offset, out_sharding,
         )  # fmt: skip
-        out = self._run(_owner, c, lhs, rhs, state, diagnostics, group_sizes)
+        config = self.config
+        if diagnostics is None and own_weight_grad(config.drhs):
+            # The weight gradient quantizes its operands itself, group by
+            # group (RaggedWeightGrad.direct); the core keeps the float lhs.
+            c = dataclasses.replace(c, drhs=config.drhs)
+            config = config.replace(drhs=IDENTITY_MATMUL)
+        out = state_lib.run(
+            config, c, lhs, rhs, self.key, state, _owner,
+            data=(group_sizes, self.key), probe=diagnostics,
+        )  # fmt: skip
         # Traced sizes that are negative or wrap around: lax leaves them
         # undefined (on CPU a row sums the products of every group whose
         # range holds it); quantized, each row takes one group's scale.
@@ -369,7 +379,9 @@ class RaggedDot(Op):
         )  # fmt: skip
         if isinstance(gs, jax.ShapeDtypeStruct):  # only shapes are read
             gs = jnp.zeros(gs.shape, gs.dtype)
-        return state_lib.init_state(self.config, c.bind(gs), lhs, rhs, "ragged_dot")
+        return state_lib.init_state(
+            self.config, c.bind((gs, None)), lhs, rhs, "ragged_dot"
+        )
 
     def unsupported(
         self,
