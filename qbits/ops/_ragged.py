@@ -13,11 +13,14 @@ matmul, through the same core (one custom VJP; the contractions are in
   channel (per group and input channel in the lhs gradient). In real mode
   the dot runs on the stored values (int8 x int8 -> int32) and each output
   row takes its group's weight scale;
-- the weight gradient sums over each group's rows: its two operands are
-  expanded per group (``[g, ...]``, other groups' rows zeroed), quantized
-  there (``PerChannel()``: one scale per group and channel, from that
-  group's rows only) and contracted as a ``dot_general`` batched over the
-  groups (real mode as in :func:`qbits.dot_general`).
+- the weight gradient sums over each group's rows, its operands quantized
+  per group (``PerChannel()``: one scale per group and channel, from that
+  group's rows only) and contracted group by group, with no copy of the
+  operands per group (:mod:`qbits.ops._ragged_grad`: each group's absmax
+  is a segment maximum; real mode as in :func:`qbits.dot_general`). Where
+  a scale provider, ``use_fwd_quant`` or a diagnostics probe needs the
+  core's view, the core quantizes them on their expansion per group
+  (``[g, ...]``, other groups' rows zeroed) instead: the same numbers.
 
 So with per-channel scales, the values and both gradients are those of a
 loop over the groups of :func:`qbits.dot_general` on each group's rows and
@@ -25,10 +28,10 @@ weight. Other granularities apply to each tensor as a whole:
 ``PerTensor()`` gives all groups one scale, as it gives all batch entries
 of a batched ``dot_general`` one.
 
-Costs: the weight gradient's operands are expanded per group, ``g`` times
-their size, quantized and kept so (int8: ``g / 4`` times a float32
-operand). XLA:CPU computes JAX's own weight gradient of a ragged dot on the
-same expansion; a GPU or TPU runs that one as a grouped matmul.
+Costs: the forward and the lhs gradient are ``lax.ragged_dot_general``,
+which XLA:CPU computes from its lhs copied per group (codes: one byte per
+element and group), a GPU or TPU as a grouped matmul. The weight gradient
+keeps the float lhs and, on CPU, contracts one group at a time.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :class:`RaggedContraction` is the forward and the lhs gradient (ragged dots,
 ``lax.ragged_dot_general``); :class:`RaggedWeightGrad` the rhs gradient,
-per group on operands expanded per group (see :mod:`qbits.ops._ragged`).
+each group's sum over its own rows (see :mod:`qbits.ops._ragged`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from qbits.ops._ragged_dims import (
 )
 from qbits.ops._ragged_grad import quantize_rows, straight_through
 from qbits.ops._rescale import (
+    _TINY,
     _scale_to_output,
     common_dtypes,
     dot_operand,
+    is_byte_float,
     permute,
     unless_lost,
 )
@@ -239,11 +241,15 @@ class RaggedContraction(core.Contraction):
 
 @dataclasses.dataclass(frozen=True)
 class RaggedWeightGrad(core.Contraction):
-    """The rhs gradient of a ragged dot: per group, on expanded operands.
+    """The rhs gradient of a ragged dot: each group's sum over its rows.
 
-    Its operands are the output gradient and the forward lhs, each expanded
-    per group (:meth:`prepare`); it contracts them with ``dense``, a
-    ``dot_general`` batched over the groups.
+    Its operands are the output gradient and the forward lhs. Where it
+    quantizes them itself (``drhs``; :mod:`qbits.ops._ragged_grad`), the
+    core hands them over in float (:meth:`direct`). Otherwise the core
+    quantizes them expanded per group (:meth:`prepare`); :meth:`__call__`
+    gathers each back into one array and contracts group by group
+    (``dense``, a ``dot_general`` batched over the groups, gives the
+    layouts and scale order).
 
     Attributes:
       dense: The dot of the expanded operands.
@@ -325,7 +331,12 @@ class RaggedWeightGrad(core.Contraction):
         if 0 in lhs.shape + rhs.shape:
             return self.dense(lhs, rhs, cfg)
         out_dtype = result_dtype(lhs, rhs, self.dense.dims, self.preferred_element_type)
-        if cfg.mode == "real" and self._factors(lhs, 0) and self._factors(rhs, 1):
+        if (
+            cfg.mode == "real"
+            and self._factors(lhs, 0)
+            and self._factors(rhs, 1)
+            and is_byte_float(dot_operand(lhs)) == is_byte_float(dot_operand(rhs))
+        ):
             lhs, rhs = lhs.unpack(), rhs.unpack()
             rows = [t.replace(qvalue=_collapse(t.qvalue)) for t in (lhs, rhs)]
             out = self._rescaled(rows[0], lhs.scale, rows[1], rhs.scale, cfg)
@@ -342,7 +353,7 @@ class RaggedWeightGrad(core.Contraction):
         return (
             qt.is_plain
             and qt.qdtype is not None
-            and jnp.issubdtype(dot_operand(qt).dtype, jnp.integer)
+            and self._codes(qt)
             and all(
                 s == 1 or (a not in contracting and s == n)
                 for a, (s, n) in enumerate(zip(qt.scale.shape, qt.shape, strict=True))
@@ -380,8 +391,18 @@ class RaggedWeightGrad(core.Contraction):
             )
             for scale, side in ((lscale, "lhs"), (rscale, "rhs"))
         )
-        if perm is not None and tuple(perm) == dims.swap_perm():
+        integer = jnp.issubdtype(a.dtype, jnp.integer)
+        if integer and perm is not None and tuple(perm) == dims.swap_perm():
             left, right = right, left  # qbits.dot_general exchanges the operands
+        if lscale.size == 1 and rscale.size == 1:  # as real_dot: the product
+            a, b = lscale.reshape(()), rscale.reshape(())
+            if integer and perm is not None and tuple(perm) == dims.swap_perm():
+                a, b = b, a
+            both = lax.mul(a, b)
+            normal = lax.bitwise_and(lax.is_finite(both), lax.ge(lax.abs(both), _TINY))
+            first = lax.select(normal, both, a)
+            second = lax.select(normal, np.float32(1), b)
+            return lax.mul(lax.mul(out, first), second)
         return unless_lost(
             lax.mul(lax.mul(out, left), right),
             out,
@@ -466,6 +487,7 @@ class RaggedWeightGrad(core.Contraction):
             and gscale is not None
             and xscale is not None
             and all(self._codes(t) for t in (gq, xq))
+            and is_byte_float(dot_operand(gq)) == is_byte_float(dot_operand(xq))
         ):
             out = self._rescaled(gq, gscale, xq, xscale, cfg)
             return out.astype(out_dtype)
@@ -477,11 +499,11 @@ class RaggedWeightGrad(core.Contraction):
 
     @staticmethod
     def _codes(qt: QTensor) -> bool:
-        return (
-            qt.is_plain
-            and qt.qdtype is not None
-            and jnp.issubdtype(dot_operand(qt).dtype, jnp.integer)
-        )
+        """Stored integer or one-byte float codes with a plain scale."""
+        if not qt.is_plain or qt.qdtype is None:
+            return False
+        codes = dot_operand(qt)
+        return jnp.issubdtype(codes.dtype, jnp.integer) or is_byte_float(codes)
 
     def gradient(self, side: str) -> core.Contraction:  # pragma: no cover
         """A gradient contraction has no gradients of its own here."""

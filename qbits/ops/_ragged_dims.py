@@ -15,11 +15,11 @@ Its gradients, exactly as JAX transposes it (``jax/_src/lax/lax.py``,
 ``_ragged_dot_general_transpose_rule``): the lhs gradient is again such a
 ragged dot, of the output gradient with the rhs (:meth:`RaggedDims.grad_lhs`);
 the rhs gradient sums, for each group, over that group's indices of the
-ragged axis. qbits computes the latter as a dense ``dot_general`` of the two
-operands *expanded* per group (``[g, ...]``, each group's indices kept, the
-others zeroed: :func:`expand`, :meth:`RaggedDims.dense`), so that each
-group's operands are quantized with scales of their own; XLA:CPU computes
-JAX's own ragged weight gradient the same way.
+ragged axis (:meth:`RaggedDims.grad_rhs_ragged`). Its operands are
+quantized per group; where the core quantizes them, it sees them
+*expanded* per group (``[g, ...]``, each group's indices kept, the others
+zeroed: :func:`expand`, :meth:`RaggedDims.dense`), so that each group's
+operands get scales of their own.
 """
 
 from __future__ import annotations
