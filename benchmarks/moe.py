@@ -20,8 +20,16 @@ backward matmuls):
 Reports the final held-out loss (the model's own forward: quantized as
 trained) and its ratio to float32's for the same seed.
 
+Memory (``--memory-only`` measures only this): the temporary bytes of the
+compiled programs (``compiled.memory_analysis()``, XLA:CPU) of one ragged
+dot ``[2048, 128] x [experts, 128, 128]`` at 4, 16 and 64 experts: the
+forward, the weight gradient alone and both gradients, ``lax.ragged_dot``
+(float32) and ``qbits.ops.ragged_dot`` with the int8 preset. ``--before
+FILE``: a ``--memory-only`` JSON of an earlier qbits, kept beside.
+
 Run: python benchmarks/moe.py --json OUT.json --md OUT.md [--seeds 0 1]
-     [--steps 400]
+     [--steps 400] [--before MEMORY.json]
+     python benchmarks/moe.py --memory-only --json MEMORY.json
 """
 
 from __future__ import annotations
@@ -113,6 +121,62 @@ def run(seed: int, steps: int, name: str, preset: str | None, data: object) -> d
             "first_loss": losses[0], "seconds": seconds}  # fmt: skip
 
 
+ROWS, FEATURES, EXPERT_COUNTS = 2048, 128, (4, 16, 64)
+
+
+def memory() -> list[dict]:
+    """Temporary MiB of a ragged dot's programs, per expert count and op."""
+    ops = {
+        "lax (float32)": jax.lax.ragged_dot,
+        "int8": qbits.ops.ragged_dot(qbits.presets.get("int8"), jax.random.key(0)),
+    }
+    out = []
+    for experts in EXPERT_COUNTS:
+        args = (
+            jax.ShapeDtypeStruct((ROWS, FEATURES), jnp.float32),
+            jax.ShapeDtypeStruct((experts, FEATURES, FEATURES), jnp.float32),
+            jax.ShapeDtypeStruct((experts,), jnp.int32),
+        )
+        for name, rd in ops.items():
+
+            def loss(x, w, sizes, rd=rd):
+                return jnp.sum(rd(x, w, sizes) ** 2)
+
+            programs = {
+                "forward": rd,
+                "weight_grad": lambda x, w, sizes, loss=loss: jax.grad(loss, 1)(
+                    x, w, sizes
+                ),
+                "both_grads": lambda x, w, sizes, loss=loss: jax.grad(loss, (0, 1))(
+                    x, w, sizes
+                ),
+            }
+            row = {"experts": experts, "op": name}
+            for what, f in programs.items():
+                compiled = jax.jit(f).lower(*args).compile()
+                row[what] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+            out.append(row)
+            print(row)
+    return out
+
+
+def memory_markdown(rows: list[dict], before: list[dict] | None) -> str:
+    lines = [
+        f"Temporary MiB of one ragged dot [{ROWS}, {FEATURES}] x [experts, "
+        f"{FEATURES}, {FEATURES}] (XLA:CPU)",
+        "",
+        "| experts | op | forward | weight gradient | both gradients |",
+        "|---|---|---|---|---|",
+    ]
+    for label, group in (("", rows), (" (before)", before or [])):
+        for r in group:
+            lines.append(
+                f"| {r['experts']} | {r['op']}{label} | {r['forward']:.1f} | "
+                f"{r['weight_grad']:.1f} | {r['both_grads']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: list[dict], steps: int) -> str:
     seeds = sorted({r["seed"] for r in rows})
     base = {r["seed"]: r["eval_loss"] for r in rows if r["config"] == "float32"}
@@ -137,7 +201,18 @@ def main() -> None:
     parser.add_argument("--md")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--memory-only", action="store_true")
+    parser.add_argument("--before", help="a --memory-only JSON to keep beside")
     args = parser.parse_args()
+    if args.memory_only:
+        with open(args.json, "w") as f:
+            json.dump({"jax": jax.__version__, "memory": memory()}, f, indent=1)
+        return
+    before = None
+    if args.before:
+        with open(args.before) as f:
+            before = json.load(f)["memory"]
+    mem = memory()
     data = data_lib.char_data()
     rows = [
         run(seed, args.steps, name, preset, data)
@@ -155,8 +230,9 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump({"jax": jax.__version__, "setup": setup,
                    "matmuls": [[r.path, r.kind, r.operands] for r in table.rows],
-                   "rows": rows}, f, indent=1)  # fmt: skip
-    out = markdown(rows, args.steps)
+                   "rows": rows, "memory": mem, "memory_before": before},
+                  f, indent=1)  # fmt: skip
+    out = markdown(rows, args.steps) + "\n" + memory_markdown(mem, before)
     print(table)
     print(out)
     if args.md:

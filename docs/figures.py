@@ -629,6 +629,36 @@ def moe() -> str:
     )
 
 
+@figure("moe_memory", "moe_cpu.json")
+def moe_memory() -> str:
+    data = _json("moe_cpu.json")
+
+    def by(rows: list[dict], op: str) -> dict:
+        return {r["experts"]: r for r in rows if r["op"] == op}
+
+    now, lax_ = by(data["memory"], "int8"), by(data["memory"], "lax (float32)")
+    before = by(data["memory_before"], "int8")
+    table = [
+        [
+            str(e),
+            f"{lax_[e]['weight_grad']:.1f}",
+            f"{before[e]['weight_grad']:.1f}",
+            f"{now[e]['weight_grad']:.1f}",
+            f"{now[e]['forward']:.1f}",
+        ]
+        for e in sorted(now)
+    ]
+    header = ["experts", "`lax.ragged_dot` (float32)", "`int8` before",
+              "`int8`", "`int8` forward alone"]  # fmt: skip
+    return (
+        _table(header, table)
+        + "\n"
+        + "(Temporary MiB of the compiled weight-gradient program of one ragged "
+        "dot [2048, 128] x [experts, 128, 128] on XLA:CPU; its forward is "
+        "included.)\n\n" + _source("moe_cpu.json")
+    )
+
+
 @figure("lora", "lora_lm_cpu.md")
 def lora() -> str:
     rows = _md_table("lora_lm_cpu.md")

@@ -13,11 +13,14 @@ matmul, through the same core (one custom VJP; the contractions are in
   channel (per group and input channel in the lhs gradient). In real mode
   the dot runs on the stored values (int8 x int8 -> int32) and each output
   row takes its group's weight scale;
-- the weight gradient sums over each group's rows: its two operands are
-  expanded per group (``[g, ...]``, other groups' rows zeroed), quantized
-  there (``PerChannel()``: one scale per group and channel, from that
-  group's rows only) and contracted as a ``dot_general`` batched over the
-  groups (real mode as in :func:`qbits.dot_general`).
+- the weight gradient sums over each group's rows, its operands quantized
+  per group (``PerChannel()``: one scale per group and channel, from that
+  group's rows only) and contracted group by group, with no copy of the
+  operands per group (:mod:`qbits.ops._ragged_grad`: each group's absmax
+  is a segment maximum; real mode as in :func:`qbits.dot_general`). Where
+  a scale provider, ``use_fwd_quant`` or a diagnostics probe needs the
+  core's view, the core quantizes them on their expansion per group
+  (``[g, ...]``, other groups' rows zeroed) instead: the same numbers.
 
 So with per-channel scales, the values and both gradients are those of a
 loop over the groups of :func:`qbits.dot_general` on each group's rows and
@@ -25,10 +28,10 @@ weight. Other granularities apply to each tensor as a whole:
 ``PerTensor()`` gives all groups one scale, as it gives all batch entries
 of a batched ``dot_general`` one.
 
-Costs: the weight gradient's operands are expanded per group, ``g`` times
-their size, quantized and kept so (int8: ``g / 4`` times a float32
-operand). XLA:CPU computes JAX's own weight gradient of a ragged dot on the
-same expansion; a GPU or TPU runs that one as a grouped matmul.
+Costs: the forward and the lhs gradient are ``lax.ragged_dot_general``,
+which XLA:CPU computes from its lhs copied per group (codes: one byte per
+element and group), a GPU or TPU as a grouped matmul. The weight gradient
+keeps the float lhs and, on CPU, contracts one group at a time.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from qbits.ops._kind import Call, Operand, OpKind
 from qbits.ops._op import Op
 from qbits.ops._ragged_contract import RaggedContraction
 from qbits.ops._ragged_dims import BASIC, RaggedDims, unsupported
+from qbits.ops._ragged_grad import IDENTITY_MATMUL, own_weight_grad
 
 __all__ = ["KIND", "RaggedDot", "ragged_dot"]
 
@@ -331,7 +335,16 @@ class RaggedDot(Op):
             _owner, lhs, rhs, group_sizes, rdn, precision, preferred_element_type,
             group_offset, out_sharding,
         )  # fmt: skip
-        out = self._run(_owner, c, lhs, rhs, state, diagnostics, group_sizes)
+        config = self.config
+        if diagnostics is None and own_weight_grad(config.drhs):
+            # The weight gradient quantizes its operands itself, group by
+            # group (RaggedWeightGrad.direct); the core keeps the float lhs.
+            c = dataclasses.replace(c, drhs=config.drhs)
+            config = config.replace(drhs=IDENTITY_MATMUL)
+        out = state_lib.run(
+            config, c, lhs, rhs, self.key, state, _owner,
+            data=(group_sizes, self.key), probe=diagnostics,
+        )  # fmt: skip
         # Traced sizes that are negative or wrap around: lax leaves them
         # undefined (on CPU a row sums the products of every group whose
         # range holds it); quantized, each row takes one group's scale.
@@ -369,7 +382,9 @@ class RaggedDot(Op):
         )  # fmt: skip
         if isinstance(gs, jax.ShapeDtypeStruct):  # only shapes are read
             gs = jnp.zeros(gs.shape, gs.dtype)
-        return state_lib.init_state(self.config, c.bind(gs), lhs, rhs, "ragged_dot")
+        return state_lib.init_state(
+            self.config, c.bind((gs, None)), lhs, rhs, "ragged_dot"
+        )
 
     def unsupported(
         self,

@@ -2,7 +2,7 @@
 
 :class:`RaggedContraction` is the forward and the lhs gradient (ragged dots,
 ``lax.ragged_dot_general``); :class:`RaggedWeightGrad` the rhs gradient,
-per group on operands expanded per group (see :mod:`qbits.ops._ragged`).
+each group's sum over its own rows (see :mod:`qbits.ops._ragged`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,25 @@ from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes
 from qbits.ops._dot_general import DotContraction
 from qbits.ops._headroom import int32_holds
-from qbits.ops._matmul import _per_index_free, codes_precision
+from qbits.ops._matmul import _per_index_free, codes_precision, result_dtype
 from qbits.ops._operands import unquantized
-from qbits.ops._ragged_dims import RaggedDims, expand, group_ids, group_mask
-from qbits.ops._rescale import common_dtypes, dot_operand, permute, unless_lost
+from qbits.ops._ragged_dims import (
+    RaggedDims,
+    expand,
+    group_ids,
+    group_mask,
+    ragged_bounds,
+)
+from qbits.ops._ragged_grad import quantize_rows, straight_through
+from qbits.ops._rescale import (
+    _TINY,
+    _scale_to_output,
+    common_dtypes,
+    dot_operand,
+    is_byte_float,
+    permute,
+    unless_lost,
+)
 
 __all__ = ["RaggedContraction", "RaggedWeightGrad"]
 
@@ -46,7 +61,10 @@ class RaggedContraction(core.Contraction):
         ``lax.ragged_dot_general`` takes them (``precision`` hashable).
       out_perm: The output is transposed by it (the lhs gradient, laid out
         like the lhs), or ``None``.
+      drhs: The weight gradient's config where it quantizes its operands
+        itself (:mod:`qbits.ops._ragged_grad`), else ``None``.
       group_sizes: The call's group sizes, once bound (:meth:`bind`).
+      key: The call's PRNG key, once bound.
     """
 
     ragged: RaggedDims
@@ -55,10 +73,13 @@ class RaggedContraction(core.Contraction):
     out_sharding: Any = None
     out_perm: Axes | None = None
     group_sizes: Any = dataclasses.field(default=None, compare=False)
+    drhs: MatmulConfig | None = None
+    key: Any = dataclasses.field(default=None, compare=False)
 
     def bind(self, data: Any) -> RaggedContraction:
-        """This contraction with the call's group sizes."""
-        return dataclasses.replace(self, group_sizes=data)
+        """This contraction with the call's ``(group sizes, key)``."""
+        group_sizes, key = data
+        return dataclasses.replace(self, group_sizes=group_sizes, key=key)
 
     @property
     def contracting(self) -> tuple[Axes, Axes]:
@@ -187,6 +208,8 @@ class RaggedContraction(core.Contraction):
             self.precision,
             self.preferred_element_type,
             self.group_sizes,
+            self.drhs,
+            self.key,
         )
 
     def reuse(self, rhs: QTensor) -> QTensor | None:
@@ -218,11 +241,15 @@ class RaggedContraction(core.Contraction):
 
 @dataclasses.dataclass(frozen=True)
 class RaggedWeightGrad(core.Contraction):
-    """The rhs gradient of a ragged dot: per group, on expanded operands.
+    """The rhs gradient of a ragged dot: each group's sum over its rows.
 
-    Its operands are the output gradient and the forward lhs, each expanded
-    per group (:meth:`prepare`); it contracts them with ``dense``, a
-    ``dot_general`` batched over the groups.
+    Its operands are the output gradient and the forward lhs. Where it
+    quantizes them itself (``drhs``; :mod:`qbits.ops._ragged_grad`), the
+    core hands them over in float (:meth:`direct`). Otherwise the core
+    quantizes them expanded per group (:meth:`prepare`); :meth:`__call__`
+    gathers each back into one array and contracts group by group
+    (``dense``, a ``dot_general`` batched over the groups, gives the
+    layouts and scale order).
 
     Attributes:
       dense: The dot of the expanded operands.
@@ -230,6 +257,9 @@ class RaggedWeightGrad(core.Contraction):
       precision: As for ``lax.ragged_dot_general``.
       preferred_element_type: As for ``lax.ragged_dot_general``.
       group_sizes: The call's group sizes, once bound.
+      drhs: Its config where it quantizes its operands itself (in
+        :meth:`direct`; the core then sees an identity matmul), or ``None``.
+      key: The call's PRNG key, once bound.
     """
 
     dense: DotContraction
@@ -237,10 +267,13 @@ class RaggedWeightGrad(core.Contraction):
     precision: Any = None
     preferred_element_type: Any = None
     group_sizes: Any = dataclasses.field(default=None, compare=False)
+    drhs: MatmulConfig | None = None
+    key: Any = dataclasses.field(default=None, compare=False)
 
     def bind(self, data: Any) -> RaggedWeightGrad:
-        """This contraction with the call's group sizes."""
-        return dataclasses.replace(self, group_sizes=data)
+        """This contraction with the call's ``(group sizes, key)``."""
+        group_sizes, key = data
+        return dataclasses.replace(self, group_sizes=group_sizes, key=key)
 
     @property
     def contracting(self) -> tuple[Axes, Axes]:
@@ -284,10 +317,144 @@ class RaggedWeightGrad(core.Contraction):
         return self.dense.plain(self._masked(lhs, "lhs"), self._masked(rhs, "rhs"))
 
     def __call__(self, lhs: QTensor, rhs: QTensor, cfg: MatmulConfig) -> jax.Array:
-        """The weight gradient from expanded, quantized operands."""
-        return self.dense(self._masked(lhs, "lhs"), self._masked(rhs, "rhs"), cfg)
+        """The weight gradient from quantized operands, group by group.
+
+        Each operand was quantized on its expansion (scales per group); its
+        values are gathered back into one array (each index holds its own
+        group's value) and contracted group by group (:meth:`_grouped`):
+        nothing of size ``groups x operand`` is kept. Integer codes with
+        scales that factor out (per group and channel) contract exactly, in
+        int32, rescaled in the order of :func:`qbits.dot_general`'s; other
+        operands are dequantized first.
+        """
+        lhs, rhs = self._masked(lhs, "lhs"), self._masked(rhs, "rhs")
+        if 0 in lhs.shape + rhs.shape:
+            return self.dense(lhs, rhs, cfg)
+        out_dtype = result_dtype(lhs, rhs, self.dense.dims, self.preferred_element_type)
+        if (
+            cfg.mode == "real"
+            and self._factors(lhs, 0)
+            and self._factors(rhs, 1)
+            and is_byte_float(dot_operand(lhs)) == is_byte_float(dot_operand(rhs))
+        ):
+            lhs, rhs = lhs.unpack(), rhs.unpack()
+            rows = [t.replace(qvalue=_collapse(t.qvalue)) for t in (lhs, rhs)]
+            out = self._rescaled(rows[0], lhs.scale, rows[1], rhs.scale, cfg)
+            return out.astype(out_dtype)
+        g, x = (_collapse(t.dequant()) for t in (lhs, rhs))
+        dtype = jnp.promote_types(g.dtype, x.dtype)
+        pet = self.preferred_element_type
+        out = self._grouped(g.astype(dtype), x.astype(dtype), pet)
+        return out.astype(out_dtype)
+
+    def _factors(self, qt: QTensor, side: int) -> bool:
+        """Integer codes whose scale is per group and per index of a free axis."""
+        contracting = self.contracting[side]
+        return (
+            qt.is_plain
+            and qt.qdtype is not None
+            and self._codes(qt)
+            and all(
+                s == 1 or (a not in contracting and s == n)
+                for a, (s, n) in enumerate(zip(qt.scale.shape, qt.shape, strict=True))
+            )
+        )
+
+    def _rescaled(
+        self,
+        lqt: QTensor,
+        lscale: jax.Array,
+        rqt: QTensor,
+        rscale: jax.Array,
+        cfg: MatmulConfig,
+    ) -> jax.Array:
+        """Each group's sum of code products, times its two scales (float32).
+
+        ``lqt``, ``rqt``: the operands' codes, one array each (not
+        expanded); ``lscale``, ``rscale``: their scales per group, laid out
+        as on the expansion.
+        """
+        dims, perm = self.dense.dims, self.dense.out_perm
+        a, b, acc = common_dtypes(dot_operand(lqt), dot_operand(rqt), cfg.accumulator)
+        rows = lqt.shape[self.ragged.out_ragged]
+        if acc == np.dtype(np.int32) and not int32_holds(rows, lqt, rqt, cfg):
+            a, b, acc = common_dtypes(a, b, np.dtype(np.float32))
+        out = self._grouped(a, b, acc).astype(jnp.float32)
+        left, right = (
+            permute(
+                lax.broadcast_in_dim(
+                    _scale_to_output(scale, dims, side),
+                    _unpermuted(out.shape, perm),
+                    tuple(range(out.ndim)),
+                ),
+                perm,
+            )
+            for scale, side in ((lscale, "lhs"), (rscale, "rhs"))
+        )
+        integer = jnp.issubdtype(a.dtype, jnp.integer)
+        if integer and perm is not None and tuple(perm) == dims.swap_perm():
+            left, right = right, left  # qbits.dot_general exchanges the operands
+        if lscale.size == 1 and rscale.size == 1:  # as real_dot: the product
+            a, b = lscale.reshape(()), rscale.reshape(())
+            if integer and perm is not None and tuple(perm) == dims.swap_perm():
+                a, b = b, a
+            both = lax.mul(a, b)
+            normal = lax.bitwise_and(lax.is_finite(both), lax.ge(lax.abs(both), _TINY))
+            first = lax.select(normal, both, a)
+            second = lax.select(normal, np.float32(1), b)
+            return lax.mul(lax.mul(out, first), second)
+        return unless_lost(
+            lax.mul(lax.mul(out, left), right),
+            out,
+            lambda o: lax.mul(o, lax.mul(left, right)),
+        )
+
+    def _grouped(self, lhs: jax.Array, rhs: jax.Array, preferred: Any) -> jax.Array:
+        """Each group's sum over its own indices of the ragged axis.
+
+        ``lax.ragged_dot_general`` contracting the ragged axis: a grouped
+        matmul on GPU and TPU. JAX computes it on CPU from operands expanded
+        per group; there, a loop over the groups contracts each group's
+        indices (the others masked), one group's operand at a time.
+        """
+        dn, perm = self.ragged.grad_rhs_ragged()
+        gs = self.group_sizes
+
+        def ragged(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+            return lax.ragged_dot_general(
+                rhs, lhs, gs, dn, self.precision, preferred_element_type=preferred
+            )
+
+        def loop(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+            axis = self.ragged.lhs_ragged
+            starts, ends = ragged_bounds(gs)
+
+            def one(j: jax.Array) -> jax.Array:
+                i = lax.broadcasted_iota(jnp.int32, rhs.shape, axis)
+                inside = (starts[j] <= i) & (i < ends[j])
+                masked = lax.select(inside, rhs, lax.full_like(rhs, 0))
+                return lax.dot_general(
+                    masked, lhs, dn.dot_dimension_numbers, self.precision,
+                    preferred_element_type=preferred,
+                )  # fmt: skip
+
+            return lax.map(one, jnp.arange(gs.shape[0]))
+
+        out = lax.platform_dependent(lhs, rhs, cpu=loop, default=ragged)
+        return permute(out, perm)
 
     def direct(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        """The weight gradient of the call's own operands.
+
+        JAX's own (a ragged dot contracting the ragged axis), or, where
+        this contraction quantizes its operands itself (``drhs``), that
+        quantized (:meth:`_owned`), straight-through when differentiated.
+        """
+        if self.drhs is None:
+            return self._lax(lhs, rhs)
+        return straight_through(self._owned, self._lax)(lhs, rhs)
+
+    def _lax(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
         """JAX's own weight gradient: a ragged dot contracting the ragged axis."""
         dn, perm = self.ragged.grad_rhs_ragged()
         out = lax.ragged_dot_general(
@@ -300,6 +467,44 @@ class RaggedWeightGrad(core.Contraction):
         )
         return permute(out, perm)
 
+    def _owned(self, g: jax.Array, x: jax.Array) -> jax.Array:
+        """The weight gradient of ``g`` and ``x``, quantized group by group."""
+        cfg, gs, r = self.drhs, self.group_sizes, self.ragged
+        lc, rc = (tuple(a - 1 for a in axes) for axes in self.contracting)
+        real = cfg.mode == "real"
+        gq, gscale = quantize_rows(
+            cfg.lhs, g, r.out_ragged, lc, gs, self.key, 4, real
+        )  # fmt: skip
+        xq, xscale = quantize_rows(
+            cfg.rhs, x, r.lhs_ragged, rc, gs, self.key, 5, real
+        )  # fmt: skip
+        shapes = [
+            jax.ShapeDtypeStruct((gs.shape[0], *t.shape), t.dtype) for t in (g, x)
+        ]
+        out_dtype = result_dtype(*shapes, self.dense.dims, self.preferred_element_type)
+        if (
+            real
+            and gscale is not None
+            and xscale is not None
+            and all(self._codes(t) for t in (gq, xq))
+            and is_byte_float(dot_operand(gq)) == is_byte_float(dot_operand(xq))
+        ):
+            out = self._rescaled(gq, gscale, xq, xscale, cfg)
+            return out.astype(out_dtype)
+        a, b = gq.dequant(), xq.dequant()
+        dtype = jnp.promote_types(a.dtype, b.dtype)
+        pet = self.preferred_element_type
+        out = self._grouped(a.astype(dtype), b.astype(dtype), pet)
+        return out.astype(out_dtype)
+
+    @staticmethod
+    def _codes(qt: QTensor) -> bool:
+        """Stored integer or one-byte float codes with a plain scale."""
+        if not qt.is_plain or qt.qdtype is None:
+            return False
+        codes = dot_operand(qt)
+        return jnp.issubdtype(codes.dtype, jnp.integer) or is_byte_float(codes)
+
     def gradient(self, side: str) -> core.Contraction:  # pragma: no cover
         """A gradient contraction has no gradients of its own here."""
         raise NotImplementedError("the gradient of a ragged dot's weight gradient")
@@ -311,3 +516,21 @@ class RaggedWeightGrad(core.Contraction):
     def fold(self, lhs: jax.Array, rhs: QTensor) -> jax.Array:
         """The expanded output gradient times the forward lhs's scale."""
         return self.dense.fold(lhs, rhs)
+
+
+def _collapse(x: jax.Array) -> jax.Array:
+    """An expanded operand (``[g, ...]``, other groups' entries zero) as one.
+
+    Each index is in at most one group: the sum over the groups is exact.
+    """
+    return jnp.sum(x, axis=0, dtype=x.dtype)
+
+
+def _unpermuted(shape: tuple[int, ...], perm: Axes | None) -> tuple[int, ...]:
+    """The shape that ``permute(., perm)`` turns into ``shape``."""
+    if perm is None:
+        return shape
+    out = [0] * len(shape)
+    for i, p in enumerate(perm):
+        out[p] = shape[i]
+    return tuple(out)

@@ -15,11 +15,11 @@ Its gradients, exactly as JAX transposes it (``jax/_src/lax/lax.py``,
 ``_ragged_dot_general_transpose_rule``): the lhs gradient is again such a
 ragged dot, of the output gradient with the rhs (:meth:`RaggedDims.grad_lhs`);
 the rhs gradient sums, for each group, over that group's indices of the
-ragged axis. qbits computes the latter as a dense ``dot_general`` of the two
-operands *expanded* per group (``[g, ...]``, each group's indices kept, the
-others zeroed: :func:`expand`, :meth:`RaggedDims.dense`), so that each
-group's operands are quantized with scales of their own; XLA:CPU computes
-JAX's own ragged weight gradient the same way.
+ragged axis (:meth:`RaggedDims.grad_rhs_ragged`). Its operands are
+quantized per group; where the core quantizes them, it sees them
+*expanded* per group (``[g, ...]``, each group's indices kept, the others
+zeroed: :func:`expand`, :meth:`RaggedDims.dense`), so that each group's
+operands get scales of their own.
 """
 
 from __future__ import annotations
@@ -35,7 +35,14 @@ from jax import lax
 from qbits._errors import InvalidArgumentError
 from qbits.ops._dims import Axes, Dims
 
-__all__ = ["BASIC", "RaggedDims", "expand", "group_ids", "unsupported"]
+__all__ = [
+    "BASIC",
+    "RaggedDims",
+    "expand",
+    "group_ids",
+    "ragged_bounds",
+    "unsupported",
+]
 
 #: ``lax.ragged_dot``'s dimension numbers: ``[m, k] . [g, k, n] -> [m, n]``.
 BASIC = lax.RaggedDotDimensionNumbers(
@@ -265,7 +272,7 @@ class RaggedDims:
         return dn, tuple(int(a) for a in np.argsort(unsorted))
 
 
-def _bounds(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+def ragged_bounds(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each group's first index and one past its last (int32)."""
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
@@ -274,14 +281,14 @@ def _bounds(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def group_ids(group_sizes: jax.Array, n: int) -> jax.Array:
     """The group of each index ``0..n-1`` of the ragged axis (``g``: none)."""
-    _, ends = _bounds(group_sizes)
+    _, ends = ragged_bounds(group_sizes)
     i = lax.broadcasted_iota(jnp.int32, (n, ends.shape[0]), 0)
     return jnp.sum((ends[None, :] <= i).astype(jnp.int32), axis=1)
 
 
 def group_mask(group_sizes: jax.Array, shape: tuple[int, ...], axis: int) -> jax.Array:
     """``[g, *shape]`` booleans: index ``i`` of ``axis`` is in group ``j``."""
-    starts, ends = _bounds(group_sizes)
+    starts, ends = ragged_bounds(group_sizes)
     g = starts.shape[0]
     i = lax.broadcasted_iota(jnp.int32, (g, shape[axis]), 1)
     inside = (starts[:, None] <= i) & (i < ends[:, None])
