@@ -224,9 +224,11 @@ class AbsMax(Calibration):
     ) -> jax.Array:
         """``clip_factor * max(|x|)`` over ``axes``; NaN where a block is not finite.
 
-        On CPU, over trailing axes, one variadic reduction of ``(|x|,
-        not isfinite(x))`` finds both in a single pass that XLA:CPU fuses
-        with the producer of ``x`` (faster there); elsewhere non-finite
+        On one CPU device, over trailing axes, one variadic reduction of
+        ``(|x|, not isfinite(x))`` finds both in a single pass that XLA:CPU
+        fuses with the producer of ``x`` (faster there; on several devices
+        XLA's partitioner would all-gather both partial results of a sharded
+        ``x`` where a ``max`` takes one all-reduce); elsewhere non-finite
         values are mapped to inf before a plain ``max`` (XLA:CPU's
         vectorized max reductions drop NaN), the form GPU and TPU compilers
         fuse best, and an inf bound becomes NaN. Both are right on every
@@ -241,7 +243,7 @@ class AbsMax(Calibration):
             nan = lax.full_like(bound, np.nan)
             return lax.select(lax.lt(bound, lax.full_like(bound, np.inf)), bound, nan)
 
-        if axes == tuple(range(x.ndim - len(axes), x.ndim)):
+        if axes == tuple(range(x.ndim - len(axes), x.ndim)) and jax.device_count() == 1:
             bound = lax.platform_dependent(
                 x,
                 cpu=functools.partial(_absmax_nan_if_non_finite, axes=axes),

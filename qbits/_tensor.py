@@ -13,6 +13,7 @@ from jax import lax
 
 from qbits._errors import InvalidArgumentError, normalize_axis
 from qbits._formats import FLOAT_FORMATS
+from qbits._sharding import take
 
 _FORMATS_BY_DTYPE = {f.dtype: f for f in FLOAT_FORMATS.values()}
 
@@ -186,7 +187,7 @@ class QTensor(struct.PyTreeNode):
         q = self.unpack().qvalue
         if self.codebook is not None:
             table = jnp.asarray(self.codebook, jnp.float32)
-            values = jnp.take(table, q.astype(jnp.int32), mode="clip")
+            values = take(table, q.astype(jnp.int32))
         else:
             values = q.astype(jnp.float32)
         scale = self.scale.astype(jnp.float32)

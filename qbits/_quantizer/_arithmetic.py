@@ -23,13 +23,18 @@ __all__ = [
 
 
 def flat_vector(v: jax.Array) -> jax.Array:
-    """``v`` as a flat vector, unless explicit sharding pins its axes.
+    """``v`` as a flat vector, on one device.
 
-    Under explicit mesh axes (``AxisType.Explicit``), merging a sharded axis
-    with others has no sharding JAX can infer: the scales keep their shape.
+    On several devices the scales keep their shape: merging a sharded axis
+    with others has no sharding JAX can infer under explicit mesh axes
+    (``AxisType.Explicit``), and under auto axes XLA's partitioner reshards
+    the flat vector with all-gathers and collective-permutes (a scale keeps
+    the sharding of the tensor it scales only in the tensor's shape).
     """
     spec = getattr(getattr(jax.typeof(v), "sharding", None), "spec", None)
-    if spec is not None and any(entry is not None for entry in spec):
+    if jax.device_count() > 1 or (
+        spec is not None and any(entry is not None for entry in spec)
+    ):
         return v
     return v.reshape(-1)
 
@@ -57,11 +62,11 @@ def scales_and_inverses(
     once per block; the bounds of all the tensors are laid end to end first,
     so that the tensors quantized together share that kernel (XLA:CPU's
     compile time grows with every kernel and every operation in one). On
-    several devices each tensor runs alone: its scale's sharding is its own
-    (laid end to end, the vectors would get one sharding, which XLA's
-    propagation would carry back into the tensors). Elsewhere the plain
-    form is kept: the barrier would split the fusions that GPU and TPU
-    compilers make of it. The numbers are the same in every form.
+    several devices, and on other backends, the plain form is kept: stacked
+    and sliced, a sharded scale is resharded by collectives (an all-gather
+    and collective-permutes per slice), and the barrier would split the
+    fusions that GPU and TPU compilers make of it. The numbers are the same
+    in every form.
     """
 
     def arithmetic(flat: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
@@ -83,8 +88,10 @@ def scales_and_inverses(
         return lax.slice_in_dim(both, 0, n), lax.slice_in_dim(both, n, 2 * n), pre
 
     def cpu(*flats: jax.Array) -> list[Any]:
-        if len(flats) == 1 or jax.device_count() > 1:
-            return [cpu_one(f) for f in flats]
+        if jax.device_count() > 1:
+            return default(*flats)
+        if len(flats) == 1:
+            return [cpu_one(flats[0])]
         scale, inverse, pre = cpu_one(lax.concatenate(flats, 0))
         out, start = [], 0
         for f in flats:

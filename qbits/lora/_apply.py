@@ -31,6 +31,7 @@ from flax.core import FrozenDict, unfreeze
 from qbits import nnx as qnnx
 from qbits import transform
 from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._sharding import like
 from qbits.config import QuantConfig, Rule, _resolve
 from qbits.lora._config import LoraConfig
 from qbits.lora._function import AdaptedLayer, Lora, LoraBase, LoraFunction
@@ -163,7 +164,7 @@ def apply(model: Any, config: Any, *args: Any, key: Any, **kwargs: Any) -> Lora:
             )
         )  # fmt: skip
     lora_fn = LoraFunction(fn, config, tuple(layers), stored_rules)
-    adapters = _init_all(config, layers, key)
+    adapters = _init_all(config, layers, key, params)
     return Lora(lora_fn, base, adapters)
 
 
@@ -276,11 +277,12 @@ def _in_base(e: ConfigError, rules: QuantConfig, exact: QuantConfig) -> ConfigEr
 
 def _frozen_base(params: Any, stored: dict[str, Any]) -> LoraBase:
     fills = {}
-    for s in stored.values():
+    for name, s in stored.items():
         if s.exclusive:
             fills[jax.tree_util.keystr(s.keys)] = (
                 tuple(int(n) for n in s.shape),
                 np.dtype(s.dtype).name,
+                name,
             )
 
     def leaf(path: Any, x: Any) -> Any:
@@ -289,9 +291,7 @@ def _frozen_base(params: Any, stored: dict[str, Any]) -> LoraBase:
 
     held = jax.tree_util.tree_map_with_path(leaf, params)
     weights = {name: s.weight for name, s in stored.items()}
-    return LoraBase(
-        held, weights, tuple((k, shape, d) for k, (shape, d) in fills.items())
-    )
+    return LoraBase(held, weights, tuple((k, *found) for k, found in fills.items()))
 
 
 def _merge_check(m: transform._WeightMatmul, index: np.ndarray | None) -> str:
@@ -315,14 +315,15 @@ def _merge_check(m: transform._WeightMatmul, index: np.ndarray | None) -> str:
 
 
 def _init_all(
-    config: LoraConfig, layers: list[AdaptedLayer], key: Any
+    config: LoraConfig, layers: list[AdaptedLayer], key: Any, params: Any
 ) -> dict[str, dict[str, jax.Array]]:
-    """Every adapter's ``A`` and ``B`` (zeros).
+    """Every adapter's ``A`` and ``B`` (zeros), sharded as their parameter.
 
     ``A`` is drawn on the host (NumPy's PCG64, seeded with the key's bits and
     a hash of the path: nothing to compile, and another rule leaves the
     others' ``A`` as they were).
     """
+    found = dict(jax.tree_util.tree_leaves_with_path(params))
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     words = [int(w) for w in np.asarray(key).ravel()]
@@ -337,8 +338,31 @@ def _init_all(
             a = rng.uniform(-bound, bound, shapes["a"])
         else:
             a = rng.normal(0.0, 1.0 / la.rank, shapes["a"])
+        axes = _adapter_axes(la.matmul)
+        param = found.get(la.matmul.keys)
         out[la.path] = {
-            "a": jnp.asarray(a.astype(np.float32)),
-            "b": jnp.asarray(np.zeros(shapes["b"], np.float32)),
+            "a": like(jnp.asarray(a.astype(np.float32)), param, axes["a"]),
+            "b": like(jnp.asarray(np.zeros(shapes["b"], np.float32)), param, axes["b"]),
         }
     return out
+
+
+def _adapter_axes(m: transform.ObservedMatmul) -> dict[str, tuple[int | None, ...]]:
+    """The parameter axis each axis of ``A`` and ``B`` stands for.
+
+    ``A``'s contraction axis is the weight's (``B``'s output axis the
+    weight's output axis) where the weight has one and is its parameter as
+    it is (no reshape or transpose between them); the rank is replicated.
+    """
+    lead = len(m.layers)
+    same = tuple(m.param_shape) == (*m.layers, *m.shape)
+    groups = tuple(lead + a for a in m.batch) if m.grouped else ()
+    stack = (*range(lead), *groups) if same else (None,) * (lead + len(groups))
+
+    def one(axes: tuple[int, ...]) -> int | None:
+        return lead + axes[0] if same and len(axes) == 1 else None
+
+    return {
+        "a": (*stack, one(m.contracting), None),
+        "b": (*stack, None, one(m.free)),
+    }

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._sharding import abstract as _abstract
 from qbits.lora._config import LoraConfig
 
 __all__ = ["restore_adapters", "save_adapters"]
@@ -180,7 +181,9 @@ def restore_adapters(
       directory: The checkpoint.
       like: Adapters of the same model and config (arrays, or
         ``jax.ShapeDtypeStruct`` s from ``jax.eval_shape``): their paths,
-        shapes and dtypes are checked against the checkpoint's.
+        shapes and dtypes are checked against the checkpoint's; where they
+        have mesh shardings, the adapters come back sharded alike, on that
+        mesh whatever mesh they were saved from.
       config: The :class:`~qbits.lora.LoraConfig` the adapters will run
         with: checked against the saved one (``None``: not checked).
 
@@ -248,10 +251,7 @@ def restore_adapters(
                 f"the checkpoint's {name}: {have[:2] if have else 'missing'}",
                 why=f"the checkpoint at {directory} holds adapters of another model",
             )  # fmt: skip
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype)),
-        {path: dict(ab) for path, ab in like.items()},
-    )
+    abstract = jax.tree.map(_abstract, {path: dict(ab) for path, ab in like.items()})
     ocp, ckpt = _checkpointer()
     try:
         with ckpt:

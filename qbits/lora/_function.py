@@ -20,6 +20,7 @@ from flax import struct
 
 from qbits import transform
 from qbits._errors import InvalidArgumentError
+from qbits._sharding import like
 from qbits._tensor import QTensor
 from qbits.config import QuantConfig
 from qbits.lora._config import LoraConfig
@@ -41,7 +42,8 @@ class LoraBase(struct.PyTreeNode):
       weights: ``{matmul path: QTensor}``: the base's stored weights, in
         their storage format (int4, uint4 and NF4 codes packed two per
         byte in uint8; int8; fp8), with their scales.
-      fills: Static: ``(key path, shape, dtype)`` of each placeholder.
+      fills: Static: ``(key path, shape, dtype, matmul path)`` of each
+        placeholder.
 
     Example:
       >>> params = {"w": jnp.ones((64, 8))}
@@ -57,7 +59,7 @@ class LoraBase(struct.PyTreeNode):
 
     params: Any
     weights: dict[str, QTensor]
-    fills: tuple[tuple[str, tuple[int, ...], str], ...] = struct.field(
+    fills: tuple[tuple[str, tuple[int, ...], str, str], ...] = struct.field(
         pytree_node=False, default=()
     )
 
@@ -65,13 +67,21 @@ class LoraBase(struct.PyTreeNode):
         """The parameters with zeros in the placeholders (what the model reads).
 
         Under ``jax.jit`` the zeros are never materialised: the matmuls
-        that would read them run on the stored weights.
+        that would read them run on the stored weights. They are laid out
+        as the stored codes (under explicit mesh axes what follows the
+        matmul keeps the float model's layout).
         """
-        shapes = {path: (shape, dtype) for path, shape, dtype in self.fills}
+        shapes = {path: found for path, *found in self.fills}
 
         def leaf(path: Any, x: Any) -> Any:
             found = shapes.get(jax.tree_util.keystr(path))
-            return x if found is None else jnp.zeros(found[0], found[1])
+            if found is None:
+                return x
+            zeros = jnp.zeros(found[0], found[1])
+            codes = self.weights[found[2]].qvalue
+            if jnp.ndim(codes) != zeros.ndim:
+                return zeros
+            return like(zeros, codes, range(zeros.ndim))
 
         return jax.tree_util.tree_map_with_path(leaf, self.params)
 

@@ -133,7 +133,7 @@ def _check_base(fn: LoraFunction, base: LoraBase) -> None:
         jax.tree_util.keystr(k): tuple(jnp.shape(v))
         for k, v in jax.tree_util.tree_flatten_with_path(base.params)[0]
     }
-    fills = {path: tuple(shape) for path, shape, _ in base.fills}
+    fills = {path: tuple(shape) for path, shape, *_ in base.fills}
     problems = []
     for la in fn.layers:
         m = la.matmul
@@ -171,7 +171,7 @@ def _merged(
     layers: tuple[AdaptedLayer, ...], adapters: Any, base: LoraBase, index: Any
 ) -> Any:
     params = dict(jax.tree_util.tree_flatten_with_path(base.params)[0])
-    shapes = {path: (shape, dtype) for path, shape, dtype in base.fills}
+    shapes = {path: (shape, dtype) for path, shape, dtype, _ in base.fills}
 
     def param(keys: tuple[Any, ...]) -> jax.Array:
         """The parameter in float32 (zeros where a stored weight replaced it)."""

@@ -43,6 +43,7 @@ import numpy as np
 
 from qbits import transform
 from qbits._errors import InvalidArgumentError
+from qbits._sharding import like
 from qbits._tensor import QTensor
 from qbits.config import LayerTable, QuantConfig, _as_quant_config
 from qbits.numerics import _hash_key as hash_key
@@ -198,16 +199,31 @@ def as_function(model: nnx.Module) -> tuple[Callable[..., Any], Any]:
     return _function(model, cls.__call__)
 
 
-def _filled(state: Any, fills: tuple[tuple[str, tuple[int, ...], str], ...]) -> Any:
-    """``state`` with each placeholder given zeros of its weight's shape."""
+def _filled(
+    state: Any,
+    fills: tuple[tuple[str, tuple[int, ...], str], ...],
+    codes: dict[str, Any],
+) -> Any:
+    """``state`` with each placeholder given zeros of its weight's shape.
+
+    Laid out as the weight's stored codes (``codes``: by key path), where
+    they have its rank: under explicit mesh axes the program traced with
+    them keeps the float model's layout after the matmul.
+    """
     if not fills:
         return state
     shapes = {path: (shape, dtype) for path, shape, dtype in fills}
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     out = []
     for path, leaf in leaves:
-        found = shapes.get(jax.tree_util.keystr(path))
-        out.append(leaf if found is None else jnp.zeros(found[0], found[1]))
+        name = jax.tree_util.keystr(path)
+        found = shapes.get(name)
+        if found is not None:
+            leaf = jnp.zeros(found[0], found[1])
+            got = codes.get(name)
+            if got is not None and got.ndim == leaf.ndim:  # packed: as the codes
+                leaf = like(leaf, got, range(leaf.ndim))
+        out.append(leaf)
     return jax.tree.unflatten(treedef, out)
 
 
@@ -237,7 +253,9 @@ def _run(module: Any, method: Callable[..., Any], args: Any, kwargs: Any) -> Any
     run = transform._quantize(  # identity: what fn is made of
         caller, fn, node.config, key, state=scale or None, stored=stored
     )
-    out, new = run(_filled(state, node.fills), *args, **kwargs)
+    codes = {info.param: stored[info.path].qvalue  # type: ignore[index]
+             for info in node.info if info.param and stored}  # fmt: skip
+    out, new = run(_filled(state, node.fills, codes), *args, **kwargs)
     nnx.update(module, new)
     return out
 

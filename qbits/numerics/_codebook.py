@@ -12,6 +12,7 @@ from jax import lax
 from qbits._context import Context
 from qbits._errors import InvalidArgumentError, check_bool
 from qbits._formats import check_float_input, compute_dtype
+from qbits._sharding import take
 from qbits.numerics._base import ClippedStraightThrough
 
 __all__ = ["NF4_LEVELS", "Nf4Numerics"]
@@ -119,7 +120,7 @@ class Nf4Numerics(ClippedStraightThrough):
             )
         y = x.astype(compute_dtype(x.dtype))
         index = self.codes(y).astype(jnp.int32)
-        q = jnp.take(jnp.asarray(_LEVELS, y.dtype), index, mode="clip")
+        q = take(jnp.asarray(_LEVELS, y.dtype), index)
         return jnp.where(jnp.isnan(y), y, q).astype(x.dtype)
 
     def gradient_range(self) -> tuple[float, float]:

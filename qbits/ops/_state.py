@@ -64,6 +64,7 @@ import numpy as np
 from flax.linen.fp8_ops import fp32_max_grad
 from jax import lax
 
+from qbits import _sharding as sharding
 from qbits._errors import InvalidArgumentError
 from qbits._granularity import PerTensor
 from qbits._providers import ScaleProvider, max_combining
@@ -263,21 +264,36 @@ def init_state(
     """
     states = tensor_states(config, contraction, _shapes(contraction, lhs, rhs), owner)
     operands = {"lhs": lhs, "rhs": rhs}
+    if "grad" in states:  # the output's type: its sharding under explicit axes
+        operands["grad"] = jax.eval_shape(contraction.plain, lhs, rhs)
     out: dict[str, jax.Array] = {}
     for t, ts in states.items():
-        x = operands.get(t)
+        x = operands[t]
         amax = None
-        if isinstance(x, jax.Array | np.ndarray):
-            x = jnp.asarray(x)
-            amax = core.block_amax(ts.quantizer, x, ts.contracting)
+        data = x if isinstance(x, jax.Array | np.ndarray) else None
+        if data is not None:
+            data = jnp.asarray(data)
+            amax = core.block_amax(ts.quantizer, data, ts.contracting)
             amax = amax.reshape(ts.compact_shape)
-        else:
-            x = None
         for name, value in ts.provider.init_state(
-            ts.compact_shape, x, ts.quantizer.numerics, amax
+            ts.compact_shape, data, ts.quantizer.numerics, amax
         ).items():
-            out[f"{t}_{name}"] = value
+            out[f"{t}_{name}"] = _laid_out(value, x, ts)
     return out
+
+
+def _laid_out(value: jax.Array, x: Any, ts: TensorState) -> jax.Array:
+    """A state entry sharded as its tensor.
+
+    The scale's kept axes as the tensor's; the rest (a history's steps, a
+    per-tensor scale) replicated.
+    """
+    kept = [a for a, n in enumerate(ts.scale_shape) if n != 1]
+    lead = value.ndim - len(kept)
+    if lead < 0 or tuple(value.shape[lead:]) != ts.compact_shape:
+        kept = []
+        lead = value.ndim
+    return sharding.like(value, x, (None,) * lead + tuple(kept))
 
 
 def _check_state(
@@ -331,6 +347,16 @@ def _provide_bwd(provider: ScaleProvider, numerics: Any, state: Any, amax: Any):
 
 
 _provide.defvjp(_provide_fwd, _provide_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _replaced_scale(provider: ScaleProvider, numerics: Any, state: Any) -> jax.Array:
+    """:func:`_provide` of the max-combining state, in one program.
+
+    Inside it the max-combining arrays are intermediates: JAX cannot hold a
+    sharded one on its own (an op-by-op call, outside ``jit``, would).
+    """
+    return _provide(provider, numerics, max_combining(state))
 
 
 def run(
@@ -396,7 +422,7 @@ def run(
         if ts.provider.trainable:
             scale = ts.provider.scale(_f32(sub), numerics)
         else:
-            scale = _provide(ts.provider, numerics, max_combining(sub))
+            scale = _replaced_scale(ts.provider, numerics, sub)
         scales[t] = jnp.reshape(scale, ts.scale_shape).astype(jnp.float32)
         vma.append((f"{t}_scale", core.varying(scales[t])))
     observe = tuple(t for t, ts in states.items() if ts.provider.observes)

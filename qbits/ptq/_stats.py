@@ -17,8 +17,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from qbits._errors import InvalidArgumentError
+from qbits._sharding import spec_entries
 
 __all__ = ["InputStats"]
 
@@ -121,8 +123,9 @@ class InputStats:
             )  # fmt: skip
         x = jnp.asarray(x, jnp.float32)
         hessian = jnp.einsum(
-            "...rk,...rl->...kl", x, x, precision=lax.Precision.HIGHEST
-        )
+            "...rk,...rl->...kl", x, x, precision=lax.Precision.HIGHEST,
+            out_sharding=_summed_over_rows(x),
+        )  # fmt: skip
         a = jnp.abs(x)
         rows = jnp.full(shape[:-2], shape[-2], jnp.float32)
         absmax = jnp.max(a, axis=-2, initial=0.0)
@@ -228,3 +231,16 @@ def _describe(stats: Any) -> str:
     if not isinstance(stats, InputStats):
         return type(stats).__name__
     return f"hessian {list(jnp.shape(stats.hessian))}"
+
+
+def _summed_over_rows(x: jax.Array) -> Any:
+    """The Hessian's sharding where explicit mesh axes shard the rows or ``K``.
+
+    (JAX then asks for one: the rows are summed over, and ``K`` would be
+    sharded twice over one mesh axis. Leading axes keep theirs, ``K x K``
+    replicated.) ``None`` otherwise.
+    """
+    entries = spec_entries(x)
+    if entries is None or entries[-2:] == (None, None):
+        return None
+    return P(*entries[:-2], None, None)

@@ -28,6 +28,7 @@ import numpy as np
 
 from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
+from qbits._sharding import like
 from qbits._tensor import QTensor
 from qbits.ops import MatmulConfig, _store_weight
 from qbits.ptq._collect import MatmulStats
@@ -92,7 +93,13 @@ def stored_weight(
             if block is None:
                 return None
             found[name].append(block)
-    arrays = {name: np.stack(v) for name, v in found.items()}  # layers flattened
+    # Layers flattened; each block's axis sharded as the weight's (the
+    # scales of a sharded weight live with its shards).
+    lead = (0,) if len(ms.layers) == 1 else (None,)
+    same = tuple(weight.shape) == (*ms.layers, *ms.shape)
+    own = tuple(len(ms.layers) + a if same else None for a in range(len(ms.shape)))
+    axes = (*lead, *own)
+    arrays = {name: like(np.stack(v), weight, axes) for name, v in found.items()}
     layout = (
         np.dtype(ref.storage_dtype).name,
         np.dtype(ref.scale.dtype).name,

@@ -28,6 +28,7 @@ import numpy as np
 
 from qbits import nnx as qnnx
 from qbits._errors import ConfigError, InvalidArgumentError, check_bool
+from qbits._sharding import abstract as _abstract
 from qbits.serving import _integrity as integrity
 from qbits.serving._layout import LayerInfo
 from qbits.serving._nnx import served_layers
@@ -76,20 +77,6 @@ def _restored_params(target: Any, arrays: Any, layers: tuple[LayerInfo, ...]) ->
         return restored[name]
 
     return jax.tree_util.tree_map_with_path(leaf, target)
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    """What to read an array as: its shape, dtype and, if it has one, sharding.
-
-    A target whose arrays carry mesh shardings (placed with
-    ``jax.device_put``, or ``jax.ShapeDtypeStruct(..., sharding=...)``) gets
-    the arrays back with those ``NamedSharding`` s, on any mesh: Orbax reads
-    each device's shard. Other arrays are read onto the default device.
-    """
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        sharding = None
-    return jax.ShapeDtypeStruct(x.shape, np.dtype(x.dtype), sharding=sharding)
 
 
 def _split(owner: str, serving: Any) -> tuple[str, Any, tuple[LayerInfo, ...]]:

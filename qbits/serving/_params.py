@@ -34,6 +34,7 @@ from flax.core import FrozenDict, unfreeze
 
 from qbits import transform
 from qbits._errors import InvalidArgumentError
+from qbits._sharding import like
 from qbits._tensor import QTensor
 from qbits.config import QuantConfig
 from qbits.serving._layout import (
@@ -284,9 +285,9 @@ def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict]:
         check_stored(owner, info, **arrays)
         stored[info.path] = stored_qtensor(info, arrays, quantizer)
         if info.param:
-            fills[info.param] = (info.param_shape, info.param_dtype)
+            fills[info.param] = (info.param_shape, info.param_dtype, arrays["qvalue"])
 
-    def fill(leaf: Any, shape: tuple[int, ...], dtype: str) -> jax.Array:
+    def fill(leaf: Any, shape: tuple[int, ...], dtype: str, codes: Any) -> jax.Array:
         if tuple(jnp.shape(leaf)) != (0,):
             raise InvalidArgumentError(
                 owner,
@@ -295,7 +296,7 @@ def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict]:
                 "the serving params from qbits.serving.convert",
                 why="a stored weight serves in its place",
             )
-        return jnp.zeros(shape, dtype)
+        return zeros_like_codes(shape, dtype, codes)
 
     def info_of(leaf: Any) -> str:
         return f"a {np.dtype(leaf.dtype).name}{list(jnp.shape(leaf))} leaf"
@@ -315,3 +316,17 @@ def serve_params(
         return run(params, *args, **kwargs)
 
     return served
+
+
+def zeros_like_codes(shape: tuple[int, ...], dtype: Any, codes: Any) -> jax.Array:
+    """Zeros for a dropped float weight, laid out as its stored codes.
+
+    The program is traced with them: under explicit mesh axes their
+    sharding is in its types (what follows the matmul keeps the float
+    model's layout). Packed codes (half the last axis) lay out the axes
+    they share with the weight; codes of another rank nothing.
+    """
+    zeros = jnp.zeros(shape, dtype)
+    if codes is None or jnp.ndim(codes) != len(shape):
+        return zeros
+    return like(zeros, codes, range(len(shape)))

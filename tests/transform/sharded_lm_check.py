@@ -10,9 +10,12 @@ axis rules and for nnx with sharding annotations, with the ``int8`` and
 engine (``qbits.quantize``): loss and gradients equal the unsharded ones within
 float32 rounding; the gradients keep the parameters' shardings. The same
 for a plain-JAX block under explicit mesh axes (``out_sharding`` on every
-einsum) through ``qbits.quantize``. Prints one
-JSON line with the collectives of each optimized training step. Exits
-non-zero on a mismatch.
+einsum) through ``qbits.quantize``. An FSDP shard quantized with the
+amax reduced over the shards gives the gathered weight's codes bit for bit.
+Prints one JSON line with the collectives of each optimized training step
+(``count_collectives``) and the all-gather bytes of an FSDP weight
+(``gathered_weight_bytes``; benchmarks/sharded_collectives.py reuses
+both). Exits non-zero on a mismatch.
 """
 
 import json
@@ -133,49 +136,51 @@ def _close(got, want, what, flips=False):
 
 _BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
           "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}  # fmt: skip
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?%\S+ = (.+?) (" + "|".join(COLLECTIVES) + r")(-start)?\("
+)
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
-def _collectives(compiled) -> dict[str, dict[str, int]]:
-    """Per collective kind in the optimized HLO: ops and result bytes."""
+def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
+    """Per collective kind in optimized HLO text: ops and result bytes.
+
+    A combined collective (XLA merges small all-reduces into one of a tuple)
+    is one op, its bytes those of every array in it; an async ``-start``
+    counts its result (the last array of its tuple) once, its ``-done`` not.
+    """
     found: dict[str, dict[str, int]] = {}
-    pattern = re.compile(
-        r"= (\w+)\[([\d,]*)\][^=]*?\b(" + "|".join(COLLECTIVES) + r")(-start)?\("
-    )
-    for line in compiled.as_text().splitlines():
-        m = pattern.search(line)
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.match(line)
         if not m:
             continue
-        n = 1
-        for d in filter(None, m.group(2).split(",")):
-            n *= int(d)
-        entry = found.setdefault(m.group(3), {"ops": 0, "bytes": 0})
+        shapes = _SHAPE.findall(m.group(1))
+        if m.group(3):
+            shapes = shapes[-1:]
+        nbytes = 0
+        for dtype, dims in shapes:
+            n = _BYTES.get(dtype, 4)
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            nbytes += n
+        entry = found.setdefault(m.group(2), {"ops": 0, "bytes": 0})
         entry["ops"] += 1
-        entry["bytes"] += n * _BYTES.get(m.group(1), 4)
+        entry["bytes"] += nbytes
     return found
 
 
-def linen_case(mesh, tokens, variant, reference=None):
-    model = LM()
-    abstract = jax.eval_shape(model.init, jax.random.key(0), tokens)
-    logical = nn.get_partition_spec(abstract)
-    param_shardings = nn.logical_to_mesh_sharding(logical, mesh, RULES)["params"]
-    key = jax.random.key(1)
-    rngs = {}
+def variant_of(model, variant, engine, key):
+    """``(apply, init, rngs)`` of the LM for float32 or a preset."""
     if variant == "float32":
-        apply, init = model.apply, model.init
-    else:  # fp8_delayed's state is part of the variables
-        wrapped = qbits.flax.quantize(model, variant)
-        apply, init = wrapped.apply, wrapped.init
-        rngs = {"rngs": {"quant": key}} if variant == "int8" else {}
-    init_rngs = {"params": jax.random.key(0), "quant": key}
-    variables = nn.unbox(jax.jit(init)(init_rngs, tokens))  # op by op, slower
-    shardings = {
-        name: param_shardings
-        if name == "params"
-        else jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
-        for name, tree in variables.items()
-    }
+        return model.apply, model.init, {}
+    if engine:
+        return qbits.quantize(model.apply, variant, key), model.init, {}
+    wrapped = qbits.flax.quantize(model, variant)  # state in the variables
+    rngs = {"rngs": {"quant": key}} if variant == "int8" else {}
+    return wrapped.apply, wrapped.init, rngs
 
+
+def _step(apply, rngs):
     @jax.jit
     def step(variables, tokens):
         def loss(variables):
@@ -183,13 +188,118 @@ def linen_case(mesh, tokens, variant, reference=None):
 
         return jax.value_and_grad(loss)(variables)
 
-    want = step(variables, tokens)
+    return step
+
+
+def _shardings(mesh, tokens, variables):
+    abstract = jax.eval_shape(LM().init, jax.random.key(0), tokens)
+    logical = nn.get_partition_spec(abstract)
+    params = nn.logical_to_mesh_sharding(logical, mesh, RULES)["params"]
+    return {
+        name: params
+        if name == "params"
+        else jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
+        for name, tree in variables.items()
+    }
+
+
+def collectives_of(mesh, tokens, variant, engine=False):
+    """The collectives of the sharded training step (compiled, not run)."""
+    key = jax.random.key(1)
+    apply, init, rngs = variant_of(LM(), variant, engine, key)
+    variables = nn.unbox(
+        jax.eval_shape(init, {"params": jax.random.key(0), "quant": key}, tokens)
+    )
+    variables = jax.tree.map(
+        lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+        variables,
+        _shardings(mesh, tokens, variables),
+    )
+    batch = jax.ShapeDtypeStruct(
+        tokens.shape, tokens.dtype, sharding=NamedSharding(mesh, P("data", None))
+    )
+    compiled = _step(apply, rngs).lower(variables, batch).compile()
+    return count_collectives(compiled.as_text())
+
+
+class _Fsdp(nn.Module):
+    """One matmul whose weight is sharded over ``data`` (FSDP)."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (256, 256))
+        return x @ w
+
+
+def gathered_weight_bytes(configs):
+    """All-gather bytes of one FSDP matmul's training step, per config.
+
+    ``x @ w``, ``w`` 256 x 256 sharded over 8 devices along its contracted
+    axis, ``x`` along the batch: the only all-gathers are the weight's
+    (float32, or codes and scales).
+    """
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    x = jax.ShapeDtypeStruct(
+        (64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+    )
+    key = jax.random.key(1)
+    out = {}
+    for config in configs:
+        apply, init, rngs = variant_of(_Fsdp(), config, False, key)
+        variables = jax.eval_shape(init, {"params": key, "quant": key}, x)
+
+        def placed(path, v):
+            w = jax.tree_util.keystr(path) == "['params']['w']"
+            sharding = NamedSharding(mesh, P("data") if w else P())
+            return jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+
+        variables = jax.tree_util.tree_map_with_path(placed, variables)
+
+        @jax.jit
+        def step(variables, x, apply=apply, rngs=rngs):
+            return jax.grad(lambda v: jnp.sum(apply(v, x, **rngs) ** 2))(variables)
+
+        found = count_collectives(step.lower(variables, x).compile().as_text())
+        out[config] = found.get("all-gather", {}).get("bytes", 0)
+    return out
+
+
+def codes_case(mesh):
+    """Quantizing an FSDP shard with the amax reduced over the shards gives
+    the codes and scales of quantizing the gathered weight, bit for bit:
+    per output channel (amax over the sharded contracted axis) and per
+    tensor (the int8 and fp8 presets' weight quantizers)."""
+    w = jax.random.normal(jax.random.key(6), (256, 64)) * 3
+    for preset in ("int8", "fp8"):
+        q = qbits.presets.get(preset).fwd.rhs
+
+        @jax.jit
+        def quant(w, q=q):
+            t = q.quant(w, store=True, contracting_axes=(0,))
+            return t.qvalue, t.scale
+
+        whole = quant(w)
+        shards = quant(jax.device_put(w, NamedSharding(mesh, P("data", "model"))))
+        for a, b in zip(shards, whole, strict=True):
+            if not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)):
+                raise AssertionError(f"{preset}: sharded codes differ")
+
+
+def linen_case(mesh, tokens, variant, reference=None):
+    key = jax.random.key(1)
+    apply, init, rngs = variant_of(LM(), variant, False, key)
+    init_rngs = {"params": jax.random.key(0), "quant": key}
+    variables = nn.unbox(jax.jit(init)(init_rngs, tokens))  # op by op, slower
+    shardings = _shardings(mesh, tokens, variables)
+    step = _step(apply, rngs)
     sharded = jax.device_put(variables, shardings)
     batch = jax.device_put(tokens, NamedSharding(mesh, P("data", None)))
     compiled = step.lower(sharded, batch).compile()
     got = compiled(sharded, batch)
-    _close(got[0], want[0], f"linen {variant} loss")
-    _close(got, want, f"linen {variant}", flips=variant != "float32")
+    if variant != "float32":  # float32's sharded step is JAX's own
+        want = step(variables, tokens)
+        _close(got[0], want[0], f"linen {variant} loss")
+        _close(got, want, f"linen {variant}", flips=True)
     # The gradients get the shardings float32's get (XLA picks them under
     # auto axes; the FSDP/TP kernels keep their own).
     grads = [g.sharding for g in jax.tree.leaves(got[1]["params"])]
@@ -197,7 +307,7 @@ def linen_case(mesh, tokens, variant, reference=None):
         for g, s in zip(grads, reference, strict=True):
             if not g.is_equivalent_to(s, len(s.spec)):
                 raise AssertionError(f"linen {variant}: {g} != {s}")
-    return _collectives(compiled), grads
+    return count_collectives(compiled.as_text()), grads
 
 
 class NnxBlock(nnx.Module):
@@ -407,8 +517,10 @@ def main():
         x = jax.random.normal(jax.random.key(3), (8, WIDTH))
         nnx_case(mesh, x, "int8")
         serving_case(mesh, tokens)
+        codes_case(mesh)
     explicit_case()
-    print(json.dumps({"layers": LAYERS, "collectives": counts}))
+    weights = gathered_weight_bytes(("float32", "int8"))
+    print(json.dumps({"layers": LAYERS, "collectives": counts, "weights": weights}))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 
-def test_sharded_lm_equals_unsharded_and_collectives_are_counted():
+def test_sharded_lm_equals_unsharded_and_adds_no_resharding():
     script = pathlib.Path(__file__).with_name("sharded_lm_check.py")
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=600
@@ -15,10 +15,34 @@ def test_sharded_lm_equals_unsharded_and_collectives_are_counted():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     counts = report["collectives"]
     assert set(counts) == {"float32", "int8", "fp8_delayed"}
-    # Quantization moves no more bytes through all-reduces than float32
-    # does (the gradient reductions); scales add small collectives only.
-    for variant in ("int8", "fp8_delayed"):
-        assert (
-            counts[variant]["all-reduce"]["bytes"]
-            <= 1.01 * counts["float32"]["all-reduce"]["bytes"]
-        )
+
+    def ops(config, kind):
+        return counts[config].get(kind, {}).get("ops", 0)
+
+    def nbytes(config, kind):
+        return counts[config].get(kind, {}).get("bytes", 0)
+
+    # The 1-block model (benchmarks/sharded_collectives.py measures per
+    # block). No codes or scales are re-laid out across devices: no
+    # permutes or all-to-alls beyond float32's; the all-reduces move
+    # float32's bytes (the gradient reductions) plus small amaxes.
+    for config in ("int8", "fp8_delayed"):
+        for kind in ("collective-permute", "all-to-all"):
+            assert ops(config, kind) <= ops("float32", kind), (config, kind)
+        assert nbytes(config, "all-reduce") <= 1.05 * nbytes("float32", "all-reduce")
+    # Per-tensor scales from the amax history: float32's all-gathers, of
+    # 8-bit codes (fp8 dot operands travel as float16 on XLA:CPU, which
+    # widens them before partitioning); a few all-reduces record the amaxes.
+    assert ops("fp8_delayed", "all-gather") == ops("float32", "all-gather")
+    assert nbytes("fp8_delayed", "all-gather") <= 0.55 * nbytes("float32", "all-gather")
+    assert ops("fp8_delayed", "all-reduce") <= ops("float32", "all-reduce") + 3
+    # int8 (per-channel scales): an all-gather of int8 codes travels with
+    # one of its scales (1/K of its elements), 8 in this model (before the
+    # scales kept their shape: 124 more all-gathers, 136 permutes); the
+    # per-channel amaxes over FSDP-sharded axes are reduced (11 all-reduces).
+    assert ops("int8", "all-gather") <= ops("float32", "all-gather") + 8
+    assert nbytes("int8", "all-gather") <= 0.35 * nbytes("float32", "all-gather")
+    assert ops("int8", "all-reduce") <= ops("float32", "all-reduce") + 11
+    # 8-bit weights on the wire: an FSDP weight is gathered as codes.
+    weights = report["weights"]
+    assert weights["int8"] <= 0.3 * weights["float32"], weights

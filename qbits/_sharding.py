@@ -1,0 +1,157 @@
+"""Arrays laid out like the array they belong to.
+
+What qbits makes for a parameter (its scale state, its stored codes'
+scales, its low-rank adapters) is created from shapes (``jnp.ones``, NumPy
+on the host), which lay it out on one device or, under explicit mesh axes,
+replicate it. :func:`like` lays such a value out as the parameter is: each
+of its axes sharded as the parameter axis it stands for, replicated where
+it stands for none (a history's steps, a per-tensor scale, an adapter's
+rank).
+
+Concrete arrays (outside ``jit``) are put on their parameter's mesh, auto
+or explicit axes alike. Traced ones are resharded where the parameter's
+type names explicit mesh axes (``AxisType.Explicit``); under auto axes XLA
+propagates the layout itself, and inside ``shard_map`` the manual axes
+need none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["abstract", "like", "spec_entries", "take"]
+
+
+def _layout(x: Any) -> tuple[Any, tuple[Any, ...], bool] | None:
+    """``(mesh, spec entry per axis, concrete)`` of ``x``, or ``None``.
+
+    Traced (or abstract) arrays give only their explicit mesh axes.
+    """
+    ndim = len(getattr(x, "shape", ()))
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        s = getattr(x, "sharding", None)
+        if not isinstance(s, NamedSharding):
+            return None
+        return s.mesh, _entries(s.spec, ndim), True
+    s = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
+    if s is None:
+        try:
+            s = jax.typeof(x).sharding
+        except (TypeError, AttributeError):
+            return None
+    if not isinstance(s, NamedSharding):
+        return None
+    return s.mesh, _explicit(s.mesh, _entries(s.spec, ndim)), False
+
+
+def _entries(spec: Any, ndim: int) -> tuple[Any, ...]:
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    return tuple(None if e == () else e for e in entries)
+
+
+def _explicit(mesh: Any, entries: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``entries`` with only the mesh's explicit axes (``None`` for others)."""
+    explicit = {
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == AxisType.Explicit
+    }  # fmt: skip
+
+    def keep(e: Any) -> Any:
+        names = e if isinstance(e, tuple) else (e,)
+        return e if e is not None and all(n in explicit for n in names) else None
+
+    return tuple(keep(e) for e in entries)
+
+
+def spec_entries(x: Any) -> tuple[Any, ...] | None:
+    """The explicit mesh axes of each axis of ``x`` (``None``: no mesh).
+
+    Example:
+      >>> from qbits._sharding import spec_entries
+      >>> spec_entries(jnp.ones((2, 3))) is None  # one device, no mesh
+      True
+    """
+    found = _layout(x)
+    return None if found is None else _explicit(found[0], found[1])
+
+
+def _size(mesh: Any, entry: Any) -> int:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[n] for n in names)
+
+
+def like(value: Any, x: Any, axes: Sequence[int | None]) -> Any:
+    """``value`` laid out as ``x``: its axis ``i`` as ``x``'s axis ``axes[i]``.
+
+    ``None`` in ``axes`` replicates that axis; so does an axis whose size
+    the mesh axes do not divide. A value whose ``x`` has no named layout
+    comes back unchanged.
+
+    Example:
+      >>> from qbits._sharding import like
+      >>> like(jnp.zeros(3), jnp.ones((2, 3)), (1,)).shape
+      (3,)
+    """
+    found = _layout(x)
+    if found is None:
+        return value
+    mesh, entries, concrete = found
+    spec = []
+    for n, a in zip(value.shape, axes, strict=True):
+        e = None if a is None else entries[a]
+        spec.append(e if e is not None and n % _size(mesh, e) == 0 else None)
+    sharding = NamedSharding(mesh, P(*spec))
+    if not isinstance(value, jax.core.Tracer):
+        if concrete:
+            return jax.device_put(value, sharding)
+        value = jax.numpy.asarray(value)
+    if all(e is None for e in spec):  # replicated, as created
+        return value
+    if AxisType.Explicit not in mesh.axis_types:  # a concrete auto-axes mesh
+        return jax.lax.with_sharding_constraint(value, sharding)
+    return jax.sharding.reshard(value, sharding)
+
+
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """What to read an array as: its shape, dtype and, if it has one, sharding.
+
+    A target whose arrays carry mesh shardings (placed with
+    ``jax.device_put``, or ``jax.ShapeDtypeStruct(..., sharding=...)``) gets
+    the arrays back with those ``NamedSharding`` s, on any mesh: Orbax reads
+    each device's shard. Other arrays are read onto the default device.
+
+    Example:
+      >>> from qbits._sharding import abstract
+      >>> abstract(jnp.ones((2, 3))).sharding is None
+      True
+    """
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        sharding = None
+    return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype), sharding=sharding)
+
+
+def take(table: jax.Array, index: jax.Array) -> jax.Array:
+    """``jnp.take(table, index, mode="clip")``, laid out as ``index``.
+
+    A small table (a codebook's levels) looked up by codes: under explicit
+    mesh axes JAX asks where the result lives; it lives with the codes.
+
+    Example:
+      >>> from qbits._sharding import take
+      >>> take(jnp.array([0.5, 1.0]), jnp.array([1, 0, 5])).tolist()
+      [1.0, 0.5, 1.0]
+    """
+    found = _layout(index)
+    entries = None if found is None else _explicit(found[0], found[1])
+    if not entries or all(e is None for e in entries):
+        return jax.numpy.take(table, index, mode="clip")
+    out = NamedSharding(found[0], P(*entries))  # type: ignore[index]
+    return table.at[index].get(mode="clip", out_sharding=out)
