@@ -6,9 +6,11 @@ derandomized set of 10 examples a test in CI (simplest first); set
 ``HYPOTHESIS_PROFILE=dev`` for more.
 """
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 # The suite compiles thousands of small programs and runs most of them once,
 # so XLA's CPU compiler is most of its time: LLVM's optimizations of the
@@ -18,7 +20,8 @@ import sys
 # (the suite's CPU time falls by about 40%). The fusions' HLO differs, the
 # dots and collectives do not. Set before jax starts its backend;
 # subprocesses inherit them. A test marked ``optimized`` runs in a fresh
-# process with XLA's defaults, the compiler users run: one that compares two
+# process with XLA's defaults, the compiler users run (a module's such tests
+# in one process): one that compares two
 # different programs bit for bit (their floating-point contractions are
 # LLVM's), and one that checks casts to the fnuz float8 formats or to
 # float4, which the older emitters round otherwise (a tiny negative value
@@ -86,23 +89,99 @@ def pytest_configure(config):
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem):
-    """Runs an ``optimized`` test in a fresh process with XLA's defaults."""
-    if os.environ.get(_OPTIMIZED_RUN) or not pyfuncitem.get_closest_marker("optimized"):
-        return None
+def pytest_collection_modifyitems(items):
+    """Keeps a module's ``optimized`` tests on one xdist worker.
+
+    They run there in one fresh process (see :func:`pytest_pyfunc_call`), so a
+    module pays for one start of jax and its fixtures once.
+    """
+    for item in items:
+        if item.get_closest_marker("optimized") and not item.get_closest_marker(
+            "xdist_group"
+        ):
+            item.add_marker(pytest.mark.xdist_group(f"optimized:{item.path.name}"))
+
+
+def _plain_nodeid(nodeid: str) -> str:
+    """A node id without xdist's ``@group`` suffix."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):
+        return nodeid[: nodeid.rfind("@")]
+    return nodeid
+
+
+# Outcomes of the optimized runs: module path -> {node id: [outcome, text]}.
+_optimized_outcomes: dict[str, dict[str, list[str]]] = {}
+
+
+def _run_optimized(item) -> dict[str, list[str]]:
+    """Runs the module's selected ``optimized`` tests in one fresh process."""
+    selected = [
+        _plain_nodeid(other.nodeid)
+        for other in item.session.items
+        if other.path == item.path and other.get_closest_marker("optimized")
+    ]
     flags = os.environ.get("XLA_FLAGS", "").split()
     flags = " ".join(flag for flag in flags if flag not in _FAST_COMPILE)
-    env = {**os.environ, _OPTIMIZED_RUN: "1", "XLA_FLAGS": flags}
-    nodeid = pyfuncitem.nodeid
-    if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's group suffix, not a path
-        nodeid = nodeid[: nodeid.rfind("@")]
-    command = [sys.executable, "-m", "pytest", nodeid, "-n", "0",
-               "-p", "no:cacheprovider", "--no-header", "-q"]  # fmt: skip
-    result = subprocess.run(
-        command, cwd=pyfuncitem.config.rootpath, env=env, capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
-    if result.returncode != 0:
-        pytest.fail(f"with XLA's default flags:\n{result.stdout}"
-                    f"{result.stderr}", pytrace=False)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "outcomes.json")
+        env = {**os.environ, _OPTIMIZED_RUN: report, "XLA_FLAGS": flags}
+        command = [sys.executable, "-m", "pytest", *selected, "-n", "0",
+                   "-p", "no:cacheprovider", "--no-header", "-q"]  # fmt: skip
+        result = subprocess.run(
+            command, cwd=item.config.rootpath, env=env, capture_output=True,
+            text=True, timeout=900,
+        )  # fmt: skip
+        outcomes = {}
+        if os.path.exists(report):
+            with open(report) as f:
+                outcomes = json.load(f)
+    # A test the run never reached (a crash, a collection error) fails with
+    # the run's whole output.
+    missed = ["failed", f"{result.stdout}{result.stderr}"]
+    return {nodeid: outcomes.get(nodeid, missed) for nodeid in selected}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Runs an ``optimized`` test in a fresh process with XLA's defaults.
+
+    The first of a module's ``optimized`` tests runs them all there; the rest
+    read their outcomes.
+    """
+    if os.environ.get(_OPTIMIZED_RUN) or not pyfuncitem.get_closest_marker("optimized"):
+        return None
+    module = str(pyfuncitem.path)
+    if module not in _optimized_outcomes:
+        _optimized_outcomes[module] = _run_optimized(pyfuncitem)
+    outcome, text = _optimized_outcomes[module][_plain_nodeid(pyfuncitem.nodeid)]
+    if outcome == "failed":
+        pytest.fail(f"with XLA's default flags:\n{text}", pytrace=False)
+    if outcome == "skipped":
+        pytest.skip(text)
     return True
+
+
+# In an optimized run: node id -> [outcome, text], for the parent.
+_reported: dict[str, list[str]] = {}
+
+
+def pytest_runtest_logreport(report):
+    """In an optimized run, records each test's outcome for the parent."""
+    if not os.environ.get(_OPTIMIZED_RUN):
+        return
+    nodeid = _plain_nodeid(report.nodeid)
+    if report.failed:
+        text = _reported.get(nodeid, ["", ""])[1]
+        _reported[nodeid] = ["failed", f"{text}{report.when}: {report.longreprtext}\n"]
+    elif report.skipped:
+        _reported.setdefault(nodeid, ["skipped", str(report.longrepr[-1])])
+    elif report.when == "call":
+        _reported.setdefault(nodeid, ["passed", ""])
+
+
+def pytest_sessionfinish(session):
+    """In an optimized run, writes the outcomes where the parent reads them."""
+    target = os.environ.get(_OPTIMIZED_RUN)
+    if target and target != "1":
+        with open(target, "w") as f:
+            json.dump(_reported, f)
