@@ -41,6 +41,7 @@ import pathlib
 import sys
 import tempfile
 import time
+from typing import NoReturn
 
 import flax.linen as nn
 import jax
@@ -128,9 +129,8 @@ class LM(nn.Module):
         for i in range(self.layers):
             x = Block(self.width, self.heads, name=f"blocks_{i}")(x)
         x = nn.LayerNorm(use_bias=False)(x)
-        return nn.Dense(self.vocab, kernel_init=_init(("embed", "vocab")), name="head")(
-            x
-        )
+        head = nn.Dense(self.vocab, kernel_init=_init(("embed", "vocab")), name="head")
+        return head(x)
 
 
 def corpus_tokens() -> tuple[np.ndarray, int]:
@@ -139,6 +139,9 @@ def corpus_tokens() -> tuple[np.ndarray, int]:
     text = np.frombuffer(_corpus.read().encode("latin-1"), np.uint8)
     chars, tokens = np.unique(text, return_inverse=True)
     return tokens.astype(np.int32), -(-len(chars) // 8) * 8
+
+
+filled: set[tuple[int, int]] = set()  # the batch rows this process built
 
 
 def global_batch(tokens, step, seed, batch, context, sharding):
@@ -164,10 +167,7 @@ def global_batch(tokens, step, seed, batch, context, sharding):
     return rows(0), rows(1)
 
 
-filled: set[tuple[int, int]] = set()  # the rows this process built
-
-
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     print(f"sharded_lm: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -178,9 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
         # Before anything touches a backend: N host devices per process.
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    if args.num_processes > 1:
-        if not args.coordinator:
-            _fail("--num-processes > 1 needs --coordinator HOST:PORT")
+    if args.num_processes > 1 and not args.coordinator:
+        _fail("--num-processes > 1 needs --coordinator HOST:PORT")
+    if args.coordinator:
         if args.cpu_devices:
             # Cross-process collectives on CPU (gloo, over TCP).
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     if devices % args.model_parallel:
         _fail(
             f"{devices} devices do not split over --model-parallel "
-            f"{args.model_parallel}"
+            f"{args.model_parallel} (on CPU, --cpu-devices 8 makes 8)"
         )
     data = devices // args.model_parallel
     if args.batch % data:
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
         "jax": jax.__version__,
     }
     print(json.dumps(record), flush=True)
-    if args.num_processes > 1:
+    if args.coordinator:
         jax.distributed.shutdown()
     return record
 
