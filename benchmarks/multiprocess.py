@@ -2,15 +2,17 @@
 
 ``examples/sharded_lm.py`` (a transformer LM, FSDP over ``data`` x tensor
 parallel over ``model``, every matmul quantized by ``qbits.flax.quantize``)
-trained for ``--steps`` steps with each config, once as two
-``jax.distributed`` processes of 4 CPU devices (gloo collectives between
-them) and once as one process of 8, by ``examples/sharded_lm_launch.py``.
-Records every step's loss of each process and of the one-process run,
-whether they are equal bit for bit (else the largest relative difference),
-and the losses after restoring each run's halfway Orbax checkpoint.
+trained for ``--steps`` steps with each config (``none`` is float32) by
+``examples/sharded_lm_launch.py``: as two ``jax.distributed`` processes of
+4 CPU devices, as a ``jax.distributed`` job of one process of 8 (gloo
+collectives in both; the launcher checks that they agree bit for bit),
+and as one process of 8 without ``jax.distributed`` (XLA's in-process
+collectives: its relative difference is recorded). Records every step's
+loss of every process, and the losses after restoring each run's halfway
+Orbax checkpoint.
 
 Run: python benchmarks/multiprocess.py --json OUT.json --md OUT.md
-     [--configs int8 fp8_delayed] [--steps 8]
+     [--configs none int8 fp8_delayed] [--steps 8]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--md")
-    parser.add_argument("--configs", nargs="+", default=["int8", "fp8_delayed"])
+    parser.add_argument("--configs", nargs="+", default=["none", "int8", "fp8_delayed"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
