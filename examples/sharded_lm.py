@@ -16,9 +16,11 @@ processes of a ``jax.distributed`` job (one per host on TPUs and GPUs):
 every process runs the same program on global arrays; each builds only
 the rows of a batch its own devices hold
 (``jax.make_array_from_callback``); Orbax writes each process's shards
-and restores them onto the same shardings. On one machine's CPU,
-``examples/sharded_lm_launch.py`` starts the processes and compares their
-losses with the one-process run::
+and restores them onto the same shardings. Add ``--coordinator`` with
+``--num-processes 1`` to run one process as a ``jax.distributed`` job
+(on CPU, with gloo's collectives rather than XLA's in-process ones). On
+one machine's CPU, ``examples/sharded_lm_launch.py`` starts the processes
+and compares their losses with the one-process run::
 
     python examples/sharded_lm.py --cpu-devices 8             # 1 process
     python examples/sharded_lm_launch.py --processes 2        # 2 x 4, and 1 x 8
@@ -302,6 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
             if got.sharding != want.sharding:
                 _fail(f"restored {got.sharding}, saved {want.sharding}")
         _, resumed = train(template.replace(**restored), half, args.steps)
+        if resumed != losses[half:]:
+            _fail(f"restored at step {half}: losses {resumed}, not {losses[half:]}")
     record = {
         "config": args.config,
         "process": jax.process_index(),
