@@ -659,6 +659,62 @@ def moe_memory() -> str:
     )
 
 
+@figure("multiprocess", "multiprocess_cpu.json")
+def multiprocess() -> str:
+    data = _json("multiprocess_cpu.json")
+    runs, meta = data["runs"], data["meta"]
+    header, columns = ["step"], []
+    for config, run in runs.items():
+        n = len(run["processes"])
+        local = run["processes"][0]["local_devices"]
+        name = "float32" if config == "none" else f"`{config}`"
+        header += [f"{name}: {n} x {local}", "1 x 8 in-process: rel. diff."]
+        columns += [
+            run["processes"][0]["losses"],
+            run["in_process_relative_difference"],
+        ]
+
+    def cell(i: int, x: float) -> str:  # a loss, a relative difference
+        return f"{x:.7f}" if i % 2 == 0 else f"{x:.0e}" if x else "0"
+
+    rows = [
+        [str(s)] + [cell(i, c[s]) for i, c in enumerate(columns)]
+        for s in range(meta["steps"])
+    ]
+    first = next(iter(runs.values()))["processes"]
+    built = ", ".join(
+        f"process {r['process']} rows "
+        + " and ".join(f"{a}-{b - 1}" for a, b in r["batch_rows"])
+        for r in first
+    )
+    wrote = [f for f in first[0]["checkpoint_files"] if f.startswith("ocdbt.process_")]
+    equal = all(
+        rec["losses"] == r["one_process"]["losses"]
+        for r in runs.values()
+        for rec in r["processes"]
+    )
+    resumed = all(
+        rec["resumed_losses"] == rec["losses"][rec["checkpoint_step"] :]
+        for r in runs.values()
+        for rec in (r["one_process"], r["in_process"], *r["processes"])
+    )
+    k = next(iter(runs.values()))["one_process"]["checkpoint_step"]
+    return (
+        _table(header, rows)
+        + "\n"
+        + "Every process of the 2-process run holds these losses, "
+        + ("equal" if equal else "NOT equal")
+        + " bit for bit to the one-process `jax.distributed` run's (gloo "
+        f"collectives in both); restored from its step-{k} checkpoint, every "
+        "run "
+        + ("repeats" if resumed else "does NOT repeat")
+        + f" steps {k}-{meta['steps'] - 1} bit for bit. Each process built "
+        f"only its rows of a batch ({built}) and wrote its own shards of the "
+        f"checkpoint ({', '.join(f'`{f}`' for f in wrote)}). Mesh "
+        f"{meta['mesh']}, {_cpu_machine(meta)}.\n\n" + _source("multiprocess_cpu.json")
+    )
+
+
 @figure("lora", "lora_lm_cpu.md")
 def lora() -> str:
     rows = _md_table("lora_lm_cpu.md")
