@@ -85,7 +85,7 @@ def reference(x, numerics_fn, mapped, blocks, scales=None):
 )
 def test_matches_a_numpy_reference(granularity, blocks, numerics):
     x = jax.random.normal(jax.random.key(0), (6, 8)) * 3
-    qt = Quantizer(numerics, granularity=granularity).quant(x)
+    qt = quant(Quantizer(numerics, granularity=granularity), x)  # compiled
     mapped = numerics.abs_val_mapped_to()
     _, scales = reference(x, numerics, mapped, blocks)
     np.testing.assert_array_max_ulp(qt.scale, scales, maxulp=1)
