@@ -23,7 +23,6 @@ from qbits._tensor import storage_dtype
 from tests.helpers import (
     FLOAT_DTYPES,
     bits_equal,
-    fake_quant,
     float_arrays,
     half_ulp,
     quant,
@@ -86,7 +85,7 @@ def reference(x, numerics_fn, mapped, blocks, scales=None):
 )
 def test_matches_a_numpy_reference(granularity, blocks, numerics):
     x = jax.random.normal(jax.random.key(0), (6, 8)) * 3
-    qt = Quantizer(numerics, granularity=granularity).quant(x)
+    qt = quant(Quantizer(numerics, granularity=granularity), x)  # compiled
     mapped = numerics.abs_val_mapped_to()
     _, scales = reference(x, numerics, mapped, blocks)
     np.testing.assert_array_max_ulp(qt.scale, scales, maxulp=1)
@@ -245,8 +244,20 @@ def test_stochastic_rounding_through_the_quantizer_is_unbiased():
 # --- Properties. --------------------------------------------------------------
 
 
+# Values, magnitudes and dtypes are drawn; shapes from three (per tensor or
+# per channel, the properties hold whatever the shape): a new shape compiles
+# anew.
+FEW_SHAPES = st.sampled_from([(9,), (4, 9), (2, 3, 7)])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _grid_and_fake_quant(q, x):
+    """``quant(q, x).qvalue`` and ``fake_quant(q, x)``: one compile."""
+    return q.quant(x).qvalue, q.quant(x).dequant()
+
+
 @given(
-    x=float_arrays(max_log10=2),
+    x=FEW_SHAPES.flatmap(lambda shape: float_arrays(shape=shape, max_log10=2)),
     fmt=st.sampled_from(sorted(FLOAT_FORMATS)),
     per_channel=st.booleans(),
     rounding=st.sampled_from(["none", "pow2", "e8m0"]),
@@ -254,12 +265,12 @@ def test_stochastic_rounding_through_the_quantizer_is_unbiased():
 def test_float_quantizer_output_is_on_the_scaled_grid(x, fmt, per_channel, rounding):
     granularity = PerChannel((0,)) if per_channel else qbits.PerTensor()
     q = Quantizer(FpNumerics(fmt), AbsMax(), granularity, rounding)
-    qt = quant(q, x)
-    grid = np.asarray(qt.qvalue)
+    grid, fake = _grid_and_fake_quant(q, x)
+    grid = np.asarray(grid)
     f = FLOAT_FORMATS[fmt]
     assert np.all(np.isfinite(grid)) and np.all(np.abs(grid) <= f.max)
     np.testing.assert_array_equal(grid.astype(f.dtype).astype(np.float32), grid)
-    assert np.isfinite(np.asarray(fake_quant(q, x), np.float32)).all()
+    assert np.isfinite(np.asarray(fake, np.float32)).all()
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -267,7 +278,10 @@ def _grad_fake_quant(q, x):
     return jax.grad(lambda x: jnp.sum(q.quant(x).dequant().astype(jnp.float32)))(x)
 
 
-@given(x=float_arrays(), bits=st.integers(2, 8))
+@given(
+    x=FEW_SHAPES.flatmap(lambda shape: float_arrays(shape=shape)),
+    bits=st.integers(2, 8),
+)
 def test_fake_quant_gradient_is_straight_through_for_absmax(x, bits):
     q = Quantizer(IntNumerics(bits=bits), granularity=PerChannel((0,)))
     g = _grad_fake_quant(q, x)

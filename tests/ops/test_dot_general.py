@@ -64,6 +64,20 @@ def vjp(f, lhs, rhs, g):
     return jax.jit(run)(lhs, rhs, g)
 
 
+def vjps(fs, lhs, rhs, g):
+    """``vjp`` of each of ``fs``, compiled as one program (one compile, not one
+    per function: compiles are most of this file's time)."""
+
+    def run(lhs, rhs, g):
+        results = []
+        for f in fs:
+            out, pullback = jax.vjp(f, lhs, rhs)
+            results.append((out, *pullback(g)))
+        return results
+
+    return jax.jit(run)(lhs, rhs, g)
+
+
 def assert_bits_equal(a, b):
     for x, y in zip(a, b, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape
@@ -104,15 +118,19 @@ def test_identity_config_is_lax_dot_general_bit_for_bit(
         lax.dot_general, dimension_numbers=dn, preferred_element_type=pet
     )
     g = cotangent(lhs, rhs, dn).astype(pet or dtype)
-    assert_bits_equal(vjp(ours, lhs, rhs, g), vjp(ref, lhs, rhs, g))
+    got, want = vjps((ours, ref), lhs, rhs, g)
+    assert_bits_equal(got, want)
     if len(lhs_shape) == 2 and pet is None:  # eagerly too, for a few
         eager = jax.vjp(ours, lhs, rhs)
-        assert_bits_equal((eager[0], *eager[1](g)), vjp(ref, lhs, rhs, g))
+        assert_bits_equal((eager[0], *eager[1](g)), want)
 
 
-@pytest.mark.parametrize("lhs_shape, rhs_shape, dn", DIMS)
+# Every layout in float32; bfloat16 with a float32 result (the dtype path,
+# which does not depend on the layout) on the first five, as above.
 @pytest.mark.parametrize(
-    "dtype, pet", [(jnp.float32, None), (jnp.bfloat16, jnp.float32)]
+    "lhs_shape, rhs_shape, dn, dtype, pet",
+    [(*d, jnp.float32, None) for d in DIMS]
+    + [(*d, jnp.bfloat16, jnp.float32) for d in DIMS[:5]],
 )
 def test_custom_vjp_transposes_exactly_like_jax(lhs_shape, rhs_shape, dn, dtype, pet):
     # A forward-only config goes through qbits' custom VJP, but its backward
@@ -126,8 +144,7 @@ def test_custom_vjp_transposes_exactly_like_jax(lhs_shape, rhs_shape, dn, dtype,
         lax.dot_general, dimension_numbers=dn, preferred_element_type=pet
     )
     g = cotangent(lhs, rhs, dn).astype(pet or dtype)
-    _, dl, dr = vjp(ours, lhs, rhs, g)
-    _, dl_ref, dr_ref = vjp(ref, lhs, rhs, g)
+    (_, dl, dr), (_, dl_ref, dr_ref) = vjps((ours, ref), lhs, rhs, g)
     assert_bits_equal((dl, dr), (dl_ref, dr_ref))
 
 
@@ -140,14 +157,12 @@ def int8_all(mode="real", **kw):
 def test_int8_real_equals_fake_within_float32_rounding(lhs_shape, rhs_shape, dn):
     lhs, rhs = operands(lhs_shape, rhs_shape)
     g = cotangent(lhs, rhs, dn)
-    real = vjp(
-        functools.partial(qbits.dot_general(int8_all("real")), dimension_numbers=dn),
-        lhs,
-        rhs,
-        g,
-    )
-    fake = vjp(
-        functools.partial(qbits.dot_general(int8_all("fake")), dimension_numbers=dn),
+    real, fake, exact = vjps(
+        [
+            functools.partial(qbits.dot_general(int8_all(mode)), dimension_numbers=dn)
+            for mode in ("real", "fake")
+        ]
+        + [functools.partial(lax.dot_general, dimension_numbers=dn)],
         lhs,
         rhs,
         g,
@@ -155,7 +170,6 @@ def test_int8_real_equals_fake_within_float32_rounding(lhs_shape, rhs_shape, dn)
     for r, f in zip(real, fake, strict=True):
         np.testing.assert_allclose(r, f, rtol=2e-5, atol=2e-5 * float(jnp.abs(f).max()))
     # And the quantization is real: far from float.
-    exact = vjp(functools.partial(lax.dot_general, dimension_numbers=dn), lhs, rhs, g)
     assert not np.allclose(real[0], exact[0], rtol=1e-5, atol=1e-5)
 
 
@@ -249,13 +263,15 @@ def test_tiled_and_mx_real_equal_fake():
         qbits.presets.mx_quantizer("float4_e2m1fn"),
         qbits.presets.mx_quantizer("int8"),
     ):
-        results = []
+        fs = []
         for mode in ("real", "fake"):
             m = MatmulConfig(lhs=quantizer, rhs=quantizer, mode=mode)
-            f = functools.partial(
-                qbits.dot_general(DotGeneralConfig(m, m, m)), dimension_numbers=dn
+            fs.append(
+                functools.partial(
+                    qbits.dot_general(DotGeneralConfig(m, m, m)), dimension_numbers=dn
+                )
             )
-            results.append(vjp(f, x, w, g))
+        results = vjps(fs, x, w, g)
         for r, f in zip(*results, strict=True):
             np.testing.assert_allclose(
                 r, f, rtol=1e-5, atol=1e-5 * float(jnp.abs(f).max())
@@ -761,18 +777,28 @@ def test_remat_gives_the_same_gradients_and_state(preset, policy):
 
     args = (x, w1, w2, s1, s2)
     argnums = (1, 2, 3, 4) if s1 is not None else (1, 2)
-    want = jax.jit(jax.grad(lambda *a: loss(block, a), argnums))(*args)
     remat = jax.checkpoint(block, policy=policy)
-    got = jax.jit(jax.grad(lambda *a: loss(remat, a), argnums))(*args)
+    # One program (one compile); the remat's recomputation stays its own.
+    want, got = jax.jit(
+        lambda *a: (
+            jax.grad(lambda *a: loss(block, a), argnums)(*a),
+            jax.grad(lambda *a: loss(remat, a), argnums)(*a),
+        )
+    )(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+# float16 takes the dtype path bfloat16 takes: it runs with int8 and the
+# identity config; fp8 and fp8_delayed run in bfloat16 and float32.
 @pytest.mark.parametrize(
-    ("preset", "pet"),
-    [("int8", None), ("fp8", jnp.float32), ("fp8_delayed", None), ("none", None),
-     ("none", jnp.float32)],
+    ("preset", "pet", "dtype"),
+    [(preset, pet, dtype)
+     for preset, pet in (("int8", None), ("none", None), ("none", jnp.float32))
+     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32)]
+    + [(preset, pet, dtype)
+       for preset, pet in (("fp8", jnp.float32), ("fp8_delayed", None))
+       for dtype in (jnp.bfloat16, jnp.float32)],
 )  # fmt: skip
 def test_mixed_precision_keeps_the_dtypes_lax_gives(dtype, pet, preset):
     config = qbits.presets.get(preset)
@@ -785,11 +811,16 @@ def test_mixed_precision_keeps_the_dtypes_lax_gives(dtype, pet, preset):
     def f(x, w):
         return dg(x, w, MM, preferred_element_type=pet, state=state)
 
-    want = lax.dot_general(x, w, MM, preferred_element_type=pet)
-    out = jax.jit(f)(x, w)
-    assert out.dtype == want.dtype
     grad = jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(), (0, 1))
-    gx, gw = jax.jit(grad)(x, w)
+    # The lax reference, the output and its gradients: one program.
+    want, out, (gx, gw) = jax.jit(
+        lambda x, w: (
+            lax.dot_general(x, w, MM, preferred_element_type=pet),
+            f(x, w),
+            grad(x, w),
+        )
+    )(x, w)
+    assert out.dtype == want.dtype
     assert gx.dtype == x.dtype and gw.dtype == w.dtype
     if preset == "none":  # the identity config is lax itself, in every dtype
         np.testing.assert_array_equal(out, want)
@@ -823,14 +854,24 @@ def test_a_gradient_nobody_needs_is_not_computed(preset):
             x = layer(x, w)[0]
         return jnp.sum(x**2)
 
-    jax.jit(jax.grad(scanned, (0, 1)))(ws, x)
-    both = jax.jit(jax.grad(unrolled, (0, 1)))(ws, x)
-    only_ws = jax.jit(jax.grad(unrolled))(ws, x)
+    # One program (one compile) runs the three.
+    _, both, only_ws = jax.jit(
+        lambda ws, x: (
+            jax.grad(scanned, (0, 1))(ws, x),
+            jax.grad(unrolled, (0, 1))(ws, x),
+            jax.grad(unrolled)(ws, x),
+        )
+    )(ws, x)
     np.testing.assert_array_equal(only_ws, both[0])
 
+    @functools.cache
+    def jaxpr_of(argnums):
+        return jax.make_jaxpr(jax.grad(unrolled, argnums))(ws, x).jaxpr
+
     def count(argnums, prefix):
-        jaxpr = jax.make_jaxpr(jax.grad(unrolled, argnums))(ws, x)
-        return sum(e.primitive.name.startswith(prefix) for e in _eqns(jaxpr.jaxpr))
+        return sum(
+            e.primitive.name.startswith(prefix) for e in _eqns(jaxpr_of(argnums))
+        )
 
     # Neither the dots of a gradient nobody needs nor the quantization of
     # their operands (a reduction each for its scale) are traced.

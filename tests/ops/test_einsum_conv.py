@@ -64,8 +64,12 @@ def test_config_sides_follow_the_users_operand_order(subscripts, sa, sb):
     a, b = operands(sa, sb)
     q = Quantizer(IntNumerics(bits=4))  # per tensor, so independent of the plan
     op = qbits.einsum(DotGeneralConfig(fwd=MatmulConfig(lhs=q, rhs=NONE, mode="fake")))
-    ours = jax.jit(op, static_argnums=0)(subscripts, a, b)
-    ref = jnp.einsum(subscripts, q.quant(a).dequant(), b)
+    ours, ref = jax.jit(  # one compile
+        lambda a, b: (
+            op(subscripts, a, b),
+            jnp.einsum(subscripts, q.quant(a).dequant(), b),
+        )
+    )(a, b)
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -73,16 +77,19 @@ def test_config_sides_follow_the_users_operand_order(subscripts, sa, sb):
 def test_int8_einsum_real_equals_fake_with_gradients(subscripts, sa, sb):
     a, b = operands(sa, sb)
 
-    def f(config):
+    def f(config, a, b):
         op = qbits.einsum(config)
 
         def loss(a, b):
             out = op(subscripts, a, b)
             return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
 
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(a, b)
+        return jax.value_and_grad(loss, argnums=(0, 1))(a, b)
 
-    (lr, (ar, br)), (lf, (af, bf)) = f(all3(INT8, INT8)), f(all3(INT8, INT8, "fake"))
+    # Real and fake in one program (one compile).
+    (lr, (ar, br)), (lf, (af, bf)) = jax.jit(
+        lambda a, b: (f(all3(INT8, INT8), a, b), f(all3(INT8, INT8, "fake"), a, b))
+    )(a, b)
     np.testing.assert_allclose(lr, lf, rtol=1e-5)
     np.testing.assert_allclose(ar, af, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(br, bf, rtol=1e-5, atol=1e-5)
@@ -159,11 +166,30 @@ def conv_vjp(conv, lhs, rhs, kw, g=None):
     return jax.jit(run)(lhs, rhs)
 
 
+def conv_vjps(convs, lhs, rhs, kw):
+    """``conv_vjp`` of each of ``convs``, compiled as one program (one
+    compile, not one per convolution: compiles are most of the time)."""
+
+    def run(lhs, rhs):
+        results = []
+        for conv in convs:
+            out, pullback = jax.vjp(functools.partial(conv, **kw), lhs, rhs)
+            ct = jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape)
+            results.append((out, *pullback(ct)))
+        return results
+
+    return jax.jit(run)(lhs, rhs)
+
+
 @pytest.mark.parametrize("sa, sb, kw", CONVS)
 def test_identity_conv_is_lax_conv(sa, sb, kw):
     lhs, rhs = operands(sa, sb)
-    ours = conv_vjp(qbits.conv_general_dilated(DotGeneralConfig()), lhs, rhs, kw)
-    ref = conv_vjp(lax.conv_general_dilated, lhs, rhs, kw)
+    ours, ref = conv_vjps(
+        [qbits.conv_general_dilated(DotGeneralConfig()), lax.conv_general_dilated],
+        lhs,
+        rhs,
+        kw,
+    )
     for o, r in zip(ours, ref, strict=True):
         np.testing.assert_array_equal(o, r)
 
@@ -173,8 +199,12 @@ def test_identity_backward_convs_through_the_custom_vjp(sa, sb, kw):
     # Forward-only quantization: the backward convolutions are JAX's own.
     lhs, rhs = operands(sa, sb)
     fwd_only = DotGeneralConfig(fwd=MatmulConfig(lhs=INT8, rhs=INT8))
-    _, dl, dr = conv_vjp(qbits.conv_general_dilated(fwd_only), lhs, rhs, kw)
-    _, dl_ref, dr_ref = conv_vjp(lax.conv_general_dilated, lhs, rhs, kw)
+    (_, dl, dr), (_, dl_ref, dr_ref) = conv_vjps(
+        [qbits.conv_general_dilated(fwd_only), lax.conv_general_dilated],
+        lhs,
+        rhs,
+        kw,
+    )
     np.testing.assert_allclose(dl, dl_ref, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dr, dr_ref, rtol=1e-6, atol=1e-6)
 
@@ -182,11 +212,18 @@ def test_identity_backward_convs_through_the_custom_vjp(sa, sb, kw):
 @pytest.mark.parametrize("sa, sb, kw", CONVS)
 def test_int8_conv_real_equals_fake(sa, sb, kw):
     lhs, rhs = operands(sa, sb)
-    real = conv_vjp(qbits.conv_general_dilated(all3(INT8, INT8)), lhs, rhs, kw)
-    fake = conv_vjp(qbits.conv_general_dilated(all3(INT8, INT8, "fake")), lhs, rhs, kw)
+    real, fake, exact = conv_vjps(
+        [
+            qbits.conv_general_dilated(all3(INT8, INT8)),
+            qbits.conv_general_dilated(all3(INT8, INT8, "fake")),
+            lax.conv_general_dilated,
+        ],
+        lhs,
+        rhs,
+        kw,
+    )
     for r, f in zip(real, fake, strict=True):
         np.testing.assert_allclose(r, f, rtol=1e-5, atol=1e-5 * float(jnp.abs(f).max()))
-    exact = conv_vjp(lax.conv_general_dilated, lhs, rhs, kw)
     assert not np.allclose(real[0], exact[0], rtol=1e-5, atol=1e-5)
 
 

@@ -66,8 +66,13 @@ def test_forward_and_gradients_equal_float64_blockwise_reference(mode):
 def test_scales_are_tiles_and_blocks():
     config = qbits.presets.get("fp8_blockwise")
     x, w = _operands()
-    xq = config.fwd.lhs.quant(x, store=True, contracting_axes=(1,))
-    wq = config.fwd.rhs.quant(w, store=True, contracting_axes=(0,))
+    # Shapes and dtypes: traced, not run.
+    xq = jax.eval_shape(
+        lambda x: config.fwd.lhs.quant(x, store=True, contracting_axes=(1,)), x
+    )
+    wq = jax.eval_shape(
+        lambda w: config.fwd.rhs.quant(w, store=True, contracting_axes=(0,)), w
+    )
     assert xq.scale.shape == (256, 3)  # one per row per 128 columns
     assert wq.scale.shape == (3, 2)  # one per 128 x 128 block
     assert xq.qvalue.dtype == jnp.float8_e4m3fn

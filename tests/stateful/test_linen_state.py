@@ -30,7 +30,7 @@ def test_quantize_puts_state_in_the_collection_and_trainstate_overwrites_it():
     x, y = _data()
     rules = qbits.QuantConfig(rules=[qbits.Rule("head", None)], default="fp8_delayed")
     model = qbits.flax.quantize(Mlp(), rules)
-    variables = model.init(jax.random.key(1), x)
+    variables = jax.jit(model.init)(jax.random.key(1), x)
     assert list(variables[STATE]) == ["fc1"]  # head stays float, holds no state
     assert variables[STATE]["fc1"]["lhs_amax_history"].shape == (1024,)
     # The float model's params work, and the other way round.
@@ -79,7 +79,7 @@ def test_quantize_puts_state_in_the_collection_and_trainstate_overwrites_it():
 def test_trainstate_refuses_grads_without_the_collection():
     x, _ = _data()
     model = qbits.flax.quantize(Mlp(), "fp8_delayed")
-    v = model.init(jax.random.key(1), x)
+    v = jax.jit(model.init)(jax.random.key(1), x)
     state = qbits.flax.TrainState.create(
         apply_fn=model.apply, params=v, tx=optax.sgd(1)
     )
@@ -91,7 +91,7 @@ def test_explicit_stateful_ops_and_bad_config():
     cls = functools.partial(qbits.flax.Stateful, "fp8_delayed")
     dense = nn.Dense(4, dot_general_cls=cls)
     x = jnp.ones((2, 8))
-    v = dense.init(jax.random.key(0), x)
+    v = jax.jit(dense.init)(jax.random.key(0), x)
     assert set(v[STATE]["Stateful_0"]) == {
         f"{t}_{k}" for t in ("lhs", "rhs", "grad") for k in ("scale", "amax_history")
     }
@@ -104,13 +104,13 @@ def test_explicit_stateful_ops_and_bad_config():
             qbits.flax.Stateful, "fp8_delayed", op="conv_general_dilated"
         ),
     )
-    v = conv.init(jax.random.key(0), jnp.ones((1, 5, 8)))
+    v = jax.jit(conv.init)(jax.random.key(0), jnp.ones((1, 5, 8)))
     assert v[STATE]["Stateful_0"]["rhs_scale"].shape == (1,)
     keyed = nn.Dense(4, dot_general_cls=functools.partial(qbits.flax.Stateful, "int8"))
-    v = keyed.init(jax.random.key(0), x)
+    v = jax.jit(keyed.init)(jax.random.key(0), x)
     with pytest.raises(Exception, match="quant"):  # its keys come from 'quant'
         keyed.apply(v, x)
-    keyed.apply(v, x, rngs={"quant": jax.random.key(1)})
+    jax.jit(keyed.apply)(v, x, rngs={"quant": jax.random.key(1)})
     bad = nn.Dense(4, dot_general_cls=functools.partial(qbits.flax.Stateful, "nope"))
     with pytest.raises(qbits.InvalidArgumentError, match="config='nope'"):
         bad.init(jax.random.key(0), x)
@@ -131,7 +131,7 @@ def test_scan_over_layers_keeps_one_state_per_layer():
     )
     model = qbits.flax.quantize(scanned(), "fp8_delayed")
     x, _ = _data()
-    variables = model.init(jax.random.key(0), x, None)
+    variables = jax.jit(model.init)(jax.random.key(0), x, None)
     hist = variables[STATE]["fc"]["lhs_amax_history"]
     assert hist.shape == (3, 1024)
     grads = jax.jit(jax.grad(lambda v: model.apply(v, x, None)[0].sum()))(variables)
@@ -161,7 +161,7 @@ def test_state_shared_across_scan_steps_combines_with_max():
         jax.random.normal(jax.random.key(2), (3, 4, 16))
         * jnp.array([1.0, 6.0, 2.0])[:, None, None]
     )
-    variables = model.init(jax.random.key(0), xs)
+    variables = jax.jit(model.init)(jax.random.key(0), xs)
     # One weight in every step of the loop: one state, not one per step.
     assert variables[STATE]["fc"]["lhs_amax_history"].shape == (1024,)
     new = jax.jit(jax.grad(lambda v: model.apply(v, xs)))(variables)[STATE]["fc"]
@@ -176,7 +176,7 @@ def test_gradient_accumulation_keeps_the_largest_microbatch_amax():
     """optax.MultiSteps: every micro-batch's amax reaches the state."""
     model = qbits.flax.quantize(nn.Dense(4, name="fc"), "fp8_delayed")
     x = jax.random.normal(jax.random.key(0), (4, 8))
-    variables = model.init(jax.random.key(1), x)
+    variables = jax.jit(model.init)(jax.random.key(1), x)
     state = qbits.flax.TrainState.create(
         apply_fn=model.apply,
         params=variables,
