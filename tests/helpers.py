@@ -1,6 +1,10 @@
 """Shared strategies and helpers for the tests."""
 
 import functools
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -48,3 +52,21 @@ def quant(quantizer, x, context=None, store=False):
 def fake_quant(quantizer, x, context=None):
     """``quantizer.quant(x).dequant()``, compiled."""
     return quantizer.quant(x, context).dequant()
+
+
+def run_script(path: pathlib.Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Runs a check script in a fresh process on the qbits the tests import.
+
+    (Run by path, a script would import whichever qbits is installed: in a
+    second checkout or worktree, another one.) The scripts that need 8 CPU
+    devices set ``XLA_FLAGS`` themselves before importing jax.
+    """
+    import qbits
+
+    root = str(pathlib.Path(qbits.__file__).resolve().parents[1])
+    given = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": root + (os.pathsep + given if given else "")}
+    return subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True,
+        timeout=timeout, env=env,
+    )  # fmt: skip

@@ -1,7 +1,4 @@
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,26 +8,13 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import qbits
+from tests.helpers import run_script
 
 DN = (((1,), (0,)), ((), ()))
 
 
-def _run(script: str) -> subprocess.CompletedProcess:
-    """Runs a script next to this file on the qbits this test imports.
-
-    (Run by path, a script would import whichever qbits is installed: in a
-    second checkout or worktree, another one.)
-    """
-    root = str(pathlib.Path(qbits.__file__).resolve().parents[1])
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
-    return subprocess.run(
-        [sys.executable, str(pathlib.Path(__file__).with_name(script))],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+def _run(script: str):
+    return run_script(pathlib.Path(__file__).with_name(script))
 
 
 def test_sharded_equals_unsharded_on_8_cpu_devices():

@@ -2,15 +2,12 @@
 
 import json
 import pathlib
-import subprocess
-import sys
+
+from tests.helpers import run_script
 
 
 def test_sharded_lm_equals_unsharded_and_adds_no_resharding():
-    script = pathlib.Path(__file__).with_name("sharded_lm_check.py")
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600
-    )
+    result = run_script(pathlib.Path(__file__).with_name("sharded_lm_check.py"))
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     counts = report["collectives"]
