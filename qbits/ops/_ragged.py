@@ -14,13 +14,11 @@ matmul, through the same core (one custom VJP; the contractions are in
   the dot runs on the stored values (int8 x int8 -> int32) and each output
   row takes its group's weight scale;
 - the weight gradient sums over each group's rows, its operands quantized
-  per group (``PerChannel()``: one scale per group and channel, from that
-  group's rows only) and contracted group by group, with no copy of the
-  operands per group (:mod:`qbits.ops._ragged_grad`: each group's absmax
-  is a segment maximum; real mode as in :func:`qbits.dot_general`). Where
-  a scale provider, ``use_fwd_quant`` or a diagnostics probe needs the
-  core's view, the core quantizes them on their expansion per group
-  (``[g, ...]``, other groups' rows zeroed) instead: the same numbers.
+  per group (``PerChannel()``: a scale per group and channel from that
+  group's rows) and contracted group by group, never copied per group
+  (:mod:`qbits.ops._ragged_grad`). Where a scale provider,
+  ``use_fwd_quant`` or a diagnostics probe needs the core's view, the core
+  quantizes their expansion per group (``[g, ...]``): the same numbers.
 
 So with per-channel scales, the values and both gradients are those of a
 loop over the groups of :func:`qbits.dot_general` on each group's rows and
