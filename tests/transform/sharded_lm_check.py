@@ -41,15 +41,11 @@ from jax.sharding import PartitionSpec as P
 import qbits
 import qbits.hlo
 
+# The example's logical axis -> mesh axis rules: FSDP over `data`, tensor
+# parallel over `model`.
+from examples.sharded_lm import RULES
+
 WIDTH, HEADS, MLP, VOCAB, LAYERS = 32, 4, 64, 64, 1
-RULES = (
-    ("batch", "data"),
-    ("embed", "data"),
-    ("mlp", "model"),
-    ("heads", "model"),
-    ("vocab", "model"),
-    ("kv", None),
-)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                "collective-permute")  # fmt: skip
 
