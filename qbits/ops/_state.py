@@ -349,14 +349,15 @@ def _provide_bwd(provider: ScaleProvider, numerics: Any, state: Any, amax: Any):
 _provide.defvjp(_provide_fwd, _provide_bwd)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _replaced_scale(provider: ScaleProvider, numerics: Any, state: Any) -> jax.Array:
-    """:func:`_provide` of the max-combining state, in one program.
-
-    Inside it the max-combining arrays are intermediates: JAX cannot hold a
-    sharded one on its own (an op-by-op call, outside ``jit``, would).
-    """
+def _provide_scale(provider: ScaleProvider, numerics: Any, state: Any) -> jax.Array:
+    """:func:`_provide` of the max-combining state."""
     return _provide(provider, numerics, max_combining(state))
+
+
+# Called on concrete state (outside ``jit``), in one program: there the
+# max-combining arrays are intermediates, and JAX cannot hold a sharded one
+# on its own (an op-by-op call would).
+_replaced_scale = jax.jit(_provide_scale, static_argnums=(0, 1))
 
 
 def run(
@@ -422,7 +423,9 @@ def run(
         if ts.provider.trainable:
             scale = ts.provider.scale(_f32(sub), numerics)
         else:
-            scale = _replaced_scale(ts.provider, numerics, sub)
+            traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(sub))
+            provide = _provide_scale if traced else _replaced_scale
+            scale = provide(ts.provider, numerics, sub)
         scales[t] = jnp.reshape(scale, ts.scale_shape).astype(jnp.float32)
         vma.append((f"{t}_scale", core.varying(scales[t])))
     observe = tuple(t for t, ts in states.items() if ts.provider.observes)
