@@ -65,6 +65,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from qbits._errors import InvalidArgumentError, check_choice, check_float
+from qbits._platform import per_platform
 
 __all__ = [
     "SCALE_ROUNDINGS",
@@ -244,7 +245,7 @@ class AbsMax(Calibration):
             return lax.select(lax.lt(bound, lax.full_like(bound, np.inf)), bound, nan)
 
         if axes == tuple(range(x.ndim - len(axes), x.ndim)) and jax.device_count() == 1:
-            bound = lax.platform_dependent(
+            bound = per_platform(
                 x,
                 cpu=functools.partial(_absmax_nan_if_non_finite, axes=axes),
                 default=mapped,

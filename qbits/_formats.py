@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._platform import per_platform
 
 __all__ = [
     "FLOAT_FORMATS",
@@ -197,7 +198,7 @@ def round_to_format(x: jax.Array, fmt: FloatFormat) -> jax.Array:
         y = lax.optimization_barrier(x.astype(fmt.dtype)).astype(x.dtype)
         return y if has_nan else jnp.where(jnp.isnan(x), x, y)
 
-    return lax.platform_dependent(x, cpu=cpu, default=other)
+    return per_platform(x, cpu=cpu, default=other)
 
 
 def stochastic_round_to_format(

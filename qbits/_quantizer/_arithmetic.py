@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax import lax
 
+from qbits._platform import per_platform
+
 __all__ = [
     "flat_vector",
     "negatives_stay_negative",
@@ -104,7 +106,7 @@ def scales_and_inverses(
             start = stop
         return out
 
-    return lax.platform_dependent(*flats, cpu=cpu, default=default)
+    return per_platform(*flats, cpu=cpu, default=default)
 
 
 @jax.custom_jvp

@@ -28,6 +28,7 @@ from qbits._errors import InvalidArgumentError, check_choice
 from qbits._formats import check_float_input, compute_dtype
 from qbits._granularity import BlockLayout, Granularity, PerTensor
 from qbits._jaxpr import varying
+from qbits._platform import per_platform
 from qbits._providers import ScaleProvider
 from qbits._quantizer._arithmetic import (
     flat_vector,
@@ -506,7 +507,7 @@ def _encode(
             low, high = (lax.broadcast_in_dim(b, y.shape, dims) for b in bounds)
             return lax.clamp(low, y, high)
 
-        y = lax.platform_dependent(xb, inverse, cuda=apart, default=here)
+        y = per_platform(xb, inverse, cpu=here, cuda=apart, default=here)
         numerics = unclipped
     elif pre is None:
         y = times(xb, inverse)

@@ -14,8 +14,12 @@ dataclasses documented with it.
 (``Program(jax.jit(f).lower(...).compile().as_text())``).
 :func:`dot_dtypes` lists the operand and result types of every dot of a
 function, as XLA compiled it for this machine or as its jaxpr has it.
+:func:`lowering_platforms` names the platforms a function is traced for,
+where they are not the default backend's (a deviceless compile by hand,
+``jax.export`` for several platforms); :func:`program` names its own.
 """
 
+from qbits._platform import lowering_platforms
 from qbits.hlo._dots import dot_dtypes
 from qbits.hlo._program import (
     GPU_COMPILER_OPTIONS,
@@ -28,6 +32,10 @@ __all__ = [
     "GPU_COMPILER_OPTIONS",
     "Program",
     "dot_dtypes",
+    "lowering_platforms",
     "prepare_environment",
     "program",
 ]
+
+# Where the function defined in a private module is documented.
+lowering_platforms.__module__ = "qbits.hlo"

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from qbits._errors import InvalidArgumentError
+from qbits._platform import lowering_platforms
 from qbits.hlo._estimate import Estimate, estimate
 from qbits.hlo._module import Gemm, Kernel, kernels
 from qbits.hlo._targets import TARGETS, Target, target
@@ -371,7 +372,9 @@ def program(
     device = _device(t.name)
     sharding = jax.sharding.SingleDeviceSharding(device)
     specs = jax.tree.map(lambda x: _spec(x, sharding), args)
-    lowered = jax.jit(fn).trace(*specs).lower(lowering_platforms=(t.platform,))
+    with lowering_platforms(t.platform):
+        traced = jax.jit(fn).trace(*specs)
+    lowered = traced.lower(lowering_platforms=(t.platform,))
     compiled = lowered.compile(compiler_options=dict(compiler_options))
     memory = compiled.memory_analysis()
     temp = None if memory is None else int(memory.temp_size_in_bytes)

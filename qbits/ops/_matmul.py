@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._platform import per_platform
 from qbits._tensor import QTensor, expand_scale
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes, Dims
@@ -161,7 +162,7 @@ def contract(
             )  # fmt: skip
             return out.astype(out_dtype)
 
-        return lax.platform_dependent(lqt, rqt, cpu=cpu, default=gpu)
+        return per_platform(lqt, rqt, cpu=cpu, default=gpu)
     out = real_dot(
         a, lqt.scale, b, rqt.scale, dims, cfg, precision, out_sharding,
         headroom=headroom(lqt, rqt, cfg),
@@ -266,7 +267,7 @@ def _integer_dot(
     def gpu(lhs: QTensor, rhs: QTensor) -> jax.Array:
         return _gemm_layout_dot(lhs, rhs, dims, cfg, precision, out_perm, out_sharding)
 
-    return lax.platform_dependent(lhs, rhs, cpu=cpu, default=gpu)
+    return per_platform(lhs, rhs, cpu=cpu, default=gpu)
 
 
 def _gemm_layout_dot(

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._platform import per_platform
 from qbits._tensor import QTensor
 from qbits.ops import _core as core
 from qbits.ops._config import MatmulConfig
@@ -440,7 +441,7 @@ class RaggedWeightGrad(core.Contraction):
 
             return lax.map(one, jnp.arange(gs.shape[0]))
 
-        out = lax.platform_dependent(lhs, rhs, cpu=loop, default=ragged)
+        out = per_platform(lhs, rhs, cpu=loop, default=ragged)
         return permute(out, perm)
 
     def direct(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:

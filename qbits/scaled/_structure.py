@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qbits._platform import traced_for_p
 from qbits.scaled._array import ScaledArray
 from qbits.scaled._interpreter import (
     Const,
@@ -213,6 +214,7 @@ def _register() -> None:
     ):
         register_rule(prim.name, _combine(prim, lambda n: [0, 2]))
     register_rule("optimization_barrier", _flat_rule(lax.optimization_barrier_p))
+    register_rule(traced_for_p.name, _on_data(traced_for_p))
     register_rule("reduce", _reduce)
     register_rule("sort", _permute(lax.sort_p))
     register_rule("top_k", _permute(lax.top_k_p))

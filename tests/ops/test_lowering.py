@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import qbits
+import qbits.hlo
 
 DN = (((1,), (0,)), ((), ()))
 _DOT = re.compile(
@@ -35,7 +36,8 @@ def _training_step_text(preset: str, platform: str) -> str:
     w1 = jnp.ones((128, 256), jnp.bfloat16)
     w2 = jnp.ones((256, 128), jnp.bfloat16)
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    return step.trace(x, w1, w2).lower(lowering_platforms=(platform,)).as_text()
+    with qbits.hlo.lowering_platforms(platform):
+        return step.trace(x, w1, w2).lower(lowering_platforms=(platform,)).as_text()
 
 
 def _dots(text: str) -> list[tuple[int, int, str, str, str]]:
@@ -130,8 +132,27 @@ def test_one_program_for_cpu_and_gpu_exports():
     dg = qbits.dot_general(config)
     f = jax.jit(lambda x, w: dg(x, w, DN))
     x = jnp.ones((8, 16))
-    text = f.trace(x, x.T).lower(lowering_platforms=("cpu", "cuda")).as_text()
+    with qbits.hlo.lowering_platforms("cpu", "cuda"):
+        text = f.trace(x, x.T).lower(lowering_platforms=("cpu", "cuda")).as_text()
     assert "stablehlo.case" in text
+
+
+def test_a_program_traced_for_one_platform_is_refused_for_another():
+    # By default the CPU's form alone is traced (no cond in the jaxpr, no
+    # case in the program); lowering it for a GPU is refused, never run in
+    # the CPU's form, and the error names the fix.
+    dg = qbits.dot_general("int8_fwd")
+    f = jax.jit(lambda x, w: dg(x, w, DN))
+    x = jnp.ones((8, 16))
+    assert "cond" not in str(jax.make_jaxpr(f)(x, x.T))
+    assert "stablehlo.case" not in f.trace(x, x.T).lower().as_text()
+    with pytest.raises(
+        qbits.InvalidArgumentError, match="lowering_platforms\\('cuda'\\)"
+    ):
+        f.trace(x, x.T).lower(lowering_platforms=("cuda",))
+    bad = qbits.hlo.lowering_platforms("metal")
+    with pytest.raises(qbits.InvalidArgumentError, match="'metal'"):
+        bad.__enter__()
 
 
 def _normalized(body: str) -> str:
@@ -230,7 +251,8 @@ def test_a_bf16_dot_algorithm_does_not_cast_the_codes(preset, codes):
 
     q = jnp.ones((2, 8, 16), jnp.bfloat16)
     step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    text = step.trace(q, q).lower(lowering_platforms=("cuda",)).as_text()
+    with qbits.hlo.lowering_platforms("cuda"):
+        text = step.trace(q, q).lower(lowering_platforms=("cuda",)).as_text()
     dots = _dots(text)
     assert len(dots) == 3  # forward and the two gradient matmuls
     for _, _, a, b, _ in dots:
@@ -244,6 +266,7 @@ def test_a_bf16_dot_algorithm_does_not_cast_a_ragged_dots_codes():
     x, w = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 4), jnp.bfloat16)
     sizes = jnp.array([3, 5], jnp.int32)
     f = jax.jit(lambda x, w: rd(x, w, sizes, precision=algorithm))
-    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    with qbits.hlo.lowering_platforms("cuda"):
+        text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     dots = [ln for ln in text.splitlines() if "ragged_dot" in ln]
     assert dots and all("tensor<8x16xi8>, tensor<2x16x4xi8>" in ln for ln in dots)
