@@ -107,8 +107,8 @@ def _weights(mesh_specs: dict) -> dict:
 
 # Functions: an MLP (qbits.quantize / qbits.init_state), a scanned stack of
 # layers, and a shard_map over the batch inside, whose matmul is quantized
-# by explicit injection (the engine keeps matmuls inside shard_map as they
-# are): its state made outside, from the global operands.
+# by explicit injection (the engine carries no scale state into a shard_map
+# body): its state made outside, from the global operands.
 FN_SPECS = {
     "w1": ((D, F), P(None, "model")),
     "layers": ((LAYERS, F, F), P(None, None, "model")),
