@@ -464,6 +464,15 @@ def test_shard_map_bodies_are_quantized_and_refuse_scale_state():
     with pytest.raises(qbits.InvalidArgumentError, match=fix):
         qbits.init_state(f, "fp8_delayed", p, x)
 
+    def g(p, x):  # served: fc quantized on the fly, out stored
+        return f(p, x) @ p["out"]
+
+    p["out"] = jnp.ones((8, 2))
+    served = qbits.serving.convert(g, "int8_fwd", p, x)
+    assert list(served.weights) == ["out"]
+    want = qbits.quantize(g, "int8_fwd")(p, x)
+    np.testing.assert_array_equal(qbits.serving.serve(g, "int8_fwd")(served, x), want)
+
 
 def test_vmap_jit_and_host_callbacks_pass_through():
     def fn(params, x):
