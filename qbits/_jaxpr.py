@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["bind", "scan_counts", "varying"]
+__all__ = ["bind", "rebind_shard_map", "scan_counts", "shard_map_body", "varying"]
 
 
 def bind(eqn: Any, invals: list[Any]) -> Any:
@@ -36,6 +36,29 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     # A flat tree of (constants, carry, scanned): count each part's values.
     consts, carry, _ = params["ft_in"].unpack()
     return len(list(consts.vals)), len(list(carry.vals))
+
+
+def shard_map_body(params: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """A ``shard_map`` equation's body: its open jaxpr and constants."""
+    body = params["jaxpr"]
+    return getattr(body, "jaxpr", body), list(getattr(body, "consts", ()))
+
+
+def rebind_shard_map(params: dict[str, Any], fn: Any, args: list[Any]) -> list[Any]:
+    """Runs ``fn`` as a ``shard_map`` equation of ``params`` runs its body.
+
+    The same mesh, specs (one per flat operand and result), manual axes and
+    check, through ``jax.shard_map``: ``fn`` replaces the body.
+    """
+    mapped = jax.shard_map(
+        lambda *a: tuple(fn(*a)),
+        mesh=params["mesh"],
+        in_specs=tuple(params["in_specs"]),
+        out_specs=tuple(params["out_specs"]),
+        axis_names=params["newly_manual_axes"],
+        check_vma=params["check_vma"],
+    )
+    return list(mapped(*args))
 
 
 def varying(x: Any) -> frozenset:

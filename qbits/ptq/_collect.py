@@ -230,8 +230,8 @@ def collect_stats(
     the scan's length); a loop that uses the same weight every step
     (micro-batches) sums its steps. Left out: convolutions, integer
     matmuls, matmuls inside a custom-gradient function (kept as they are by
-    the engine) and matmuls inside a ``cond`` or ``while`` body (their
-    statistics could not leave it).
+    the engine) and matmuls inside a ``cond``, ``while`` or ``shard_map``
+    body (their statistics could not leave it).
 
     Args:
       fn: ``fn(params, batch)``, e.g. a linen model's ``apply``.

@@ -102,8 +102,8 @@ def operand_indices(
         shapes and dtypes matter).
       *args: Sample arguments (arrays or ``jax.ShapeDtypeStruct`` s).
       paths: The weight matmuls, as :func:`qbits.layer_table` names them;
-        ``None``: every weight ``dot_general`` outside ``cond`` and
-        ``while`` bodies.
+        ``None``: every weight ``dot_general`` outside ``cond``, ``while``
+        and ``shard_map`` bodies.
       **kwargs: Sample keyword arguments.
 
     Returns:
@@ -111,8 +111,8 @@ def operand_indices(
       weight operand (stacked along the scans that slice the parameter,
       as :attr:`MatmulStats.layers` says), of flat indices into the
       parameter: ``w.reshape(-1)[index]`` is the operand; or ``None``
-      where the operand is ``w`` itself. Matmuls inside a ``cond`` or
-      ``while`` body, and paths that are no such matmul, are left out.
+      where the operand is ``w`` itself. Matmuls inside a ``cond``,
+      ``while`` or ``shard_map`` body, and paths that are no such matmul, are left out.
 
     Example:
       >>> def gpt2_mlp(params, x):  # kernels stored (out, in), as Conv1D

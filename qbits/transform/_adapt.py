@@ -74,6 +74,8 @@ def _why_not(site: Site) -> str:
         return "activation x activation (no weight)"
     if site.control:
         return f"inside a {site.control} body"
+    if site.mapped:
+        return "inside a shard_map body"
     return ""
 
 
@@ -107,10 +109,10 @@ def weight_matmuls(
     """Every matmul of ``fn(params, *args)``, and whether it can be adapted.
 
     Traces ``fn`` (no computation). Weight ``dot_general`` s (dense layers,
-    einsums, ``@`` with a parameter) outside ``cond`` and ``while`` bodies
-    can be adapted; convolutions, matmuls of two activations and the ones
-    the engine keeps as they are (integer operands, inside a custom
-    gradient) cannot.
+    einsums, ``@`` with a parameter) outside ``cond``, ``while`` and
+    ``shard_map`` bodies can be adapted; convolutions, matmuls of two
+    activations and the ones the engine keeps as they are (integer
+    operands, inside a custom gradient) cannot.
 
     Args:
       caller: Who calls (named in errors).

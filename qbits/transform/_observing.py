@@ -52,8 +52,9 @@ def observe_matmuls(  # noqa: D417 (caller: its public form has none)
 
     Observed are the weight ``dot_general`` s (dense layers, einsums, ``@``;
     not convolutions) that run in float: integer matmuls and those inside a
-    custom-gradient function are kept as they are; those inside a ``cond``
-    or ``while`` body are left out (a record could not leave the body).
+    custom-gradient function are kept as they are; those inside a ``cond``,
+    ``while`` or ``shard_map`` body are left out (a record could not leave
+    the body).
 
     Args:
       fn: ``fn(params, batch)``, e.g. a linen model's ``apply``.
@@ -132,7 +133,8 @@ def collect_ranges(
     per weight matmul, the max over batches of ``max(|activation|)``: the
     operand a config's ``fwd.lhs`` quantizes. Give the result to
     :func:`qbits.freeze_ranges` (static post-training ranges). Matmuls in a
-    ``cond`` or ``while`` body are left out (their ranges cannot leave it).
+    ``cond``, ``while`` or ``shard_map`` body are left out (their ranges
+    cannot leave it).
 
     Args:
       fn: ``fn(params, batch)``, e.g. a linen model's ``apply``.

@@ -179,24 +179,25 @@ class Plan:
         on a stored (already quantized) weight, forward only.
       observe: Observing activations: the weight ``dot_general`` s that
         the rules give a quantizing config (all of them with ``every``),
-        outside ``cond`` and ``while`` bodies (what they record could not
-        leave the body), run in float and hand their activation to it.
+        outside ``cond``, ``while`` and ``shard_map`` bodies (what they
+        record could not leave the body), run in float and hand their activation to it.
       every: With ``observe``: observe every weight matmul.
       adapter: Adapting weight matmuls: what the ones in ``adapted`` add
         to their output (their data: ``frame.states[DATA + path]``).
       adapted: The paths of the weight ``dot_general`` s to adapt (the
-        caller checks that they are such matmuls, outside ``cond`` and
-        ``while`` bodies).
+        caller checks that they are such matmuls, outside ``cond``,
+        ``while`` and ``shard_map`` bodies).
       diagnose: Every quantized site measures its quantized operands: its
         probe (:func:`qbits.diagnostics.init`) is ``frame.states[DIAGNOSTICS
-        + path]``, sliced per layer along a scan over stacked layers.
+        + path]``, sliced per layer along a scan over stacked layers (none
+        inside a ``shard_map`` body: the probe could not cross it).
 
     Raises:
       ConfigError: For a rule that gives an integer matmul a config, or (with
         ``store``) a stored weight matmul that rounds stochastically or keeps
         scale state.
-      InvalidArgumentError: For scale state inside a ``cond`` or ``while``
-        body.
+      InvalidArgumentError: For scale state inside a ``cond``, ``while``
+        or ``shard_map`` body.
     """
 
     def __init__(
@@ -253,16 +254,16 @@ class Plan:
                 continue
             if config is None or config.is_identity:
                 continue
-            # A weight in a cond or while body is quantized on the fly: the
-            # stored copy could not leave the body (like scale state).
-            if store and _stores(config, site) and not site.control:
+            # A weight in a cond, while or shard_map body is quantized on the
+            # fly: the stored copy could not enter the body (like scale state).
+            if store and _stores(config, site) and not (site.control or site.mapped):
                 self._store(site, config, res)
             elif config.needs_state:
-                self._state(site, config)
+                self._state(site, config, res)
             self._add(site, config, res)
             if config.needs_key:
                 self.needs_key.append(site.path)
-            if diagnose and site.ctx not in self.stored:
+            if diagnose and site.ctx not in self.stored and not site.mapped:
                 self._diagnose(site)
         if observe is None and adapter is None and caller.whole and not self.planned:
             _warn_if_nothing(program, rules, caller)
@@ -283,7 +284,7 @@ class Plan:
         """Observing: a weight matmul the rules quantize (or ``every`` one)."""
         chosen = every or not (config is None or config.is_identity)
         weight = site.weights and not site.op.limited
-        if chosen and weight and not site.control:
+        if chosen and weight and not (site.control or site.mapped):
             self._add(site, None, res)
             flip = site.ctx in self.swapped
             self.observed[site.ctx] = describe(site, program, flip)
@@ -305,8 +306,21 @@ class Plan:
         self.stored[site.ctx] = site.path
         self.sliced[site.path] = next(iter(site.weights)).sliced
 
-    def _state(self, site: Site, config: Any) -> None:
+    def _state(self, site: Site, config: Any, res: Resolution) -> None:
         """A config with scale state: its name, slicing and replaced entries."""
+        if site.mapped:
+            raise InvalidArgumentError(
+                self.caller.owner,
+                "config",
+                f"{res.where}: {res.name or 'an inline config'} for matmul "
+                f"{site.path!r}",
+                "a config that computes its scales (e.g. 'fp8', 'int8') for a "
+                f"matmul inside a shard_map body, or qbits.Rule({site.base!r}, None)",
+                why="the engine carries no scale state into a shard_map body: "
+                "to keep state there, quantize this matmul with "
+                "qbits.dot_general(config) inside the body (its state made "
+                "outside from the global operands, passed in replicated)",
+            )
         if site.control:
             raise InvalidArgumentError(
                 self.caller.owner,

@@ -3,12 +3,13 @@
 A function is traced once to a jaxpr. Every equation of an op kind
 (:data:`qbits.ops.KINDS`: ``dot_general``, ``conv_general_dilated`` and
 ``ragged_dot_general``, the grouped matmuls of ``lax.ragged_dot``) in it
-(at any depth: inside ``jit``, ``scan``, ``remat``, ``cond`` and
-``while`` bodies) is a *site*. A site is
+(at any depth: inside ``jit``, ``scan``, ``remat``, ``cond``, ``while``
+and ``shard_map`` bodies) is a *site*. A site is
 named by the parameter that feeds it: parameters are the leaves of one
 argument (the model's variables or state), and their paths are followed
 through the operations that only move or re-type a weight (reshape,
-transpose, casts, slices, a scan over stacked layers). An operand fed by a
+transpose, casts, slices, a scan over stacked layers, a ``shard_map``
+that hands each shard a block of it). An operand fed by a
 parameter at ``blocks/attn/query/kernel`` makes the site
 ``blocks/attn/query`` (the module path; the parameter's own name is kept
 where one module multiplies with several parameters). A site whose operands
@@ -21,7 +22,7 @@ the site says so (``flipped``): it is run swapped back.
 
 Sites inside a ``custom_jvp`` or ``custom_vjp`` rule (a model's own
 quantized function, or a hand-written gradient), inside other primitives
-whose bodies cannot be re-run (``shard_map`` and the like) and inside a
+whose bodies cannot be re-run (``custom_transpose`` and the like) and inside a
 ``while_loop``'s condition are listed but kept as they are; so are
 matmuls of two integer operands (exact, as ``lax`` computes them; an
 integer operand times a float one is a site like any other, the integer
@@ -50,7 +51,7 @@ from jax.extend import core as jcore
 
 from qbits import ops
 from qbits._errors import InvalidArgumentError
-from qbits._jaxpr import scan_counts
+from qbits._jaxpr import scan_counts, shard_map_body
 from qbits.transform._names import (
     base_name,
     common,
@@ -131,6 +132,9 @@ class Site:
         over stacked layers runs each of its matmuls once per layer).
       control: ``"cond"`` or ``"while"`` when the site runs in such a body
         (where scale state cannot be carried), else ``""``.
+      mapped: Whether the site runs inside a ``shard_map`` body, on each
+        shard's block of its operands (no per-site data crosses the body:
+        scale state, stored weights, adapters, probes, observations).
       contracting: The contracting axes of each operand (``dot_general``).
       flipped: For an einsum of two activations: JAX hands ``dot_general``
         its operands in the other order than the einsum is written (the
@@ -156,6 +160,7 @@ class Site:
     frozen: str
     loops: tuple[int, ...] = ()
     control: str = ""
+    mapped: bool = False
     contracting: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     flipped: bool = False
     integer: bool = False
@@ -260,6 +265,7 @@ class _Where:
     stack: str = ""
     loops: tuple[int, ...] = ()
     control: str = ""
+    mapped: bool = False
 
     def at(self, i: int, eqn: Any) -> _Where:
         """Equation ``i`` of this body."""
@@ -334,6 +340,10 @@ class _Walker:
             )
             self.walk(p["cond_jaxpr"].jaxpr, ins[:nc] + carry, condition)
             return [_union(ins[nc + nb :])] * n_out
+        if name == "shard_map":  # each shard's operands: a weight's block
+            body, _ = shard_map_body(eqn.params)
+            inside = dataclasses.replace(at, mapped=True)
+            return self.walk(body, ins, inside)
         subs = list(_sub_jaxprs(eqn.params))
         if name in _CUSTOM and subs and subs[0].outvars == subs[0].invars:
             return list(ins)  # an identity with a derivative rule of its own
@@ -375,6 +385,7 @@ class _Walker:
             frozen=at.frozen,
             loops=at.loops,
             control=at.control,
+            mapped=at.mapped,
             contracting=kind.contracting(eqn.params),
             flipped=swapped,
             integer=all(_integer(a.dtype) for a in avals[:2]),

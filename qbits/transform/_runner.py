@@ -9,7 +9,8 @@ arguments, with each planned site's ``dot_general``,
 :func:`qbits.ops.ragged_dot`): one custom VJP whose backward matmuls are
 quantized as configured. Everything else runs as JAX would run it;
 bodies that hold a planned site are rebuilt (``jit`` inlined,
-``scan``/``cond``/``while`` re-entered, ``remat`` with its policy).
+``scan``/``cond``/``while``/``shard_map`` re-entered, ``remat`` with its
+policy).
 
 The same runner serves every mode of the engine: quantized (training and
 evaluation), initialising scale state, storing weights (serving) and
@@ -31,7 +32,7 @@ from jax import lax
 
 from qbits import ops
 from qbits._errors import InvalidArgumentError
-from qbits._jaxpr import bind, scan_counts
+from qbits._jaxpr import bind, rebind_shard_map, scan_counts, shard_map_body
 from qbits._providers import max_combining
 from qbits._tensor import QTensor
 from qbits.numerics import next_key
@@ -280,6 +281,15 @@ class Runner:
             return self._scan(eqn, invals, here, frame)
         if name == "while":
             return self._while(eqn, invals, here, frame)
+        if name == "shard_map":
+            body, consts = shard_map_body(p)
+            # Nothing per site crosses the body (the plan keeps state, stored
+            # weights, adapters, probes and records out of it); its keys are
+            # a chain of their own, the shard's index folded in by the core.
+            inner = frame.body().with_(collect=None, observed=None)
+            return rebind_shard_map(
+                p, lambda *a: run(body, consts, list(a), here, inner.with_()), invals
+            )
         raise NotImplementedError(name)  # pragma: no cover - _program lists no others
 
     def _scan(self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame) -> list:

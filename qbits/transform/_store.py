@@ -86,7 +86,7 @@ def store_weights(
     Returns:
       ``{matmul path: StoredMatmul}`` for each weight matmul whose forward
       config quantizes the weight; convolutions and matmuls inside a
-      ``cond`` or ``while`` body are left out (served quantizing on the
+      ``cond``, ``while`` or ``shard_map`` body are left out (served quantizing on the
       fly). ``qbits.quantize(fn, config, stored=...)`` takes it as it is.
 
     Raises:

@@ -64,6 +64,7 @@ def table(program: Program, rules: QuantConfig) -> LayerTable:
             continue  # the same kept matmul again (see Program.name_sites)
         listed.add((site.path, site.kept))
         kind = site.kind + "".join(f", scanned x{n}" for n in site.loops)
+        kind += ", in shard_map" * site.mapped  # operands: a shard's blocks
         res = rules.resolve(site.path)
         config, kept, note = applied(site, res.config), site.kept, ""
         if kept:
@@ -139,6 +140,15 @@ def quantize(  # noqa: D417 (caller: its public form has none)
     quantizes the batched program, whose tensors span the batch: one
     per-tensor scale for the batch. Choose by what the scale should cover.
 
+    ``jax.shard_map``: a matmul inside a ``shard_map`` body (expert or
+    tensor parallelism written by hand) is quantized like any other, named
+    by the parameter whose block feeds it, and runs on each shard as
+    ``qbits.dot_general(config)`` called in the body runs: on the shard's
+    blocks, a per-tensor scale computed per shard from its own block.
+    Nothing per matmul crosses the body: a config with scale state there is
+    refused (call ``qbits.dot_general(config)`` with the state in the body
+    instead), a served weight there is quantized on the fly.
+
     Args:
       fn: The function, e.g. ``model.apply`` or a loss of ``(params, batch)``.
       config: Per-layer rules (a :class:`~qbits.QuantConfig`), or one
@@ -189,7 +199,7 @@ def quantize(  # noqa: D417 (caller: its public form has none)
     Raises:
       InvalidArgumentError: For a bad ``config``, a missing ``key``, a
         missing or mismatched ``state`` or ``stored``, or scale state inside
-        a ``cond`` or ``while`` body, naming the matmul's path.
+        a ``cond``, ``while`` or ``shard_map`` body, naming the matmul's path.
       ConfigError: For a config that does not fit a matmul's operands (a
         tile size that does not divide its axis), naming the place of the
         config in its rules (and file), the matmul and the operand; for a

@@ -6,6 +6,11 @@ the data axis, as JAX's own transpose of a replicated operand does. With
 per-tensor scales computed per shard, the reference is the sum, over the
 shards, of each shard's own quantized gradient. Delayed-scaling state sees
 the amax of the whole batch (maxed over the shards).
+
+``qbits.quantize`` reaches into a ``shard_map`` body (tensor parallelism
+written by hand): each matmul there equals ``qbits.dot_general(config)``
+called in the body, forward and gradients bit for bit, per-tensor scales
+computed per shard.
 """
 
 import os
@@ -24,6 +29,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import qbits
+from qbits.numerics import next_key
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -87,6 +93,63 @@ def main():
     rows = {np.asarray(b).tobytes() for b in jnp.split(gx, 8)}
     assert len(rows) == 8, f"{len(rows)} distinct shards of 8"
     print("shard_map gradients are right")
+    engine_inside_shard_map(mesh, x[:, :16], w)
+    print("the engine quantizes inside shard_map as by hand")
+
+
+def engine_inside_shard_map(mesh, x, w):
+    """A Megatron MLP by hand: fc1 split by columns, fc2 by rows, one psum."""
+    params = {"fc1": {"kernel": w[:16]}, "fc2": {"kernel": w[16:, :8]}}
+
+    def mlp(dots):
+        def body(w1, w2, x):
+            return jax.lax.psum(dots[1](jnp.tanh(dots[0](x, w1)), w2), "data")
+
+        def f(params, x):
+            layer = jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(None, "data"), P("data", None), P()),
+                out_specs=P(),
+            )
+            return layer(params["fc1"]["kernel"], params["fc2"]["kernel"], x)
+
+        return f
+
+    f = mlp([jnp.matmul, jnp.matmul])
+    table = qbits.layer_table(f, "fp8", params, x)
+    got = [(r.path, r.kind, r.operands) for r in table.rows]
+    kind = "dot_general (activation x weight), in shard_map"
+    assert got == [
+        ("fc1", kind, "f32[64,16] x f32[16,2]"),  # each shard's blocks
+        ("fc2", kind, "f32[64,2] x f32[2,8]"),
+    ], got
+    key = jax.random.key(7)
+    # The engine's key chain: the body's link, then one per site in order.
+    k1 = next_key(next_key(key))
+    keys = (k1, next_key(k1))
+    presets = ("fp8", "int8", "w4a8")
+    pairs = []
+    for preset in presets:
+        config = qbits.presets.get(preset)
+        dots = [
+            qbits.dot_general(config, k)
+            for k in (keys if config.needs_key else (None, None))
+        ]
+        hand = mlp([lambda a, b, dg=dg: dg(a, b, DN) for dg in dots])
+        quantized = qbits.quantize(f, preset, key if config.needs_key else None)
+        pairs.append((quantized, hand))
+
+    def grads(g, params, x):
+        return jax.value_and_grad(lambda p, x: jnp.sum(g(p, x) ** 2), (0, 1))(params, x)
+
+    @jax.jit  # one compile for all (CSE merges only what is the same)
+    def run(params, x):
+        return [[grads(g, params, x) for g in pair] for pair in pairs]
+
+    for preset, (got, want) in zip(presets, run(params, x), strict=True):
+        for a, b in zip(*map(jax.tree.leaves, (got, want)), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=preset)
 
 
 if __name__ == "__main__":

@@ -106,14 +106,17 @@ def _weights(mesh_specs: dict) -> dict:
 
 
 # Functions: an MLP (qbits.quantize / qbits.init_state), a scanned stack of
-# layers, and a shard_map over the batch inside, whose matmul is quantized
-# by explicit injection (the engine keeps matmuls inside shard_map as they
-# are): its state made outside, from the global operands.
+# layers, and a shard_map over the batch inside: one matmul there quantized
+# by explicit injection (the engine carries no scale state into a shard_map
+# body): its state made outside, from the global operands; the next one by
+# the engine, stateless.
 FN_SPECS = {
     "w1": ((D, F), P(None, "model")),
     "layers": ((LAYERS, F, F), P(None, None, "model")),
     "local": ((F, D), P(None, "model")),
+    "inside": ((D, D), P(None, "model")),
 }
+RULES = qbits.QuantConfig(rules=(qbits.Rule("inside", "int8_fwd"),), default=CONFIG)
 LOCAL = qbits.dot_general(CONFIG)
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -130,12 +133,12 @@ def mlp(p, x):
 def fn(p, x, local_state):
     h = mlp(p, x)
 
-    @jax.shard_map(in_specs=(P("data"), P(), P()), out_specs=P("data"),
+    @jax.shard_map(in_specs=(P("data"), P(), P(), P()), out_specs=P("data"),
                    axis_names={"data"})  # fmt: skip
-    def local(h, w, state):  # per batch shard; "model" still explicit inside
-        return LOCAL(h, w, DIMS, state=state)
+    def local(h, w, state, inside):  # per batch shard; "model" explicit inside
+        return jnp.tanh(LOCAL(h, w, DIMS, state=state)) @ inside
 
-    return local(h, p["local"], local_state)
+    return local(h, p["local"], local_state, p["inside"])
 
 
 def function_case(mesh):
@@ -144,8 +147,10 @@ def function_case(mesh):
                        P("data"))  # fmt: skip
     h = jax.ShapeDtypeStruct((8, F), jnp.float32, sharding=P("data"))
     local = LOCAL.init_state(h, params["local"], DIMS)
+    row = qbits.layer_table(fn, RULES, params, x, local)["inside"]
+    assert (row.describe(), row.kind[-12:]) == ("int8_fwd", "in shard_map"), row
     # Traced (as in a jitted init); linen's and nnx's below: eager and jitted.
-    state = jax.jit(lambda *a: qbits.init_state(fn, CONFIG, *a))(params, x, local)
+    state = jax.jit(lambda *a: qbits.init_state(fn, RULES, *a))(params, x, local)
     flat = {"w1": params["w1"]}
     check_state("qbits.init_state", {k: state[k] for k in flat}, flat)
     check_state("qbits.init_state (scan)", {"layers": state["layers"]},
@@ -158,7 +163,7 @@ def function_case(mesh):
     @jax.jit
     def step(state, p, local):
         def loss(state, p, local):
-            out = qbits.quantize(fn, CONFIG, state=state)(p, x, local)
+            out = qbits.quantize(fn, RULES, state=state)(p, x, local)
             return jnp.mean(out**2)
 
         return jax.grad(loss, argnums=(0, 1, 2))(state, p, local)

@@ -439,6 +439,41 @@ def test_scale_state_inside_cond_is_refused():
         qbits.init_state(fn, "fp8_delayed", w, x)
 
 
+def test_shard_map_bodies_are_quantized_and_refuse_scale_state():
+    # (8 devices, tensor parallel, every preset kind: tests/ops/shard_map_check.py)
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec
+
+    def f(p, x, dot=jnp.matmul):
+        layer = jax.shard_map(
+            dot, mesh=mesh, in_specs=(spec("d"), spec(None, "d")), out_specs=spec("d")
+        )
+        return layer(x, p["fc"]["kernel"])
+
+    p = {"fc": {"kernel": jax.random.normal(jax.random.key(0), (16, 8))}}
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it quantizes something: no warning
+        (row,) = qbits.layer_table(f, "fp8", p, x).rows
+    assert (row.path, row.kept, row.describe()) == ("fc", "", "fp8")
+    assert row.kind == "dot_general (activation x weight), in shard_map"
+    dot = qbits.dot_general("fp8")
+    hand = functools.partial(f, dot=lambda x, w: dot(x, w, (((1,), (0,)), ((), ()))))
+    np.testing.assert_array_equal(qbits.quantize(f, "fp8")(p, x), jax.jit(hand)(p, x))
+    fix = r"'fc'.*shard_map body.*qbits.dot_general\(config\) inside the body"
+    with pytest.raises(qbits.InvalidArgumentError, match=fix):
+        qbits.init_state(f, "fp8_delayed", p, x)
+
+    def g(p, x):  # served: fc quantized on the fly, out stored
+        return f(p, x) @ p["out"]
+
+    p["out"] = jnp.ones((8, 2))
+    served = qbits.serving.convert(g, "int8_fwd", p, x)
+    assert list(served.weights) == ["out"]
+    want = qbits.quantize(g, "int8_fwd")(p, x)
+    np.testing.assert_array_equal(qbits.serving.serve(g, "int8_fwd")(served, x), want)
+
+
 def test_vmap_jit_and_host_callbacks_pass_through():
     def fn(params, x):
         jax.debug.callback(lambda v: None, x.sum())
