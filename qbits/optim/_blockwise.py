@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from qbits._errors import InvalidArgumentError
 from qbits._formats import float_format, round_to_format, stochastic_round_to_format
 from qbits._sharding import like, take
 from qbits._tensor import expand_scale, pack_nibbles, unpack_nibbles
@@ -313,8 +314,6 @@ def laid_out(q: QuantizedMoment, param: Any) -> QuantizedMoment:
 
 def check_format(owner: str, state_format: Any, bits: Any) -> None:
     """Raises for a format/bits pair that has no map."""
-    from qbits._errors import InvalidArgumentError
-
     allowed = {8: ("dynamic", "linear", "fp8"), 4: ("dynamic", "linear")}
     if bits not in allowed:
         raise InvalidArgumentError(owner, "bits", bits, "8 or 4")

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from qbits._errors import InvalidArgumentError, check_bool, check_int, check_mapping
 from qbits.numerics import next_key
@@ -187,7 +188,10 @@ def quantize_states(
         return _walk(state, table, moment)
 
     def init_fn(params: Any) -> QuantizedStates:
-        state = inner.init(params)
+        # nnx.Optimizer passes Variables; its updates pass their arrays. A
+        # moment made from a Variable would sit inside one (a pytree as a
+        # Variable's value, which nnx.Optimizer's update replaces by a State).
+        state = inner.init(nnx.as_pure(params))
         found: list[str] = []
         _walk(state, table, lambda tree, signed: found.append("") or tree)
         if not found:

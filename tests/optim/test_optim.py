@@ -246,3 +246,30 @@ def test_errors_name_the_argument():
     assert isinstance(
         tx.init({"w": jnp.ones(8)}).inner[0].trace["w"], optim.QuantizedMoment
     )
+
+
+def test_the_example_models_adamw8bit_in_an_nnx_optimizer():
+    import flax.nnx as nnx
+
+    from qbits._experiments._train import make_optimizer
+
+    model = nnx.Linear(64, 128, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, make_optimizer("adamw8bit", 1e-3), wrt=nnx.Param)
+    # The functional style of qbits train: the state out of one step goes in
+    # the next (a moment's codes and scales stay two arrays of nnx's state).
+    graphdef, state = nnx.split((model, optimizer))
+
+    @jax.jit
+    def step(state, x):
+        model, optimizer = nnx.merge(graphdef, state)
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        with jax.numpy_dtype_promotion("standard"):
+            optimizer.update(model, grads)
+        return nnx.state((model, optimizer))
+
+    new = step(step(state, jnp.ones((4, 64))), jnp.ones((4, 64)))
+    assert jax.tree.structure(new) == jax.tree.structure(state)
+    _, optimizer = nnx.merge(graphdef, new)
+    dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(optimizer, nnx.OptState))}
+    assert jnp.dtype(jnp.uint8) in dtypes  # the kernel's moments
+    assert int(optimizer.step[...]) == 2
