@@ -163,38 +163,35 @@ def test_states_bytes_dtypes_and_small_leaves_kept_float():
     ]
 
 
-def test_states_keep_the_parameters_sharding_under_jit():
+def test_states_keep_their_sharding_under_jit_and_through_orbax(tmp_path):
+    import orbax.checkpoint as ocp
+
     mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Explicit,))
     with jax.set_mesh(mesh):
         w = jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P("d", None)))
-        params = {"w": w}
-        tx = optim.adamw(1e-3, state_bits=4, stochastic_rounding=True)
+        params = {"w": w, "rest": [jnp.zeros(5), (jnp.ones((16, 256)),)]}  # any tree
+        tx = optim.quantize_states(
+            optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+            state_bits=4,
+            stochastic_rounding=True,
+        )
         state = tx.init(params)
         updates, state = jax.jit(_standard(tx.update))(params, state, params)
-        for moment in (_moments(state).mu["w"], _moments(state).nu["w"]):
+        adam = state.inner[1][0]
+        for moment in (adam.mu["w"], adam.nu["w"]):
             assert moment.codes.sharding.spec == P("d", None)
             assert moment.absmax.sharding.spec == P("d", None)
         assert updates["w"].sharding.spec == P("d", None)
+        assert isinstance(adam.nu["rest"][1][0], optim.QuantizedMoment)
 
-
-def test_orbax_round_trip_and_any_pytree(tmp_path):
-    import orbax.checkpoint as ocp
-
-    params = {"layer": [jnp.ones((32, 128)), (jnp.zeros(5), jnp.ones((16, 256)))]}
-    tx = optim.quantize_states(
-        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
-        stochastic_rounding=True,
-    )
-    state = tx.init(params)
-    _, state = jax.jit(_standard(tx.update))(params, state, params)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(tmp_path / "state", state)
-        ckpt.wait_until_finished()
-        target = jax.tree.map(qbits._sharding.abstract, state)
-        restored = ckpt.restore(tmp_path / "state", target)
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp_path / "state", state)
+            ckpt.wait_until_finished()
+            target = jax.tree.map(qbits._sharding.abstract, state)
+            restored = ckpt.restore(tmp_path / "state", target)
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
-        assert a.dtype == b.dtype
+        assert a.dtype == b.dtype and a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
