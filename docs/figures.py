@@ -606,6 +606,37 @@ def lm_deep() -> str:
     )
 
 
+@figure("optim", "optim_cpu.json")
+def optim() -> str:
+    data = _json("optim_cpu.json")
+    meta, rows = data["meta"], data["rows"]
+    names = {"adamw": "`adamw` (float32)", "adamw8bit": "`adamw8bit`",
+             "adamw4bit": "`adamw4bit`"}  # fmt: skip
+    table = []
+    for r in rows:
+        ratios = " / ".join(f"{v:.4f}" for v in r["eval_ratios"])
+        losses = " / ".join(f"{run['eval_loss']:.4f}" for run in r["runs"])
+        table.append([
+            names.get(r["optimizer"], r["optimizer"]),
+            f"{r['state_bytes'] / 2**20:.2f} MiB",
+            f"{r['state_ratio']:.3f}x",
+            f"{r['update_ms']:.1f} ms ({r['update_ratio']:.2f}x)",
+            f"{r['step_ratio']:.2f}x",
+            losses,
+            ratios,
+        ])  # fmt: skip
+    header = ["`--optimizer`", "state", "state / f32", "update alone",
+              "train step / f32", "eval loss (per seed)", "eval / f32"]  # fmt: skip
+    seeds = ", ".join(str(s) for s in meta["seeds"])
+    return (
+        _table(header, table)
+        + "\n"
+        + f"(The example LM, float32 matmuls, {meta['steps']} steps, seeds "
+        f"{seeds}; optimizer state summed over `nnx.Optimizer`'s arrays; times "
+        "on 2 CPU cores shared with other work: rough.)\n\n" + _source("optim_cpu.json")
+    )
+
+
 @figure("moe", "moe_cpu.json")
 def moe() -> str:
     data = _json("moe_cpu.json")

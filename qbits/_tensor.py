@@ -275,7 +275,10 @@ def pack_nibbles(values: jax.Array, axis: int = -1) -> jax.Array:
     codes = jnp.moveaxis(_nibble_codes(values), axis, -1)
     if codes.shape[-1] % 2:
         codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, 1)])
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    # Pairs by a reshape, not strided slices: it keeps a sharded axis sharded
+    # under explicit mesh axes.
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
     return jnp.moveaxis(packed, -1, axis)
 
 

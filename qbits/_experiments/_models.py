@@ -56,6 +56,9 @@ class ModelSpec:
         start, slower steps (the ``tiny`` sizes, which run a few steps).
       scan: The LM's blocks are stacked with ``nnx.vmap`` and run with
         ``nnx.scan`` (one traced block however deep; the ``deep`` size).
+      optimizer: ``"adamw"`` (float32 states), ``"adamw8bit"`` or
+        ``"adamw4bit"`` (:func:`qbits.optim.adamw`'s 8-bit dynamic and
+        4-bit states).
 
     Example:
       >>> from qbits._experiments import spec
@@ -75,6 +78,7 @@ class ModelSpec:
     evals: int = 5
     fast_compile: bool = False
     scan: bool = False
+    optimizer: str = "adamw"
 
 
 SIZES: dict[tuple[str, str], ModelSpec] = {

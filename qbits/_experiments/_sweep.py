@@ -166,6 +166,7 @@ def run_sweep(
             "model": sweep.spec.model,
             "size": sweep.size,
             "steps": sweep.steps,
+            "optimizer": sweep.spec.optimizer,
             "config": None if entry.config is None else qbits.config.dump(entry.config),
             "result": result.as_dict(),
         }

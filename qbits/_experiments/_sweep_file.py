@@ -168,6 +168,8 @@ class Sweep:
         config = "float" if entry.config is None else qbits.config.dump(entry.config)
         # The spec's default steps do not matter: self.steps is what runs.
         model = dataclasses.asdict(self.spec) | {"steps": None}
+        if model["optimizer"] == "adamw":  # the runs from before it was a choice
+            del model["optimizer"]
         text = json.dumps([model, self.steps, seed, config, qbits.__version__])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

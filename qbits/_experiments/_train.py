@@ -26,6 +26,7 @@ import optax
 import qbits
 import qbits.diagnostics
 import qbits.hlo
+import qbits.optim
 from qbits._errors import check_int
 from qbits._experiments import _data as data_lib
 from qbits._experiments._models import Classifier, ModelSpec, TransformerLM
@@ -171,6 +172,28 @@ def loss_and_accuracy(
     return loss, hits
 
 
+#: The optimizers of ``ModelSpec.optimizer``: AdamW and its quantized states.
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")
+
+
+def make_optimizer(name: str, schedule: Any) -> optax.GradientTransformation:
+    """The AdamW of the example models (weight decay 0.01), states as ``name`` says.
+
+    Example:
+      >>> from qbits._experiments._train import make_optimizer
+      >>> type(make_optimizer("adamw8bit", 1e-3)).__name__
+      'GradientTransformationExtraArgs'
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer {name!r}; expected one of: {', '.join(OPTIMIZERS)}"
+        )
+    if name == "adamw":
+        return optax.adamw(schedule, weight_decay=0.01)
+    bits = 8 if name == "adamw8bit" else 4
+    return qbits.optim.adamw(schedule, weight_decay=0.01, state_bits=bits)
+
+
 def _compiler_options(
     spec: ModelSpec, quantized: bool = False
 ) -> dict[str, Any] | None:
@@ -261,7 +284,7 @@ def train(
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, spec.lr, max(1, steps // 10), max(steps, 2), spec.lr / 10
     )
-    tx = optax.adamw(schedule, weight_decay=0.01)
+    tx = make_optimizer(spec.optimizer, schedule)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     wrt = nnx.DiffState(0, (nnx.Param, qbits.nnx.ScaleState))
 

@@ -95,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
         help="model size; tiny is for smoke tests, deep (lm) is 12 scanned blocks "
         "(default: %(default)s)",
     )
+    train.add_argument(
+        "--optimizer",
+        choices=("adamw", "adamw8bit", "adamw4bit"),
+        default="adamw",
+        help="AdamW with float32 states, or with 8-bit or 4-bit states "
+        "(qbits.optim; both runs use it) (default: %(default)s)",
+    )
     _run_options(train)
     train.set_defaults(run=_train)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import sys
@@ -45,9 +46,12 @@ def _train(args: argparse.Namespace) -> int:
     from qbits._experiments import Entry, Sweep, config_bits, spec
 
     name, config, origin = _config(args.config)
-    model_spec = spec(args.model, args.size)
+    model_spec = dataclasses.replace(
+        spec(args.model, args.size), optimizer=args.optimizer
+    )
     steps = model_spec.steps if args.steps is None else args.steps
-    out = _out_dir(args.out or f"runs/train/{args.model}-{name}-seed{args.seed}")
+    tail = "" if args.optimizer == "adamw" else f"-{args.optimizer}"
+    out = _out_dir(args.out or f"runs/train/{args.model}-{name}{tail}-seed{args.seed}")
     entries = [Entry("float32", None, 32.0)]
     if config is not None:
         entries.append(Entry(name, config, config_bits(config), **origin))
@@ -63,7 +67,9 @@ def _train(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(
             f"training {args.model} ({args.size}) for {steps} steps, seed "
-            f"{args.seed}: float32 and {name}; results in {out}"
+            f"{args.seed}: float32 and {name}"
+            + ("" if args.optimizer == "adamw" else f", {args.optimizer} states")
+            + f"; results in {out}"
         )
     runs = _run_sweep(args, sweep, out, save_params="float32")
     from qbits._experiments import summarize

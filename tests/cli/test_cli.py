@@ -337,6 +337,12 @@ def test_step_counts_beyond_int32_are_one_line(tmp_path, steps, capsys):
     assert len(line) < 200
 
 
+def test_train_optimizer_is_a_choice(capsys):
+    assert _run(["train", "--model", "mlp", "--optimizer", "sgd"]) == 2
+    line = _one_error_line(capsys)
+    assert "invalid choice: 'sgd'" in line and "adamw8bit" in line
+
+
 @pytest.mark.parametrize("seed", ["18446744073709551616", "-1", "4294967296"])
 def test_seed_out_of_range_is_one_line(seed, capsys):
     assert _run(["train", "--model", "mlp", "--seed", seed]) == 2
