@@ -160,3 +160,25 @@ def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
     ckpt = qbits.interop.read_checkpoint(DATA / "ct_fp8_tensor")
     with pytest.raises(qbits.InvalidArgumentError, match="one grid"):
         qbits.interop.write_checkpoint(tmp_path / "fp8", ckpt.weights)
+
+
+def test_the_reference_libraries_read_what_qbits_writes(tmp_path):
+    # Only where qbits[reference] is installed beside qbits (the benchmark
+    # runs the same check in a separate reference venv).
+    pytest.importorskip("torch")
+    pytest.importorskip("compressed_tensors")
+    pytest.importorskip("auto_gptq")
+    import sys
+
+    sys.path.insert(0, str(DATA.parent))
+    import reference_read
+
+    ckpt = qbits.interop.read_checkpoint(DATA / "gptq_w4g16_asym")
+    for fmt in ("gptq", "gptq_v2", "compressed-tensors"):
+        qbits.interop.write_checkpoint(tmp_path / fmt, ckpt.weights, fmt)
+        got = reference_read.read(tmp_path / fmt)
+        for m, qt in ckpt.weights.items():
+            w = np.asarray(qt.dequant()).T
+            if fmt.startswith("gptq"):  # the reference dequantizes in float16
+                w = w.astype(np.float16).astype(np.float32)
+            np.testing.assert_array_equal(got[m], w)
