@@ -55,9 +55,13 @@ NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "qbits-lm": (
         (r"embed\.weight", "embed/embedding"),
         (r"pos", "pos"),
-        (r"(blocks\.\d+\.(attn|mlp)\.\w+|head)\.weight", r"\1/kernel"),
-        (r"(blocks\.\d+\.norm\d|norm)\.weight", r"\1/scale"),
-        (r"(.+)\.bias", r"\1/bias"),
+        (r"blocks\.(\d+)\.(attn|mlp)\.(\w+)\.weight", r"blocks/\1/\2/\3/kernel"),
+        (r"blocks\.(\d+)\.(attn|mlp)\.(\w+)\.bias", r"blocks/\1/\2/\3/bias"),
+        (r"blocks\.(\d+)\.(norm\d)\.weight", r"blocks/\1/\2/scale"),
+        (r"blocks\.(\d+)\.(norm\d)\.bias", r"blocks/\1/\2/bias"),
+        (r"norm\.weight", "norm/scale"),
+        (r"(norm|head)\.bias", r"\1/bias"),
+        (r"head\.weight", "head/kernel"),
     ),
 }
 

@@ -225,7 +225,73 @@ def compressed(name: str, fmt: str, args: dict) -> None:
     np.savez_compressed(path / "reference.npz", **ref)
 
 
+def qbits_lm(name: str) -> None:
+    """qbits' tiny example LM (width 16, 1 block, 10 tokens) as a PyTorch twin.
+
+    Named as qbits names it (``blocks.0.attn.query``, ...), its attention
+    and MLP ``Linear`` s quantized by compressed-tensors (uint4 with zero
+    points, groups of 16), the head, norms and embeddings float.
+    """
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    torch.manual_seed(3)
+    width, vocab = 16, 10
+    block = torch.nn.Module()
+    block.attn = torch.nn.Module()
+    for n in ("query", "key", "value", "out"):
+        setattr(block.attn, n, torch.nn.Linear(width, width))
+    block.mlp = torch.nn.Module()
+    block.mlp.fc1, block.mlp.fc2 = (
+        torch.nn.Linear(width, 4 * width),
+        torch.nn.Linear(4 * width, width),
+    )
+    block.norm1, block.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([block])
+    model.embed = torch.nn.Embedding(vocab, width)
+    model.pos = torch.nn.Parameter(0.02 * torch.randn(16, width))
+    model.norm, model.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, vocab)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # norms and biases off their init
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=16
+    )
+    scheme = QuantizationScheme(targets=["re:blocks.*"], weights=args)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme})
+    )
+    quantized = [n for n, m in model.named_modules() if hasattr(m, "weight_scale")]
+    for n in quantized:
+        m = model.get_submodule(n)
+        w = m.weight.data.reshape(m.weight.shape[0], -1, 16)
+        s, z = calculate_qparams(w.amin(-1), w.amax(-1), args)
+        m.weight_scale.data.copy_(s)
+        m.weight_zero_point.data.copy_(z)
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    path = HERE / name
+    _write(path, dict(model.state_dict()), {}, {})
+    compressor.update_config(str(path))
+    saved = load_file(path / "model.safetensors")
+    codec = BaseCompressor.get_value_from_registry("pack-quantized")
+    ref = {}
+    for n in quantized:
+        part = {k[len(n) + 1 :]: v for k, v in saved.items() if k.startswith(n + ".")}
+        ref[f"weight/{n}"] = codec.decompress(part, scheme)["weight"].float().numpy()
+    np.savez_compressed(path / "reference.npz", **ref)
+
+
 def main() -> None:
+    qbits_lm("ct_qbits_lm")
     gptq("gptq_w4g16_asym", 4, 16, sym=False, act_order=False, v2=False)
     gptq("gptq_w4g16_sym", 4, 16, sym=True, act_order=False, v2=False)
     gptq("gptq_w8g32_sym", 8, 32, sym=True, act_order=False, v2=False)

@@ -20,7 +20,14 @@ import qbits.interop
 from qbits.interop._safetensors import read_tensors, write_tensors
 
 DATA = pathlib.Path(__file__).parents[1] / "data" / "quantized"
-READABLE = sorted(p.name for p in DATA.iterdir() if "actorder" not in p.name)
+# Each holds q_proj and o_proj (the act-order one is refused; the LM apart).
+READABLE = sorted(
+    p.name
+    for p in DATA.iterdir()
+    if p.name not in ("gptq_w4g16_actorder", "ct_qbits_lm")
+)
+# Served as well (one compile each): a checkpoint of each kind of weight.
+SERVED = ("gptq_w4g16_asym", "gptq_w8g32_sym", "ct_w4g32_sym", "ct_fp8_channel")
 Q_PROJ, OUT_PROJ = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
 
 
@@ -62,6 +69,8 @@ def test_reads_codes_and_scales_bit_for_bit_and_serves_the_reference(name):
             np.testing.assert_array_equal(
                 np.asarray(qt.scale).T.astype(np.float16), ref[f"scales/{m}"]
             )
+    if name not in SERVED:
+        return
     x = jnp.asarray(ref["x"])
     sp, config = qbits.interop.serving_params(ckpt, _llama, _shapes(), x[:, :64])
     assert {k for k in sp.weights} == {
@@ -182,3 +191,33 @@ def test_the_reference_libraries_read_what_qbits_writes(tmp_path):
             if fmt.startswith("gptq"):  # the reference dequantizes in float16
                 w = w.astype(np.float16).astype(np.float32)
             np.testing.assert_array_equal(got[m], w)
+
+
+def test_qbits_example_lm_served_from_a_compressed_tensors_checkpoint():
+    # qbits' tiny LM (nnx, LinearGeneral attention) as compressed-tensors
+    # quantized its PyTorch twin; logits against the same LM in float on the
+    # reference's dequantized weights.
+    import flax.nnx as nnx
+
+    from qbits._experiments import TransformerLM, spec
+
+    ckpt = qbits.interop.read_checkpoint(DATA / "ct_qbits_lm")
+    ref = np.load(DATA / "ct_qbits_lm" / "reference.npz")
+    lm = nnx.eval_shape(lambda: TransformerLM(10, spec("lm", "tiny"), rngs=nnx.Rngs(0)))
+    fn, state = qbits.nnx.as_function(lm)
+    tokens = jnp.arange(32).reshape(2, 16) % 10
+    sp, config = qbits.interop.serving_params(ckpt, fn, state, tokens, names="qbits-lm")
+    assert len(sp.layers) == 6 and all(i.param_shape for i in sp.layers)
+    logits, _ = qbits.serving.serve(fn, config)(sp, tokens)
+    floats = {}
+    for info in sp.layers:  # the reference's weights where the stored ones serve
+        w = ref[f"weight/{info.path.replace('/', '.')}"].T
+        floats[info.param] = jnp.asarray(w.reshape(info.param_shape))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(sp.params)
+    params = jax.tree.unflatten(
+        treedef, [floats.get(jax.tree_util.keystr(p), x) for p, x in leaves]
+    )
+    want, _ = fn(params, tokens)
+    np.testing.assert_allclose(
+        np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-5
+    )
