@@ -11,8 +11,9 @@ Write: qbits PTQ results (RTN and GPTQ, int4 groups sym/asym, int8 per
 channel) written by ``qbits.interop.write_checkpoint`` and read back by the
 reference libraries themselves (tests/data/reference_read.py, run in the
 reference venv): are the reference's dequantized weights qbits' bit for
-bit. GPTQ stores float16 scales: qbits' float32 PTQ scales are refused
-there (recorded), and a checkpoint qbits read is written back instead.
+bit. GPTQ gets float16 scales where they are exact (a checkpoint qbits
+read, written back), float32 ones otherwise (qbits' PTQ scales: a float32
+model's GPTQ checkpoint, which AutoGPTQ reads in float32).
 
 Run: python benchmarks/checkpoint_formats.py [--refvenv /work/refvenv]
 (writes benchmarks/results/checkpoint_formats.json and .md).
@@ -157,9 +158,18 @@ def write_rows(refvenv: pathlib.Path) -> list[dict]:
                 row["reference_error"] = ref
             else:
                 exact = True
+                half = all(
+                    np.array_equal(np.asarray(qt.scale, np.float16), qt.scale)
+                    for qt in weights.values()
+                )
+                row["gptq_scales"] = (
+                    ("float16" if half else "float32")
+                    if (fmt.startswith("gptq"))
+                    else None
+                )
                 for m, qt in weights.items():
                     w = np.asarray(qt.dequant()).T
-                    if fmt.startswith("gptq"):  # the reference dequantizes in float16
+                    if fmt.startswith("gptq") and half:  # the reference: in float16
                         w = w.astype(np.float16).astype(np.float32)
                     exact &= bool(np.array_equal(w, ref[f"weight/{m}"]))
                 row["reference_bit_exact"] = exact
@@ -187,7 +197,8 @@ def _md(result: dict) -> str:
     ]
     for r in result["write"]:
         what = r.get("reference_bit_exact", r.get("refused", r.get("reference_error")))
-        lines.append(f"| {r['source']} | {r['format']} | {what} |")
+        scales = f" ({r['gptq_scales']} scales)" if r.get("gptq_scales") else ""
+        lines.append(f"| {r['source']} | {r['format']}{scales} | {what} |")
     return "\n".join(lines) + "\n"
 
 

@@ -993,7 +993,8 @@ def checkpoint_formats() -> str:
         got = r.get("reference_bit_exact")
         cell = ("yes" if got else "NO") if got is not None else (
             "refused: " + r.get("refused", r.get("reference_error", "")))  # fmt: skip
-        write.append([r["source"], r["format"], cell])
+        scales = f" ({r['gptq_scales']} scales)" if r.get("gptq_scales") else ""
+        write.append([r["source"], r["format"] + scales, cell])
     return (
         _table(
             [

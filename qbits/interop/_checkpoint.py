@@ -168,15 +168,19 @@ def write_checkpoint(
         grid: int4/int8 (symmetric) or uint4/uint8 with zero points, in
         groups along ``in`` or one scale per output channel.
       format: ``"gptq"`` (v1 zero points, ``zero - 1``), ``"gptq_v2"`` or
-        ``"compressed-tensors"`` (``pack-quantized``).
+        ``"compressed-tensors"`` (``pack-quantized``). GPTQ scales are
+        float16 where float16 holds them all exactly (a checkpoint read
+        from GPTQ), else float32 (qbits' PTQ scales: a float32 model's
+        GPTQ checkpoint, which AutoGPTQ reads; float16-only kernels need
+        float16 scales).
       tensors: Other tensors to write as they are (norms, embeddings),
         PyTorch layout.
       config: Other ``config.json`` entries (``model_type``, sizes).
 
     Raises:
       InvalidArgumentError: For an unknown format, weights on different
-        grids or not int4/uint4/int8/uint8, GPTQ scales that float16 does
-        not hold exactly, or zero points the format cannot store.
+        grids or not int4/uint4/int8/uint8, or zero points the format
+        cannot store (GPTQ v1 stores ``zero - 1``: no zero of 0).
 
     Example:
       >>> import os, tempfile, qbits.interop
@@ -235,16 +239,8 @@ def write_checkpoint(
 
 
 def _check_gptq(owner: str, decoded: Mapping[str, Decoded], v2: bool) -> None:
-    """GPTQ holds float16 scales, zero points ``0 .. 2^b - 1`` (v1: ``1 .. 2^b``)."""
+    """GPTQ holds zero points ``0 .. 2^b - 1`` (v1: ``1 .. 2^b``)."""
     for m, d in decoded.items():
-        if not np.array_equal(d.scale.astype(np.float16).astype(np.float32), d.scale):
-            raise InvalidArgumentError(
-                owner,
-                f"weights[{m!r}]",
-                "float32 scales",
-                "scales float16 holds exactly",
-                why="GPTQ stores float16 scales; write compressed-tensors",
-            )
         if d.zero is not None:
             lo = 0 if v2 else 1
             if d.zero.min() < lo or d.zero.max() > (1 << d.bits) - 1 + lo:

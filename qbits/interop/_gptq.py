@@ -8,7 +8,7 @@ b`` values per int32 word, groups of ``g`` inputs, ``-1``: one group):
 - ``m.qzeros`` int32 ``[in / g, out / p]``: zero points packed along
   ``out``; ``checkpoint_format: gptq`` (v1) stores ``zero - 1`` (the
   weight is ``(q - (stored + 1)) * s``), ``gptq_v2`` the zero itself;
-- ``m.scales`` float16 ``[in / g, out]``;
+- ``m.scales`` ``[in / g, out]``: float16 (a float32 model's: float32);
 - ``m.g_idx`` int32 ``[in]``: the group of each input (act-order,
   ``desc_act``, permutes it; qbits serves only contiguous groups,
   ``g_idx[i] == i // g``).
@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from qbits.interop._codes import Decoded, pack_words, unpack_words
@@ -31,6 +32,7 @@ from qbits.interop._safetensors import bad
 __all__ = ["read_gptq", "write_gptq"]
 
 _FORMATS = ("gptq", "gptq_v2")
+_SCALES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
 
 
 def _settings(qc: Mapping[str, Any], where: str) -> tuple[int, int, bool, bool, bool]:
@@ -84,7 +86,8 @@ def read_gptq(
                     f"{where}: {name}", "missing", f"a {np.dtype(dtype).name} tensor"
                 )
             t = tensors[name]
-            if t.dtype != np.dtype(dtype) or t.ndim != (1 if suffix == "g_idx" else 2):
+            dtypes = _SCALES if suffix == "scales" else (np.dtype(dtype),)
+            if t.dtype not in dtypes or t.ndim != (1 if suffix == "g_idx" else 2):
                 raise bad(
                     f"{where}: {name}",
                     f"{t.dtype}{list(t.shape)}",
@@ -148,11 +151,17 @@ def write_gptq(
     """GPTQ tensors and ``quantization_config`` of weights on one grid.
 
     Signed codes are written as GPTQ's symmetric grid (zero ``2^(b-1)``),
-    unsigned ones with their zero points; scales as float16 (each must be
-    one exactly); ``group``: inputs per scale, ``None`` for one per channel.
+    unsigned ones with their zero points; scales as float16 where float16
+    holds each exactly, else float32 (what AutoGPTQ reads into a float32
+    model; float16-only kernels need float16 scales); ``group``: inputs per
+    scale, ``None`` for one per channel.
     Returns ``(tensors, quantization_config)``.
     """
     tensors: dict[str, np.ndarray] = {}
+    half = all(
+        np.array_equal(d.scale.astype(np.float16).astype(np.float32), d.scale)
+        for d in weights.values()
+    )
     first = next(iter(weights.values()))
     bits, kind = first.bits, first.kind  # one grid (group: None per channel), checked
     for m, d in weights.items():
@@ -164,7 +173,7 @@ def write_gptq(
         stored = zero - (0 if v2 else 1)
         tensors[f"{m}.qweight"] = pack_words(codes, bits, 0)
         tensors[f"{m}.qzeros"] = pack_words(stored, bits, 1)
-        tensors[f"{m}.scales"] = d.scale.astype(np.float16)
+        tensors[f"{m}.scales"] = d.scale.astype(np.float16 if half else np.float32)
         tensors[f"{m}.g_idx"] = (np.arange(d.codes.shape[0]) // d.group).astype(
             np.int32
         )

@@ -11,8 +11,8 @@ writes, the library that defines the format reads (never qbits)::
 
 - GPTQ: AutoGPTQ's ``QuantLinear`` (``nn_modules/qlinear/qlinear_cuda.py``)
   given the tensors as buffers, its PyTorch forward on the identity in
-  float16 (the dtype of a GPTQ model's scales); a ``gptq_v2`` checkpoint is
-  first converted to v1 as GPTQModel 7.7.0's
+  the scales' dtype (float16; float32 for a float32 model's); a
+  ``gptq_v2`` checkpoint is first converted to v1 as GPTQModel 7.7.0's
   ``convert_gptq_v2_to_v1_format_module`` does (every stored zero point
   minus one, in int32 words);
 - compressed-tensors: the config is validated by ``QuantizationConfig``,
@@ -57,14 +57,17 @@ def read(folder: str | pathlib.Path) -> dict[str, np.ndarray]:
         ):
             qweight = tensors[f"{m}.qweight"]
             fin, fout = qweight.shape[0] * 32 // bits, qweight.shape[1]
-            layer = qlinear.QuantLinear(bits, group, fin, fout, bias=False)
+            scales = tensors[f"{m}.scales"]  # float16, or a float32 model's
+            layer = qlinear.QuantLinear(
+                bits, group, fin, fout, bias=False, weight_dtype=scales.dtype
+            )
             qzeros = tensors[f"{m}.qzeros"]
             if qc.get("checkpoint_format") == "gptq_v2":
                 qzeros = qzeros - (0x11111111 if bits == 4 else 0x01010101)
             layer.qweight, layer.qzeros = qweight, qzeros
-            layer.scales, layer.g_idx = tensors[f"{m}.scales"], tensors[f"{m}.g_idx"]
+            layer.scales, layer.g_idx = scales, tensors[f"{m}.g_idx"]
             with torch.no_grad():
-                out[m] = layer(torch.eye(fin, dtype=torch.float16)).t().float().numpy()
+                out[m] = layer(torch.eye(fin, dtype=scales.dtype)).t().float().numpy()
     else:
         from compressed_tensors.compressors.base import BaseCompressor
         from compressed_tensors.quantization import (

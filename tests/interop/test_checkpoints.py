@@ -164,8 +164,11 @@ def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
             np.testing.assert_array_equal(again.weights[m].dequant(), qt.dequant())
             assert again.quantizers[m] == ckpt.quantizers[m]
     ckpt = qbits.interop.read_checkpoint(DATA / "ct_w4g32_sym")  # float32 scales
-    with pytest.raises(qbits.InvalidArgumentError, match="float16"):
-        qbits.interop.write_checkpoint(tmp_path / "gptq", ckpt.weights, "gptq")
+    qbits.interop.write_checkpoint(tmp_path / "gptq32", ckpt.weights, "gptq")
+    assert read_tensors(tmp_path / "gptq32")[f"{Q_PROJ}.scales"].dtype == np.float32
+    again = qbits.interop.read_checkpoint(tmp_path / "gptq32")
+    for m, qt in ckpt.weights.items():
+        np.testing.assert_array_equal(again.weights[m].dequant(), qt.dequant())
     ckpt = qbits.interop.read_checkpoint(DATA / "ct_fp8_tensor")
     with pytest.raises(qbits.InvalidArgumentError, match="one grid"):
         qbits.interop.write_checkpoint(tmp_path / "fp8", ckpt.weights)
