@@ -224,3 +224,27 @@ def test_qbits_example_lm_served_from_a_compressed_tensors_checkpoint():
     np.testing.assert_allclose(
         np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-5
     )
+
+
+def test_reads_indexed_shards_and_names_a_tensor_missing_from_its_shard(tmp_path):
+    path = tmp_path / "sharded"
+    shutil.copytree(DATA / "gptq_w4g16_asym", path)
+    tensors = read_tensors(path)
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {
+        "a.safetensors": names[: len(names) // 2],
+        "b.safetensors": names[len(names) // 2 :],
+    }
+    for file, part in shards.items():
+        write_tensors(path / file, {n: tensors[n] for n in part})
+    index = {"weight_map": {n: f for f, part in shards.items() for n in part}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    whole = qbits.interop.read_checkpoint(DATA / "gptq_w4g16_asym")
+    got = qbits.interop.read_checkpoint(path)
+    for m, qt in whole.weights.items():
+        np.testing.assert_array_equal(got.weights[m].qvalue, qt.qvalue)
+        np.testing.assert_array_equal(got.weights[m].scale, qt.scale)
+    index["weight_map"]["extra.bias"] = "b.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "b.safetensors: extra.bias='missing'" in _error(path)
