@@ -248,3 +248,14 @@ def test_reads_indexed_shards_and_names_a_tensor_missing_from_its_shard(tmp_path
     index["weight_map"]["extra.bias"] = "b.safetensors"
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     assert "b.safetensors: extra.bias='missing'" in _error(path)
+
+
+def test_qbits_import_lists_the_weights_or_prints_the_one_line_error(capsys):
+    from qbits.cli import main
+
+    assert main(["import", str(DATA / "gptq_w4g16_asym")]) == 0
+    out = capsys.readouterr().out
+    assert f"{Q_PROJ} uint4 Tiled(16) + zero points" in out and "7.000" in out
+    assert main(["import", str(DATA / "gptq_w4g16_actorder")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "o_proj.g_idx" in err
