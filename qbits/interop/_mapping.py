@@ -160,7 +160,10 @@ def serving_params(
       ``(serving_params, config)``: run with
       ``qbits.serving.serve(fn, config)(serving_params, *args)``; each
       quantized matmul computes on the checkpoint's codes and scales (no
-      float copy of the weight), everything else in float.
+      float copy of the weight), everything else in float. (Finding the
+      matmuls traces ``fn`` through the engine's storing pass, which
+      computes on zeros of each weight's shape for a moment; nothing of it
+      is kept.)
 
     Raises:
       InvalidArgumentError: For a tensor no rule maps (or mapped onto no
