@@ -1010,6 +1010,41 @@ def formats() -> str:
     return _table(["weights", *names], rows) + "\n" + _source("formats_cpu.json")
 
 
+@figure("checkpoint_formats", "checkpoint_formats.json")
+def checkpoint_formats() -> str:
+    data = _json("checkpoint_formats.json")
+    read = [
+        [r["checkpoint"], r["format"], r["qbits"], "yes" if r["bit_exact"] else "NO",
+         f"{r['served_rel_err']:.1e}", f"{r['bytes_per_float32_byte']:.3f}"]
+        for r in data["read"] if "format" in r
+    ]  # fmt: skip
+    refused = [r["checkpoint"] for r in data["read"] if "refused" in r]
+    write = []
+    for r in data["write"]:
+        got = r.get("reference_bit_exact")
+        cell = ("yes" if got else "NO") if got is not None else (
+            "refused: " + r.get("refused", r.get("reference_error", "")))  # fmt: skip
+        scales = f" ({r['gptq_scales']} scales)" if r.get("gptq_scales") else ""
+        write.append([r["source"], r["format"] + scales, cell])
+    return (
+        _table(
+            [
+                "checkpoint",
+                "format",
+                "qbits stores",
+                "bit-exact",
+                "served rel. err",
+                "bytes / float32",
+            ],
+            read,
+        )
+        + f"\nRefused on read: {', '.join(refused) or 'none'}.\n\n"
+        + _table(["written from", "format", "reference read, bit-exact"], write)
+        + "\n"
+        + _source("checkpoint_formats.json")
+    )
+
+
 @figure("scalify_mlp", "scalify_mlp_cpu.json")
 def scalify_mlp() -> str:
     data = _json("scalify_mlp_cpu.json")

@@ -103,7 +103,7 @@ def _public_modules() -> dict[str, object]:
     # (its example models, sweeps and reports, qbits._experiments, are not API).
     subpackages = (
         "qbits.transform", "qbits.ptq", "qbits.lora", "qbits.kvcache",
-        "qbits.diagnostics", "qbits.hlo", "qbits.optim",
+        "qbits.diagnostics", "qbits.hlo", "qbits.interop", "qbits.optim",
     )  # fmt: skip
     for name in (*subpackages, "qbits.cli"):
         modules[name] = importlib.import_module(name)

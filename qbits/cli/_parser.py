@@ -19,6 +19,7 @@ from qbits.cli._inspect import (
     _inspect,
     _presets,
 )
+from qbits.cli._interop import _import
 from qbits.cli._verbs import (
     _ptq,
     _sweep,
@@ -271,4 +272,16 @@ def _parser() -> argparse.ArgumentParser:
         description="List the preset configs and what each is for.",
     )
     presets.set_defaults(run=_presets)
+
+    imported = sub.add_parser(
+        "import",
+        help="read and check a pre-quantized checkpoint (GPTQ, compressed-tensors)",
+        description="Read a checkpoint folder that PyTorch tools quantized "
+        "(config.json's quantization_config and the safetensors shards) into "
+        "qbits' stored weights, check every tensor against the declared "
+        "format, and list each weight as qbits stores it. See "
+        "docs/guides/checkpoint-formats.md.",
+    )
+    imported.add_argument("checkpoint", metavar="DIR", help="the checkpoint folder")
+    imported.set_defaults(run=_import)
     return parser

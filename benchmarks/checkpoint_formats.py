@@ -1,0 +1,221 @@
+"""Standard quantized checkpoints: qbits' reads and writes against the references.
+
+Read: every checkpoint of tests/data/quantized (written by AutoGPTQ 0.7.1
+and compressed-tensors 0.20.0, tests/data/make_quantized_checkpoints.py),
+read by ``qbits.interop.read_checkpoint``: are its dequantized weights the
+reference's bit for bit (GPTQ's reference dequantizes in float16), how far
+is the served matmul from the reference weights' float matmul, and how
+many bytes are held per float32 byte.
+
+Write: qbits PTQ results (RTN and GPTQ, int4 groups sym/asym, int8 per
+channel) written by ``qbits.interop.write_checkpoint`` and read back by the
+reference libraries themselves (tests/data/reference_read.py, run in the
+reference venv): are the reference's dequantized weights qbits' bit for
+bit. GPTQ gets float16 scales where they are exact (a checkpoint qbits
+read, written back), float32 ones otherwise (qbits' PTQ scales: a float32
+model's GPTQ checkpoint, which AutoGPTQ reads in float32).
+
+Run: python benchmarks/checkpoint_formats.py [--refvenv /work/refvenv]
+(writes benchmarks/results/checkpoint_formats.json and .md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qbits
+import qbits.interop
+from qbits.numerics import IntNumerics, UintNumerics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "quantized"
+NAMES = {"q": "model.layers.0.self_attn.q_proj", "o": "model.layers.0.self_attn.o_proj"}
+
+
+def _fn(p, x):
+    return (x @ p["q"]) @ p["o"]
+
+
+def read_rows() -> list[dict]:
+    rows = []
+    for d in sorted(DATA.iterdir()):
+        if d.name == "ct_qbits_lm":  # the example LM's: tests/interop serves it
+            continue
+        ref = np.load(d / "reference.npz")
+        try:
+            ckpt = qbits.interop.read_checkpoint(d)
+        except qbits.InvalidArgumentError as e:
+            rows.append({"checkpoint": d.name, "refused": str(e).split(" is not")[0]})
+            continue
+        exact, err, held, floats = True, 0.0, 0, 0
+        for m, qt in ckpt.weights.items():
+            w = np.asarray(qt.dequant()).T
+            if ckpt.format.startswith("gptq"):
+                w = w.astype(np.float16).astype(np.float32)
+            exact &= bool(np.array_equal(w, ref[f"weight/{m}"]))
+            held += qt.nbytes
+            floats += 4 * int(np.prod(qt.shape))
+        params = {
+            "q": jax.ShapeDtypeStruct((64, 32), jnp.float32),
+            "o": jax.ShapeDtypeStruct((32, 32), jnp.float32),
+        }
+        x = jnp.asarray(ref["x"][:, :64])
+        only = qbits.interop.Checkpoint(
+            ckpt.format, ckpt.weights, ckpt.quantizers, {}, ckpt.quantization_config
+        )
+        names = [(r".*\.(q|o)_proj\.weight", r"\1")]
+        sp, config = qbits.interop.serving_params(only, _fn, params, x, names=names)
+        got = np.asarray(qbits.serving.serve(_fn, config)(sp, x))
+        want = ref["x"][:, :64] @ ref[f"weight/{NAMES['q']}"].T
+        want = want @ ref[f"weight/{NAMES['o']}"].T
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        q = ckpt.weights[NAMES["q"]]
+        grid = ckpt.quantizers[NAMES["q"]].granularity
+        rows.append(
+            {
+                "checkpoint": d.name,
+                "format": ckpt.format,
+                "qbits": f"{q.qdtype.name}, {type(grid).__name__}"
+                + (", zero points" if q.zero_point is not None else ""),
+                "bit_exact": exact,
+                "served_rel_err": err,
+                "bytes_per_float32_byte": held / floats,
+            }
+        )
+    return rows
+
+
+def _ptq(method: str, quantizer) -> dict:
+    key = jax.random.key(0)
+    params = {
+        "q": 0.05 * jax.random.normal(key, (64, 32)),
+        "o": 0.05 * jax.random.normal(jax.random.fold_in(key, 1), (32, 32)),
+    }
+    batches = [jax.random.normal(jax.random.fold_in(key, 2), (32, 64))]
+    config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=quantizer))
+    result = qbits.ptq.quantize_weights(_fn, params, batches, config, method=method)
+    return {NAMES[k]: v for k, v in result.stored.items()}
+
+
+def _reference(folder: pathlib.Path, refvenv: pathlib.Path) -> dict | str:
+    out = folder / "reference.npz"
+    run = subprocess.run(
+        [
+            str(refvenv / "bin" / "python"),
+            str(ROOT / "tests/data/reference_read.py"),
+            str(folder),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode:
+        return run.stderr.strip().splitlines()[-1]
+    return dict(np.load(out))
+
+
+def write_rows(refvenv: pathlib.Path) -> list[dict]:
+    g16 = qbits.Tiled(tile_size=16)
+    grids = {
+        "int4 g16 sym": qbits.Quantizer(IntNumerics(bits=4), qbits.AbsMax(), g16),
+        "uint4 g16 asym": qbits.Quantizer(UintNumerics(bits=4), qbits.AbsMax(), g16),
+        "int8 per channel": qbits.Quantizer(
+            IntNumerics(bits=8), qbits.AbsMax(), qbits.PerChannel()
+        ),
+    }
+    cases = [
+        (f"qbits {method} {grid}", _ptq(method, q), fmt)
+        for method in ("rtn", "gptq")
+        for grid, q in grids.items()
+        for fmt in ("compressed-tensors", "gptq")
+    ]
+    for name in ("gptq_w4g16_asym", "gptq_w8g32_sym"):
+        ckpt = qbits.interop.read_checkpoint(DATA / name)
+        for fmt in ("gptq", "gptq_v2"):
+            cases.append((f"read {name}", dict(ckpt.weights), fmt))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (source, weights, fmt) in enumerate(cases):
+            row = {"source": source, "format": fmt}
+            folder = pathlib.Path(tmp) / str(i)
+            try:
+                qbits.interop.write_checkpoint(folder, weights, fmt)
+            except qbits.InvalidArgumentError as e:
+                row["refused"] = str(e).split("(")[1].split(")")[0]
+                rows.append(row)
+                continue
+            ref = _reference(folder, refvenv)
+            if isinstance(ref, str):
+                row["reference_error"] = ref
+            else:
+                exact = True
+                half = all(
+                    np.array_equal(np.asarray(qt.scale, np.float16), qt.scale)
+                    for qt in weights.values()
+                )
+                row["gptq_scales"] = (
+                    ("float16" if half else "float32")
+                    if (fmt.startswith("gptq"))
+                    else None
+                )
+                for m, qt in weights.items():
+                    w = np.asarray(qt.dequant()).T
+                    if fmt.startswith("gptq") and half:  # the reference: in float16
+                        w = w.astype(np.float16).astype(np.float32)
+                    exact &= bool(np.array_equal(w, ref[f"weight/{m}"]))
+                row["reference_bit_exact"] = exact
+            rows.append(row)
+    return rows
+
+
+def _md(result: dict) -> str:
+    head = (
+        "| checkpoint | format | qbits stores | bit-exact | served rel. err | bytes |"
+    )
+    lines = [head, "|---|---|---|---|---|---|"]
+    for r in result["read"]:
+        if "refused" in r:
+            lines.append(f"| {r['checkpoint']} | | refused | | | |")
+            continue
+        lines.append(
+            f"| {r['checkpoint']} | {r['format']} | {r['qbits']} | {r['bit_exact']} | "
+            f"{r['served_rel_err']:.1e} | {r['bytes_per_float32_byte']:.3f} |"
+        )
+    lines += [
+        "",
+        "| written from | format | reference read: bit-exact |",
+        "|---|---|---|",
+    ]
+    for r in result["write"]:
+        what = r.get("reference_bit_exact", r.get("refused", r.get("reference_error")))
+        scales = f" ({r['gptq_scales']} scales)" if r.get("gptq_scales") else ""
+        lines.append(f"| {r['source']} | {r['format']}{scales} | {what} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--refvenv", default="/work/refvenv", type=pathlib.Path)
+    args = parser.parse_args()
+    result = {
+        "what": "qbits.interop vs AutoGPTQ 0.7.1 and compressed-tensors 0.20.0, CPU",
+        "read": read_rows(),
+        "write": write_rows(args.refvenv),
+    }
+    out = ROOT / "benchmarks" / "results" / "checkpoint_formats"
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(_md(result))
+    print(_md(result))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""``read_checkpoint`` and ``write_checkpoint``: quantized safetensors folders."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from qbits._errors import InvalidArgumentError
+from qbits._quantizer import Quantizer
+from qbits._tensor import QTensor
+from qbits.interop._codes import Decoded, from_qtensor, to_qtensor
+from qbits.interop._compressed import read_compressed, write_compressed
+from qbits.interop._gptq import read_gptq, write_gptq
+from qbits.interop._safetensors import bad, read_tensors, write_tensors
+
+__all__ = ["Checkpoint", "read_checkpoint", "write_checkpoint"]
+
+_READERS = {"gptq": read_gptq, "compressed-tensors": read_compressed}
+_WRITE_FORMATS = ("gptq", "gptq_v2", "compressed-tensors")
+# Parts of a quantized module that are not other tensors of the model.
+_PARTS = (
+    ".qweight",
+    ".qzeros",
+    ".scales",
+    ".g_idx",
+    ".weight_packed",
+    ".weight_shape",
+    ".weight_scale",
+    ".weight_zero_point",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A pre-quantized checkpoint, read into qbits' stored weights.
+
+    Attributes:
+      format: ``"gptq"``, ``"gptq_v2"`` or ``"compressed-tensors/<format>"``.
+      weights: ``{PyTorch module name: QTensor}``: each quantized ``Linear``
+        weight stored as qbits serves a dense kernel, ``[in, out]`` (the
+        transpose of PyTorch's ``[out, in]``): int4/uint4 codes packed two
+        per byte along ``out``, int8/uint8 or float8_e4m3fn codes, float32
+        scales per block, int16 zero points for asymmetric grids. No float
+        copy of a weight is held.
+      quantizers: ``{module name: Quantizer}``: the qbits grid each weight
+        is on (``IntNumerics``/``UintNumerics``/``Fp8Numerics`` with
+        ``Tiled(group)``, ``PerChannel()`` or ``PerTensor()``), for the
+        config that serves it.
+      tensors: Every other tensor (norms, embeddings, unquantized layers),
+        by name, as stored (PyTorch layout).
+      quantization_config: The ``quantization_config`` of ``config.json``.
+
+    Example:
+      >>> import os, qbits.interop
+      >>> ckpt = qbits.interop.read_checkpoint(os.path.join(
+      ...     "tests", "data", "quantized", "gptq_w4g16_asym"))
+      >>> ckpt.format, sorted(ckpt.weights)[0]
+      ('gptq', 'model.layers.0.self_attn.o_proj')
+      >>> w = ckpt.weights["model.layers.0.self_attn.q_proj"]
+      >>> w.shape, w.qdtype, w.scale.shape, w.zero_point.dtype  # [in, out]
+      ((64, 32), dtype(uint4), (4, 32), dtype('int16'))
+    """
+
+    format: str
+    weights: Mapping[str, QTensor]
+    quantizers: Mapping[str, Quantizer]
+    tensors: Mapping[str, np.ndarray]
+    quantization_config: Mapping[str, Any]
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Reads a pre-quantized safetensors checkpoint into stored weights.
+
+    Formats (``quantization_config.quant_method`` of ``config.json``):
+    ``gptq`` (AutoGPTQ, GPTQModel and transformers' layout: 4 and 8 bits,
+    symmetric or not, groups or one per channel, ``checkpoint_format``
+    ``gptq`` or ``gptq_v2``) and ``compressed-tensors`` (``pack-quantized``
+    int4/int8 with group, channel or tensor scales and zero points;
+    ``float-quantized`` FP8 E4M3 with channel or tensor scales). Every
+    tensor is checked against the declared format before anything is
+    returned.
+
+    Args:
+      path: The checkpoint folder: ``config.json`` and one
+        ``*.safetensors`` file or the shards of
+        ``model.safetensors.index.json``.
+
+    Returns:
+      A :class:`Checkpoint`.
+
+    Raises:
+      InvalidArgumentError: One line naming the file and tensor: an unknown
+        format or bit width, a missing tensor, shapes or dtypes that do not
+        fit the declared format, a truncated shard, act-order groups (GPTQ
+        ``g_idx`` not ``i // group_size``, or ``desc_act`` without
+        ``g_idx``).
+
+    Example:
+      >>> import os, qbits.interop
+      >>> ckpt = qbits.interop.read_checkpoint(os.path.join(
+      ...     "tests", "data", "quantized", "ct_fp8_channel"))
+      >>> ckpt.format, ckpt.weights["model.layers.0.self_attn.q_proj"].qdtype
+      ('compressed-tensors/float-quantized', dtype(float8_e4m3fn))
+      >>> sorted(ckpt.tensors)
+      ['lm_head.weight', 'model.norm.weight']
+    """
+    folder = pathlib.Path(path)
+    config_file = folder / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise bad(
+            str(config_file), "unreadable", "the model's config.json", why=e
+        ) from None
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(qc, dict):
+        raise bad(
+            f"{config_file}: quantization_config",
+            "missing",
+            "a pre-quantized model's quantization_config",
+        )
+    method = qc.get("quant_method")
+    if method not in _READERS:
+        raise bad(
+            f"{config_file}: quant_method",
+            method,
+            " or ".join(_READERS),
+            why="awq, fp8 (128x128 blocks), bitsandbytes and nvfp4 not yet",
+        )
+    tensors = read_tensors(folder)
+    decoded = _READERS[method](tensors, qc, str(folder))
+    fmt = (
+        qc.get("checkpoint_format", "gptq")
+        if method == "gptq"
+        else (f"compressed-tensors/{qc.get('format')}")
+    )
+    used = {m + p for m in decoded for p in _PARTS}
+    used |= {f"{m}.weight" for m, d in decoded.items() if d.kind == "fp8"}
+    return Checkpoint(
+        format=fmt,
+        weights={m: to_qtensor(d) for m, d in decoded.items()},
+        quantizers={m: d.quantizer() for m, d in decoded.items()},
+        tensors={k: v for k, v in tensors.items() if k not in used},
+        quantization_config=qc,
+    )
+
+
+def write_checkpoint(
+    path: str | os.PathLike,
+    weights: Mapping[str, QTensor],
+    format: str = "gptq",
+    tensors: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> None:
+    """Writes stored weights as a GPTQ or compressed-tensors checkpoint.
+
+    Args:
+      path: The folder (created): ``config.json`` and ``model.safetensors``.
+      weights: ``{PyTorch module name: QTensor}``: 2-D stored weights ``[in,
+        out]`` (a dense kernel's layout, as :class:`Checkpoint` holds them
+        and :func:`qbits.ptq.quantize_weights` stores them), all on one
+        grid: int4/int8 (symmetric) or uint4/uint8 with zero points, in
+        groups along ``in`` or one scale per output channel.
+      format: ``"gptq"`` (v1 zero points, ``zero - 1``), ``"gptq_v2"`` or
+        ``"compressed-tensors"`` (``pack-quantized``). GPTQ scales are
+        float16 where float16 holds them all exactly (a checkpoint read
+        from GPTQ), else float32 (qbits' PTQ scales: a float32 model's
+        GPTQ checkpoint, which AutoGPTQ reads; float16-only kernels need
+        float16 scales).
+      tensors: Other tensors to write as they are (norms, embeddings),
+        PyTorch layout.
+      config: Other ``config.json`` entries (``model_type``, sizes).
+
+    Raises:
+      InvalidArgumentError: For an unknown format, weights on different
+        grids or not int4/uint4/int8/uint8, or zero points the format
+        cannot store (GPTQ v1 stores ``zero - 1``: no zero of 0).
+
+    Example:
+      >>> import os, tempfile, qbits.interop
+      >>> ckpt = qbits.interop.read_checkpoint(os.path.join(
+      ...     "tests", "data", "quantized", "gptq_w4g16_sym"))
+      >>> out = os.path.join(tempfile.mkdtemp(), "ct")
+      >>> qbits.interop.write_checkpoint(out, ckpt.weights, "compressed-tensors")
+      >>> again = qbits.interop.read_checkpoint(out)
+      >>> w = "model.layers.0.self_attn.q_proj"
+      >>> bool((again.weights[w].dequant() == ckpt.weights[w].dequant()).all())
+      True
+    """
+    owner = "qbits.interop.write_checkpoint"
+    if format not in _WRITE_FORMATS:
+        raise InvalidArgumentError(owner, "format", format, " or ".join(_WRITE_FORMATS))
+    decoded = {
+        m: from_qtensor(qt, owner, f"weights[{m!r}]") for m, qt in weights.items()
+    }
+    # One grid: bits, zero points or not, one group size (a weight of one
+    # group is on every grid whose group is its input size).
+    groups = {d.group for d in decoded.values() if d.scale.shape[0] > 1}
+    group = next(iter(groups)) if len(groups) == 1 else None
+    grids = {
+        (
+            d.bits,
+            d.kind,
+            group
+            if d.codes.shape[0] == group
+            else d.group
+            if d.scale.shape[0] > 1
+            else "channel",
+        )
+        for d in decoded.values()
+    }
+    if len(grids) != 1 or any(d.kind == "fp8" for d in decoded.values()):
+        raise InvalidArgumentError(
+            owner,
+            "weights",
+            f"grids {sorted(map(str, grids))}",
+            "int or uint weights all on one grid (bits, zero points, group)",
+        )
+    if format.startswith("gptq"):
+        _check_gptq(owner, decoded, v2=format == "gptq_v2")
+        out, qc = write_gptq(decoded, group, v2=format == "gptq_v2")
+    else:
+        out, qc = write_compressed(decoded, group)
+    for name, t in (tensors or {}).items():
+        out[name] = np.asarray(t)
+    folder = pathlib.Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_tensors(folder / "model.safetensors", out)
+    full = {**(config or {}), "quantization_config": qc}
+    (folder / "config.json").write_text(
+        json.dumps(full, indent=2, sort_keys=True) + "\n"
+    )
+
+
+def _check_gptq(owner: str, decoded: Mapping[str, Decoded], v2: bool) -> None:
+    """GPTQ holds zero points ``0 .. 2^b - 1`` (v1: ``1 .. 2^b``)."""
+    for m, d in decoded.items():
+        if d.zero is not None:
+            lo = 0 if v2 else 1
+            if d.zero.min() < lo or d.zero.max() > (1 << d.bits) - 1 + lo:
+                raise InvalidArgumentError(
+                    owner,
+                    f"weights[{m!r}]",
+                    f"zero points {d.zero.min()}..{d.zero.max()}",
+                    f"{lo}..{(1 << d.bits) - 1 + lo} for {format_name(v2)}",
+                )
+
+
+def format_name(v2: bool) -> str:
+    """The GPTQ format's name."""
+    return "gptq_v2" if v2 else "gptq (v1 stores zero - 1)"

@@ -1,0 +1,139 @@
+"""One stored weight, as the formats and qbits both see it.
+
+Every format's reader decodes a PyTorch ``Linear`` weight (``[out, in]``)
+into a :class:`Decoded`: integer (or fp8) codes laid out as a JAX kernel,
+``[in, out]`` (the contracting axis first, as qbits stores a dense layer's
+weight), a float32 scale per block, an integer zero point per block or
+none, and the qbits quantizer whose grid they are on. :func:`to_qtensor`
+makes the stored :class:`~qbits.QTensor` serving reads (int4 and uint4
+packed two per byte along the last axis); :func:`from_qtensor` reads one
+back for the writers. Nothing here holds a float copy of a weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from qbits._calibration import AbsMax
+from qbits._granularity import PerChannel, PerTensor, Tiled
+from qbits._quantizer import Quantizer
+from qbits._tensor import QTensor
+from qbits.numerics import Fp8Numerics, IntNumerics, UintNumerics
+
+__all__ = ["Decoded", "from_qtensor", "pack_words", "to_qtensor", "unpack_words"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """A weight's codes ``[in, out]``, scales and zero points per block.
+
+    ``scale`` (float32) and ``zero`` (int16, or ``None``) have shape
+    ``(in // group, out)`` (groups), ``(1, out)`` (per channel) or ``(1,
+    1)`` (per tensor); ``signed``: int codes centred on zero (no zero
+    point), ``False``: unsigned codes with zero points; ``fp8``: E4M3 codes.
+    """
+
+    codes: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray | None
+    bits: int
+    kind: str  # "int", "uint" or "fp8"
+
+    @property
+    def group(self) -> int:
+        """Inputs per scale (the whole input axis for one scale per channel)."""
+        return self.codes.shape[0] // self.scale.shape[0]
+
+    def quantizer(self) -> Quantizer:
+        """The qbits quantizer whose grid these codes are on."""
+        if self.kind == "fp8":
+            numerics: Any = Fp8Numerics("float8_e4m3fn")
+        elif self.kind == "uint":
+            numerics = UintNumerics(bits=self.bits)
+        else:
+            numerics = IntNumerics(bits=self.bits)
+        if self.scale.shape == (1, 1) and self.codes.shape[1] != 1:
+            granularity: Any = PerTensor()
+        elif self.scale.shape[0] == 1:
+            granularity = PerChannel()
+        else:
+            granularity = Tiled(tile_size=self.group)
+        return Quantizer(numerics, AbsMax(), granularity)
+
+
+_STORAGE = {
+    ("int", 4): ml_dtypes.int4,
+    ("int", 8): np.int8,
+    ("uint", 4): ml_dtypes.uint4,
+    ("uint", 8): np.uint8,
+    ("fp8", 8): ml_dtypes.float8_e4m3fn,
+}
+
+
+def to_qtensor(d: Decoded) -> QTensor:
+    """The stored QTensor serving reads (4-bit codes packed along ``out``)."""
+    dtype = np.dtype(_STORAGE[d.kind, d.bits])
+    qt = QTensor(
+        jnp.asarray(d.codes.astype(dtype)),
+        jnp.asarray(d.scale, jnp.float32),
+        qdtype=dtype,
+        dtype=np.dtype(np.float32),
+        zero_point=None if d.zero is None else jnp.asarray(d.zero, jnp.int16),
+    )
+    return qt.pack(axis=-1) if d.bits == 4 else qt
+
+
+def from_qtensor(qt: QTensor, owner: str, where: str) -> Decoded:
+    """A stored 2-D weight ``[in, out]`` (int4/uint4/int8/uint8/fp8) as codes.
+
+    Raises:
+      InvalidArgumentError: For any other layout (a codebook, a tensor
+        scale, another format or rank).
+    """
+    from qbits._errors import InvalidArgumentError
+
+    kinds = {np.dtype(v): k for k, v in _STORAGE.items()}
+    qdtype = None if qt.qdtype is None else np.dtype(qt.qdtype)
+    if (
+        qdtype not in kinds
+        or qt.codebook is not None
+        or qt.tensor_scale is not None
+        or len(qt.shape) != 2
+    ):
+        raise InvalidArgumentError(
+            owner,
+            where,
+            f"a {qdtype} weight of shape {list(qt.shape)}",
+            "a 2-D int4, uint4, int8, uint8 or float8_e4m3fn weight without "
+            "codebook or tensor scale",
+        )
+    kind, bits = kinds[qdtype]
+    codes = np.asarray(qt.unpack().qvalue)
+    codes = codes.astype(np.float32 if kind == "fp8" else np.int32)
+    zero = None if qt.zero_point is None else np.asarray(qt.zero_point, np.int32)
+    return Decoded(codes, np.asarray(qt.scale, np.float32), zero, bits, kind)
+
+
+def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """Unsigned ``bits``-wide fields of int32 words along ``axis``, low bits first."""
+    u = np.moveaxis(np.asarray(words).astype(np.int64) & 0xFFFFFFFF, axis, -1)
+    shifts = np.arange(0, 32, bits, dtype=np.int64)
+    fields = (u[..., None] >> shifts) & ((1 << bits) - 1)
+    fields = fields.reshape(*u.shape[:-1], -1)
+    return np.moveaxis(fields, -1, axis).astype(np.int32)
+
+
+def pack_words(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """Inverse of :func:`unpack_words`: unsigned fields into int32 words."""
+    v = np.moveaxis(np.asarray(values).astype(np.int64), axis, -1)
+    per = 32 // bits
+    pad = -v.shape[-1] % per
+    v = np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
+    v = v.reshape(*v.shape[:-1], -1, per) & ((1 << bits) - 1)
+    words = (v << np.arange(0, 32, bits, dtype=np.int64)).sum(-1)
+    return np.moveaxis(words.astype(np.uint32).view(np.int32), -1, axis)

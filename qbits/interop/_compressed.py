@@ -1,0 +1,205 @@
+"""compressed-tensors checkpoints (vLLM's, llm-compressor's), read and written.
+
+``quantization_config`` holds ``config_groups`` (each ``targets``, the
+``weights``' ``num_bits``, ``type``, ``symmetric``, ``strategy``,
+``group_size``), a ``format`` per group or for all, and ``ignore``. Per
+quantized ``Linear`` module ``m`` (weight ``[out, in]``):
+
+- ``pack-quantized`` (int, 4 or 8 bits): ``m.weight_packed`` int32 ``[out,
+  in * b / 32]``, codes ``q + 2^(b-1)`` packed along ``in`` lowest bits
+  first; ``m.weight_shape`` ``[out, in]``; ``m.weight_scale`` ``[out, in /
+  g]`` (group), ``[out, 1]`` (channel) or ``[1]`` (tensor); asymmetric:
+  ``m.weight_zero_point`` packed the same way along ``out``. The weight is
+  ``(q - z) * s`` with signed ``q`` and ``z``.
+- ``float-quantized`` (FP8 E4M3): ``m.weight`` ``float8_e4m3fn`` ``[out,
+  in]`` and ``m.weight_scale`` (channel, tensor): ``q * s``.
+
+qbits reads symmetric int codes as int4/int8, asymmetric ones shifted to
+unsigned codes and zero points (``(q + 2^(b-1)) - (z + 2^(b-1))``: the
+same weight), fp8 as float8_e4m3fn.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from qbits.interop._codes import Decoded, pack_words, unpack_words
+from qbits.interop._safetensors import bad
+
+__all__ = ["read_compressed", "write_compressed"]
+
+FORMATS = ("pack-quantized", "float-quantized", "naive-quantized")
+_STRATEGIES = ("group", "channel", "tensor")
+
+
+def _scheme(qc: Mapping[str, Any], module: str, where: str) -> tuple[str, dict]:
+    """The format and weight arguments of the config group targeting ``module``."""
+    for name, group in (qc.get("config_groups") or {}).items():
+        for target in group.get("targets", ()):
+            hit = (
+                re.fullmatch(target[3:], module)
+                if target.startswith("re:")
+                else target in ("Linear", module)
+            )
+            if hit:
+                fmt = group.get("format") or qc.get("format")
+                if fmt not in FORMATS:
+                    raise bad(
+                        f"{where}/config.json: config_groups.{name}.format",
+                        fmt,
+                        "pack-quantized or float-quantized",
+                    )
+                return fmt, dict(group.get("weights") or {})
+    raise bad(
+        f"{where}: {module}.weight_scale",
+        "no config group targets it",
+        "a module a config group targets",
+    )
+
+
+def read_compressed(
+    tensors: Mapping[str, np.ndarray], qc: Mapping[str, Any], where: str
+) -> dict[str, Decoded]:
+    """Every quantized module's weight: ``{module name: Decoded}``, checked."""
+    out: dict[str, Decoded] = {}
+    modules = sorted(
+        n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")
+    )
+    for m in modules:
+        fmt, args = _scheme(qc, m, where)
+        bits, kind = args.get("num_bits"), args.get("type")
+        strategy, sym = args.get("strategy"), args.get("symmetric", True)
+        if strategy not in _STRATEGIES:
+            raise bad(
+                f"{where}: {m} weights.strategy",
+                strategy,
+                ", ".join(_STRATEGIES),
+                why="block and tensor_group scales not yet",
+            )
+        scale = tensors[f"{m}.weight_scale"]
+        if fmt == "pack-quantized":
+            if kind != "int" or bits not in (4, 8):
+                raise bad(
+                    f"{where}: {m} weights", f"{kind} {bits} bits", "int, 4 or 8 bits"
+                )
+            shape = tensors.get(f"{m}.weight_shape")
+            packed = tensors.get(f"{m}.weight_packed")
+            if (
+                shape is None
+                or packed is None
+                or packed.dtype != np.int32
+                or packed.ndim != 2
+            ):
+                raise bad(
+                    f"{where}: {m}.weight_packed",
+                    "missing or not int32 [out, words]",
+                    "pack-quantized's weight_packed and weight_shape",
+                )
+            n_out, n_in = (int(n) for n in shape)
+            if packed.shape != (n_out, -(-n_in * bits // 32)):
+                raise bad(
+                    f"{where}: {m}.weight_packed",
+                    list(packed.shape),
+                    f"[{n_out}, {-(-n_in * bits // 32)}] for a {bits}-bit "
+                    f"[{n_out}, {n_in}] weight",
+                )
+            codes = unpack_words(packed, bits, 1)[:, :n_in].T - (1 << (bits - 1))
+        else:
+            w = tensors.get(f"{m}.weight")
+            if (
+                kind != "float"
+                or bits != 8
+                or w is None
+                or w.dtype.name != "float8_e4m3fn"
+            ):
+                raise bad(
+                    f"{where}: {m}.weight",
+                    "missing" if w is None else f"{kind} {bits} bits, {w.dtype}",
+                    "float8_e4m3fn (float, 8 bits)",
+                )
+            n_out, n_in = w.shape
+            codes = w.T.astype(np.float32)
+        groups = {"group": n_in // (args.get("group_size") or n_in), "channel": 1}
+        want = [n_out, groups[strategy]] if strategy in groups else [1]
+        if list(scale.shape) not in (want, want[:1] * (strategy == "tensor")):
+            raise bad(
+                f"{where}: {m}.weight_scale",
+                list(scale.shape),
+                f"{want} ({strategy} scales of a [{n_out}, {n_in}] weight)",
+            )
+        s = scale.astype(np.float32).reshape(-1, want[-1]).T  # [groups, out] or [1, 1]
+        if fmt == "float-quantized":
+            out[m] = Decoded(codes, s, None, 8, "fp8")
+        elif sym:
+            out[m] = Decoded(codes, s, None, bits, "int")
+        else:
+            zp = tensors.get(f"{m}.weight_zero_point")
+            words = -(-n_out * bits // 32)
+            if zp is None or zp.dtype != np.int32 or zp.shape != (words, s.shape[0]):
+                raise bad(
+                    f"{where}: {m}.weight_zero_point",
+                    "missing" if zp is None else f"{zp.dtype}{list(zp.shape)}",
+                    f"int32{[words, s.shape[0]]}",
+                )
+            zero = unpack_words(zp, bits, 0)[
+                :n_out
+            ].T  # [groups, out], offset by 2^(b-1)
+            out[m] = Decoded(
+                codes + (1 << (bits - 1)), s, zero.astype(np.int16), bits, "uint"
+            )
+    if not modules:
+        raise bad(
+            f"{where}: *.weight_scale",
+            "missing",
+            "compressed-tensors' scales",
+            why="config.json declares quant_method compressed-tensors",
+        )
+    return out
+
+
+def write_compressed(
+    weights: Mapping[str, Decoded], group: int | None
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``pack-quantized`` tensors and ``quantization_config`` of int weights.
+
+    ``group``: inputs per scale, ``None`` for one per channel.
+    """
+    tensors: dict[str, np.ndarray] = {}
+    first = next(iter(weights.values()))
+    bits, kind = first.bits, first.kind  # one grid, checked by the caller
+    mid = 1 << (bits - 1)
+    for m, d in weights.items():
+        codes = d.codes - (mid if kind == "uint" else 0)  # signed
+        tensors[f"{m}.weight_packed"] = pack_words(codes.T + mid, bits, 1)
+        tensors[f"{m}.weight_shape"] = np.array(d.codes.shape[::-1], np.int64)
+        tensors[f"{m}.weight_scale"] = d.scale.T.astype(np.float32)
+        if d.zero is not None:
+            tensors[f"{m}.weight_zero_point"] = pack_words(
+                d.zero.T.astype(np.int64), bits, 0
+            )
+    weights_args = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": kind == "int",
+        "dynamic": False,
+        "strategy": "group" if group else "channel",
+        "group_size": group or None,
+    }
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights_args,
+                "format": "pack-quantized",
+            }
+        },
+        "ignore": [],
+    }
+    return tensors, config

@@ -1,0 +1,261 @@
+"""qbits.interop: checkpoints written by the reference packers, read by qbits.
+
+The fixtures under tests/data/quantized were written by AutoGPTQ and
+compressed-tensors (tests/data/make_quantized_checkpoints.py), with each
+reference's own dequantized weights and forward output: qbits' codes,
+scales and dequantized weights must equal them bit for bit, its served
+output the reference float matmul within float tolerance.
+"""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qbits.interop
+from qbits.interop._safetensors import read_tensors, write_tensors
+
+DATA = pathlib.Path(__file__).parents[1] / "data" / "quantized"
+# Each holds q_proj and o_proj (the act-order one is refused; the LM apart).
+READABLE = sorted(
+    p.name
+    for p in DATA.iterdir()
+    if p.name not in ("gptq_w4g16_actorder", "ct_qbits_lm")
+)
+# Served as well (one compile each): a checkpoint of each kind of weight.
+SERVED = ("gptq_w4g16_asym", "gptq_w8g32_sym", "ct_w4g32_sym", "ct_fp8_channel")
+Q_PROJ, OUT_PROJ = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+
+
+def _llama(p, x):
+    """A Llama-named stand-in: q_proj, o_proj, the final norm and the head."""
+    layer = p["model"]["layers"]["0"]["self_attn"]
+    h = x @ layer["q_proj"]["kernel"]
+    q = h
+    h = h @ layer["o_proj"]["kernel"]
+    return q, h, (h * p["model"]["norm"]["weight"]) @ p["lm_head"]["kernel"]
+
+
+def _shapes():
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    attn = {"q_proj": {"kernel": f32(64, 32)}, "o_proj": {"kernel": f32(32, 32)}}
+    return {
+        "model": {"layers": {"0": {"self_attn": attn}}, "norm": {"weight": f32(32)}},
+        "lm_head": {"kernel": f32(32, 16)},
+    }
+
+
+@pytest.mark.parametrize("name", READABLE)
+def test_reads_codes_and_scales_bit_for_bit_and_serves_the_reference(name):
+    ckpt = qbits.interop.read_checkpoint(DATA / name)
+    ref = np.load(DATA / name / "reference.npz")
+    gptq = name.startswith("gptq")
+    assert sorted(ckpt.weights) == [OUT_PROJ, Q_PROJ]
+    assert sorted(ckpt.tensors) == ["lm_head.weight", "model.norm.weight"]
+    for m, qt in ckpt.weights.items():
+        w = np.asarray(qt.dequant()).T  # [out, in], as PyTorch
+        # GPTQ's reference dequantizes in float16: qbits' exact product, rounded once
+        got = w.astype(np.float16).astype(np.float32) if gptq else w
+        np.testing.assert_array_equal(got, ref[f"weight/{m}"])
+        if gptq:  # the codes the packer was given, its fp16 scales
+            codes = np.asarray(qt.unpack().qvalue).astype(np.int32)
+            if qt.zero_point is None:  # signed codes: GPTQ's are offset by 2^(bits-1)
+                codes += 8 if qt.qdtype.name == "int4" else 128
+            np.testing.assert_array_equal(codes.T, ref[f"codes/{m}"])
+            np.testing.assert_array_equal(
+                np.asarray(qt.scale).T.astype(np.float16), ref[f"scales/{m}"]
+            )
+    if name not in SERVED:
+        return
+    x = jnp.asarray(ref["x"])
+    sp, config = qbits.interop.serving_params(ckpt, _llama, _shapes(), x[:, :64])
+    assert {k for k in sp.weights} == {
+        "model/layers/0/self_attn/q_proj",
+        "model/layers/0/self_attn/o_proj",
+    }
+    q, _, _ = qbits.serving.serve(_llama, config)(sp, x[:, :64])
+    want = (
+        ref["x"][:, :64] @ ref[f"weight/{Q_PROJ}"].T
+    )  # the reference weights, in float
+    np.testing.assert_allclose(np.asarray(q), want, rtol=2e-3, atol=2e-4)
+    # and the reference's own forward (float16 for GPTQ)
+    np.testing.assert_allclose(np.asarray(q), ref[f"y/{Q_PROJ}"], rtol=2e-2, atol=2e-3)
+
+
+def _copy(tmp_path, name, edit=None, config=None):
+    """A fixture copied, its tensors and config.json edited."""
+    out = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(DATA / name, out)
+    if edit is not None:
+        tensors = read_tensors(out)
+        edit(tensors)
+        write_tensors(out / "model.safetensors", tensors)
+    if config is not None:
+        full = json.loads((out / "config.json").read_text())
+        full["quantization_config"].update(config)
+        (out / "config.json").write_text(json.dumps(full))
+    return out
+
+
+def _error(path):
+    with pytest.raises(qbits.InvalidArgumentError) as e:
+        qbits.interop.read_checkpoint(path)
+    text = str(e.value)
+    assert "\n" not in text.split("because")[0], text
+    return text
+
+
+def test_bad_checkpoints_are_one_line_errors_naming_file_and_tensor(tmp_path):
+    text = _error(DATA / "gptq_w4g16_actorder")
+    assert "o_proj.g_idx" in text and "act-order" in text
+    path = _copy(
+        tmp_path,
+        "gptq_w4g16_asym",
+        edit=lambda t: t.pop(f"{Q_PROJ}.g_idx"),
+        config={"desc_act": True},
+    )
+    assert f"{Q_PROJ}.g_idx='missing'" in _error(path)
+    path = _copy(tmp_path, "gptq_w4g16_sym", edit=lambda t: t.pop(f"{OUT_PROJ}.scales"))
+    assert f"{OUT_PROJ}.scales='missing'" in _error(path)
+    assert "bits=3" in _error(_copy(tmp_path, "gptq_w8g32_sym", config={"bits": 3}))
+    # a 4-bit checkpoint declared 8-bit: qweight holds twice the inputs
+    text = _error(
+        _copy(tmp_path, "gptq_v2_w4g16_asym", config={"bits": 8, "group_size": 8})
+    )
+    assert f"{OUT_PROJ}.qzeros=[2, 4]" in text and "8-bit" in text
+    assert "quant_method='awq'" in _error(
+        _copy(tmp_path, "ct_fp8_tensor", config={"quant_method": "awq"})
+    )
+    text = _error(
+        _copy(
+            tmp_path,
+            "ct_w4g16_asym",
+            edit=lambda t: t.update(
+                {f"{Q_PROJ}.weight_scale": t[f"{Q_PROJ}.weight_scale"][:, :2]}
+            ),
+        )
+    )
+    assert f"{Q_PROJ}.weight_scale=[32, 2]" in text
+    assert "sym" in _error(_copy(tmp_path, "gptq_w4g16_asym", config={"sym": True}))
+    path = _copy(tmp_path, "ct_w8_channel")
+    shard = path / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    text = _error(path)
+    assert "model.safetensors: " in text and "truncated shard" in text
+
+
+def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
+    for name, fmt in (
+        ("gptq_w4g16_asym", "compressed-tensors"),
+        ("gptq_w4g16_sym", "gptq"),
+        ("gptq_w8g32_sym", "gptq_v2"),
+        ("ct_w8_channel", "compressed-tensors"),
+    ):
+        ckpt = qbits.interop.read_checkpoint(DATA / name)
+        out = tmp_path / f"{name}-{fmt}"
+        qbits.interop.write_checkpoint(out, ckpt.weights, fmt, tensors=ckpt.tensors)
+        again = qbits.interop.read_checkpoint(out)
+        assert again.format.startswith(fmt)
+        for m, qt in ckpt.weights.items():
+            np.testing.assert_array_equal(again.weights[m].dequant(), qt.dequant())
+            assert again.quantizers[m] == ckpt.quantizers[m]
+    ckpt = qbits.interop.read_checkpoint(DATA / "ct_w4g32_sym")  # float32 scales
+    qbits.interop.write_checkpoint(tmp_path / "gptq32", ckpt.weights, "gptq")
+    assert read_tensors(tmp_path / "gptq32")[f"{Q_PROJ}.scales"].dtype == np.float32
+    again = qbits.interop.read_checkpoint(tmp_path / "gptq32")
+    for m, qt in ckpt.weights.items():
+        np.testing.assert_array_equal(again.weights[m].dequant(), qt.dequant())
+    ckpt = qbits.interop.read_checkpoint(DATA / "ct_fp8_tensor")
+    with pytest.raises(qbits.InvalidArgumentError, match="one grid"):
+        qbits.interop.write_checkpoint(tmp_path / "fp8", ckpt.weights)
+
+
+def test_the_reference_libraries_read_what_qbits_writes(tmp_path):
+    # Only where qbits[reference] is installed beside qbits (the benchmark
+    # runs the same check in a separate reference venv).
+    pytest.importorskip("torch")
+    pytest.importorskip("compressed_tensors")
+    pytest.importorskip("auto_gptq")
+    import sys
+
+    sys.path.insert(0, str(DATA.parent))
+    import reference_read
+
+    ckpt = qbits.interop.read_checkpoint(DATA / "gptq_w4g16_asym")
+    for fmt in ("gptq", "gptq_v2", "compressed-tensors"):
+        qbits.interop.write_checkpoint(tmp_path / fmt, ckpt.weights, fmt)
+        got = reference_read.read(tmp_path / fmt)
+        for m, qt in ckpt.weights.items():
+            w = np.asarray(qt.dequant()).T
+            if fmt.startswith("gptq"):  # the reference dequantizes in float16
+                w = w.astype(np.float16).astype(np.float32)
+            np.testing.assert_array_equal(got[m], w)
+
+
+def test_qbits_example_lm_served_from_a_compressed_tensors_checkpoint():
+    # qbits' tiny LM (nnx, LinearGeneral attention) as compressed-tensors
+    # quantized its PyTorch twin; logits against the same LM in float on the
+    # reference's dequantized weights.
+    import flax.nnx as nnx
+
+    from qbits._experiments import TransformerLM, spec
+
+    ckpt = qbits.interop.read_checkpoint(DATA / "ct_qbits_lm")
+    ref = np.load(DATA / "ct_qbits_lm" / "reference.npz")
+    lm = nnx.eval_shape(lambda: TransformerLM(10, spec("lm", "tiny"), rngs=nnx.Rngs(0)))
+    fn, state = qbits.nnx.as_function(lm)
+    tokens = jnp.arange(32).reshape(2, 16) % 10
+    sp, config = qbits.interop.serving_params(ckpt, fn, state, tokens, names="qbits-lm")
+    assert len(sp.layers) == 6 and all(i.param_shape for i in sp.layers)
+    logits, _ = qbits.serving.serve(fn, config)(sp, tokens)
+    floats = {}
+    for info in sp.layers:  # the reference's weights where the stored ones serve
+        w = ref[f"weight/{info.path.replace('/', '.')}"].T
+        floats[info.param] = jnp.asarray(w.reshape(info.param_shape))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(sp.params)
+    params = jax.tree.unflatten(
+        treedef, [floats.get(jax.tree_util.keystr(p), x) for p, x in leaves]
+    )
+    want, _ = fn(params, tokens)
+    np.testing.assert_allclose(
+        np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_reads_indexed_shards_and_names_a_tensor_missing_from_its_shard(tmp_path):
+    path = tmp_path / "sharded"
+    shutil.copytree(DATA / "gptq_w4g16_asym", path)
+    tensors = read_tensors(path)
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {
+        "a.safetensors": names[: len(names) // 2],
+        "b.safetensors": names[len(names) // 2 :],
+    }
+    for file, part in shards.items():
+        write_tensors(path / file, {n: tensors[n] for n in part})
+    index = {"weight_map": {n: f for f, part in shards.items() for n in part}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    whole = qbits.interop.read_checkpoint(DATA / "gptq_w4g16_asym")
+    got = qbits.interop.read_checkpoint(path)
+    for m, qt in whole.weights.items():
+        np.testing.assert_array_equal(got.weights[m].qvalue, qt.qvalue)
+        np.testing.assert_array_equal(got.weights[m].scale, qt.scale)
+    index["weight_map"]["extra.bias"] = "b.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "b.safetensors: extra.bias='missing'" in _error(path)
+
+
+def test_qbits_import_lists_the_weights_or_prints_the_one_line_error(capsys):
+    from qbits.cli import main
+
+    assert main(["import", str(DATA / "gptq_w4g16_asym")]) == 0
+    out = capsys.readouterr().out
+    assert f"{Q_PROJ} uint4 Tiled(16) + zero points" in out and "7.000" in out
+    assert main(["import", str(DATA / "gptq_w4g16_actorder")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "o_proj.g_idx" in err
