@@ -32,7 +32,8 @@ def test_public_api_is_small_explicit_and_documented():
     # qbits.transform and five loose modules) to 148, every importable public
     # module pinned: experiments out of the API, one way to load a config,
     # ops that hold the ops, one name per job in ptq, serving, lora, nnx, hlo.
-    assert len(qbits.__all__) <= 40 and len(_public_api()) <= 148
+    # Issue 39 (bit budget): +2, qbits.diagnostics.search_budget, BudgetSearch.
+    assert len(qbits.__all__) <= 40 and len(_public_api()) <= 150
     for module, public in _public_modules().items():
         for name in public.__all__:
             obj = getattr(public, name)
