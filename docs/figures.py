@@ -962,6 +962,74 @@ def ptq_headline() -> str:
     )
 
 
+@figure("bit_budget", "budget_search_cpu.json", "lm_diagnostics/results.json")
+def bit_budget() -> str:
+    result = _json("budget_search_cpu.json")
+    seeds = result["seeds"]
+    names = [r["config"] for r in seeds[0]["rows"]]
+
+    def ratios(i: int) -> list[float]:
+        return [s["rows"][i]["eval_loss"] / s["rows"][0]["eval_loss"] for s in seeds]
+
+    table = []
+    for i, name in enumerate(names):
+        got = ratios(i)
+        rows = [s["rows"][i] for s in seeds]
+        table.append([
+            f"`{name}`" if not name.startswith("searched") else name,
+            ", ".join(dict.fromkeys(f"{r['bits']:.2f}" for r in rows)),
+            ", ".join(dict.fromkeys(f"{r['bytes'] / 1024:.0f}" for r in rows)),
+            ", ".join(f"{r:.4f}" for r in got),
+            f"{statistics.mean(got):.4f}",
+        ])  # fmt: skip
+    at = {n: statistics.mean(ratios(i)) for i, n in enumerate(names)}
+    wall = [s["search_seconds"] for s in seeds]
+    cpu = [s["search_cpu_seconds"] for s in seeds]
+    text = (
+        f"At the stored bytes of `w4a8_sensitive8` the searched config is at "
+        f"{at['searched']:.4f} of float32's held-out loss (mean of "
+        f"{len(seeds)} runs), against {at['w4a8_sensitive8']:.4f} for the "
+        f"hand-picked config and {at['w4a8']:.4f} for uniform `w4a8`; read "
+        "back from its YAML it gives the same loss "
+        f"({at['searched (from YAML)']:.4f}). The search (13 weight matmuls x "
+        f"3 quantized candidates, one compile each) took {min(cpu):.0f}-"
+        f"{max(cpu):.0f} s of CPU ({min(wall):.0f}-{max(wall):.0f} s wall on a "
+        f"2-core machine shared with other jobs; {result['machine']}).\n"
+    )
+    qat_table = ""
+    if "qat" in result:  # beside the diagnostics sweep's runs (same training)
+        runs = _json("lm_diagnostics/results.json")["runs"]
+        loss = {(r["name"], r["seed"]): r["result"]["eval_loss"] for r in runs}
+        qat = {r["seed"]: r["eval_loss"] for r in result["qat"]["rows"]}
+        rows = []
+        for name, label in (("w4a8_attn8", "`w4a8`"),
+                            ("w4a8_sensitive8", "`w4a8_sensitive8`")):  # fmt: skip
+            got = [loss[name, s] / loss["none", s] for s in sorted(qat)]
+            rows.append([label, *(f"{r:.4f}" for r in got),
+                         f"{statistics.mean(got):.4f}"])  # fmt: skip
+        got = [qat[s] / loss["none", s] for s in sorted(qat)]
+        rows.append(["searched", *(f"{r:.4f}" for r in got),
+                     f"{statistics.mean(got):.4f}"])  # fmt: skip
+        qat_table = (
+            "\nQuantization-aware training (800 steps) with the first run's "
+            "searched config, beside the diagnostics sweep's runs of the same "
+            "seeds (`lm_diagnostics`; its `w4a8_attn8` is today's `w4a8`), "
+            "eval / float32:\n\n"
+            + _table(["config", *(f"seed {s}" for s in sorted(qat)), "mean"], rows)
+        )
+    return (
+        _table(
+            ["config", "bits per weight", "KiB", "eval / float32, per run", "mean"],
+            table,
+        )
+        + "\n"
+        + text
+        + qat_table
+        + "\n"
+        + _source("budget_search_cpu.json")
+    )
+
+
 @figure("smoothquant", "ptq_lm_cpu.json")
 def smoothquant() -> str:
     rows = [r for r in _json("ptq_lm_cpu.json")["rows"] if r["format"] == "w8a8"]

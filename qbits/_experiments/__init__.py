@@ -16,10 +16,13 @@ release):
   table and plots (:func:`write_report`).
 - :func:`post_train`: post-training quantization of a saved float run, by
   several methods (:func:`qbits.ptq.quantize_weights`), and the same report.
+- :func:`search_trained`: per-layer formats of a saved float run under a
+  bit budget (:func:`qbits.diagnostics.search_budget`, ``qbits search``).
 - :func:`gpu_step`: training steps at GPU sizes (an LLM's MLP block, the
   example transformer), for the GPU benchmark and ``qbits inspect --target``.
 """
 
+from qbits._experiments._budget import search_trained
 from qbits._experiments._gpu_steps import gpu_step
 from qbits._experiments._models import Classifier, ModelSpec, TransformerLM, spec
 from qbits._experiments._ptq import post_train
@@ -59,6 +62,7 @@ __all__ = [
     "post_train",
     "run_sweep",
     "sample_batch",
+    "search_trained",
     "spec",
     "summarize",
     "train",

@@ -5,6 +5,7 @@
     qbits train [CONFIG] [--model lm|mlp] [--steps N] [--seed S] [--out DIR] [--rerun]
     qbits sweep SWEEP.yaml [--out DIR] [--rerun]
     qbits ptq CONFIG --run DIR [--method rtn gptq awq ...] [--calibration N] [--out DIR]
+    qbits search CANDIDATE... --run DIR --budget B [--unit bits|bytes] [--out FILE]
     qbits inspect CONFIG [--model lm|mlp]
     qbits generate [--prompt TEXT | --prompt-file FILE] [--cache CACHE] [--run DIR]
     qbits presets

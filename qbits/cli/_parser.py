@@ -20,6 +20,9 @@ from qbits.cli._inspect import (
     _presets,
 )
 from qbits.cli._interop import _import
+from qbits.cli._search import (
+    _search,
+)
 from qbits.cli._verbs import (
     _ptq,
     _sweep,
@@ -166,6 +169,45 @@ def _parser() -> argparse.ArgumentParser:
     ptq.add_argument("--out", help="output folder (default: DIR/ptq-CONFIG)")
     ptq.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ptq.set_defaults(run=_ptq)
+
+    search = sub.add_parser(
+        "search",
+        help="choose each layer's format of a trained float32 model under a bit budget",
+        description="Read the float32 params that 'qbits train' saved in --run, "
+        "measure each weight matmul's loss change under each CANDIDATE on "
+        "calibration batches of the training data, choose one per matmul so "
+        "that the stored weights fit --budget (an exact knapsack), and write "
+        "the per-layer rules as YAML (--out) and a report beside it (.md) with "
+        "the held-out loss. The YAML trains too: qbits train FILE.",
+    )
+    search.add_argument(
+        "candidates",
+        nargs="+",
+        metavar="CANDIDATE",
+        help="the formats a layer may take: preset names (e.g. w4a8 int8_fwd), "
+        "YAML files of one matmul config, or none (float)",
+    )
+    search.add_argument(
+        "--run", required=True, metavar="DIR", dest="run_dir",
+        help="the output folder of qbits train",
+    )  # fmt: skip
+    search.add_argument(
+        "--budget", type=float, required=True,
+        help="mean stored bits per weight (scales included), or bytes with --unit",
+    )  # fmt: skip
+    search.add_argument("--unit", choices=("bits", "bytes"), default="bits")
+    search.add_argument(
+        "--batches", type=_count, default=4, metavar="N",
+        help="calibration batches (default: %(default)s)",
+    )  # fmt: skip
+    search.add_argument(
+        "--seed", type=_seed, help="which saved run, if --run holds several"
+    )
+    search.add_argument(
+        "--out", help="the YAML file to write (default: DIR/search-BUDGET.yaml)"
+    )
+    search.add_argument("-q", "--quiet", action="store_true", help="no progress")
+    search.set_defaults(run=_search)
 
     inspect = sub.add_parser(
         "inspect",

@@ -22,13 +22,20 @@ measured and the compiled program is the one without diagnostics.
   inside a training step of your own.
 - :meth:`Metrics.table`: the per-layer table; :meth:`Metrics.rows`: flat
   records (CSV, JSON).
+- :func:`search_budget`: what to do about it under a bit budget: each
+  weight matmul's loss change under each candidate format, then the
+  per-layer choice (an exact knapsack) as a :class:`~qbits.QuantConfig`
+  (:class:`BudgetSearch`).
 """
 
 from qbits.diagnostics._metrics import Metrics, diagnose, init, read
+from qbits.diagnostics._search import BudgetSearch, search_budget
 
 __all__ = [
+    "BudgetSearch",
     "Metrics",
     "diagnose",
     "init",
     "read",
+    "search_budget",
 ]

@@ -32,7 +32,8 @@ default: int8_fwd
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["train"], ["sweep"], ["inspect"], ["ptq"], ["presets"]]
+    "command",
+    [[], ["train"], ["sweep"], ["inspect"], ["ptq"], ["search"], ["presets"]],
 )
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -239,6 +240,19 @@ def test_ptq_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     assert "quantizes nothing" in _one_error_line(capsys)
     assert _run(["ptq", "nf4", "--run", str(tmp_path), "--calibration", "0"]) == 2
     assert "--calibration" in _one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_search_errors_are_one_line_and_write_nothing(tmp_path, capsys):
+    """`qbits search`'s bad input, refused before any measurement."""
+    missing = tmp_path / "nothing"
+    argv = ["search", "w4a8", "none", "--budget", "5", "-q"]
+    assert main([*argv, "--run", str(missing)]) == 2
+    assert "holds no saved params" in _one_error_line(capsys)
+    assert main(["search", "int9", "--run", str(tmp_path), "--budget", "5"]) == 2
+    assert "unknown candidate 'int9'" in _one_error_line(capsys)
+    assert _run(["search", "w4a8", "--run", str(tmp_path), "--budget", "x"]) == 2
+    assert "--budget" in _one_error_line(capsys)
     assert list(tmp_path.iterdir()) == []
 
 
