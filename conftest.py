@@ -54,10 +54,14 @@ from hypothesis import settings
 
 import qbits
 
-# Scripts that are run, not imported: one needs aqtp, the other sets XLA_FLAGS
-# for a subprocess with 8 devices.
+# Scripts that are run, not imported: the fixture writers need the reference
+# libraries (aqtp, torch, bitsandbytes, compressed-tensors), the others set
+# XLA_FLAGS for a subprocess with 8 devices.
 collect_ignore = [
     "tests/data/make_aqt_golden.py",
+    "tests/data/make_bnb_optim.py",
+    "tests/data/make_quantized_checkpoints.py",
+    "tests/data/reference_read.py",
     "tests/ops/sharded_check.py",
     "tests/ops/shard_map_check.py",
 ]
