@@ -9,7 +9,7 @@ Post-training calibration in two steps:
    linen model, of ``model.apply``; for an nnx model, of
    :func:`qbits.nnx.as_function`).
 2. Freeze: :func:`freeze_ranges` turns the ranges into a
-   :class:`~qbits.config.QuantConfig` in which each measured layer's
+   :class:`~qbits.QuantConfig` in which each measured layer's
    ``fwd.lhs`` calibration is ``ConstantBound(range)``: the forward then
    uses the frozen bound whatever the batch holds (larger values clip). The
    result is a plain config: it serialises to YAML with the ranges in it.
@@ -34,12 +34,12 @@ def freeze_ranges(config: Any, ranges: Mapping[str, float]) -> QuantConfig:
     """The config with each measured layer's activation bound frozen.
 
     Args:
-      config: The per-layer rules (a :class:`~qbits.config.QuantConfig`, a
+      config: The per-layer rules (a :class:`~qbits.QuantConfig`, a
         :class:`~qbits.DotGeneralConfig` or a preset name for every layer).
       ranges: ``{matmul path: absmax}`` from :func:`qbits.collect_ranges`.
 
     Returns:
-      A :class:`~qbits.config.QuantConfig` with one rule per measured layer
+      A :class:`~qbits.QuantConfig` with one rule per measured layer
       (its exact path, first) whose config is the layer's own with
       ``fwd.lhs.calibration = ConstantBound(absmax)``, then the original
       rules. Layers that stay float are left out.

@@ -34,8 +34,11 @@ def test_public_api_is_small_explicit_and_documented():
     # ops that hold the ops, one name per job in ptq, serving, lora, nnx, hlo.
     # Session 5 added 11: qbits.hlo.lowering_platforms, qbits.optim (4),
     # qbits.interop (4: read, write, Checkpoint, serving_params) and
-    # qbits.diagnostics' search_budget and BudgetSearch.
-    assert len(qbits.__all__) <= 40 and len(_public_api()) <= 159
+    # qbits.diagnostics' search_budget and BudgetSearch. Session 6 took out
+    # 9 second names of one object (qbits.ops' configs and drop-ins,
+    # qbits.config's rules, qbits.numerics' IntNumerics and FpNumerics: each
+    # is pinned once, at the top level).
+    assert len(qbits.__all__) <= 40 and len(_public_api()) <= 150
     for module, public in _public_modules().items():
         for name in public.__all__:
             obj = getattr(public, name)

@@ -16,23 +16,16 @@ to write one: :func:`dump`. Presets: :mod:`qbits.presets`.
   function.
 """
 
-from qbits.config._rules import (
-    LayerRow,
-    LayerTable,
-    QuantConfig,
-    Resolution,
-    Rule,
-    UnusedRuleWarning,
-)
+from qbits.config._rules import LayerRow, LayerTable, Resolution, UnusedRuleWarning
+from qbits.config._rules import QuantConfig as QuantConfig  # qbits.QuantConfig
+from qbits.config._rules import Rule as Rule  # qbits.Rule
 from qbits.config._schema import register
 from qbits.config._yamlio import dump
 
 __all__ = [
     "LayerRow",
     "LayerTable",
-    "QuantConfig",
     "Resolution",
-    "Rule",
     "UnusedRuleWarning",
     "dump",
     "register",

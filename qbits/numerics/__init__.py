@@ -13,8 +13,9 @@ themselves (ml_dtypes' fp8, fp6, fp4) are described in :mod:`qbits._formats`.
 from qbits._context import Context
 from qbits.numerics._base import QNumerics
 from qbits.numerics._codebook import Nf4Numerics
-from qbits.numerics._fp_numerics import Fp8Numerics, FpNumerics
-from qbits.numerics._int_numerics import IntNumerics
+from qbits.numerics._fp_numerics import Fp8Numerics
+from qbits.numerics._fp_numerics import FpNumerics as FpNumerics  # qbits.FpNumerics
+from qbits.numerics._int_numerics import IntNumerics as IntNumerics  # qbits.IntNumerics
 from qbits.numerics._keys import next_key
 from qbits.numerics._no_numerics import NoNumerics
 from qbits.numerics._noise import UniformNoise
@@ -24,8 +25,6 @@ from qbits.numerics._uint_numerics import UintNumerics
 __all__ = [
     "Context",
     "Fp8Numerics",
-    "FpNumerics",
-    "IntNumerics",
     "Nf4Numerics",
     "NoNumerics",
     "QNumerics",

@@ -6,16 +6,24 @@ scales come from calibration or from scale state (see
 op kind (:class:`~qbits.ops._kind.OpKind`): what the engine reads, checks
 and runs of it. The underscored names are what the engine, the adapters,
 serving and diagnostics need of the ops besides the ops: not public.
+The drop-ins for ``jax.lax`` (``dot_general``, ``einsum``,
+``conv_general_dilated``) and their configs are pinned where users reach
+them, as :func:`qbits.dot_general` etc.; ``qbits.ops.X`` is the same object
+(marked ``# qbits.X`` below).
 """
 
 from qbits.ops import _conv, _dot_general, _ragged
-from qbits.ops._config import DotGeneralConfig, MatmulConfig
-from qbits.ops._conv import ConvGeneralDilated, conv_general_dilated
+from qbits.ops._config import DotGeneralConfig as DotGeneralConfig  # qbits.X
+from qbits.ops._config import MatmulConfig as MatmulConfig  # qbits.X
+from qbits.ops._conv import ConvGeneralDilated
+from qbits.ops._conv import conv_general_dilated as conv_general_dilated  # qbits.X
 from qbits.ops._diagnose import init_probe as _init_probe  # noqa: F401 (not public)
 from qbits.ops._diagnose import read_probe as _read_probe  # noqa: F401
 from qbits.ops._dims import Dims
-from qbits.ops._dot_general import DotGeneral, dot_general
-from qbits.ops._einsum import Einsum, einsum
+from qbits.ops._dot_general import DotGeneral
+from qbits.ops._dot_general import dot_general as dot_general  # qbits.X
+from qbits.ops._einsum import Einsum
+from qbits.ops._einsum import einsum as einsum  # qbits.X
 from qbits.ops._kind import registry
 from qbits.ops._ragged import ragged_dot
 from qbits.ops._state import per_tensor_state as _per_tensor_state  # noqa: F401
@@ -31,11 +39,6 @@ __all__ = [
     "ConvGeneralDilated",
     "Dims",
     "DotGeneral",
-    "DotGeneralConfig",
     "Einsum",
-    "MatmulConfig",
-    "conv_general_dilated",
-    "dot_general",
-    "einsum",
     "ragged_dot",
 ]
