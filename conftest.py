@@ -36,7 +36,14 @@ def _jaxlib_version() -> tuple[int, ...]:
     return tuple(int(p) for p in version("jaxlib").split(".")[:2])
 
 
-_FAST_COMPILE = ("--xla_backend_optimization_level=0",)
+# XLA:CPU also splits each program's LLVM module to compile the parts on
+# threads: for the suite's small programs, on workers that already use every
+# core, that is overhead (a third of the compile's CPU time); one part a
+# program emits the same code.
+_FAST_COMPILE = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
 # jaxlib 0.11's XLA has only the newer emitters and aborts on a flag it does
 # not know.
 if _jaxlib_version() < (0, 11):
