@@ -219,6 +219,9 @@ class Plan:
         # Sites with per-site data (scale state or a stored weight): its name.
         self.state_keys: dict[Ctx, str] = {}
         self.stored: dict[Ctx, str] = {}
+        # Serving: weight matmuls whose weight is quantized at every call,
+        # not stored (the body or op it runs in; see _store's callers).
+        self.on_the_fly: dict[str, str] = {}
         # The data of a weight matmul is stacked along the scans that slice
         # its weight (stacked layers), and shared by the iterations of the
         # others (a loop over micro-batches, one weight); that of an
@@ -258,6 +261,8 @@ class Plan:
             # fly: the stored copy could not enter the body (like scale state).
             if store and _stores(config, site) and not (site.control or site.mapped):
                 self._store(site, config, res)
+            elif store and site.weights and not config.fwd.rhs.numerics.is_identity:
+                self.on_the_fly[site.path] = _on_the_fly(site)
             elif config.needs_state:
                 self._state(site, config, res)
             self._add(site, config, res)
@@ -464,6 +469,14 @@ def applied(site: Site, config: DotGeneralConfig | None) -> DotGeneralConfig | N
     if config is None or site.weights:
         return config
     return config.for_activations()
+
+
+def _on_the_fly(site: Site) -> str:
+    """Where a weight matmul runs whose weight serving quantizes at each call."""
+    if site.op.limited:
+        return site.op.limited
+    body = "shard_map" if site.mapped else site.control
+    return f"in a {body} body"
 
 
 def _stores(config: Any, site: Site) -> bool:
