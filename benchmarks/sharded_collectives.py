@@ -50,21 +50,22 @@ KINDS = ("all-gather", "collective-permute", "all-reduce", "all-to-all")
 OUT = ROOT / "benchmarks" / "results" / "sharded_collectives_cpu"
 
 
-def lm_counts(layers: int) -> dict[str, dict[str, dict[str, int]]]:
-    """Collectives of the LM's training step, per config."""
+def lm_counts(layers: int) -> tuple[dict, dict]:
+    """Collectives of the LM's training step, per config, and their roles."""
     lm.LAYERS = layers
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     tokens = jax.random.randint(jax.random.key(2), (8, 16), 0, lm.VOCAB)
-    out = {}
+    counts, roles = {}, {}
     with jax.set_mesh(mesh):
-        out["float32"] = lm.collectives_of(mesh, tokens, "float32")
-        for preset in PRESETS:
-            out[preset] = lm.collectives_of(mesh, tokens, preset)
+        for preset in ("float32", *PRESETS):
+            runs = [(preset, False)]
             if preset in ENGINE:
-                out[f"{preset} (qbits.quantize)"] = lm.collectives_of(
-                    mesh, tokens, preset, engine=True
+                runs.append((f"{preset} (qbits.quantize)", True))
+            for name, engine in runs:
+                counts[name], roles[name] = lm.collectives_of(
+                    mesh, tokens, preset, engine=engine
                 )
-    return out
+    return counts, roles
 
 
 def markdown(data: dict) -> str:
@@ -82,6 +83,13 @@ def markdown(data: dict) -> str:
         per = [str(ops(counts, k) - ops(one[config], k)) for k in KINDS]
         total = sum(v["bytes"] for v in counts.values())
         lines.append(f"| {config} | {' | '.join(per)} | {total / 1024:.0f} KiB |")
+    r1, r2 = data["roles_1"], data["roles_2"]
+    names = list(next(iter(r2.values())))
+    lines += ["", "| config (per block) | " + " | ".join(names) + " |",
+              "|---" * (len(names) + 1) + "|"]  # fmt: skip
+    for config, roles in r2.items():
+        per = [str(roles[n] - r1[config][n]) for n in names]
+        lines.append(f"| {config} | {' | '.join(per)} |")
     lines += ["", "| config | gathered weight bytes | / float32 |", "|---|---|---|"]
     w = data["weights_gathered"]
     for config, n in w.items():
@@ -97,12 +105,13 @@ def main() -> None:
     data = {
         "note": "benchmarks/sharded_collectives.py on 8 CPU devices (4x2 mesh, "
         f"auto axes), jax {jax.__version__}; collectives of the optimized "
-        "training step with 1 and 2 blocks (ops and result bytes per kind); "
+        "training step with 1 and 2 blocks (ops and result bytes per kind; "
+        "roles: what some carry, collective_roles); "
         "weights_gathered: all-gather bytes of one FSDP 256x256 matmul's step",
-        "blocks_1": lm_counts(1),
-        "blocks_2": lm_counts(2),
-        "weights_gathered": lm.gathered_weight_bytes(("float32", *PRESETS)),
     }
+    data["blocks_1"], data["roles_1"] = lm_counts(1)
+    data["blocks_2"], data["roles_2"] = lm_counts(2)
+    data["weights_gathered"] = lm.gathered_weight_bytes(("float32", *PRESETS))
     pathlib.Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
     pathlib.Path(args.md).write_text(markdown(data))
     print(markdown(data))

@@ -565,6 +565,12 @@ def collectives() -> str:
         )
     header = ["config", "all-gathers", "collective-permutes", "all-reduces",
               "all-to-alls", "bytes, whole step (2 blocks)"]  # fmt: skip
+    r1, r2 = data["roles_1"], data["roles_2"]
+    roles = ["scale all-gathers", "of them, slices of a replicated value",
+             "second-stage all-reduces"]  # fmt: skip
+    rrows = [
+        [config] + [str(r2[config][n] - r1[config][n]) for n in roles] for config in r2
+    ]
     weights = data["weights_gathered"]
     wrows = [
         [config, f"{n / 1024:.0f} KiB", f"{n / weights['float32']:.2f}x"]
@@ -572,6 +578,17 @@ def collectives() -> str:
     ]
     return (
         _table(header, rows)
+        + "\nWhat some of them carry, per block (read from the HLO: "
+        "`collective_roles` in `tests/transform/sharded_lm_check.py`):\n\n"
+        + _table(
+            [
+                "config",
+                "all-gathers of scales",
+                "of them, gathering back a value every device holds",
+                "all-reduces of an all-reduce's result",
+            ],
+            rrows,
+        )
         + "\nGathered bytes of one FSDP weight (256 x 256 over 8 devices, "
         "forward and both gradients):\n\n"
         + _table(["config", "weight all-gathers", "of float32's"], wrows)

@@ -10,11 +10,11 @@ import flax.linen as nn
 import flax.nnx as nnx
 
 from qbits._errors import InvalidArgumentError
-from qbits.config import QuantConfig, _as_quant_config
+from qbits.config import _as_quant_config
 from qbits.flax import Quantized
 from qbits.ptq import PtqResult
 from qbits.serving._linen import convert_linen
-from qbits.serving._nnx import convert_nnx, served_layers
+from qbits.serving._nnx import convert_nnx
 from qbits.serving._params import ServingParams, convert_params
 
 __all__ = ["convert"]
@@ -80,9 +80,12 @@ def convert(
         stateless), or a config that does not fit a matmul.
 
     Warns:
-      UserWarning: When no weight gets stored (no weight matmul's config
-        quantizes its weight): the result serves float weights.
-        ``qbits.layer_table`` lists the model's matmuls. From a
+      UserWarning: When no weight gets stored: no weight matmul's config
+        quantizes its weight (the result serves float weights;
+        ``qbits.layer_table`` lists the model's matmuls), or every one that
+        does is quantized on the fly at each call, its float weight kept (in a
+        ``cond``, ``while`` or ``shard_map`` body, or a convolution or ragged
+        dot; the message names them). From a
         ``PtqResult``: when a weight it wrote has no stored weight (AWQ's),
         so that it is quantized again.
 
@@ -121,7 +124,6 @@ def convert(
                 why="convert traces the model to find its matmuls",
             )
         served = convert_nnx(owner, model, rules, args, kwargs, given)
-        _warn_if_empty(len(served_layers(served)), rules)
         return served
     if isinstance(model, nn.Module) or callable(model):
         if not args:
@@ -146,7 +148,6 @@ def convert(
             )
         else:
             served = convert_params(owner, model, rules, params, args, kwargs, given)
-        _warn_if_empty(len(served.layers), rules)
         return served
     raise InvalidArgumentError(
         owner,
@@ -179,15 +180,3 @@ def _stored_of(owner: str, result: PtqResult) -> dict[str, Any]:
             stacklevel=3,
         )
     return dict(result.stored)
-
-
-def _warn_if_empty(stored: int, rules: QuantConfig) -> None:
-    """Warns when a config that quantizes something stored no weight."""
-    if stored == 0 and any(not c.fwd.is_identity for c in rules.all_configs()):
-        warnings.warn(
-            "qbits.serving.convert stored no low-precision weights: no weight "
-            "matmul's config quantizes its weight, so every weight stays float. "
-            "Check the rules (qbits.layer_table)",
-            UserWarning,
-            stacklevel=3,
-        )

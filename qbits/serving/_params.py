@@ -22,6 +22,7 @@ the float parameters bit for bit.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -140,7 +141,12 @@ def store(
     """
     fwd = forward_only(config)
     caller = transform._Caller(owner)
-    found = transform._store_weights(caller, fn, fwd, params, *args, **kwargs)
+    on_the_fly: dict[str, str] = {}
+    found = transform._store_weights(
+        caller, fn, fwd, params, *args, on_the_fly=on_the_fly, **kwargs
+    )
+    if not found:
+        _warn_none_stored(owner, config, on_the_fly)
     for name, qt in (given or {}).items():
         if name not in found:
             raise InvalidArgumentError(
@@ -180,6 +186,32 @@ def store(
             )
         )
     return stored, fills, layers
+
+
+def _warn_none_stored(owner: str, rules: QuantConfig, on_the_fly: dict) -> None:
+    """Warns that a config that quantizes something stored no weight: why."""
+    if all(c.fwd.is_identity for c in rules.all_configs()):
+        return  # float on purpose
+    if on_the_fly:
+        shown = [f"{path!r} ({where})" for path, where in list(on_the_fly.items())[:4]]
+        more = f" and {len(on_the_fly) - 4} more" if len(on_the_fly) > 4 else ""
+        why = (
+            "every weight matmul the config quantizes has its weight quantized "
+            "on the fly, at each call, from the float weight the served params "
+            f"keep: {', '.join(shown)}{more}. A stored weight cannot enter a "
+            "cond, while or shard_map body, and convolutions and ragged dots "
+            "are served as in training"
+        )
+    else:
+        why = (
+            "no weight matmul's config quantizes its weight, so every weight "
+            "stays float. Check the rules (qbits.layer_table)"
+        )
+    warnings.warn(
+        f"{owner} stored no low-precision weights: {why}",
+        UserWarning,
+        stacklevel=transform._outside(),
+    )
 
 
 def _layout(qt: QTensor) -> str:

@@ -51,4 +51,5 @@ _layer_table = _transform.layer_table.__wrapped__
 _observe_matmuls = observe_matmuls.__wrapped__  # type: ignore[attr-defined]
 _quantize = _transform.quantize.__wrapped__
 _store_weights = _store.store_weights
+_outside = _plan._outside
 _weight_matmuls = _adapting.weight_matmuls

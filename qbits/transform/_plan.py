@@ -23,6 +23,8 @@ import flax
 import jax
 
 from qbits._errors import ConfigError, InvalidArgumentError
+from qbits._granularity import PerTensor
+from qbits._providers import DelayedScaling
 from qbits.config import QuantConfig, Resolution
 from qbits.ops import DotGeneralConfig
 from qbits.transform._adapter import DATA, Adapter
@@ -196,8 +198,9 @@ class Plan:
       ConfigError: For a rule that gives an integer matmul a config, or (with
         ``store``) a stored weight matmul that rounds stochastically or keeps
         scale state.
-      InvalidArgumentError: For scale state inside a ``cond``, ``while``
-        or ``shard_map`` body.
+      InvalidArgumentError: For scale state inside a ``cond`` or ``while``
+        body, and inside a ``shard_map`` body other than per-tensor delayed
+        scaling (and any with ``store``).
     """
 
     def __init__(
@@ -219,6 +222,9 @@ class Plan:
         # Sites with per-site data (scale state or a stored weight): its name.
         self.state_keys: dict[Ctx, str] = {}
         self.stored: dict[Ctx, str] = {}
+        # Serving: weight matmuls whose weight is quantized at every call,
+        # not stored (the body or op it runs in; see _store's callers).
+        self.on_the_fly: dict[str, str] = {}
         # The data of a weight matmul is stacked along the scans that slice
         # its weight (stacked layers), and shared by the iterations of the
         # others (a loop over micro-batches, one weight); that of an
@@ -258,8 +264,10 @@ class Plan:
             # fly: the stored copy could not enter the body (like scale state).
             if store and _stores(config, site) and not (site.control or site.mapped):
                 self._store(site, config, res)
+            elif store and site.weights and not config.fwd.rhs.numerics.is_identity:
+                self.on_the_fly[site.path] = _on_the_fly(site)
             elif config.needs_state:
-                self._state(site, config, res)
+                self._state(site, config, res, store)
             self._add(site, config, res)
             if config.needs_key:
                 self.needs_key.append(site.path)
@@ -306,20 +314,26 @@ class Plan:
         self.stored[site.ctx] = site.path
         self.sliced[site.path] = next(iter(site.weights)).sliced
 
-    def _state(self, site: Site, config: Any, res: Resolution) -> None:
+    def _state(self, site: Site, config: Any, res: Resolution, store: bool) -> None:
         """A config with scale state: its name, slicing and replaced entries."""
-        if site.mapped:
+        if site.mapped and (store or not _replicated_state(config)):
             raise InvalidArgumentError(
                 self.caller.owner,
                 "config",
                 f"{res.where}: {res.name or 'an inline config'} for matmul "
                 f"{site.path!r}",
-                "a config that computes its scales (e.g. 'fp8', 'int8') for a "
-                f"matmul inside a shard_map body, or qbits.Rule({site.base!r}, None)",
-                why="the engine carries no scale state into a shard_map body: "
-                "to keep state there, quantize this matmul with "
-                "qbits.dot_general(config) inside the body (its state made "
-                "outside from the global operands, passed in replicated)",
+                "a config that computes its scales (e.g. 'fp8', 'int8') or "
+                "keeps per-tensor delayed scaling ('fp8_delayed') for a matmul "
+                f"inside a shard_map body, or qbits.Rule({site.base!r}, None)",
+                why=(
+                    "serving carries no scale state into a shard_map body"
+                    if store
+                    else "the engine carries only per-tensor delayed-scaling "
+                    "state into a shard_map body (the same on every shard): for "
+                    "other state there, quantize this matmul with "
+                    "qbits.dot_general(config) inside the body (its state made "
+                    "outside from the global operands, passed in replicated)"
+                ),
             )
         if site.control:
             raise InvalidArgumentError(
@@ -464,6 +478,31 @@ def applied(site: Site, config: DotGeneralConfig | None) -> DotGeneralConfig | N
     if config is None or site.weights:
         return config
     return config.for_activations()
+
+
+def _replicated_state(config: DotGeneralConfig) -> bool:
+    """Whether ``config``'s scale state is the same on every shard.
+
+    Per-tensor delayed scaling: a scale and an amax history per tensor,
+    made without data; each shard's observed amax is maxed over the shards
+    (as for state passed into a hand-written body), so every shard keeps
+    the state the unsharded matmul keeps.
+    """
+    for _, _, q in config.quantizers():
+        if q.provider is not None and not (
+            isinstance(q.provider, DelayedScaling)
+            and isinstance(q.granularity, PerTensor)
+        ):
+            return False
+    return True
+
+
+def _on_the_fly(site: Site) -> str:
+    """Where a weight matmul runs whose weight serving quantizes at each call."""
+    if site.op.limited:
+        return site.op.limited
+    body = "shard_map" if site.mapped else site.control
+    return f"in a {body} body"
 
 
 def _stores(config: Any, site: Site) -> bool:

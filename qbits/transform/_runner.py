@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from qbits import ops
 from qbits._errors import InvalidArgumentError
@@ -282,15 +283,56 @@ class Runner:
         if name == "while":
             return self._while(eqn, invals, here, frame)
         if name == "shard_map":
-            body, consts = shard_map_body(p)
-            # Nothing per site crosses the body (the plan keeps state, stored
-            # weights, adapters, probes and records out of it); its keys are
-            # a chain of their own, the shard's index folded in by the core.
-            inner = frame.body().with_(collect=None, observed=None)
+            return self._shard_map(eqn, invals, here, frame)
+        raise NotImplementedError(name)  # pragma: no cover - _program lists no others
+
+    def _shard_map(self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame) -> list:
+        """A ``shard_map`` body re-run, its sites' scale state crossing it.
+
+        Nothing else per site crosses the body (the plan keeps stored
+        weights, adapters, probes and records out of it); its keys are a
+        chain of their own, the shard's index folded in by the core. Scale
+        state (per-tensor delayed scaling, the same on every shard: see the
+        plan) enters replicated and its new value leaves as its gradient,
+        each shard's amax maxed over the shards by the core; initialising,
+        the states made in the body leave replicated.
+        """
+        p = eqn.params
+        body, consts = shard_map_body(p)
+        run = self.run
+        names = [n for n in self.plan.names_under(here)
+                 if n in self.plan.state_keys.values()]  # fmt: skip
+        base = frame.body()
+        if not names:
+            inner = base.with_(collect=None, observed=None)
             return rebind_shard_map(
                 p, lambda *a: run(body, consts, list(a), here, inner.with_()), invals
             )
-        raise NotImplementedError(name)  # pragma: no cover - _program lists no others
+        collecting = frame.collect is not None
+        given = {} if collecting else {n: frame.states[n] for n in names}
+
+        def fn(args: tuple[Any, ...], given: dict[str, Any]) -> Any:
+            inner = base.with_(
+                states={**frame.states, **given},
+                collect={} if collecting else None,
+                observed=None,
+            )
+            outs = tuple(run(body, consts, list(args), here, inner))
+            made = {n: inner.collect[n] for n in names} if collecting else {}
+            return outs, made
+
+        mapped = jax.shard_map(
+            fn,
+            mesh=p["mesh"],
+            in_specs=(tuple(p["in_specs"]), P()),
+            out_specs=(tuple(p["out_specs"]), P()),
+            axis_names=p["newly_manual_axes"],
+            check_vma=p["check_vma"],
+        )
+        outs, made = mapped(tuple(invals), given)
+        if collecting:
+            frame.collect.update(made)  # type: ignore[union-attr]
+        return list(outs)
 
     def _scan(self, eqn: Any, invals: list[Any], here: Ctx, frame: Frame) -> list:
         p = eqn.params

@@ -65,6 +65,7 @@ def store_weights(
     config: Any,
     *args: Any,
     params_argnum: int = 0,
+    on_the_fly: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> dict[str, StoredMatmul]:
     """Every weight matmul's weight, quantized once as its forward does.
@@ -81,6 +82,11 @@ def store_weights(
         parameters (concrete arrays); other arrays may be
         ``jax.ShapeDtypeStruct`` s (only their shapes matter).
       params_argnum: Which positional argument holds the parameters.
+      on_the_fly: If given, filled with ``{matmul path: where}`` for each
+        weight matmul whose config quantizes its weight but whose weight is
+        not stored, being quantized at every call: in a ``cond``, ``while``
+        or ``shard_map`` body (``"in a shard_map body"``), or a convolution
+        or ragged dot (``"a convolution"``).
       **kwargs: Keyword arguments for ``fn``.
 
     Returns:
@@ -96,6 +102,8 @@ def store_weights(
     quant = _as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     plan = Plan(program, quant, caller, store=True)
+    if on_the_fly is not None:
+        on_the_fly.update(plan.on_the_fly)
     leaves = [
         jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
         for x in jax.tree.leaves((args, kwargs))

@@ -145,9 +145,12 @@ def quantize(  # noqa: D417 (caller: its public form has none)
     by the parameter whose block feeds it, and runs on each shard as
     ``qbits.dot_general(config)`` called in the body runs: on the shard's
     blocks, a per-tensor scale computed per shard from its own block.
-    Nothing per matmul crosses the body: a config with scale state there is
-    refused (call ``qbits.dot_general(config)`` with the state in the body
-    instead), a served weight there is quantized on the fly.
+    Per-tensor delayed scaling (``fp8_delayed``) crosses the body: its state
+    enters replicated and each shard's amax is maxed over the shards, as
+    for ``qbits.dot_general(config)`` in the body given state made outside
+    (bit for bit). Other scale state there is refused (call
+    ``qbits.dot_general(config)`` with the state in the body instead); a
+    served weight there is quantized on the fly.
 
     Args:
       fn: The function, e.g. ``model.apply`` or a loss of ``(params, batch)``.

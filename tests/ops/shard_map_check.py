@@ -10,7 +10,8 @@ the amax of the whole batch (maxed over the shards).
 ``qbits.quantize`` reaches into a ``shard_map`` body (tensor parallelism
 written by hand): each matmul there equals ``qbits.dot_general(config)``
 called in the body, forward and gradients bit for bit, per-tensor scales
-computed per shard.
+computed per shard; per-tensor delayed scaling (``fp8_delayed``) with its
+state crossing the body, the amaxes maxed over the shards.
 """
 
 import os
@@ -150,6 +151,50 @@ def engine_inside_shard_map(mesh, x, w):
     for preset, (got, want) in zip(presets, run(params, x), strict=True):
         for a, b in zip(*map(jax.tree.leaves, (got, want)), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=preset)
+    delayed_inside_shard_map(mesh, f, params, x)
+
+
+def delayed_inside_shard_map(mesh, f, params, x):
+    """Per-tensor delayed scaling inside the body: its state enters
+    replicated and each shard's amax is maxed over the shards. A training
+    step from a state past its start (scales not 1, a history) equals the
+    hand-written body's (the state made outside, passed in replicated) bit
+    for bit: output, gradients and new state."""
+    state = qbits.init_state(f, "fp8_delayed", params, x)
+    state = jax.tree_util.tree_map_with_path(
+        lambda path, v: v + (0.75 if "scale" in jax.tree_util.keystr(path) else 2.0),
+        state,
+    )
+    dg = qbits.dot_general(qbits.presets.get("fp8_delayed"))
+
+    def by_hand(params, x, state):
+        def body(w1, w2, x, s1, s2):
+            h = jnp.tanh(dg(x, w1, DN, state=s1))
+            return jax.lax.psum(dg(h, w2, DN, state=s2), "data")
+
+        specs = (P(None, "data"), P("data", None), P(), P(), P())
+        layer = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())
+        return layer(params["fc1"]["kernel"], params["fc2"]["kernel"], x,
+                     state["fc1"], state["fc2"])  # fmt: skip
+
+    def engine(params, x, state):
+        return qbits.quantize(f, "fp8_delayed", state=state)(params, x)
+
+    def step(g, params, x, state):
+        loss = lambda p, x, s: jnp.sum(g(p, x, s) ** 2)  # noqa: E731
+        return jax.value_and_grad(loss, (0, 1, 2))(params, x, state)
+
+    @jax.jit
+    def steps(params, x, state):
+        return [step(g, params, x, state) for g in (engine, by_hand)]
+
+    got, want = steps(params, x, state)
+    for a, b in zip(*map(jax.tree.leaves, (got, want)), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg="fp8_delayed")
+    new = got[1][2]["fc1"]  # the whole weight's amax, not a shard's
+    w1 = params["fc1"]["kernel"]
+    np.testing.assert_array_equal(new["rhs_amax_history"][0], jnp.max(jnp.abs(w1)))
+    assert float(new["rhs_scale"][0]) != 1.75  # the scale moved with the history
 
 
 if __name__ == "__main__":

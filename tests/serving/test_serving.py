@@ -368,6 +368,29 @@ def test_bad_arguments(linen_setup, nnx_setup, tmp_path):
         serving.convert(nnx_setup[0], config, nnx_setup[1])
 
 
+def test_convert_says_which_weights_are_quantized_on_the_fly():
+    """Weights in a shard_map or cond body are not stored (a stored weight
+    cannot enter the body): the warning names them and says so."""
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows, whole = jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec()
+
+    def fn(params, x):
+        body = jax.shard_map(
+            lambda x, w: x @ w, mesh=mesh, in_specs=(rows, whole), out_specs=rows
+        )
+        y = body(x, params["w1"])
+        return jax.lax.cond(x[0, 0] > 0, lambda y: y @ params["w2"], lambda y: y, y)
+
+    params = {"w1": jnp.ones((16, 8)), "w2": jnp.ones((8, 8))}
+    x = jnp.ones((2, 16))
+    with pytest.warns(UserWarning, match="quantized on the fly") as caught:
+        served = serving.convert(fn, "int8_fwd", params, x)
+    message = str(caught[0].message)
+    assert "'w1' (in a shard_map body)" in message, message
+    assert "'w2' (in a cond body)" in message, message
+    assert served.layers == () and served.params["w1"].shape == (16, 8)
+
+
 def test_serving_dots_are_int8_on_xla_cpu(linen_setup):
     model, params, x = linen_setup
     sp = serving.convert(model, _rules("int8_fwd"), params, x)

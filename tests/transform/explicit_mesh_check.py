@@ -107,8 +107,8 @@ def _weights(mesh_specs: dict) -> dict:
 
 # Functions: an MLP (qbits.quantize / qbits.init_state), a scanned stack of
 # layers, and a shard_map over the batch inside: one matmul there quantized
-# by explicit injection (the engine carries no scale state into a shard_map
-# body): its state made outside, from the global operands; the next one by
+# by explicit injection (the engine carries no per-channel scale state into a
+# shard_map body): its state made outside, from the global operands; the next one by
 # the engine, stateless.
 FN_SPECS = {
     "w1": ((D, F), P(None, "model")),

@@ -13,7 +13,8 @@ for a plain-JAX block under explicit mesh axes (``out_sharding`` on every
 einsum) through ``qbits.quantize``. An FSDP shard quantized with the
 amax reduced over the shards gives the gathered weight's codes bit for bit.
 Prints one JSON line with the collectives of each optimized training step
-(``count_collectives``) and the all-gather bytes of an FSDP weight
+(``count_collectives``), what some of them carry (``collective_roles``) and
+the all-gather bytes of an FSDP weight
 (``gathered_weight_bytes``; benchmarks/sharded_collectives.py reuses
 both). Exits non-zero on a mismatch.
 """
@@ -165,6 +166,51 @@ def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
     return found
 
 
+_DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([\w-]+)\((.*?)\)(?:, |$)")
+
+
+def collective_roles(hlo: str) -> dict[str, int]:
+    """What some collectives of optimized HLO text carry, by what feeds them.
+
+    ``scale all-gathers``: all-gathers of float32 arrays made inside qbits'
+    core other than a matmul's operand (per-token or per-channel bounds and
+    scales; codes and float activations are ``dot_general`` operands);
+    ``of them, slices of a replicated value``: those whose gathered shard is
+    computed from ``partition-id`` (XLA slices a value every device holds,
+    maps it on the slice, and gathers it back). ``second-stage all-reduces``:
+    all-reduces of another all-reduce's result (XLA reduces a tensor sharded
+    over two mesh axes with one all-reduce per axis).
+    """
+    defs = {}
+    for line in hlo.splitlines():
+        m = _DEF.match(line)
+        if m:
+            args = [a.strip().lstrip("%") for a in m.group(4).split(",")]
+            defs[m.group(1)] = (m.group(2), m.group(3), args, line)
+    reduces = {n for n, d in defs.items() if d[1].startswith("all-reduce")}
+
+    def of_reduce(arg):
+        d = defs.get(arg)
+        return arg in reduces or (
+            d is not None and d[1] == "get-tuple-element" and d[2][0] in reduces
+        )
+
+    roles = dict.fromkeys(("scale all-gathers", "of them, slices of a replicated value",
+                           "second-stage all-reduces"), 0)  # fmt: skip
+    for name, (shape, op, args, line) in defs.items():
+        meta = re.search(r'op_name="([^"]*)"', line)
+        meta = meta.group(1) if meta else ""
+        if op.startswith("all-gather") and shape.startswith("f32"):
+            if "_core" in meta and not meta.endswith("dot_general"):
+                roles["scale all-gathers"] += 1
+                producer = defs.get(args[0])
+                if producer and "partition-id" in producer[2]:
+                    roles["of them, slices of a replicated value"] += 1
+        elif name in reduces and any(of_reduce(a) for a in args):
+            roles["second-stage all-reduces"] += 1
+    return roles
+
+
 def variant_of(model, variant, engine, key):
     """``(apply, init, rngs)`` of the LM for float32 or a preset."""
     if variant == "float32":
@@ -200,7 +246,8 @@ def _shardings(mesh, tokens, variables):
 
 
 def collectives_of(mesh, tokens, variant, engine=False):
-    """The collectives of the sharded training step (compiled, not run)."""
+    """The collectives of the sharded training step (compiled, not run):
+    ``(count_collectives, collective_roles)``."""
     key = jax.random.key(1)
     apply, init, rngs = variant_of(LM(), variant, engine, key)
     variables = nn.unbox(
@@ -214,8 +261,8 @@ def collectives_of(mesh, tokens, variant, engine=False):
     batch = jax.ShapeDtypeStruct(
         tokens.shape, tokens.dtype, sharding=NamedSharding(mesh, P("data", None))
     )
-    compiled = _step(apply, rngs).lower(variables, batch).compile()
-    return count_collectives(compiled.as_text())
+    text = _step(apply, rngs).lower(variables, batch).compile().as_text()
+    return count_collectives(text), collective_roles(text)
 
 
 class _Fsdp(nn.Module):
@@ -303,7 +350,8 @@ def linen_case(mesh, tokens, variant, reference=None):
         for g, s in zip(grads, reference, strict=True):
             if not g.is_equivalent_to(s, len(s.spec)):
                 raise AssertionError(f"linen {variant}: {g} != {s}")
-    return count_collectives(compiled.as_text()), grads
+    text = compiled.as_text()
+    return count_collectives(text), collective_roles(text), grads
 
 
 class NnxBlock(nnx.Module):
@@ -505,18 +553,23 @@ def main():
     assert jax.device_count() == 8, jax.devices()
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     tokens = jax.random.randint(jax.random.key(2), (8, 16), 0, VOCAB)
-    counts = {}
+    counts, roles = {}, {}
     with jax.set_mesh(mesh):
-        counts["float32"], reference = linen_case(mesh, tokens, "float32")
+        counts["float32"], roles["float32"], reference = linen_case(
+            mesh, tokens, "float32"
+        )
         for variant in os.environ.get("QBITS_VARIANTS", "int8,fp8_delayed").split(","):
-            counts[variant], _ = linen_case(mesh, tokens, variant, reference)
+            counts[variant], roles[variant], _ = linen_case(
+                mesh, tokens, variant, reference
+            )
         x = jax.random.normal(jax.random.key(3), (8, WIDTH))
         nnx_case(mesh, x, "int8")
         serving_case(mesh, tokens)
         codes_case(mesh)
     explicit_case()
     weights = gathered_weight_bytes(("float32", "int8"))
-    print(json.dumps({"layers": LAYERS, "collectives": counts, "weights": weights}))
+    print(json.dumps({"layers": LAYERS, "collectives": counts, "roles": roles,
+                      "weights": weights}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -439,7 +439,7 @@ def test_scale_state_inside_cond_is_refused():
         qbits.init_state(fn, "fp8_delayed", w, x)
 
 
-def test_shard_map_bodies_are_quantized_and_refuse_scale_state():
+def test_shard_map_bodies_are_quantized_and_carry_per_tensor_state():
     # (8 devices, tensor parallel, every preset kind: tests/ops/shard_map_check.py)
     mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     spec = jax.sharding.PartitionSpec
@@ -460,9 +460,19 @@ def test_shard_map_bodies_are_quantized_and_refuse_scale_state():
     dot = qbits.dot_general("fp8")
     hand = functools.partial(f, dot=lambda x, w: dot(x, w, (((1,), (0,)), ((), ()))))
     np.testing.assert_array_equal(qbits.quantize(f, "fp8")(p, x), jax.jit(hand)(p, x))
+    # Per-tensor delayed scaling crosses the body replicated (8 devices,
+    # equal to the hand-written body: tests/ops/shard_map_check.py); state
+    # per channel would differ per shard: refused, naming the fix.
+    state = qbits.init_state(f, "fp8_delayed", p, x)
+    assert state["fc"]["rhs_amax_history"].shape == (1024,)
+    channel = qbits.Quantizer(
+        qbits.IntNumerics(bits=8), granularity=qbits.PerChannel(),
+        provider=qbits.DelayedScaling(),
+    )  # fmt: skip
+    per_channel = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=channel))
     fix = r"'fc'.*shard_map body.*qbits.dot_general\(config\) inside the body"
     with pytest.raises(qbits.InvalidArgumentError, match=fix):
-        qbits.init_state(f, "fp8_delayed", p, x)
+        qbits.init_state(f, per_channel, p, x)
 
     def g(p, x):  # served: fc quantized on the fly, out stored
         return f(p, x) @ p["out"]

@@ -40,6 +40,13 @@ def test_sharded_lm_equals_unsharded_and_adds_no_resharding():
     assert ops("int8", "all-gather") <= ops("float32", "all-gather") + 8
     assert nbytes("int8", "all-gather") <= 0.35 * nbytes("float32", "all-gather")
     assert ops("int8", "all-reduce") <= ops("float32", "all-reduce") + 11
+    # What int8 adds to float32's all-gathers is scales (f32 vectors made in
+    # qbits' core), never codes: its codes are gathered where float32
+    # gathers its operands. float32 has none of these roles.
+    roles = report["roles"]
+    assert not any(roles["float32"].values()), roles
+    scales = roles["int8"]["scale all-gathers"]
+    assert ops("int8", "all-gather") - scales == ops("float32", "all-gather"), roles
     # 8-bit weights on the wire: an FSDP weight is gathered as codes.
     weights = report["weights"]
     assert weights["int8"] <= 0.3 * weights["float32"], weights
