@@ -12,11 +12,15 @@ Per ``Linear`` module ``m`` (weight ``[out, in]``):
 
 qbits reads float8_e4m3fn codes with a float32 scale per ``bn x bm`` block
 of its ``[in, out]`` kernel: ``Tiled(tile_size=bn, free_tile_size=bm)``,
-the weight grid of qbits' ``fp8_blockwise`` preset for ``[128, 128]``.
+the weight grid of qbits' ``fp8_blockwise`` preset for ``[128, 128]``. A
+weight that ends in a partial block (``out`` not a multiple of ``bm``, or
+``in`` of ``bn``) gets each block's scale repeated onto tiles of
+``gcd(bm, out)`` by ``gcd(bn, in)``, which divide both.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,13 +88,11 @@ def read_fp8_blocks(
                 f"float32{want}: a scale per {bm} x {bn} block of "
                 f"a [{n_out}, {n_in}] weight",
             )
-        if n_out % bm or n_in % bn:
-            raise bad(
-                f"{where}: {m}.weight",
-                f"[{n_out}, {n_in}]",
-                f"whole {bm} x {bn} blocks",
-                why="qbits' block scales tile the weight exactly "
-                "(a last partial block not yet)",
-            )
+        # A last partial block (DeepSeek-V3's 576-row kv_a_proj_with_mqa in
+        # blocks of 128): qbits' tiles divide the weight, so its scales are
+        # repeated onto the largest tiles that do (gcd(128, 576) = 64 rows).
+        fm, fn = math.gcd(bm, n_out), math.gcd(bn, n_in)
+        s = np.repeat(np.repeat(s, bm // fm, axis=0), bn // fn, axis=1)
+        s = s[: n_out // fm, : n_in // fn]
         out[m] = Decoded(w.T.astype(np.float32), s.T.astype(np.float32), None, 8, "fp8")
     return out

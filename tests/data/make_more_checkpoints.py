@@ -33,6 +33,13 @@ by the library that defines the format, never by qbits:
   stored), ``Fp8Dequantize`` is the reference dequantized weight. Blocks of
   16 x 32 (``weight_block_size``; DeepSeek-V3 ships 128 x 128, whose
   smallest weight would be 64 KB): the same layout, fixtures of a few KB.
+  ``fp8_block24x48``: blocks of 24 x 48 over the same 32 x 64 and 32 x 32
+  weights, each ending in a partial block, as DeepSeek-V3's 576-row
+  ``kv_a_proj_with_mqa`` does in blocks of 128 (``Fp8Quantize`` quantizes
+  only whole blocks: it is given the weight zero-padded to whole blocks,
+  which leaves every block's absmax as it is, and its codes are cropped);
+  the reference dequantized weight is ``_dequantize_fp8_weight``, the
+  integration's dequantization that handles a last partial block.
 - bitsandbytes NF4 with double quantization (0.50.2, on CPU):
   ``bitsandbytes.functional.quantize_4bit(w, blocksize=32, quant_type=
   "nf4", compress_statistics=True)``, saved as transformers saves a
@@ -192,6 +199,7 @@ def fp8_blocks(name: str, block: tuple[int, int]) -> None:
     from transformers.integrations.finegrained_fp8 import (
         Fp8Dequantize,
         Fp8Quantize,
+        _dequantize_fp8_weight,
     )
 
     quantizer = types.SimpleNamespace(  # what the conversion ops read of it
@@ -201,9 +209,16 @@ def fp8_blocks(name: str, block: tuple[int, int]) -> None:
     x = torch.randn(3, max(IN, OUT), generator=torch.Generator().manual_seed(7))
     ref["x"] = x.numpy()
     for mod, w in _float_weights(60).items():
-        out = Fp8Quantize(quantizer).convert({f"{mod}.weight": w})
-        q, s = out[f"{mod}.weight"], out[f"{mod}.weight_scale_inv"]
-        weight = Fp8Dequantize(quantizer)._dequantize_one(q, s)  # float32
+        rows, cols = w.shape
+        pad = (0, -cols % block[1], 0, -rows % block[0])
+        out = Fp8Quantize(quantizer).convert(
+            {f"{mod}.weight": torch.nn.functional.pad(w, pad)}
+        )
+        q, s = out[f"{mod}.weight"][:rows, :cols], out[f"{mod}.weight_scale_inv"]
+        if pad == (0, 0, 0, 0):
+            weight = Fp8Dequantize(quantizer)._dequantize_one(q, s)  # float32
+        else:
+            weight = _dequantize_fp8_weight(q, s, list(block), torch.float32)
         tensors[f"{mod}.weight"], tensors[f"{mod}.weight_scale_inv"] = q, s
         ref[f"weight/{mod}"] = weight.numpy()
         ref[f"y/{mod}"] = (x[:, : w.shape[1]] @ weight.t()).numpy()
@@ -249,6 +264,7 @@ def main() -> None:
     awq("awq_w4g16", 16)
     nvfp4("ct_nvfp4")
     fp8_blocks("fp8_block16x32", (16, 32))
+    fp8_blocks("fp8_block24x48", (24, 48))
     bnb_nf4("bnb_nf4_dq", 32)
 
 

@@ -180,10 +180,8 @@ def test_bad_checkpoints_are_one_line_errors_naming_file_and_tensor(tmp_path):
     )
     text = _error(_copy(tmp_path, "awq_w4g16", config={"group_size": 32}))
     assert f"{OUT_PROJ}.qzeros=[2, 4]" in text and "groups of 32" in text
-    text = _error(
-        _copy(tmp_path, "fp8_block16x32", config={"weight_block_size": [24, 32]})
-    )
-    assert f"{OUT_PROJ}.weight='[32, 32]'" in text and "whole 24 x 32 blocks" in text
+    path = _copy(tmp_path, "fp8_block16x32", config={"weight_block_size": [8, 32]})
+    assert f"{OUT_PROJ}.weight_scale_inv='float32[2, 1]'" in _error(path)
     text = _error(_copy(tmp_path, "fp8_block16x32", config={"weight_block_size": None}))
     assert "weight_block_size=None" in text
     path = _copy(tmp_path, "bnb_nf4_dq", config={"bnb_4bit_quant_type": "fp4"})
