@@ -47,7 +47,8 @@ by the library that defines the format, never by qbits:
   True)`` under ``<name>.weight.``), the ``quantization_config`` from
   transformers' ``BitsAndBytesConfig``; the reference weight is
   ``dequantize_4bit``. Blocks of 32 (QLoRA's are 64) so that the 32-input
-  ``o_proj`` holds whole blocks of its rows.
+  ``o_proj`` holds whole blocks of its rows. ``bnb_nf4``: the same without
+  double quantization (float32 absmax).
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def fp8_blocks(name: str, block: tuple[int, int]) -> None:
     _write(HERE / name, tensors, {"quantization_config": config}, ref)
 
 
-def bnb_nf4(name: str, block: int) -> None:
+def bnb_nf4(name: str, block: int, double: bool = True) -> None:
     import bitsandbytes.functional as bnb
     from transformers import BitsAndBytesConfig
 
@@ -240,7 +241,7 @@ def bnb_nf4(name: str, block: int) -> None:
     ref["x"] = x.numpy()
     for mod, w in _float_weights(70).items():
         packed, state = bnb.quantize_4bit(
-            w, blocksize=block, quant_type="nf4", compress_statistics=True
+            w, blocksize=block, quant_type="nf4", compress_statistics=double
         )
         tensors[f"{mod}.weight"] = packed
         for k, v in state.as_dict(packed=True).items():
@@ -248,13 +249,14 @@ def bnb_nf4(name: str, block: int) -> None:
         weight = bnb.dequantize_4bit(packed, state)  # float32
         ref[f"weight/{mod}"] = weight.numpy()
         ref[f"y/{mod}"] = (x[:, : w.shape[1]] @ weight.t()).numpy()
-        # its absmax, double-dequantized as dequantize_4bit does
-        absmax = bnb.dequantize_blockwise(state.absmax, state.state2) + state.offset
+        absmax = state.absmax  # double-dequantized as dequantize_4bit does
+        if double:
+            absmax = bnb.dequantize_blockwise(absmax, state.state2) + state.offset
         ref[f"absmax/{mod}"] = absmax.numpy()
     config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
+        bnb_4bit_use_double_quant=double,
         bnb_4bit_compute_dtype=torch.float32,
     ).to_dict()
     _write(HERE / name, tensors, {"quantization_config": config}, ref)
@@ -266,6 +268,7 @@ def main() -> None:
     fp8_blocks("fp8_block16x32", (16, 32))
     fp8_blocks("fp8_block24x48", (24, 48))
     bnb_nf4("bnb_nf4_dq", 32)
+    bnb_nf4("bnb_nf4", 32, double=False)
 
 
 if __name__ == "__main__":
