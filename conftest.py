@@ -67,6 +67,7 @@ import qbits
 collect_ignore = [
     "tests/data/make_aqt_golden.py",
     "tests/data/make_bnb_optim.py",
+    "tests/data/make_more_checkpoints.py",
     "tests/data/make_quantized_checkpoints.py",
     "tests/data/reference_read.py",
     "tests/ops/sharded_check.py",

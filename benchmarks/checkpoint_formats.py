@@ -1,9 +1,11 @@
 """Standard quantized checkpoints: qbits' reads and writes against the references.
 
-Read: every checkpoint of tests/data/quantized (written by AutoGPTQ 0.7.1
-and compressed-tensors 0.20.0, tests/data/make_quantized_checkpoints.py),
+Read: every checkpoint of tests/data/quantized (written by AutoGPTQ 0.7.1,
+compressed-tensors 0.20.0 and AutoAWQ 0.2.9,
+tests/data/make_quantized_checkpoints.py and make_more_checkpoints.py),
 read by ``qbits.interop.read_checkpoint``: are its dequantized weights the
-reference's bit for bit (GPTQ's reference dequantizes in float16), how far
+reference's bit for bit (GPTQ's and AWQ's dequantize in float16,
+compressed-tensors' NVFP4 in bfloat16), how far
 is the served matmul from the reference weights' float matmul, and how
 many bytes are held per float32 byte.
 
@@ -16,7 +18,7 @@ read, written back), float32 ones otherwise (qbits' PTQ scales: a float32
 model's GPTQ checkpoint, which AutoGPTQ reads in float32).
 
 Run: python benchmarks/checkpoint_formats.py [--refvenv /work/refvenv]
-(writes benchmarks/results/checkpoint_formats.json and .md).
+[--read-only] (writes benchmarks/results/checkpoint_formats.json and .md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 import qbits
@@ -59,8 +62,14 @@ def read_rows() -> list[dict]:
         exact, err, held, floats = True, 0.0, 0, 0
         for m, qt in ckpt.weights.items():
             w = np.asarray(qt.dequant()).T
-            if ckpt.format.startswith("gptq"):
+            order = ckpt.input_orders.get(m)
+            if order is not None:  # act-order: rows are the inputs sorted by group
+                w = w[:, np.argsort(order)]
+                held += order.nbytes
+            if ckpt.format.startswith(("gptq", "awq")):  # float16 references
                 w = w.astype(np.float16).astype(np.float32)
+            elif ckpt.format.endswith("nvfp4-pack-quantized"):  # bfloat16's
+                w = w.astype(ml_dtypes.bfloat16).astype(np.float32)
             exact &= bool(np.array_equal(w, ref[f"weight/{m}"]))
             held += qt.nbytes
             floats += 4 * int(np.prod(qt.shape))
@@ -70,13 +79,20 @@ def read_rows() -> list[dict]:
         }
         x = jnp.asarray(ref["x"][:, :64])
         only = qbits.interop.Checkpoint(
-            ckpt.format, ckpt.weights, ckpt.quantizers, {}, ckpt.quantization_config
+            ckpt.format,
+            ckpt.weights,
+            ckpt.quantizers,
+            {},
+            ckpt.quantization_config,
+            ckpt.input_orders,
         )
         names = [(r".*\.(q|o)_proj\.weight", r"\1")]
         sp, config = qbits.interop.serving_params(only, _fn, params, x, names=names)
         got = np.asarray(qbits.serving.serve(_fn, config)(sp, x))
-        want = ref["x"][:, :64] @ ref[f"weight/{NAMES['q']}"].T
-        want = want @ ref[f"weight/{NAMES['o']}"].T
+        # the reference's float32 weights where it has them (NVFP4's)
+        fp32 = "weight32" if f"weight32/{NAMES['q']}" in ref else "weight"
+        want = ref["x"][:, :64] @ ref[f"{fp32}/{NAMES['q']}"].T
+        want = want @ ref[f"{fp32}/{NAMES['o']}"].T
         err = float(np.abs(got - want).max() / np.abs(want).max())
         q = ckpt.weights[NAMES["q"]]
         grid = ckpt.quantizers[NAMES["q"]].granularity
@@ -84,8 +100,16 @@ def read_rows() -> list[dict]:
             {
                 "checkpoint": d.name,
                 "format": ckpt.format,
-                "qbits": f"{q.qdtype.name}, {type(grid).__name__}"
-                + (", zero points" if q.zero_point is not None else ""),
+                "qbits": f"{'NF4 ' if q.codebook else ''}{q.qdtype.name}, "
+                f"{type(grid).__name__}"
+                + (
+                    f" {grid.tile_size} x {grid.free_tile_size}"
+                    if getattr(grid, "free_tile_size", 1) > 1
+                    else ""
+                )
+                + (", zero points" if q.zero_point is not None else "")
+                + (", input order" if ckpt.input_orders else "")
+                + (", E4M3 scales, tensor scale" if q.tensor_scale is not None else ""),
                 "bit_exact": exact,
                 "served_rel_err": err,
                 "bytes_per_float32_byte": held / floats,
@@ -205,13 +229,20 @@ def _md(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refvenv", default="/work/refvenv", type=pathlib.Path)
+    parser.add_argument(
+        "--read-only",
+        action="store_true",
+        help="measure the reads again; keep the write rows of the last run",
+    )
     args = parser.parse_args()
+    out = ROOT / "benchmarks" / "results" / "checkpoint_formats"
     result = {
         "what": "qbits.interop vs AutoGPTQ 0.7.1 and compressed-tensors 0.20.0, CPU",
         "read": read_rows(),
-        "write": write_rows(args.refvenv),
+        "write": json.loads(out.with_suffix(".json").read_text())["write"]
+        if args.read_only
+        else write_rows(args.refvenv),
     }
-    out = ROOT / "benchmarks" / "results" / "checkpoint_formats"
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(_md(result))
     print(_md(result))

@@ -2,7 +2,7 @@
 
 :func:`read_checkpoint` reads a checkpoint that PyTorch tools quantized
 (safetensors shards and the ``quantization_config`` of ``config.json``:
-GPTQ, compressed-tensors) into qbits' stored weights (a
+GPTQ, AWQ, compressed-tensors, DeepSeek's block FP8) into qbits' stored weights (a
 :class:`Checkpoint`: codes, scales and zero points, never a float copy of a
 weight); :func:`write_checkpoint` writes qbits' stored weights (a
 :func:`qbits.ptq.quantize_weights` result's, a checkpoint's) in those

@@ -14,14 +14,24 @@ import numpy as np
 from qbits._errors import InvalidArgumentError
 from qbits._quantizer import Quantizer
 from qbits._tensor import QTensor
+from qbits.interop._awq import read_awq
+from qbits.interop._bnb import PARTS as _BNB_PARTS
+from qbits.interop._bnb import read_bnb
 from qbits.interop._codes import Decoded, from_qtensor, to_qtensor
 from qbits.interop._compressed import read_compressed, write_compressed
+from qbits.interop._fp8block import read_fp8_blocks
 from qbits.interop._gptq import read_gptq, write_gptq
 from qbits.interop._safetensors import bad, read_tensors, write_tensors
 
 __all__ = ["Checkpoint", "read_checkpoint", "write_checkpoint"]
 
-_READERS = {"gptq": read_gptq, "compressed-tensors": read_compressed}
+_READERS = {
+    "gptq": read_gptq,
+    "awq": read_awq,
+    "compressed-tensors": read_compressed,
+    "fp8": read_fp8_blocks,
+    "bitsandbytes": read_bnb,
+}
 _WRITE_FORMATS = ("gptq", "gptq_v2", "compressed-tensors")
 # Parts of a quantized module that are not other tensors of the model.
 _PARTS = (
@@ -33,6 +43,9 @@ _PARTS = (
     ".weight_shape",
     ".weight_scale",
     ".weight_zero_point",
+    ".weight_global_scale",
+    ".weight_scale_inv",
+    *_BNB_PARTS,
 )
 
 
@@ -41,12 +54,14 @@ class Checkpoint:
     """A pre-quantized checkpoint, read into qbits' stored weights.
 
     Attributes:
-      format: ``"gptq"``, ``"gptq_v2"`` or ``"compressed-tensors/<format>"``.
+      format: ``"gptq"``, ``"gptq_v2"``, ``"awq"``, ``"fp8"`` or
+        ``"compressed-tensors/<format>"``.
       weights: ``{PyTorch module name: QTensor}``: each quantized ``Linear``
         weight stored as qbits serves a dense kernel, ``[in, out]`` (the
         transpose of PyTorch's ``[out, in]``): int4/uint4 codes packed two
         per byte along ``out``, int8/uint8 or float8_e4m3fn codes, float32
-        scales per block, int16 zero points for asymmetric grids. No float
+        scales per block, int16 zero points for asymmetric grids; NVFP4's
+        float4_e2m1fn codes with E4M3 scales under a tensor scale. No float
         copy of a weight is held.
       quantizers: ``{module name: Quantizer}``: the qbits grid each weight
         is on (``IntNumerics``/``UintNumerics``/``Fp8Numerics`` with
@@ -55,6 +70,12 @@ class Checkpoint:
       tensors: Every other tensor (norms, embeddings, unquantized layers),
         by name, as stored (PyTorch layout).
       quantization_config: The ``quantization_config`` of ``config.json``.
+      input_orders: ``{module name: int32 [in]}`` for act-order GPTQ
+        weights (``desc_act``, ``g_idx`` not ``i // group_size``): the
+        weight's rows hold the inputs sorted by group, row ``r`` PyTorch's
+        input ``order[r]``, so that each group is contiguous; serving
+        multiplies ``x[..., order]`` by it (:func:`serving_params` carries
+        the order along). Empty for every other checkpoint.
 
     Example:
       >>> import os, qbits.interop
@@ -72,6 +93,7 @@ class Checkpoint:
     quantizers: Mapping[str, Quantizer]
     tensors: Mapping[str, np.ndarray]
     quantization_config: Mapping[str, Any]
+    input_orders: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -79,12 +101,13 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
     Formats (``quantization_config.quant_method`` of ``config.json``):
     ``gptq`` (AutoGPTQ, GPTQModel and transformers' layout: 4 and 8 bits,
-    symmetric or not, groups or one per channel, ``checkpoint_format``
-    ``gptq`` or ``gptq_v2``) and ``compressed-tensors`` (``pack-quantized``
-    int4/int8 with group, channel or tensor scales and zero points;
-    ``float-quantized`` FP8 E4M3 with channel or tensor scales). Every
-    tensor is checked against the declared format before anything is
-    returned.
+    symmetric or not, groups or one per channel, act-order, ``checkpoint_format``
+    ``gptq`` or ``gptq_v2``), ``awq`` (AutoAWQ's GEMM layout),
+    ``compressed-tensors`` (``pack-quantized`` int4/int8 with group,
+    channel or tensor scales and zero points; ``float-quantized`` FP8 E4M3
+    with channel or tensor scales; ``nvfp4-pack-quantized``) and ``fp8``
+    (DeepSeek-V3's E4M3 weights with 2-D block scales). Every tensor is
+    checked against the declared format before anything is returned.
 
     Args:
       path: The checkpoint folder: ``config.json`` and one
@@ -97,9 +120,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     Raises:
       InvalidArgumentError: One line naming the file and tensor: an unknown
         format or bit width, a missing tensor, shapes or dtypes that do not
-        fit the declared format, a truncated shard, act-order groups (GPTQ
-        ``g_idx`` not ``i // group_size``, or ``desc_act`` without
-        ``g_idx``).
+        fit the declared format, a truncated shard, ``desc_act`` without
+        ``g_idx``, or a ``g_idx`` whose groups do not hold ``group_size``
+        inputs each.
 
     Example:
       >>> import os, qbits.interop
@@ -131,23 +154,23 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
             f"{config_file}: quant_method",
             method,
             " or ".join(_READERS),
-            why="awq, fp8 (128x128 blocks), bitsandbytes and nvfp4 not yet",
+            why="hqq, eetq, torchao and other methods not yet",
         )
     tensors = read_tensors(folder)
     decoded = _READERS[method](tensors, qc, str(folder))
-    fmt = (
-        qc.get("checkpoint_format", "gptq")
-        if method == "gptq"
-        else (f"compressed-tensors/{qc.get('format')}")
-    )
+    fmt = {
+        "gptq": qc.get("checkpoint_format", "gptq"),
+        "compressed-tensors": f"compressed-tensors/{qc.get('format')}",
+    }.get(method, method)
     used = {m + p for m in decoded for p in _PARTS}
-    used |= {f"{m}.weight" for m, d in decoded.items() if d.kind == "fp8"}
+    used |= {f"{m}.weight" for m, d in decoded.items() if d.kind in ("fp8", "nf4")}
     return Checkpoint(
         format=fmt,
         weights={m: to_qtensor(d) for m, d in decoded.items()},
         quantizers={m: d.quantizer() for m, d in decoded.items()},
         tensors={k: v for k, v in tensors.items() if k not in used},
         quantization_config=qc,
+        input_orders={m: d.order for m, d in decoded.items() if d.order is not None},
     )
 
 

@@ -23,7 +23,13 @@ from qbits._calibration import AbsMax
 from qbits._granularity import PerChannel, PerTensor, Tiled
 from qbits._quantizer import Quantizer
 from qbits._tensor import QTensor
-from qbits.numerics import Fp8Numerics, IntNumerics, UintNumerics
+from qbits.numerics import (
+    Fp8Numerics,
+    FpNumerics,
+    IntNumerics,
+    Nf4Numerics,
+    UintNumerics,
+)
 
 __all__ = ["Decoded", "from_qtensor", "pack_words", "to_qtensor", "unpack_words"]
 
@@ -33,16 +39,25 @@ class Decoded:
     """A weight's codes ``[in, out]``, scales and zero points per block.
 
     ``scale`` (float32) and ``zero`` (int16, or ``None``) have shape
-    ``(in // group, out)`` (groups), ``(1, out)`` (per channel) or ``(1,
-    1)`` (per tensor); ``signed``: int codes centred on zero (no zero
-    point), ``False``: unsigned codes with zero points; ``fp8``: E4M3 codes.
+    ``(in // group, out)`` (groups), ``(1, out)`` (per channel), ``(1,
+    1)`` (per tensor) or ``(in // group, out // free)`` (2-D blocks);
+    ``kind``: ``int``: signed codes centred on zero (no zero point),
+    ``uint``: unsigned codes with zero points, ``fp8``: E4M3 codes,
+    ``nf4``: indices 0..15 of NF4's levels (a codebook).
+    ``order``: ``None``, or the PyTorch input each row of ``codes`` holds
+    (GPTQ act-order: the inputs sorted by group); the matmul then takes its
+    activation as ``x[..., order]``. ``fp4``: NVFP4, E2M1 codes with E4M3
+    block scales (held as float32, each exactly an E4M3 value) under the
+    float32 ``tensor_scale``.
     """
 
     codes: np.ndarray
     scale: np.ndarray
     zero: np.ndarray | None
     bits: int
-    kind: str  # "int", "uint" or "fp8"
+    kind: str  # "int", "uint", "fp8", "fp4" or "nf4"
+    order: np.ndarray | None = None
+    tensor_scale: float | None = None
 
     @property
     def group(self) -> int:
@@ -51,14 +66,23 @@ class Decoded:
 
     def quantizer(self) -> Quantizer:
         """The qbits quantizer whose grid these codes are on."""
+        if self.kind == "nf4":  # QLoRA's codes in blocks along the input axis
+            return Quantizer(Nf4Numerics(), AbsMax(), Tiled(tile_size=self.group))
+        if self.kind == "fp4":  # NVFP4: qbits.config.presets.nvfp4's weights
+            return Quantizer(
+                FpNumerics("float4_e2m1fn"), AbsMax(), Tiled(tile_size=16), "e4m3"
+            )
         if self.kind == "fp8":
             numerics: Any = Fp8Numerics("float8_e4m3fn")
         elif self.kind == "uint":
             numerics = UintNumerics(bits=self.bits)
         else:
             numerics = IntNumerics(bits=self.bits)
+        free = self.codes.shape[1] // self.scale.shape[1]  # outputs per scale
         if self.scale.shape == (1, 1) and self.codes.shape[1] != 1:
             granularity: Any = PerTensor()
+        elif free > 1:  # blocks of group x free (DeepSeek-V3's 128 x 128)
+            granularity = Tiled(tile_size=self.group, free_tile_size=free)
         elif self.scale.shape[0] == 1:
             granularity = PerChannel()
         else:
@@ -77,13 +101,19 @@ _STORAGE = {
 
 def to_qtensor(d: Decoded) -> QTensor:
     """The stored QTensor serving reads (4-bit codes packed along ``out``)."""
-    dtype = np.dtype(_STORAGE[d.kind, d.bits])
+    fp4 = d.kind == "fp4"
+    own = {"fp4": ml_dtypes.float4_e2m1fn, "nf4": ml_dtypes.uint4}
+    dtype = np.dtype(own.get(d.kind) or _STORAGE[d.kind, d.bits])
     qt = QTensor(
         jnp.asarray(d.codes.astype(dtype)),
-        jnp.asarray(d.scale, jnp.float32),
+        jnp.asarray(d.scale, jnp.float8_e4m3fn if fp4 else jnp.float32),
         qdtype=dtype,
         dtype=np.dtype(np.float32),
         zero_point=None if d.zero is None else jnp.asarray(d.zero, jnp.int16),
+        tensor_scale=None
+        if d.tensor_scale is None
+        else jnp.full((1, 1), d.tensor_scale, jnp.float32),
+        codebook=Nf4Numerics().levels if d.kind == "nf4" else None,
     )
     return qt.pack(axis=-1) if d.bits == 4 else qt
 

@@ -25,6 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from qbits.interop._codes import Decoded, pack_words, unpack_words
@@ -32,7 +33,12 @@ from qbits.interop._safetensors import bad
 
 __all__ = ["read_compressed", "write_compressed"]
 
-FORMATS = ("pack-quantized", "float-quantized", "naive-quantized")
+FORMATS = (
+    "pack-quantized",
+    "float-quantized",
+    "naive-quantized",
+    "nvfp4-pack-quantized",
+)
 _STRATEGIES = ("group", "channel", "tensor")
 
 
@@ -51,7 +57,7 @@ def _scheme(qc: Mapping[str, Any], module: str, where: str) -> tuple[str, dict]:
                     raise bad(
                         f"{where}/config.json: config_groups.{name}.format",
                         fmt,
-                        "pack-quantized or float-quantized",
+                        "pack-quantized, float-quantized or nvfp4-pack-quantized",
                     )
                 return fmt, dict(group.get("weights") or {})
     raise bad(
@@ -71,6 +77,9 @@ def read_compressed(
     )
     for m in modules:
         fmt, args = _scheme(qc, m, where)
+        if fmt == "nvfp4-pack-quantized":
+            out[m] = _nvfp4(tensors, m, args, where)
+            continue
         bits, kind = args.get("num_bits"), args.get("type")
         strategy, sym = args.get("strategy"), args.get("symmetric", True)
         if strategy not in _STRATEGIES:
@@ -159,6 +168,66 @@ def read_compressed(
             why="config.json declares quant_method compressed-tensors",
         )
     return out
+
+
+def _nvfp4(
+    tensors: Mapping[str, np.ndarray], m: str, args: Mapping[str, Any], where: str
+) -> Decoded:
+    """An ``nvfp4-pack-quantized`` weight: E2M1 codes, E4M3 scales, global scale.
+
+    ``weight_packed`` uint8 ``[out, in / 2]`` (element ``2i`` in the low
+    nibble, each nibble E2M1's bits), ``weight_scale`` float8_e4m3fn
+    ``[out, in / 16]``, ``weight_global_scale`` float32 ``[1]``; the
+    weight is ``q * (scale / global_scale)``. qbits' NVFP4 holds the same
+    codes and scales under the tensor scale ``1 / global_scale`` (float32).
+    """
+    want = {
+        "num_bits": 4,
+        "type": "float",
+        "strategy": "tensor_group",
+        "group_size": 16,
+        "symmetric": True,
+    }
+    got = {k: args.get(k) for k in want}
+    if got != want:
+        raise bad(f"{where}: {m} weights", got, f"NVFP4's {want}")
+    parts = {}
+    for part, dtype in (
+        ("weight_packed", "uint8"),
+        ("weight_scale", "float8_e4m3fn"),
+        ("weight_global_scale", "float32"),
+    ):
+        t = tensors.get(f"{m}.{part}")
+        if t is None or t.dtype.name != dtype:
+            raise bad(
+                f"{where}: {m}.{part}",
+                "missing" if t is None else f"{t.dtype}{list(t.shape)}",
+                f"{dtype}, nvfp4-pack-quantized's {part}",
+            )
+        parts[part] = t
+    packed, scale, gs = parts.values()
+    n_out, n_in = packed.shape[0], 2 * packed.shape[-1]
+    for part, shape in (
+        ("weight_packed", (n_out, n_in // 2)),
+        ("weight_scale", (n_out, n_in // 16)),
+        ("weight_global_scale", (1,)),
+    ):
+        if parts[part].shape != shape or n_in % 16:
+            raise bad(
+                f"{where}: {m}.{part}",
+                list(parts[part].shape),
+                f"{list(shape)} for a [{n_out}, {n_in}] weight in groups of 16",
+            )
+    nibbles = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n_out, n_in)
+    codes = nibbles.T.astype(np.uint8).view(ml_dtypes.float4_e2m1fn)
+    return Decoded(
+        codes.astype(np.float32),
+        scale.T.astype(np.float32),
+        None,
+        4,
+        "fp4",
+        tensor_scale=float(np.float32(1) / gs[0]),
+    )
 
 
 def write_compressed(

@@ -9,9 +9,11 @@ b`` values per int32 word, groups of ``g`` inputs, ``-1``: one group):
   ``out``; ``checkpoint_format: gptq`` (v1) stores ``zero - 1`` (the
   weight is ``(q - (stored + 1)) * s``), ``gptq_v2`` the zero itself;
 - ``m.scales`` ``[in / g, out]``: float16 (a float32 model's: float32);
-- ``m.g_idx`` int32 ``[in]``: the group of each input (act-order,
-  ``desc_act``, permutes it; qbits serves only contiguous groups,
-  ``g_idx[i] == i // g``).
+- ``m.g_idx`` int32 ``[in]``: the group of each input, ``i // g``, or
+  under act-order (``desc_act``) any assignment of ``g`` inputs to each
+  group: qbits then stores the inputs sorted by group (stable), so that
+  groups are contiguous blocks again, and keeps that order: the served
+  matmul takes its activation's inputs in it (``x[..., order] @ w``).
 
 ``sym: true`` checkpoints hold the zero point ``2^(b-1)`` everywhere:
 qbits reads them as signed codes ``q - 2^(b-1)`` (int4, int8) with no
@@ -111,16 +113,23 @@ def read_gptq(
                     f"{list(want)} for a "
                     f"{bits}-bit [{n_out}, {n_in}] weight in groups of {size}",
                 )
+        order = None
         if f"{m}.g_idx" in tensors:
             g_idx = need("g_idx", np.int32)
             if not np.array_equal(g_idx, np.arange(n_in) // size):
-                raise bad(
-                    f"{where}: {m}.g_idx",
-                    "act-order groups (g_idx not i // group_size)",
-                    "contiguous groups",
-                    why="qbits' groups are contiguous blocks of "
-                    "inputs; an act-order checkpoint needs its inputs permuted",
-                )
+                # act-order: the inputs sorted by group make contiguous groups
+                order = np.argsort(g_idx, kind="stable").astype(np.int32)
+                if g_idx.shape != (n_in,) or not np.array_equal(
+                    g_idx[order], np.arange(n_in) // size
+                ):
+                    raise bad(
+                        f"{where}: {m}.g_idx",
+                        f"{list(g_idx.shape)}, groups {g_idx.min()}..{g_idx.max()} "
+                        f"of {np.bincount(g_idx.clip(0)).max()} inputs at most",
+                        f"{groups} groups of {size} inputs each",
+                        why="an act-order checkpoint permutes its inputs; "
+                        "each group holds group_size of them",
+                    )
         elif act_order:
             raise bad(
                 f"{where}: {m}.g_idx",
@@ -129,6 +138,8 @@ def read_gptq(
                 why="desc_act (act-order) checkpoints need each input's group",
             )
         codes = unpack_words(qweight, bits, 0)
+        if order is not None:
+            codes = codes[order]
         zero = unpack_words(qzeros, bits, 1)[:, :n_out] + (0 if v2 else 1)
         scale = scales.astype(np.float32)
         if sym:
@@ -139,9 +150,9 @@ def read_gptq(
                     "the symmetric grid's",
                     why="config.json declares sym: true",
                 )
-            out[m] = Decoded(codes - (1 << (bits - 1)), scale, None, bits, "int")
+            out[m] = Decoded(codes - (1 << (bits - 1)), scale, None, bits, "int", order)
         else:
-            out[m] = Decoded(codes, scale, zero.astype(np.int16), bits, "uint")
+            out[m] = Decoded(codes, scale, zero.astype(np.int16), bits, "uint", order)
     return out
 
 

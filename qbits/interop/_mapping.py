@@ -101,6 +101,8 @@ def _path(keys: Sequence[Any]) -> str:
 def _reshaped(qt: QTensor, shape: tuple[int, ...], where: str) -> QTensor:
     """A stored ``[in, out]`` weight laid out as a parameter of ``shape``."""
     n_in, n_out = qt.shape
+    if tuple(shape) == (n_in, n_out):  # a kernel as stored (block scales too)
+        return qt
     if shape[0] == n_in and math.prod(shape[1:]) == n_out:  # [in, *out]
         lead, rest = 1, shape[1:]
     elif shape[-1] == n_out and math.prod(shape[:-1]) == n_in:  # [*in, out]
@@ -254,14 +256,28 @@ def serving_params(
     matmuls = transform._store_weights(caller, fn, probe, tree, *args, **kwargs)
     by_keys = {tuple(leaves[i][0]): i for i in stored}
     given: dict[str, QTensor] = {}
+    paths_of: dict[str, int] = {}
     rules = []
     for path, s in matmuls.items():
         i = by_keys.get(tuple(s.keys))
         if i is None:
             continue
         given[path] = stored[i]
+        paths_of[path] = i
         q: Quantizer = quantizers[i]
         rules.append(Rule(re.escape(path), DotGeneralConfig(fwd=MatmulConfig(rhs=q))))
     config = QuantConfig(rules=tuple(rules), default=None)
     result = PtqResult(tree, (), QuantConfig(), stored=given)
-    return serving.convert(fn, config, result, *args, **kwargs), config
+    sp = serving.convert(fn, config, result, *args, **kwargs)
+    # act-order weights: the matmul takes its inputs in the stored rows' order
+    orders = {
+        path: checkpoint.input_orders.get(found[i][0][: -len(".weight")])
+        for path, i in paths_of.items()
+    }
+    weights = {
+        path: {**arrays, "input_order": jnp.asarray(orders[path])}
+        if orders.get(path) is not None
+        else arrays
+        for path, arrays in sp.weights.items()
+    }
+    return sp.replace(weights=weights), config

@@ -22,6 +22,7 @@ the float parameters bit for bit.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -48,7 +49,18 @@ from qbits.serving._layout import (
     stored_qtensor,
 )
 
-__all__ = ["ServingParams", "convert_params", "replaced", "serve_params", "store"]
+__all__ = [
+    "ORDER",
+    "ServingParams",
+    "convert_params",
+    "replaced",
+    "serve_params",
+    "store",
+]
+
+
+# A stored weight's optional array: the order of its contracting inputs.
+ORDER = "input_order"
 
 
 class ServingParams(struct.PyTreeNode):
@@ -62,8 +74,11 @@ class ServingParams(struct.PyTreeNode):
         (any pytree), each parameter that a stored weight replaces an empty
         placeholder (shape ``(0,)``, its dtype).
       weights: ``{matmul path: {"qvalue": array, "scale": array}}``: the
-        stored weights (with ``"zero_point"`` for asymmetric grids and
-        ``"tensor_scale"`` for NVFP4's two-level scales).
+        stored weights (with ``"zero_point"`` for asymmetric grids,
+        ``"tensor_scale"`` for NVFP4's two-level scales, and
+        ``"input_order"`` for a weight whose rows hold its inputs in
+        another order, an act-order GPTQ checkpoint's: the matmul then
+        multiplies ``x[..., input_order]``).
       layers: One ``LayerInfo`` per stored weight: its path, kind, shape
         and dtype as the matmul sees it, contracting axes, stored format,
         packing, the key path of the float parameter it replaces and its
@@ -285,8 +300,8 @@ def _arrays(qt: QTensor) -> dict[str, jax.Array]:
     return arrays
 
 
-def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict]:
-    """The parameters to trace with (zeros filled in), and the stored QTensors."""
+def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict, dict]:
+    """The parameters to trace with (zeros filled in), the stored QTensors, orders."""
     if not isinstance(serving, ServingParams):
         why = "these are not serving params"
         if isinstance(serving, Mapping):
@@ -301,11 +316,15 @@ def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict]:
         )
     fwd = forward_only(config)
     check_layers(owner, fwd, config, serving.layers)
-    stored, fills = {}, {}
+    stored, fills, orders = {}, {}, {}
     for info in serving.layers:
         arrays = serving.weights.get(info.path)
         quantizer = fwd.resolve(info.path).config.fwd.rhs
         parts = stored_parts(quantizer)
+        if isinstance(arrays, Mapping) and ORDER in arrays:
+            arrays = dict(arrays)
+            orders[info.path] = arrays.pop(ORDER)
+            _check_order(owner, info, orders[info.path])
         if not isinstance(arrays, Mapping) or set(arrays) != set(parts):
             raise InvalidArgumentError(
                 owner,
@@ -333,7 +352,31 @@ def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict]:
     def info_of(leaf: Any) -> str:
         return f"a {np.dtype(leaf.dtype).name}{list(jnp.shape(leaf))} leaf"
 
-    return replaced(serving.params, fills, fill), stored
+    return replaced(serving.params, fills, fill), stored, orders
+
+
+def _check_order(owner: str, info: LayerInfo, order: Any) -> None:
+    """An input order is an int permutation of the weight's contracting inputs."""
+    k = math.prod(info.shape[a] for a in info.contracting)
+    if jnp.shape(order)[-1:] != (k,) or not jnp.issubdtype(
+        jnp.result_type(order), jnp.integer
+    ):
+        raise InvalidArgumentError(
+            owner,
+            f"serving.weights[{info.path!r}][{ORDER!r}]",
+            f"{jnp.result_type(order).name}{list(jnp.shape(order))}",
+            f"an integer permutation of the {k} contracting inputs",
+        )
+
+
+def _in_order(matmul: Any, rows: jax.Array, order: jax.Array) -> jax.Array:
+    """The activation's rows ``(..., K)`` with their inputs in ``order``."""
+    return jnp.take(rows, order, axis=-1)
+
+
+# Runs the matmuls whose stored weight holds its inputs in another order
+# (an act-order GPTQ checkpoint: qbits.interop) on x[..., order].
+_ORDERED = transform.Adapter(before=_in_order)
 
 
 def serve_params(
@@ -343,8 +386,12 @@ def serve_params(
     caller = transform._Caller(owner)
 
     def served(serving: Any, *args: Any, **kwargs: Any) -> Any:
-        params, stored = _unpack(owner, config, serving)
-        run = transform._quantize(caller, fn, forward_only(config), stored=stored)
+        params, stored, orders = _unpack(owner, config, serving)
+        fwd = forward_only(config)
+        if orders:
+            run = transform._adapt(caller, fn, fwd, _ORDERED, orders, stored=stored)
+        else:
+            run = transform._quantize(caller, fn, fwd, stored=stored)
         return run(params, *args, **kwargs)
 
     return served

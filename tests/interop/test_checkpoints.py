@@ -13,6 +13,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -20,14 +21,18 @@ import qbits.interop
 from qbits.interop._safetensors import read_tensors, write_tensors
 
 DATA = pathlib.Path(__file__).parents[1] / "data" / "quantized"
-# Each holds q_proj and o_proj (the act-order one is refused; the LM apart).
-READABLE = sorted(
-    p.name
-    for p in DATA.iterdir()
-    if p.name not in ("gptq_w4g16_actorder", "ct_qbits_lm")
-)
+# Each holds q_proj and o_proj (the LM apart).
+READABLE = sorted(p.name for p in DATA.iterdir() if p.name != "ct_qbits_lm")
 # Served as well (one compile each): a checkpoint of each kind of weight.
-SERVED = ("gptq_w4g16_asym", "gptq_w8g32_sym", "ct_w4g32_sym", "ct_fp8_channel")
+SERVED = (
+    "gptq_w4g16_asym",
+    "gptq_w8g32_sym",
+    "gptq_w4g16_actorder",
+    "ct_w4g32_sym",
+    "ct_fp8_channel",
+    "fp8_block16x32",
+    "bnb_nf4_dq",
+)
 Q_PROJ, OUT_PROJ = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
 
 
@@ -54,18 +59,42 @@ def test_reads_codes_and_scales_bit_for_bit_and_serves_the_reference(name):
     ckpt = qbits.interop.read_checkpoint(DATA / name)
     ref = np.load(DATA / name / "reference.npz")
     gptq = name.startswith("gptq")
+    half = name.startswith(("gptq", "awq"))  # references in float16
     assert sorted(ckpt.weights) == [OUT_PROJ, Q_PROJ]
     assert sorted(ckpt.tensors) == ["lm_head.weight", "model.norm.weight"]
+    assert sorted(ckpt.input_orders) == (
+        [OUT_PROJ, Q_PROJ] if "actorder" in name else []
+    )
     for m, qt in ckpt.weights.items():
         w = np.asarray(qt.dequant()).T  # [out, in], as PyTorch
-        # GPTQ's reference dequantizes in float16: qbits' exact product, rounded once
-        got = w.astype(np.float16).astype(np.float32) if gptq else w
+        # act-order: the stored rows are the inputs sorted by group
+        order = ckpt.input_orders.get(m, np.arange(w.shape[1]))
+        w = w[:, np.argsort(order)]
+        # GPTQ's and AWQ's references dequantize in float16: qbits' exact
+        # product, rounded once
+        got = w.astype(np.float16).astype(np.float32) if half else w
+        if "nvfp4" in name:  # compressed-tensors decompresses NVFP4 to bfloat16
+            got = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+            codes = np.asarray(qt.unpack().qvalue).astype(np.float32).T
+            np.testing.assert_array_equal(codes, ref[f"codes/{m}"])
+            # its float32 dequantize: scale / global_scale, qbits' scale *
+            # (1 / global_scale): float32 roundings apart
+            np.testing.assert_allclose(w, ref[f"weight32/{m}"], rtol=2**-22, atol=0)
         np.testing.assert_array_equal(got, ref[f"weight/{m}"])
+        if name.startswith("bnb"):  # the absmax bitsandbytes double-dequantizes
+            np.testing.assert_array_equal(qt.scale.T.ravel(), ref[f"absmax/{m}"])
+        if name.startswith("awq"):  # AutoAWQ's zero points and fp16 scales
+            np.testing.assert_array_equal(qt.zero_point.T, ref[f"zeros/{m}"])
+            np.testing.assert_array_equal(
+                np.asarray(qt.scale).T.astype(np.float16), ref[f"scales/{m}"]
+            )
         if gptq:  # the codes the packer was given, its fp16 scales
             codes = np.asarray(qt.unpack().qvalue).astype(np.int32)
             if qt.zero_point is None:  # signed codes: GPTQ's are offset by 2^(bits-1)
                 codes += 8 if qt.qdtype.name == "int4" else 128
-            np.testing.assert_array_equal(codes.T, ref[f"codes/{m}"])
+            np.testing.assert_array_equal(
+                codes.T[:, np.argsort(order)], ref[f"codes/{m}"]
+            )
             np.testing.assert_array_equal(
                 np.asarray(qt.scale).T.astype(np.float16), ref[f"scales/{m}"]
             )
@@ -78,9 +107,14 @@ def test_reads_codes_and_scales_bit_for_bit_and_serves_the_reference(name):
         "model/layers/0/self_attn/o_proj",
     }
     q, _, _ = qbits.serving.serve(_llama, config)(sp, x[:, :64])
-    want = (
-        ref["x"][:, :64] @ ref[f"weight/{Q_PROJ}"].T
-    )  # the reference weights, in float
+    if "actorder" in name:  # the input order rides with the stored weight
+        path = "model/layers/0/self_attn/q_proj"
+        arrays = {**sp.weights[path], "input_order": jnp.arange(63)}
+        bad = sp.replace(weights={**sp.weights, path: arrays})
+        with pytest.raises(qbits.InvalidArgumentError, match="input_order"):
+            qbits.serving.serve(_llama, config)(bad, x[:, :64])
+    # the reference weights, in float
+    want = ref["x"][:, :64] @ ref.get(f"weight32/{Q_PROJ}", ref[f"weight/{Q_PROJ}"]).T
     np.testing.assert_allclose(np.asarray(q), want, rtol=2e-3, atol=2e-4)
     # and the reference's own forward (float16 for GPTQ)
     np.testing.assert_allclose(np.asarray(q), ref[f"y/{Q_PROJ}"], rtol=2e-2, atol=2e-3)
@@ -110,8 +144,13 @@ def _error(path):
 
 
 def test_bad_checkpoints_are_one_line_errors_naming_file_and_tensor(tmp_path):
-    text = _error(DATA / "gptq_w4g16_actorder")
-    assert "o_proj.g_idx" in text and "act-order" in text
+    def uneven(t):  # act-order groups, one of them holding 17 inputs
+        g_idx = t[f"{OUT_PROJ}.g_idx"].copy()
+        g_idx[np.flatnonzero(g_idx == 0)[0]] = 1
+        t[f"{OUT_PROJ}.g_idx"] = g_idx
+
+    text = _error(_copy(tmp_path, "gptq_w4g16_actorder", edit=uneven))
+    assert "o_proj.g_idx" in text and "of 17 inputs at most" in text
     path = _copy(
         tmp_path,
         "gptq_w4g16_asym",
@@ -127,9 +166,30 @@ def test_bad_checkpoints_are_one_line_errors_naming_file_and_tensor(tmp_path):
         _copy(tmp_path, "gptq_v2_w4g16_asym", config={"bits": 8, "group_size": 8})
     )
     assert f"{OUT_PROJ}.qzeros=[2, 4]" in text and "8-bit" in text
-    assert "quant_method='awq'" in _error(
-        _copy(tmp_path, "ct_fp8_tensor", config={"quant_method": "awq"})
+    assert "quant_method='hqq'" in _error(
+        _copy(tmp_path, "ct_fp8_tensor", config={"quant_method": "hqq"})
     )
+    # a checkpoint declared AWQ that is not: its tensors are checked
+    assert "*.qweight='missing'" in _error(
+        _copy(
+            tmp_path, "ct_fp8_tensor", config={"quant_method": "awq", "version": "gemm"}
+        )
+    )
+    assert "version='gemv'" in _error(
+        _copy(tmp_path, "awq_w4g16", config={"version": "gemv"})
+    )
+    text = _error(_copy(tmp_path, "awq_w4g16", config={"group_size": 32}))
+    assert f"{OUT_PROJ}.qzeros=[2, 4]" in text and "groups of 32" in text
+    path = _copy(tmp_path, "fp8_block16x32", config={"weight_block_size": [8, 32]})
+    assert f"{OUT_PROJ}.weight_scale_inv='float32[2, 1]'" in _error(path)
+    text = _error(_copy(tmp_path, "fp8_block16x32", config={"weight_block_size": None}))
+    assert "weight_block_size=None" in text
+    path = _copy(tmp_path, "bnb_nf4_dq", config={"bnb_4bit_quant_type": "fp4"})
+    assert "'True, fp4'" in _error(path)
+    path = _copy(
+        tmp_path, "bnb_nf4_dq", edit=lambda t: t.pop(f"{Q_PROJ}.weight.nested_absmax")
+    )
+    assert f"{Q_PROJ}.weight.nested_absmax='missing'" in _error(path)
     text = _error(
         _copy(
             tmp_path,
@@ -256,6 +316,6 @@ def test_qbits_import_lists_the_weights_or_prints_the_one_line_error(capsys):
     assert main(["import", str(DATA / "gptq_w4g16_asym")]) == 0
     out = capsys.readouterr().out
     assert f"{Q_PROJ} uint4 Tiled(16) + zero points" in out and "7.000" in out
-    assert main(["import", str(DATA / "gptq_w4g16_actorder")]) == 2
+    assert main(["import", str(DATA / "gptq_w4g16_asym" / "model.safetensors")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "o_proj.g_idx" in err
+    assert err.count("\n") == 1 and "config.json" in err

@@ -174,3 +174,37 @@ def test_missing_arrays_are_refused(setup):
     del weights["w1"]["tensor_scale"]
     with pytest.raises(qbits.InvalidArgumentError, match=r"'tensor_scale': array"):
         serving.serve(mlp, "nvfp4_weight_only")(sp.replace(weights=weights), x)
+
+
+@pytest.mark.optimized  # float4 casts (run in this module's optimized process)
+def test_a_compressed_tensors_nvfp4_checkpoint_serves_on_its_codes_and_scales():
+    # qbits.interop's NVFP4 read (tests/interop): compressed-tensors' codes,
+    # E4M3 scales and 1 / global scale served, against its float32 weights.
+    import pathlib
+
+    import ml_dtypes
+
+    import qbits.interop
+
+    data = pathlib.Path(__file__).parents[1] / "data" / "quantized" / "ct_nvfp4"
+    ckpt = qbits.interop.read_checkpoint(data)
+    ref = np.load(data / "reference.npz")
+    q, o = (f"model.layers.0.self_attn.{n}_proj" for n in ("q", "o"))
+
+    def fn(p, x):
+        return (x @ p["q"]) @ p["o"]
+
+    only = qbits.interop.Checkpoint(
+        ckpt.format, ckpt.weights, ckpt.quantizers, {}, ckpt.quantization_config
+    )
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in
+              (("q", (64, 32)), ("o", (32, 32)))}  # fmt: skip
+    names = [(r".*\.(q|o)_proj\.weight", r"\1")]
+    x = jnp.asarray(ref["x"][:, :64])
+    sp, config = qbits.interop.serving_params(only, fn, params, x, names=names)
+    assert sp.weights["q"]["qvalue"].dtype == np.uint8  # E2M1 codes, two a byte
+    assert sp.weights["q"]["scale"].dtype == ml_dtypes.float8_e4m3fn
+    assert sp.weights["q"]["tensor_scale"].shape == (1, 1)
+    got = serving.serve(fn, config)(sp, x)
+    want = ref["x"][:, :64] @ ref[f"weight32/{q}"].T @ ref[f"weight32/{o}"].T
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
