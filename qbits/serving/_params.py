@@ -358,9 +358,12 @@ def _unpack(owner: str, config: QuantConfig, serving: Any) -> tuple[Any, dict, d
 def _check_order(owner: str, info: LayerInfo, order: Any) -> None:
     """An input order is an int permutation of the weight's contracting inputs."""
     k = math.prod(info.shape[a] for a in info.contracting)
-    if jnp.shape(order)[-1:] != (k,) or not jnp.issubdtype(
+    bad = jnp.shape(order) != (k,) or not jnp.issubdtype(
         jnp.result_type(order), jnp.integer
-    ):
+    )
+    if not bad and not isinstance(order, jax.core.Tracer):  # its values: a permutation
+        bad = not np.array_equal(np.sort(np.asarray(order)), np.arange(k))
+    if bad:
         raise InvalidArgumentError(
             owner,
             f"serving.weights[{info.path!r}][{ORDER!r}]",

@@ -109,10 +109,11 @@ def test_reads_codes_and_scales_bit_for_bit_and_serves_the_reference(name):
     q, _, _ = qbits.serving.serve(_llama, config)(sp, x[:, :64])
     if "actorder" in name:  # the input order rides with the stored weight
         path = "model/layers/0/self_attn/q_proj"
-        arrays = {**sp.weights[path], "input_order": jnp.arange(63)}
-        bad = sp.replace(weights={**sp.weights, path: arrays})
-        with pytest.raises(qbits.InvalidArgumentError, match="input_order"):
-            qbits.serving.serve(_llama, config)(bad, x[:, :64])
+        for order in (jnp.arange(63), jnp.zeros(64, jnp.int32)):  # not a permutation
+            arrays = {**sp.weights[path], "input_order": order}
+            bad = sp.replace(weights={**sp.weights, path: arrays})
+            with pytest.raises(qbits.InvalidArgumentError, match="input_order"):
+                qbits.serving.serve(_llama, config)(bad, x[:, :64])
     # the reference weights, in float
     want = ref["x"][:, :64] @ ref.get(f"weight32/{Q_PROJ}", ref[f"weight/{Q_PROJ}"]).T
     np.testing.assert_allclose(np.asarray(q), want, rtol=2e-3, atol=2e-4)
