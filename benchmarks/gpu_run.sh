@@ -6,7 +6,7 @@
 # the example transformer at its GPU size in bf16, fp8_delayed, and fp8 and
 # fp8_delayed with attention's two einsums in bf16 (fp8_proj,
 # fp8_delayed_proj: qbits._experiments.LM_RECIPES; plain fp8 measured 0.89x
-# on 2026-11-27, estimated 0.90x: see benchmarks/results/gpu_estimate.md).
+# on 2026-11-27, estimated 0.86x now: see benchmarks/results/gpu_estimate.md).
 # Writes benchmarks/results/train_step_{mlp,lm}_gpu.{json,md} (or into $OUT)
 # and the optimized HLO of every variant (hlo_gpu.tgz).
 set -uo pipefail
