@@ -304,6 +304,7 @@ def gpu_estimate() -> str:
 def gpu_estimate_lm() -> str:
     rows = _json("gpu_estimate.json")["lm"]["results"]
     base = rows[0]
+    tiled = base["h200"]["device_ms_loop_transposes_tiled"]
 
     def before(r: dict, field: str) -> str:
         if "h200_before" not in r:
@@ -316,6 +317,7 @@ def gpu_estimate_lm() -> str:
             before(r, "measured_step_ms"),
             before(r, "estimate_ms"),
             f"{base['h200']['device_ms'] / r['h200']['device_ms']:.2f}x",
+            f"{tiled / r['h200']['device_ms_loop_transposes_tiled']:.2f}x",
             f"{r['h200']['device_ms']:.1f}",
         ]
         + [
@@ -329,6 +331,7 @@ def gpu_estimate_lm() -> str:
         "measured (step time)",
         "estimated, that program",
         "estimated now",
+        "now, loop transposes at the tiled rate",
         "now: device ms",
         "GEMMs",
         "attention GEMMs",
@@ -342,7 +345,10 @@ def gpu_estimate_lm() -> str:
         "run of 2026-11-27 and the estimate of the programs it ran. *Attention "
         "scores*: every kernel reading or writing a `[batch, heads, S, S]` "
         "tensor besides the GEMMs (mask, softmax, and the quantization of the "
-        "probabilities and their gradients). `_proj`: attention's two einsums "
+        "probabilities and their gradients). *Loop transposes at the tiled "
+        "rate*: the kernels XLA's loop emitter transposes (here permutations "
+        "of heads that keep the minor axis) priced like tiled transposes, "
+        "the other end of the estimate's range. `_proj`: attention's two einsums "
         "left in bf16 (`qbits._experiments.LM_RECIPES`).\n\n"
         + _source("gpu_estimate.json", "train_step_lm_gpu.json")
     )
