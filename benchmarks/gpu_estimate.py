@@ -4,6 +4,13 @@ Compiles ``benchmarks/train_step.py --gpu``'s MLP block step (bf16 and the
 8-bit presets) for an H100 and an H200 on this machine
 (:func:`qbits.hlo.program`, deviceless), and estimates each program's device
 time at the rates measured on an H200 (:meth:`qbits.hlo.Program.estimate`).
+``--part lm``: the same for the example LM at its GPU size (``--model lm``:
+bf16, fp8, fp8_delayed, and both with attention's einsums in bf16, the
+``_proj`` recipes), for an H200 only (each compile takes minutes here),
+its device time split into GEMMs, the work on attention's ``[batch, heads,
+S, S]`` scores and probabilities, and the rest; beside it the estimate of
+the programs the H200 ran on 2026-11-27 (``results/train_step_gpu_hlo.tgz``)
+and their measured step times.
 Beside it: the estimate of the programs the H200 actually ran on
 2026-11-27 (``tests/data/h200_mlp_hlo.tar.xz``, before qbits' GPU changes)
 and that run's profiled device time, so that the estimate's error and what
@@ -14,13 +21,17 @@ Needs XLA's GPU compiler: run it with ``.venv-gpu/bin/python`` (made by
 ``tests/gpu_program.sh``). Writes a JSON file and a markdown table.
 
 Run: python benchmarks/gpu_estimate.py --json OUT.json [--md OUT.md]
+     [--part mlp|lm|all] (a part's rows replace that part's in OUT.json)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import io
 import json
 import pathlib
+import re
 import tarfile
 import time
 
@@ -32,9 +43,13 @@ import jax  # noqa: E402
 import paired  # noqa: E402
 
 from qbits._experiments import gpu_step  # noqa: E402
+from qbits.hlo._estimate import estimate, kernel_us  # noqa: E402
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data"
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ("bf16", "fp8", "fp8_delayed", "int8", "int8_fwd")
+LM_VARIANTS = ("bf16", "fp8", "fp8_delayed", "fp8_proj", "fp8_delayed_proj")
+LM_SIZES = {"batch": 4, "context": 2048, "width": 2048, "depth": 8, "heads": 16}
 WASTE = ("code_layout", "output_convert", "wide_copy")
 
 
@@ -48,11 +63,121 @@ def _before() -> dict[str, qbits.hlo.Program]:
     return {n: qbits.hlo.Program(t, "h200") for n, t in texts.items()}
 
 
+def lm_split(p: qbits.hlo.Program, sizes: dict[str, int]) -> dict[str, float]:
+    """The LM program's estimate (ms) split by what each kernel works on.
+
+    ``attention_gemm``: the batched GEMMs of attention's einsums (one batch
+    of ``batch * heads``); ``gemm``: the other GEMMs (projections, MLP,
+    head); ``attention_scores``: every other kernel that reads or writes a
+    ``[batch, heads, S, S]`` tensor (softmax, mask, the quantization of the
+    probabilities and of their gradients); ``rest``: everything else.
+    """
+    b, h, s = sizes["batch"], sizes["heads"], sizes["context"]
+    scores = re.compile(rf"\[(?:{b},{h}|{b * h}),(?:1,)?{s},{s}\]")
+    batched = re.compile(rf"^\w+\[{b * h},")
+    by_name = {k.name: k for k in p.kernels}
+    out = dict.fromkeys(("gemm", "attention_gemm", "attention_scores", "rest"), 0.0)
+    for k in p.kernels:
+        ms = kernel_us(k, p.target) / 1e3
+        if k.gemm is not None:
+            out["attention_gemm" if batched.match(k.output) else "gemm"] += ms
+            continue
+        shapes = [k.output] + [by_name[i].output for i in k.inputs if i in by_name]
+        out["attention_scores" if any(map(scores.search, shapes)) else "rest"] += ms
+    return {key: round(v, 3) for key, v in out.items()}
+
+
+def loop_as_tiled(p: qbits.hlo.Program) -> float:
+    """The estimate with loop-emitter transposes at the tiled transpose rate.
+
+    The LM's head permutations (``[b, S, h, d] <-> [b, h, S, d]``) keep the
+    minor axis; where XLA emits them with its loop emitter the estimate
+    prices them at the rate measured for one-byte 2-D transposes, which may
+    be pessimistic for them: this is the other end of the range.
+    """
+    t = dataclasses.replace(
+        p.target, loop_transpose_bandwidth=p.target.transpose_bandwidth
+    )
+    return round(estimate(p.kernels, t).total_ms, 3)
+
+
+def _lm_before() -> dict[str, qbits.hlo.Program]:
+    """The LM programs the H200 ran on 2026-11-27."""
+    with tarfile.open(RESULTS / "train_step_gpu_hlo.tgz") as tar:
+        return {
+            pathlib.Path(m.name).name.removesuffix(".hlo.txt"): qbits.hlo.Program(
+                io.TextIOWrapper(tar.extractfile(m)).read(), "h200"
+            )
+            for m in tar.getmembers()
+            if m.isfile() and m.name.startswith("./lm/")
+        }
+
+
+def lm_rows(hlo_dir: str | None = None) -> list[dict]:
+    """The example LM's rows: now (deviceless) and the H200's programs."""
+    measured = {
+        r["variant"]: r["step_ms"]
+        for r in json.loads((RESULTS / "train_step_lm_gpu.json").read_text())["results"]
+    }
+    before = _lm_before()
+    rows = []
+    for name in LM_VARIANTS:
+        start = time.perf_counter()
+        make, fargs = gpu_step("lm", None if name == "bf16" else name, **LM_SIZES)
+        p = qbits.hlo.program(make(), *fargs, target="h200")
+        if hlo_dir:
+            (pathlib.Path(hlo_dir) / f"{name}.hlo.txt").write_text(p.text)
+        e = p.estimate()
+        row = {
+            "variant": name,
+            "h200": {
+                "device_ms": round(e.total_ms, 3),
+                "device_ms_loop_transposes_tiled": loop_as_tiled(p),
+                "split_ms": lm_split(p, LM_SIZES),
+                "by_category": {k: round(v, 3) for k, v in e.by_category.items()},
+                "kernels": len(p.kernels),
+                "waste_kernels": {c: p.count(c) for c in WASTE},
+                "temp_mib": round(p.temp_bytes / 2**20, 1),
+                "deviceless_compile_s": round(time.perf_counter() - start, 1),
+            },
+        }
+        if name in before:
+            row["h200_before"] = {
+                "measured_step_ms": measured[name],
+                "estimate_ms": round(before[name].estimate().total_ms, 3),
+                "split_ms": lm_split(before[name], LM_SIZES),
+            }
+        rows.append(row)
+        print(f"lm {name}: {row['h200']['device_ms']:.2f} ms on an H200", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--md")
+    parser.add_argument("--part", choices=("mlp", "lm", "all"), default="all")
+    parser.add_argument("--hlo-dir", help="--part lm: write each LM program here")
     args = parser.parse_args()
+    path = pathlib.Path(args.json)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    if args.part in ("lm", "all"):
+        data["lm"] = {
+            "model": "example LM: d_model 2048, 8 blocks, 16 heads, 4 x 2048 "
+            "tokens, bf16, SGD (deviceless)",
+            "results": lm_rows(args.hlo_dir),
+        }
+    if args.part in ("mlp", "all"):
+        data.update(mlp_part())
+    path.write_text(json.dumps(data, indent=2))
+    table = markdown(data["results"]) + "\n" + lm_markdown(data.get("lm"))
+    if args.md:
+        pathlib.Path(args.md).write_text(table)
+    print(table)
+
+
+def mlp_part() -> dict:
+    """The MLP block's rows and the JSON's ``meta``."""
     measured = json.loads((DATA / "h200_mlp_profile.json").read_text())["variants"]
     before = _before()
     rows = []
@@ -84,12 +209,7 @@ def main() -> None:
     meta = paired.machine("gpu_estimate", "MLP block 4096->16384->4096, 8192 "
                           "tokens, bf16, SGD (deviceless)", 0, 0)  # fmt: skip
     meta["jax"] = jax.__version__
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=2)
-    table = markdown(rows)
-    if args.md:
-        pathlib.Path(args.md).write_text(table)
-    print(table)
+    return {"meta": meta, "results": rows}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -118,6 +238,42 @@ def markdown(rows: list[dict]) -> str:
             f"| {old_base['estimate_ms'] / b['estimate_ms']:.2f}x "
             f"| {base['h200'] / r['h200']['device_ms']:.2f}x "
             f"| {base['h100'] / r['h100']['device_ms']:.2f}x | {waste} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def lm_markdown(lm: dict | None) -> str:
+    if lm is None:
+        return ""
+    rows = lm["results"]
+    base, old = rows[0]["h200"], rows[0]["h200_before"]
+    lines = [
+        "Example LM (d_model 2048, 8 blocks, 16 heads, 4 x 2048 tokens, bf16, "
+        "one SGD step) on an H200: device time over bf16's, estimated by "
+        "qbits.hlo. Measured: the step time over bf16's on 2026-11-27 "
+        "(results/train_step_lm_gpu.json); before: the estimate of the "
+        "programs that run ran; now: this code. ms: now, estimated.",
+        "",
+        "| variant | measured | before, estimate | now, estimate | now, loop "
+        "transposes at the tiled rate | GEMMs ms | attention GEMMs ms | "
+        "attention scores ms | rest ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        now, b = r["h200"], r.get("h200_before")
+        split = now["split_ms"]
+        tiled = base["device_ms_loop_transposes_tiled"]
+        was = ("—", "—") if b is None else (
+            f"{old['measured_step_ms'] / b['measured_step_ms']:.2f}x",
+            f"{old['estimate_ms'] / b['estimate_ms']:.2f}x",
+        )  # fmt: skip
+        lines.append(
+            f"| {r['variant']} | {was[0]} | {was[1]} "
+            f"| {base['device_ms'] / now['device_ms']:.2f}x "
+            f"| {tiled / now['device_ms_loop_transposes_tiled']:.2f}x "
+            f"| {split['gemm']:.2f} "
+            f"| {split['attention_gemm']:.2f} | {split['attention_scores']:.2f} "
+            f"| {split['rest']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -58,7 +58,7 @@ import paired
 
 import qbits
 import qbits.hlo
-from qbits._experiments import gpu_step
+from qbits._experiments import LM_RECIPES, gpu_step
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -217,22 +217,10 @@ def lm_variants(
     variants = {
         preset or "bf16": gpu_step("lm", preset, **sizes) for preset in _presets(only)
     }
-    for name, config in LM_ONLY.items():
+    for name in LM_RECIPES:  # attention's einsums in bf16: asked for by name
         if only is not None and name in only:
-            variants[name] = gpu_step("lm", config, **sizes)
+            variants[name] = gpu_step("lm", name, **sizes)
     return model, variants
-
-
-#: LM variants asked for by name (``--variants``): fp8_delayed with
-#: attention's two einsums (scores and probabilities, activation x
-#: activation) left in bf16. At 2048 tokens their quantization moves more
-#: bytes than their GEMMs save (the H200 run of 2026-11-27: fp8's casts and
-#: amaxes of ``[4, 16, 2048, 2048]`` tensors took ~13 ms of the step).
-LM_ONLY = {
-    "fp8_delayed_proj": qbits.QuantConfig(
-        rules=(qbits.Rule(r".*attn/(qk|pv)", None),), default="fp8_delayed"
-    ),
-}
 
 
 # ----------------------------------------------------------------- profile --

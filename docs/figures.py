@@ -300,6 +300,60 @@ def gpu_estimate() -> str:
     )
 
 
+@figure("gpu_estimate_lm", "gpu_estimate.json", "train_step_lm_gpu.json")
+def gpu_estimate_lm() -> str:
+    rows = _json("gpu_estimate.json")["lm"]["results"]
+    base = rows[0]
+    tiled = base["h200"]["device_ms_loop_transposes_tiled"]
+
+    def before(r: dict, field: str) -> str:
+        if "h200_before" not in r:
+            return "—"
+        return f"{base['h200_before'][field] / r['h200_before'][field]:.2f}x"
+
+    table = [
+        [
+            f"`{r['variant']}`",
+            before(r, "measured_step_ms"),
+            before(r, "estimate_ms"),
+            f"{base['h200']['device_ms'] / r['h200']['device_ms']:.2f}x",
+            f"{tiled / r['h200']['device_ms_loop_transposes_tiled']:.2f}x",
+            f"{r['h200']['device_ms']:.1f}",
+        ]
+        + [
+            f"{r['h200']['split_ms'][k]:.1f}"
+            for k in ("gemm", "attention_gemm", "attention_scores", "rest")
+        ]
+        for r in rows
+    ]
+    header = [
+        "LM step vs bf16 (H200)",
+        "measured (step time)",
+        "estimated, that program",
+        "estimated now",
+        "now, loop transposes at the tiled rate",
+        "now: device ms",
+        "GEMMs",
+        "attention GEMMs",
+        "attention scores",
+        "the rest",
+    ]
+    return (
+        _table(header, table)
+        + "\nEstimates from the optimized HLO (qbits.hlo, the H200's measured "
+        'rates; ms of device time). Measured and "that program": the H200 '
+        "run of 2026-11-27 and the estimate of the programs it ran. *Attention "
+        "scores*: every kernel reading or writing a `[batch, heads, S, S]` "
+        "tensor besides the GEMMs (mask, softmax, and the quantization of the "
+        "probabilities and their gradients). *Loop transposes at the tiled "
+        "rate*: the kernels XLA's loop emitter transposes (here permutations "
+        "of heads that keep the minor axis) priced like tiled transposes, "
+        "the other end of the estimate's range. `_proj`: attention's two einsums "
+        "left in bf16 (`qbits._experiments.LM_RECIPES`).\n\n"
+        + _source("gpu_estimate.json", "train_step_lm_gpu.json")
+    )
+
+
 @figure(
     "gpu_headline",
     "gpu_estimate.json",

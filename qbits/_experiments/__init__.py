@@ -19,11 +19,13 @@ release):
 - :func:`search_trained`: per-layer formats of a saved float run under a
   bit budget (:func:`qbits.diagnostics.search_budget`, ``qbits search``).
 - :func:`gpu_step`: training steps at GPU sizes (an LLM's MLP block, the
-  example transformer), for the GPU benchmark and ``qbits inspect --target``.
+  example transformer), for the GPU benchmark and ``qbits inspect --target``;
+  :data:`LM_RECIPES`: the transformer's GPU recipes (attention's einsums in
+  bf16).
 """
 
 from qbits._experiments._budget import search_trained
-from qbits._experiments._gpu_steps import gpu_step
+from qbits._experiments._gpu_steps import LM_RECIPES, gpu_step
 from qbits._experiments._models import Classifier, ModelSpec, TransformerLM, spec
 from qbits._experiments._ptq import post_train
 from qbits._experiments._report import summarize, write_report
@@ -46,6 +48,7 @@ from qbits._experiments._train import (
 )
 
 __all__ = [
+    "LM_RECIPES",
     "Classifier",
     "Entry",
     "ModelSpec",

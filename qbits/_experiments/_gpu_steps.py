@@ -29,9 +29,25 @@ import qbits
 from qbits._errors import InvalidArgumentError
 from qbits._experiments._models import ModelSpec, TransformerLM
 
-__all__ = ["gpu_step"]
+__all__ = ["LM_RECIPES", "gpu_step"]
 
 _VOCAB = 256
+
+#: The example LM's GPU recipes, by name (``gpu_step("lm", "fp8_proj")``,
+#: ``benchmarks/train_step.py --model lm --variants``): a preset on every
+#: weight matmul, attention's two einsums (``q k^T`` and ``p v``, activation
+#: x activation) left in bf16. Without a fused attention kernel a GPU writes
+#: their ``[batch, heads, S, S]`` operands to memory; quantizing them (an
+#: amax pass, a cast writing the codes in both layouts their GEMMs take, the
+#: same for their gradients) moves more bytes than their 8-bit GEMMs save
+#: (``docs/guides/performance.md``). Numerics: those two matmuls are those of
+#: bf16 (``examples/fp8_attn_float.yaml`` is ``fp8_proj`` as a rules file).
+LM_RECIPES = {
+    f"{preset}_proj": qbits.QuantConfig(
+        rules=(qbits.Rule(r".*attn/(qk|pv)", None),), default=preset
+    )
+    for preset in ("fp8", "fp8_delayed")
+}
 _DN = (((1,), (0,)), ((), ()))
 
 Step = tuple[Callable[[], Callable[..., Any]], tuple[Any, ...]]
@@ -125,7 +141,8 @@ def _lm(
     """The example transformer's training step with ``preset`` (``None``: bf16).
 
     Args:
-      preset: A config, a preset name, a rules YAML file, or ``None``.
+      preset: A config, a preset name, a rules YAML file, a name of
+        :data:`LM_RECIPES`, or ``None``.
       batch: Sequences per step.
       context: Tokens per sequence.
       width: d_model.
@@ -137,6 +154,8 @@ def _lm(
       ``(make, args)`` as for the block; ``args`` is the model's nnx
       state (bf16 parameters, scale state) and a batch of token ids.
     """
+    if isinstance(preset, str) and preset in LM_RECIPES:
+        preset = LM_RECIPES[preset]
     spec = ModelSpec("lm", width, depth, heads, context, batch, steps=1, lr=lr)
     k = jax.random.split(jax.random.key(0), 2)
     x = jax.random.randint(k[0], (batch, context), 0, _VOCAB)
@@ -149,7 +168,11 @@ def _lm(
             module.dtype = jnp.bfloat16
     quantized = preset is not None
     if quantized:
-        lm = qbits.nnx.quantize(lm, preset, x, rngs=nnx.Rngs(quant=0))
+        # A delayed-scaling state starts from a sample batch's amaxes, which
+        # quantize computes eagerly: 1 x 128 tokens, not 20 GB of attention
+        # probabilities on a CPU (a deviceless compile at the GPU size).
+        sample = x[:1, : min(context, 128)]
+        lm = qbits.nnx.quantize(lm, preset, sample, rngs=nnx.Rngs(quant=0))
     graphdef, state = nnx.split(lm)
     wrt = nnx.DiffState(
         0, (nnx.Param, qbits.nnx.ScaleState) if quantized else nnx.Param
@@ -182,7 +205,8 @@ def gpu_step(model: str, preset: Any, **sizes: int) -> Step:
         ``d_ff``) or ``"lm"`` (the example transformer: ``batch``,
         ``context``, ``width``, ``depth``, ``heads``); see the module.
       preset: A config, a preset name or a YAML file (rules for the LM, one
-        config for the block), or ``None`` for bf16.
+        config for the block), for the LM a name of :data:`LM_RECIPES`, or
+        ``None`` for bf16.
       **sizes: Sizes other than the GPU ones (and ``lr``).
 
     Returns:

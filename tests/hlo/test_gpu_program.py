@@ -14,6 +14,7 @@ why.
 
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -166,3 +167,32 @@ def test_inspect_target_prints_the_gemms(capsys):
     out = capsys.readouterr().out
     assert out.count("cublaslt: s8 x s8 -> s32") == 5
     assert "x bf16's device time" in out
+
+
+@_needs("h200")
+def test_lm_proj_recipe_leaves_attention_einsums_bf16_and_the_rest_fp8():
+    # The example LM's GPU recipe (qbits._experiments.LM_RECIPES): attention's
+    # q k^T and p v stay bf16 (quantizing their [batch, heads, S, S] operands
+    # costs more bytes than their FP8 GEMMs save: estimated 24.3 ms against
+    # bf16's 10.1 ms on the H200's LM program), every weight matmul FP8.
+    from qbits._experiments import gpu_step
+
+    batch, heads, context = 2, 4, 64
+    with jax.numpy_dtype_promotion("standard"):  # flax's LayerNorm of bf16
+        make, args = gpu_step(
+            "lm", "fp8_delayed_proj", batch=batch, context=context, width=64,
+            depth=1, heads=heads,
+        )  # fmt: skip
+        p = qbits.hlo.program(make(), *args, target="h200")
+    attention = re.compile(rf"^\w+\[{batch * heads},")  # batched over heads
+    scores = re.compile(rf"\[(?:{batch},{heads}|{batch * heads}),{context},{context}\]")
+    attn = [k.gemm for k in p.kernels if k.gemm and attention.match(k.output)]
+    rest = [k.gemm for k in p.kernels if k.gemm and not attention.match(k.output)]
+    # q k^T and p v, forward and both gradients; the rest: 4 projections,
+    # 2 MLP matmuls and the head, 3 GEMMs each.
+    assert len(attn) == 6 and len(rest) == 21
+    assert all(g.kind == "cublaslt" and (g.lhs, g.rhs) == ("bf16",) * 2 for g in attn)
+    for g in rest:
+        assert g.kind == "cublaslt_fp8" and all(g.contraction_minor), g
+    casts = [k for k in p.kernels if k.category in ("cast", "code_layout")]
+    assert casts and not [k for k in casts if scores.search(k.output)]
