@@ -381,11 +381,24 @@ def init_state(  # noqa: D417 (caller: its public form has none)
     quant = _as_quant_config(caller.owner, config, allow_none=True)
     program = trace(fn, args, kwargs, params_argnum, caller.owner)
     plan = Plan(program, quant, caller)
-    collect: dict[str, Any] = {}
-    if plan.state_keys:  # else the run would collect nothing
+    if not plan.state_keys:  # the run would collect nothing
+        return {}
+
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+
+    def collected(dyn: list[Any]) -> dict[str, Any]:
+        given = iter(dyn)  # the traced leaves; the others as traced
+        pairs = zip(leaves, program.dynamic, strict=True)
+        full = [next(given) if d else x for x, d in pairs]
+        collect: dict[str, Any] = {}
         frame = Frame(jax.random.key(0), {}, collect)
-        run_program(program, plan, frame, args, kwargs)
-    return collect
+        run_program(program, plan, frame, *jax.tree.unflatten(treedef, full))
+        return collect
+
+    # Compiled, not run op by op: XLA frees each value after its last use
+    # (eagerly, every intermediate of the model stays alive until the end).
+    dyn = [x for x, d in zip(leaves, program.dynamic, strict=True) if d]
+    return jax.jit(collected)(dyn)
 
 
 def init_probes(
