@@ -8,12 +8,15 @@ is the served matmul from the reference weights' float matmul, and how
 many bytes are held per float32 byte.
 
 Write: qbits PTQ results (RTN and GPTQ, int4 groups sym/asym, int8 per
-channel) written by ``qbits.interop.write_checkpoint`` and read back by the
-reference libraries themselves (tests/data/reference_read.py, run in the
-reference venv): are the reference's dequantized weights qbits' bit for
-bit. GPTQ gets float16 scales where they are exact (a checkpoint qbits
-read, written back), float32 ones otherwise (qbits' PTQ scales: a float32
-model's GPTQ checkpoint, which AutoGPTQ reads in float32).
+channel; FP8 E4M3 per tensor and per channel, compressed-tensors'
+``float-quantized`` only) written by ``qbits.interop.write_checkpoint``
+and read back by the reference libraries themselves
+(tests/data/reference_read.py, run in the reference venv): are the
+reference's dequantized weights qbits' bit for bit, and how many bytes
+are held per float32 byte. GPTQ gets float16 scales where they are exact
+(a checkpoint qbits read, written back), float32 ones otherwise (qbits'
+PTQ scales: a float32 model's GPTQ checkpoint, which AutoGPTQ reads in
+float32).
 
 Run: python benchmarks/checkpoint_formats.py [--refvenv /work/refvenv]
 (writes benchmarks/results/checkpoint_formats.json and .md).
@@ -34,7 +37,7 @@ import numpy as np
 
 import qbits
 import qbits.interop
-from qbits.numerics import IntNumerics, UintNumerics
+from qbits.numerics import Fp8Numerics, IntNumerics, UintNumerics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "quantized"
@@ -132,11 +135,15 @@ def write_rows(refvenv: pathlib.Path) -> list[dict]:
             IntNumerics(bits=8), qbits.AbsMax(), qbits.PerChannel()
         ),
     }
+    fp8 = Fp8Numerics("float8_e4m3fn")
+    grids["fp8 per tensor"] = qbits.Quantizer(fp8, qbits.AbsMax(), qbits.PerTensor())
+    grids["fp8 per channel"] = qbits.Quantizer(fp8, qbits.AbsMax(), qbits.PerChannel())
     cases = [
         (f"qbits {method} {grid}", _ptq(method, q), fmt)
         for method in ("rtn", "gptq")
         for grid, q in grids.items()
         for fmt in ("compressed-tensors", "gptq")
+        if fmt == "compressed-tensors" or not grid.startswith("fp8")  # GPTQ: int
     ]
     for name in ("gptq_w4g16_asym", "gptq_w8g32_sym"):
         ckpt = qbits.interop.read_checkpoint(DATA / name)
@@ -145,7 +152,10 @@ def write_rows(refvenv: pathlib.Path) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (source, weights, fmt) in enumerate(cases):
+            held = sum(qt.nbytes for qt in weights.values())
+            floats = sum(4 * int(np.prod(qt.shape)) for qt in weights.values())
             row = {"source": source, "format": fmt}
+            row["bytes_per_float32_byte"] = held / floats
             folder = pathlib.Path(tmp) / str(i)
             try:
                 qbits.interop.write_checkpoint(folder, weights, fmt)
@@ -192,13 +202,14 @@ def _md(result: dict) -> str:
         )
     lines += [
         "",
-        "| written from | format | reference read: bit-exact |",
-        "|---|---|---|",
+        "| written from | format | reference read: bit-exact | bytes |",
+        "|---|---|---|---|",
     ]
     for r in result["write"]:
         what = r.get("reference_bit_exact", r.get("refused", r.get("reference_error")))
         scales = f" ({r['gptq_scales']} scales)" if r.get("gptq_scales") else ""
-        lines.append(f"| {r['source']} | {r['format']}{scales} | {what} |")
+        size = f"{r['bytes_per_float32_byte']:.3f}"
+        lines.append(f"| {r['source']} | {r['format']}{scales} | {what} | {size} |")
     return "\n".join(lines) + "\n"
 
 
