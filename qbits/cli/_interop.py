@@ -84,7 +84,8 @@ def _export(args: argparse.Namespace) -> int:
         )
     if not result.stored:
         raise UsageError(f"{name} {args.method}: no weight stored on a grid")
-    weights, tensors = _torch_layout(model, result)
+    words = args.format.startswith("gptq")  # whole int32 words along out
+    weights, tensors = _torch_layout(model, result, whole_words=words)
     s = spec("lm", run["size"])
     meta = {
         "architectures": ["QbitsTransformerLM"],
@@ -114,17 +115,25 @@ def _export(args: argparse.Namespace) -> int:
         f"({held / (4 * count):.3f}x float32's bytes): {', '.join(sorted(weights))}"
     )
     if floats:
-        print(f"kept float (not stored on a grid by the method): {', '.join(floats)}")
+        print(
+            f"kept float: {', '.join(floats)} (left off a grid by the method, or "
+            "outputs GPTQ cannot pack in whole words; their values are the PTQ "
+            "result's)"
+        )
     return 0
 
 
-def _torch_layout(model: Any, result: Any) -> tuple[dict, dict]:
+def _torch_layout(
+    model: Any, result: Any, whole_words: bool = False
+) -> tuple[dict, dict]:
     """``result``'s stored weights and float params under PyTorch's names.
 
     Stored weights ``[*in, *out]`` become ``[in, out]`` QTensors (codes,
     scales and zero points reshaped, never dequantized); float kernels
     PyTorch's ``[out, in]``, biases flat; ``kernel``, ``embedding`` and a
-    norm's ``scale`` are named ``weight``.
+    norm's ``scale`` are named ``weight``. ``whole_words``: a stored weight
+    whose sizes are not whole int32 words of codes (GPTQ's packing) is
+    written as its float parameter (the PTQ result's, on the grid).
     """
     import jax
 
@@ -145,11 +154,15 @@ def _torch_layout(model: Any, result: Any) -> tuple[dict, dict]:
         def two_d(a: Any, k: int = k) -> Any:
             return a.reshape(int(np.prod(a.shape[:k])), int(np.prod(a.shape[k:])))
 
-        weights[path.replace("/", ".")] = qt.replace(
+        flat = qt.replace(
             qvalue=two_d(qt.qvalue),
             scale=two_d(qt.scale),
             zero_point=None if qt.zero_point is None else two_d(qt.zero_point),
         )
+        bits = 4 if np.dtype(qt.qdtype).name in ("int4", "uint4") else 8
+        if whole_words and any(n % (32 // bits) for n in flat.shape):
+            continue  # written as its float parameter below
+        weights[path.replace("/", ".")] = flat.pack() if bits == 4 else flat
     tensors = {}
     for keys, leaf in jax.tree_util.tree_flatten_with_path(result.params)[0]:
         parts = [
@@ -158,7 +171,7 @@ def _torch_layout(model: Any, result: Any) -> tuple[dict, dict]:
         ]
         parts = parts[:-1] if parts[-1] == "value" else parts
         where, last = "/".join(parts[:-1]), parts[-1]
-        if where in result.stored and last == "kernel":
+        if where.replace("/", ".") in weights and last == "kernel":
             continue
         a = np.asarray(leaf)
         if last == "kernel":

@@ -183,8 +183,9 @@ def write_checkpoint(
     Raises:
       InvalidArgumentError: For an unknown format, weights on different
         grids or not int4/uint4/int8/uint8/float8_e4m3fn, fp8 weights in
-        GPTQ, or zero points the format cannot store (GPTQ v1 stores ``zero
-        - 1``: no zero of 0).
+        GPTQ, GPTQ weights whose sizes are not whole int32 words of codes
+        (multiples of 8 at 4 bits, of 4 at 8), or zero points the format
+        cannot store (GPTQ v1 stores ``zero - 1``: no zero of 0).
 
     Example:
       >>> import os, tempfile, qbits.interop
@@ -261,8 +262,18 @@ def _per_channel(decoded: Mapping[str, Decoded]) -> dict[str, Decoded]:
 
 
 def _check_gptq(owner: str, decoded: Mapping[str, Decoded], v2: bool) -> None:
-    """GPTQ holds zero points ``0 .. 2^b - 1`` (v1: ``1 .. 2^b``)."""
+    """GPTQ holds zero points ``0 .. 2^b - 1`` (v1: ``1 .. 2^b``) in whole words."""
     for m, d in decoded.items():
+        per = 32 // d.bits
+        if d.codes.shape[0] % per or d.codes.shape[1] % per:
+            raise InvalidArgumentError(
+                owner,
+                f"weights[{m!r}]",
+                f"a [{d.codes.shape[1]}, {d.codes.shape[0]}] weight",
+                f"inputs and outputs in multiples of {per} for {d.bits}-bit GPTQ",
+                why="qweight and qzeros pack whole int32 words; AutoGPTQ reads no "
+                "padding",
+            )
         if d.zero is not None:
             lo = 0 if v2 else 1
             if d.zero.min() < lo or d.zero.max() > (1 << d.bits) - 1 + lo:
