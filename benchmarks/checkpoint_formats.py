@@ -126,6 +126,39 @@ def _reference(folder: pathlib.Path, refvenv: pathlib.Path) -> dict | str:
     return dict(np.load(out))
 
 
+def _lm_cases(grids: dict) -> list[tuple]:
+    """``qbits export``'s checkpoints of the example LM (tiny, random weights).
+
+    GPTQ results in groups of 8 (the tiny LM is 16 wide), as the command
+    writes them (PyTorch names, ``[in, out]`` weights; GPTQ keeps the
+    45-token head float: its codes are not whole int32 words).
+    """
+    from qbits._experiments import build_model, spec
+    from qbits.cli._interop import _torch_layout
+
+    model, data = build_model(spec("lm", "tiny"), 0)
+    fn, params = qbits.nnx.as_function(model)
+    key = jax.random.key(0)
+    batches = [jax.random.randint(key, (4, 16), 0, data.vocab)]
+    g8 = qbits.Tiled(tile_size=8)
+    lm_grids = {
+        "int4 g8 sym": qbits.Quantizer(IntNumerics(bits=4), qbits.AbsMax(), g8),
+        "uint4 g8 asym": qbits.Quantizer(UintNumerics(bits=4), qbits.AbsMax(), g8),
+        "int8 per channel": grids["int8 per channel"],
+        "fp8 per channel": grids["fp8 per channel"],
+    }
+    cases = []
+    for grid, q in lm_grids.items():
+        config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=q))
+        result = qbits.ptq.quantize_weights(fn, params, batches, config, method="gptq")
+        for fmt in ("compressed-tensors", "gptq"):
+            if fmt == "gptq" and grid.startswith("fp8"):
+                continue
+            weights, _ = _torch_layout(model, result, whole_words=fmt == "gptq")
+            cases.append((f"qbits export, example LM, gptq {grid}", weights, fmt))
+    return cases
+
+
 def write_rows(refvenv: pathlib.Path) -> list[dict]:
     g16 = qbits.Tiled(tile_size=16)
     grids = {
@@ -145,6 +178,7 @@ def write_rows(refvenv: pathlib.Path) -> list[dict]:
         for fmt in ("compressed-tensors", "gptq")
         if fmt == "compressed-tensors" or not grid.startswith("fp8")  # GPTQ: int
     ]
+    cases += _lm_cases(grids)
     for name in ("gptq_w4g16_asym", "gptq_w8g32_sym"):
         ckpt = qbits.interop.read_checkpoint(DATA / name)
         for fmt in ("gptq", "gptq_v2"):

@@ -114,6 +114,13 @@ def _export(args: argparse.Namespace) -> int:
         f"{len(weights)} quantized weights, {8 * held / count:.3f} bits a weight "
         f"({held / (4 * count):.3f}x float32's bytes): {', '.join(sorted(weights))}"
     )
+    refs = [config.default, *(rule.config for rule in config.rules)]
+    configs = [qbits.presets.get(r) if isinstance(r, str) else r for r in refs]
+    if any(getattr(getattr(c, "fwd", None), "lhs", None) for c in configs):
+        print(
+            f"note: {name} quantizes activations too; the checkpoint holds the "
+            "weights only (served with float activations)"
+        )
     if floats:
         print(
             f"kept float: {', '.join(floats)} (left off a grid by the method, or "

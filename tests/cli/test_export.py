@@ -61,6 +61,7 @@ def test_export_then_generate_from_the_checkpoint_equals_the_ptq_result(
     printed = capsys.readouterr().out
     assert printed.startswith(f"wrote {out}: compressed-tensors/pack-quantized, lm")
     assert "7 quantized weights" in printed and "blocks.0.attn.out" in printed
+    assert "int8_fwd quantizes activations too; the checkpoint holds" in printed
     model, data, _, result = kept[0]
     ckpt = qbits.interop.read_checkpoint(out)
     query = ckpt.weights["blocks.0.attn.query"]  # [in, heads * head_dim]
