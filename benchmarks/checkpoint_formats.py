@@ -130,8 +130,10 @@ def _lm_cases(grids: dict) -> list[tuple]:
     """``qbits export``'s checkpoints of the example LM (tiny, random weights).
 
     GPTQ results in groups of 8 (the tiny LM is 16 wide), as the command
-    writes them (PyTorch names, ``[in, out]`` weights; GPTQ keeps the
-    45-token head float: its codes are not whole int32 words).
+    writes them (PyTorch names, ``[in, out]`` weights; a weight the format
+    cannot hold stays float: GPTQ's 45-token head, whose codes are not
+    whole int32 words, and uint4 groups whose zero point lies outside
+    0..15).
     """
     from qbits._experiments import build_model, spec
     from qbits.cli._interop import _torch_layout
@@ -154,7 +156,7 @@ def _lm_cases(grids: dict) -> list[tuple]:
         for fmt in ("compressed-tensors", "gptq"):
             if fmt == "gptq" and grid.startswith("fp8"):
                 continue
-            weights, _ = _torch_layout(model, result, whole_words=fmt == "gptq")
+            weights, _ = _torch_layout(model, result, fmt)
             cases.append((f"qbits export, example LM, gptq {grid}", weights, fmt))
     return cases
 

@@ -84,8 +84,7 @@ def _export(args: argparse.Namespace) -> int:
         )
     if not result.stored:
         raise UsageError(f"{name} {args.method}: no weight stored on a grid")
-    words = args.format.startswith("gptq")  # whole int32 words along out
-    weights, tensors = _torch_layout(model, result, whole_words=words)
+    weights, tensors = _torch_layout(model, result, args.format)
     s = spec("lm", run["size"])
     meta = {
         "architectures": ["QbitsTransformerLM"],
@@ -124,23 +123,23 @@ def _export(args: argparse.Namespace) -> int:
     if floats:
         print(
             f"kept float: {', '.join(floats)} (left off a grid by the method, or "
-            "outputs GPTQ cannot pack in whole words; their values are the PTQ "
-            "result's)"
+            f"codes or zero points {args.format} cannot hold; their values are "
+            "the PTQ result's)"
         )
     return 0
 
 
-def _torch_layout(
-    model: Any, result: Any, whole_words: bool = False
-) -> tuple[dict, dict]:
+def _torch_layout(model: Any, result: Any, format: str) -> tuple[dict, dict]:
     """``result``'s stored weights and float params under PyTorch's names.
 
     Stored weights ``[*in, *out]`` become ``[in, out]`` QTensors (codes,
     scales and zero points reshaped, never dequantized); float kernels
     PyTorch's ``[out, in]``, biases flat; ``kernel``, ``embedding`` and a
-    norm's ``scale`` are named ``weight``. ``whole_words``: a stored weight
-    whose sizes are not whole int32 words of codes (GPTQ's packing) is
-    written as its float parameter (the PTQ result's, on the grid).
+    norm's ``scale`` are named ``weight``. A stored weight ``format`` cannot
+    hold (zero points outside its ``0 .. 2^b - 1``, GPTQ v1's ``1 .. 2^b``:
+    qbits' asymmetric grid spans a group's own [min, max], GPTQ's includes
+    0; for GPTQ, sizes that are not whole int32 words of codes) is written
+    as its float parameter (the PTQ result's, on the grid).
     """
     import jax
 
@@ -167,7 +166,12 @@ def _torch_layout(
             zero_point=None if qt.zero_point is None else two_d(qt.zero_point),
         )
         bits = 4 if np.dtype(qt.qdtype).name in ("int4", "uint4") else 8
-        if whole_words and any(n % (32 // bits) for n in flat.shape):
+        lo = 1 if format == "gptq" else 0
+        zero = None if qt.zero_point is None else np.asarray(qt.zero_point)
+        gptq = format.startswith("gptq")
+        if (gptq and any(n % (32 // bits) for n in flat.shape)) or (
+            zero is not None and (zero.min() < lo or zero.max() >= lo + (1 << bits))
+        ):
             continue  # written as its float parameter below
         weights[path.replace("/", ".")] = flat.pack() if bits == 4 else flat
     tensors = {}

@@ -185,7 +185,8 @@ def write_checkpoint(
         grids or not int4/uint4/int8/uint8/float8_e4m3fn, fp8 weights in
         GPTQ, GPTQ weights whose sizes are not whole int32 words of codes
         (multiples of 8 at 4 bits, of 4 at 8), or zero points the format
-        cannot store (GPTQ v1 stores ``zero - 1``: no zero of 0).
+        cannot store (``0 .. 2^b - 1``; GPTQ v1 stores ``zero - 1``: no
+        zero of 0).
 
     Example:
       >>> import os, tempfile, qbits.interop
@@ -222,6 +223,7 @@ def write_checkpoint(
         _check_gptq(owner, decoded, v2=format == "gptq_v2")
         out, qc = write_gptq(_per_channel(decoded), group, v2=format == "gptq_v2")
     else:
+        _check_zeros(owner, decoded, 0, "compressed-tensors")
         out, qc = write_compressed(decoded, group)
         # float Linear weights beside them (a layer the method left float)
         qc["ignore"] = sorted(
@@ -274,15 +276,25 @@ def _check_gptq(owner: str, decoded: Mapping[str, Decoded], v2: bool) -> None:
                 why="qweight and qzeros pack whole int32 words; AutoGPTQ reads no "
                 "padding",
             )
-        if d.zero is not None:
-            lo = 0 if v2 else 1
-            if d.zero.min() < lo or d.zero.max() > (1 << d.bits) - 1 + lo:
-                raise InvalidArgumentError(
-                    owner,
-                    f"weights[{m!r}]",
-                    f"zero points {d.zero.min()}..{d.zero.max()}",
-                    f"{lo}..{(1 << d.bits) - 1 + lo} for {format_name(v2)}",
-                )
+    _check_zeros(owner, decoded, 0 if v2 else 1, format_name(v2))
+
+
+def _check_zeros(owner: str, decoded: Mapping[str, Decoded], lo: int, fmt: str) -> None:
+    """Zero points ``lo .. lo + 2^b - 1``: what ``b`` bits hold (no silent wrap).
+
+    qbits' asymmetric grid spans a group's own [min, max], so a group of
+    one sign has its zero point outside the codes; the formats' cannot.
+    """
+    for m, d in decoded.items():
+        if d.zero is not None and (
+            d.zero.min() < lo or d.zero.max() > (1 << d.bits) - 1 + lo
+        ):
+            raise InvalidArgumentError(
+                owner,
+                f"weights[{m!r}]",
+                f"zero points {d.zero.min()}..{d.zero.max()}",
+                f"{lo}..{(1 << d.bits) - 1 + lo} for {fmt}",
+            )
 
 
 def format_name(v2: bool) -> str:

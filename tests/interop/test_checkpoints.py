@@ -173,6 +173,13 @@ def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
     again = qbits.interop.read_checkpoint(tmp_path / "gptq32")
     for m, qt in ckpt.weights.items():
         np.testing.assert_array_equal(again.weights[m].dequant(), qt.dequant())
+    # qbits' zero points may lie outside the codes (a group of one sign): refused
+    ckpt = qbits.interop.read_checkpoint(DATA / "ct_w4g16_asym")
+    qt = ckpt.weights[Q_PROJ]
+    off = {Q_PROJ: qt.replace(zero_point=qt.zero_point.at[0, 0].set(16))}
+    wrapped = r"zero points 3\.\.16.*expected 0\.\.15"
+    with pytest.raises(qbits.InvalidArgumentError, match=wrapped):
+        qbits.interop.write_checkpoint(tmp_path / "z", off, "compressed-tensors")
     ckpt = qbits.interop.read_checkpoint(DATA / "ct_fp8_tensor")
     with pytest.raises(qbits.InvalidArgumentError, match="compressed-tensors only"):
         qbits.interop.write_checkpoint(tmp_path / "fp8", ckpt.weights)  # GPTQ
