@@ -30,7 +30,10 @@ def _generate(args: argparse.Namespace) -> int:
         )
     prompt = args.prompt if args.prompt_file is None else _prompt(args.prompt_file)
     if args.checkpoint and (args.run_dir or args.steps or args.size != "default"):
-        raise UsageError("--checkpoint serves a checkpoint; --run, --steps, --size")
+        raise UsageError(
+            "--checkpoint decodes the checkpoint's model; --run, --steps and "
+            "--size do not apply"
+        )
     if args.checkpoint:  # qbits export's (or a PyTorch twin's) checkpoint
         from qbits.cli._interop import _checkpoint_lm
 
