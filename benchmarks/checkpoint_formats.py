@@ -10,12 +10,15 @@ is the served matmul from the reference weights' float matmul, and how
 many bytes are held per float32 byte.
 
 Write: qbits PTQ results (RTN and GPTQ, int4 groups sym/asym, int8 per
-channel) written by ``qbits.interop.write_checkpoint`` and read back by the
-reference libraries themselves (tests/data/reference_read.py, run in the
-reference venv): are the reference's dequantized weights qbits' bit for
-bit. GPTQ gets float16 scales where they are exact (a checkpoint qbits
-read, written back), float32 ones otherwise (qbits' PTQ scales: a float32
-model's GPTQ checkpoint, which AutoGPTQ reads in float32).
+channel; FP8 E4M3 per tensor and per channel, compressed-tensors'
+``float-quantized`` only) written by ``qbits.interop.write_checkpoint``
+and read back by the reference libraries themselves
+(tests/data/reference_read.py, run in the reference venv): are the
+reference's dequantized weights qbits' bit for bit, and how many bytes
+are held per float32 byte. GPTQ gets float16 scales where they are exact
+(a checkpoint qbits read, written back), float32 ones otherwise (qbits'
+PTQ scales: a float32 model's GPTQ checkpoint, which AutoGPTQ reads in
+float32).
 
 Run: python benchmarks/checkpoint_formats.py [--refvenv /work/refvenv]
 [--read-only] (writes benchmarks/results/checkpoint_formats.json and .md).
@@ -37,7 +40,7 @@ import numpy as np
 
 import qbits
 import qbits.interop
-from qbits.numerics import IntNumerics, UintNumerics
+from qbits.numerics import Fp8Numerics, IntNumerics, UintNumerics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "quantized"
@@ -147,6 +150,41 @@ def _reference(folder: pathlib.Path, refvenv: pathlib.Path) -> dict | str:
     return dict(np.load(out))
 
 
+def _lm_cases(grids: dict) -> list[tuple]:
+    """``qbits export``'s checkpoints of the example LM (tiny, random weights).
+
+    GPTQ results in groups of 8 (the tiny LM is 16 wide), as the command
+    writes them (PyTorch names, ``[in, out]`` weights; a weight the format
+    cannot hold stays float: GPTQ's 45-token head, whose codes are not
+    whole int32 words, and uint4 groups whose zero point lies outside
+    0..15).
+    """
+    from qbits._experiments import build_model, spec
+    from qbits.cli._interop import _torch_layout
+
+    model, data = build_model(spec("lm", "tiny"), 0)
+    fn, params = qbits.nnx.as_function(model)
+    key = jax.random.key(0)
+    batches = [jax.random.randint(key, (4, 16), 0, data.vocab)]
+    g8 = qbits.Tiled(tile_size=8)
+    lm_grids = {
+        "int4 g8 sym": qbits.Quantizer(IntNumerics(bits=4), qbits.AbsMax(), g8),
+        "uint4 g8 asym": qbits.Quantizer(UintNumerics(bits=4), qbits.AbsMax(), g8),
+        "int8 per channel": grids["int8 per channel"],
+        "fp8 per channel": grids["fp8 per channel"],
+    }
+    cases = []
+    for grid, q in lm_grids.items():
+        config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=q))
+        result = qbits.ptq.quantize_weights(fn, params, batches, config, method="gptq")
+        for fmt in ("compressed-tensors", "gptq"):
+            if fmt == "gptq" and grid.startswith("fp8"):
+                continue
+            weights, _ = _torch_layout(model, result, fmt)
+            cases.append((f"qbits export, example LM, gptq {grid}", weights, fmt))
+    return cases
+
+
 def write_rows(refvenv: pathlib.Path) -> list[dict]:
     g16 = qbits.Tiled(tile_size=16)
     grids = {
@@ -156,12 +194,17 @@ def write_rows(refvenv: pathlib.Path) -> list[dict]:
             IntNumerics(bits=8), qbits.AbsMax(), qbits.PerChannel()
         ),
     }
+    fp8 = Fp8Numerics("float8_e4m3fn")
+    grids["fp8 per tensor"] = qbits.Quantizer(fp8, qbits.AbsMax(), qbits.PerTensor())
+    grids["fp8 per channel"] = qbits.Quantizer(fp8, qbits.AbsMax(), qbits.PerChannel())
     cases = [
         (f"qbits {method} {grid}", _ptq(method, q), fmt)
         for method in ("rtn", "gptq")
         for grid, q in grids.items()
         for fmt in ("compressed-tensors", "gptq")
+        if fmt == "compressed-tensors" or not grid.startswith("fp8")  # GPTQ: int
     ]
+    cases += _lm_cases(grids)
     for name in ("gptq_w4g16_asym", "gptq_w8g32_sym"):
         ckpt = qbits.interop.read_checkpoint(DATA / name)
         for fmt in ("gptq", "gptq_v2"):
@@ -169,7 +212,10 @@ def write_rows(refvenv: pathlib.Path) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (source, weights, fmt) in enumerate(cases):
+            held = sum(qt.nbytes for qt in weights.values())
+            floats = sum(4 * int(np.prod(qt.shape)) for qt in weights.values())
             row = {"source": source, "format": fmt}
+            row["bytes_per_float32_byte"] = held / floats
             folder = pathlib.Path(tmp) / str(i)
             try:
                 qbits.interop.write_checkpoint(folder, weights, fmt)
@@ -216,13 +262,14 @@ def _md(result: dict) -> str:
         )
     lines += [
         "",
-        "| written from | format | reference read: bit-exact |",
-        "|---|---|---|",
+        "| written from | format | reference read: bit-exact | bytes |",
+        "|---|---|---|---|",
     ]
     for r in result["write"]:
         what = r.get("reference_bit_exact", r.get("refused", r.get("reference_error")))
         scales = f" ({r['gptq_scales']} scales)" if r.get("gptq_scales") else ""
-        lines.append(f"| {r['source']} | {r['format']}{scales} | {what} |")
+        size = f"{r['bytes_per_float32_byte']:.3f}"
+        lines.append(f"| {r['source']} | {r['format']}{scales} | {what} | {size} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1164,7 +1164,9 @@ def checkpoint_formats() -> str:
         cell = ("yes" if got else "NO") if got is not None else (
             "refused: " + r.get("refused", r.get("reference_error", "")))  # fmt: skip
         scales = f" ({r['gptq_scales']} scales)" if r.get("gptq_scales") else ""
-        write.append([r["source"], r["format"] + scales, cell])
+        size = r.get("bytes_per_float32_byte")
+        write.append([r["source"], r["format"] + scales, cell,
+                      "" if size is None else f"{size:.3f}"])  # fmt: skip
     return (
         _table(
             [
@@ -1178,7 +1180,10 @@ def checkpoint_formats() -> str:
             read,
         )
         + f"\nRefused on read: {', '.join(refused) or 'none'}.\n\n"
-        + _table(["written from", "format", "reference read, bit-exact"], write)
+        + _table(
+            ["written from", "format", "reference read, bit-exact", "bytes / float32"],
+            write,
+        )
         + "\n"
         + _source("checkpoint_formats.json")
     )

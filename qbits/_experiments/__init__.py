@@ -27,7 +27,7 @@ release):
 from qbits._experiments._budget import search_trained
 from qbits._experiments._gpu_steps import LM_RECIPES, gpu_step
 from qbits._experiments._models import Classifier, ModelSpec, TransformerLM, spec
-from qbits._experiments._ptq import post_train
+from qbits._experiments._ptq import post_train, ptq_trained
 from qbits._experiments._report import summarize, write_report
 from qbits._experiments._saved import load_trained
 from qbits._experiments._scalify_mlp import train_scalify_mlp
@@ -63,6 +63,7 @@ __all__ = [
     "load_sweep",
     "load_trained",
     "post_train",
+    "ptq_trained",
     "run_sweep",
     "sample_batch",
     "search_trained",

@@ -38,7 +38,7 @@ from qbits._experiments._train import (
     train_batch,
 )
 
-__all__ = ["post_train"]
+__all__ = ["post_train", "ptq_trained"]
 
 _OWNER = "qbits ptq"
 #: Calibration batches are training batches at steps from here on: no
@@ -131,8 +131,7 @@ def post_train(
     model, data, run = load_trained(run_dir, seed, owner=_OWNER)
     spec = model_spec(run["model"], run["size"])
     fn, params = qbits.nnx.as_function(model)
-    steps = range(_CALIBRATION_STEP, _CALIBRATION_STEP + calibration)
-    batches = [train_batch(spec, data, run["seed"], s)[0] for s in steps]
+    batches = _calibration_batches(spec, data, run["seed"], calibration)
     eval_x, eval_y = eval_batches(spec, data)
 
     def evaluate(fn: Callable[..., Any], params: Any) -> tuple[float, float]:
@@ -175,6 +174,53 @@ def post_train(
     pathlib.Path(out).mkdir(parents=True, exist_ok=True)
     title = f"qbits ptq {run['model']} {name} ({run['name']}, seed {run['seed']})"
     return write_report(title, runs, out, baseline=run["name"])
+
+
+def _calibration_batches(spec: Any, data: Any, seed: int, n: int) -> list[Any]:
+    """``n`` training batches at steps that training never reaches."""
+    steps = range(_CALIBRATION_STEP, _CALIBRATION_STEP + n)
+    return [train_batch(spec, data, seed, s)[0] for s in steps]
+
+
+def ptq_trained(
+    run_dir: str | os.PathLike,
+    config: Any,
+    method: str,
+    *,
+    calibration: int = 16,
+    seed: int | None = None,
+) -> tuple[Any, Any, dict[str, Any], ptq.PtqResult]:
+    """One method of :func:`post_train` on a saved float32 run, its result kept.
+
+    Returns:
+      ``(model, data, run, result)``: the float model (as
+      :func:`load_trained` gives it), its data, the run file's data and the
+      :class:`qbits.ptq.PtqResult` of ``nnx.as_function(model)`` (``method``
+      in :data:`METHODS`, on the calibration batches ``qbits ptq`` uses).
+
+    Raises:
+      InvalidArgumentError: As :func:`post_train`.
+
+    Example:
+      >>> import tempfile
+      >>> from qbits._experiments import ptq_trained
+      >>> ptq_trained(tempfile.mkdtemp(), "int8_fwd", "rtn")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      qbits.InvalidArgumentError: ...holds no saved params...
+    """
+    check_int(_OWNER, "calibration", calibration, 1, 1 << 20)
+    if method not in METHODS:
+        raise InvalidArgumentError(
+            _OWNER, "method", method, "one of " + ", ".join(METHODS)
+        )
+    model, data, run = load_trained(run_dir, seed, owner=_OWNER)
+    spec = model_spec(run["model"], run["size"])
+    fn, params = qbits.nnx.as_function(model)
+    batches = _calibration_batches(spec, data, run["seed"], calibration)
+    kwargs = dict(METHODS[method])
+    if kwargs.get("rotate"):
+        kwargs["key"] = jax.random.key(run["seed"])
+    return model, data, run, ptq.quantize_weights(fn, params, batches, config, **kwargs)
 
 
 def _check_out(run_dir: str | os.PathLike, out: str | os.PathLike, name: str) -> None:

@@ -8,7 +8,10 @@
     qbits search CANDIDATE... --run DIR --budget B [--unit bits|bytes] [--out FILE]
     qbits inspect CONFIG [--model lm|mlp]
     qbits generate [--prompt TEXT | --prompt-file FILE] [--cache CACHE] [--run DIR]
+                   [--checkpoint DIR]
     qbits presets
+    qbits import DIR
+    qbits export CONFIG OUT --run DIR [--method rtn|gptq|qep] [--format FORMAT]
 
 CONFIG is a preset name (``qbits presets``) or a YAML config file (a single
 config, or per-layer rules; see docs/guides/configs.md). Every user

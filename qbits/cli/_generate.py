@@ -29,7 +29,16 @@ def _generate(args: argparse.Namespace) -> int:
             f"--temperature: expected a finite number >= 0, got {args.temperature}"
         )
     prompt = args.prompt if args.prompt_file is None else _prompt(args.prompt_file)
-    if args.run_dir:  # the float32 model that qbits train saved
+    if args.checkpoint and (args.run_dir or args.steps or args.size != "default"):
+        raise UsageError(
+            "--checkpoint decodes the checkpoint's model; --run, --steps and "
+            "--size do not apply"
+        )
+    if args.checkpoint:  # qbits export's (or a PyTorch twin's) checkpoint
+        from qbits.cli._interop import _checkpoint_lm
+
+        model, data = _checkpoint_lm(args.checkpoint, config)
+    elif args.run_dir:  # the float32 model that qbits train saved
         model, data, run = load_trained(args.run_dir, owner="qbits generate")
         if run["model"] != "lm":
             raise UsageError(
@@ -58,7 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
     float_bytes = sum(c.nbytes for c in model.init_cache(1, None))
     cache_bytes = sum(c.nbytes for c in model.init_cache(1, config))  # or refuses
-    if not args.run_dir:
+    if not (args.run_dir or args.checkpoint):
         steps = model_spec.steps if args.steps is None else args.steps
         if not args.quiet:
             print(

@@ -1,10 +1,14 @@
-"""``qbits import``: read and check a pre-quantized checkpoint."""
+"""``qbits import``/``export``: pre-quantized checkpoints in and out."""
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+from typing import Any
 
 import numpy as np
+
+from qbits.cli._common import UsageError, _config
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -38,3 +42,246 @@ def _import(args: argparse.Namespace) -> int:
         f"float tensors ({floats} values) beside them"
     )
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """``qbits export``: a PTQ result of a trained example LM as a checkpoint.
+
+    Quantizes the float32 LM that ``qbits train`` saved in ``--run`` by
+    ``--method`` (as ``qbits ptq`` does, on its calibration batches) and
+    writes the stored weights (:attr:`qbits.ptq.PtqResult.stored`) with
+    :func:`qbits.interop.write_checkpoint` under the PyTorch names of the
+    LM's twin (``blocks.0.attn.query``, the ``"qbits-lm"`` name table),
+    every other tensor in float, and ``config.json``'s ``qbits`` entry
+    (model and size) that ``qbits generate --checkpoint`` reads.
+    """
+    import qbits.interop
+    from qbits._experiments import ptq_trained, spec
+
+    name, config, _ = _config(args.config)
+    if config is None:
+        raise UsageError("config 'none' quantizes nothing: give a weight format")
+    out = pathlib.Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out}: exists and is not an empty folder")
+    if args.method == "awq":
+        raise UsageError(
+            "--method awq: AWQ's weights are Q(s w) / s, on no grid the formats "
+            "store (a checkpoint holds Q(s w), s folded into the layer before, "
+            "which qbits does not do); use rtn, gptq or qep"
+        )
+    model, _, run, result = ptq_trained(
+        args.run_dir,
+        config,
+        args.method,
+        calibration=args.calibration,
+        seed=args.seed,
+    )
+    if run["model"] != "lm":
+        raise UsageError(
+            f"--run {args.run_dir}: a {run['model']} model; qbits export writes "
+            "the lm (qbits train --model lm)"
+        )
+    if not result.stored:
+        raise UsageError(f"{name} {args.method}: no weight stored on a grid")
+    weights, tensors = _torch_layout(model, result, args.format)
+    s = spec("lm", run["size"])
+    meta = {
+        "architectures": ["QbitsTransformerLM"],
+        "model_type": "qbits-lm",
+        "vocab_size": int(model.embed.num_embeddings),
+        "hidden_size": s.width,
+        "num_hidden_layers": s.depth,
+        "num_attention_heads": s.heads,
+        "max_position_embeddings": s.context,
+        "torch_dtype": "float32",
+        "qbits": {"model": "lm", "size": run["size"], "ptq": f"{name} {args.method}"},
+    }
+    qbits.interop.write_checkpoint(
+        out, weights, args.format, tensors=tensors, config=meta
+    )
+    held = sum(qt.nbytes for qt in weights.values())
+    count = sum(int(np.prod(qt.shape)) for qt in weights.values())
+    floats = sorted(
+        m[: -len(".weight")]
+        for m, t in tensors.items()
+        if m.endswith(".weight") and np.ndim(t) == 2 and not m.startswith("embed")
+    )
+    written = qbits.interop.read_checkpoint(out).format  # and checked
+    print(f"wrote {out}: {written}, lm ({run['size']}) by {name} {args.method}")
+    print(
+        f"{len(weights)} quantized weights, {8 * held / count:.3f} bits a weight "
+        f"({held / (4 * count):.3f}x float32's bytes): {', '.join(sorted(weights))}"
+    )
+    refs = [config.default, *(rule.config for rule in config.rules)]
+    configs = [qbits.presets.get(r) if isinstance(r, str) else r for r in refs]
+    if any(getattr(getattr(c, "fwd", None), "lhs", None) for c in configs):
+        print(
+            f"note: {name} quantizes activations too; the checkpoint holds the "
+            "weights only (served with float activations)"
+        )
+    if floats:
+        print(
+            f"kept float: {', '.join(floats)} (left off a grid by the method, or "
+            f"codes or zero points {args.format} cannot hold; their values are "
+            "the PTQ result's)"
+        )
+    return 0
+
+
+def _torch_layout(model: Any, result: Any, format: str) -> tuple[dict, dict]:
+    """``result``'s stored weights and float params under PyTorch's names.
+
+    Stored weights ``[*in, *out]`` become ``[in, out]`` QTensors (codes,
+    scales and zero points reshaped, never dequantized); float kernels
+    PyTorch's ``[out, in]``, biases flat; ``kernel``, ``embedding`` and a
+    norm's ``scale`` are named ``weight``. A stored weight ``format`` cannot
+    hold (zero points outside its ``0 .. 2^b - 1``, GPTQ v1's ``1 .. 2^b``:
+    qbits' asymmetric grid spans a group's own [min, max], GPTQ's includes
+    0; for GPTQ, sizes that are not whole int32 words of codes) is written
+    as its float parameter (the PTQ result's, on the grid).
+    """
+    import jax
+
+    def module(path: str) -> Any:
+        node = model
+        for key in path.split("/"):
+            node = node[int(key)] if key.isdigit() else getattr(node, key)
+        return node
+
+    def axes_in(path: str) -> int:
+        features = getattr(module(path), "in_features", 0)
+        return len(features) if isinstance(features, tuple) else 1
+
+    weights = {}
+    for path, qt in result.stored.items():
+        k, qt = axes_in(path), qt.unpack()
+
+        def two_d(a: Any, k: int = k) -> Any:
+            return a.reshape(int(np.prod(a.shape[:k])), int(np.prod(a.shape[k:])))
+
+        flat = qt.replace(
+            qvalue=two_d(qt.qvalue),
+            scale=two_d(qt.scale),
+            zero_point=None if qt.zero_point is None else two_d(qt.zero_point),
+        )
+        bits = 4 if np.dtype(qt.qdtype).name in ("int4", "uint4") else 8
+        lo = 1 if format == "gptq" else 0
+        zero = None if qt.zero_point is None else np.asarray(qt.zero_point)
+        gptq = format.startswith("gptq")
+        if (gptq and any(n % (32 // bits) for n in flat.shape)) or (
+            zero is not None and (zero.min() < lo or zero.max() >= lo + (1 << bits))
+        ):
+            continue  # written as its float parameter below
+        weights[path.replace("/", ".")] = flat.pack() if bits == 4 else flat
+    tensors = {}
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(result.params)[0]:
+        parts = [
+            str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+            for k in keys
+        ]
+        parts = parts[:-1] if parts[-1] == "value" else parts
+        where, last = "/".join(parts[:-1]), parts[-1]
+        if where.replace("/", ".") in weights and last == "kernel":
+            continue
+        a = np.asarray(leaf)
+        if last == "kernel":
+            k = axes_in(where)
+            a = a.reshape(int(np.prod(a.shape[:k])), -1).T
+        elif last == "bias":
+            a = a.reshape(-1)
+        named = "weight" if last in ("kernel", "embedding", "scale") else last
+        tensors[".".join([*parts[:-1], named])] = a
+    return weights, tensors
+
+
+def _checkpoint_lm(path: str, cache: Any) -> tuple[Any, Any]:
+    """The example LM served from a checkpoint: ``(model, data)``.
+
+    ``model`` decodes as :func:`qbits.kvcache.generate` needs, every weight
+    matmul of its :meth:`~qbits._experiments.TransformerLM.decode` through
+    :func:`qbits.serving.serve` on the checkpoint's codes and scales
+    (:func:`qbits.interop.serving_params`, names ``"qbits-lm"``); ``cache``:
+    the cache config it is traced with.
+    """
+    import json
+
+    import flax.nnx as nnx
+    import jax
+    import jax.numpy as jnp
+
+    import qbits.interop
+    from qbits._experiments import build_model, spec
+
+    ckpt = qbits.interop.read_checkpoint(path)
+    info = json.loads((pathlib.Path(path) / "config.json").read_text()).get("qbits")
+    size = info.get("size") if isinstance(info, dict) else None
+    if (
+        not isinstance(info, dict)
+        or info.get("model") != "lm"
+        or size
+        not in (
+            "default",
+            "tiny",
+        )
+    ):
+        raise UsageError(
+            f"--checkpoint {path}: config.json has no qbits entry naming the "
+            'example LM ("qbits": {"model": "lm", "size": "tiny"}, as qbits '
+            "export writes it)"
+        )
+    built: list = []
+
+    def build() -> Any:
+        model, data = build_model(spec("lm", size), 0)
+        built.append(data)
+        return model
+
+    lm = nnx.eval_shape(build)
+    decode, state = decoder(lm), nnx.state(lm)
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    caches = jax.eval_shape(lambda: lm.init_cache(1, cache))
+    sp, config = qbits.interop.serving_params(
+        ckpt, decode, state, tokens, caches, names="qbits-lm"
+    )
+    return served_lm(lm, sp, config), built[0]
+
+
+def decoder(lm: Any) -> Any:
+    """``decode(state, tokens, caches)``: the LM's decode as a function of its state."""
+    import flax.nnx as nnx
+
+    graphdef = nnx.graphdef(lm)
+
+    def decode(state: Any, tokens: Any, caches: Any) -> Any:
+        return nnx.merge(graphdef, state).decode(tokens, caches)
+
+    return decode
+
+
+def served_lm(lm: Any, sp: Any, config: Any) -> Any:
+    """An nnx model that decodes ``lm`` served from ``sp`` (of :func:`decoder`).
+
+    Its ``decode`` is ``qbits.serving.serve(decoder(lm), config)``: the
+    weight matmuls compute on the stored codes and scales of ``sp``, in the
+    engine (the LM's own ``decode`` calls its float layers); its
+    ``init_cache`` is the LM's. What :func:`qbits.kvcache.generate` takes.
+    """
+    import flax.nnx as nnx
+
+    import qbits
+
+    served = qbits.serving.serve(decoder(lm), config)
+    init = lm.init_cache  # shapes only: lm may hold no weights
+
+    class Served(nnx.Module):
+        def __init__(self) -> None:
+            self.params = nnx.Variable(sp)
+
+        def init_cache(self, batch: int, config: Any = None) -> Any:
+            return init(batch, config)
+
+        def decode(self, tokens: Any, caches: Any) -> Any:
+            return served(self.params.get_value(), tokens, caches)
+
+    return Served()

@@ -19,7 +19,7 @@ from qbits.cli._inspect import (
     _inspect,
     _presets,
 )
-from qbits.cli._interop import _import
+from qbits.cli._interop import _export, _import
 from qbits.cli._search import (
     _search,
 )
@@ -294,6 +294,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the output folder of qbits train: decode with its float32 model",
     )
     generate.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="decode from the LM's checkpoint that qbits export wrote (GPTQ, "
+        "compressed-tensors), served on its stored codes and scales",
+    )
+    generate.add_argument(
         "--size",
         choices=("default", "tiny"),
         default="default",
@@ -326,4 +332,39 @@ def _parser() -> argparse.ArgumentParser:
     )
     imported.add_argument("checkpoint", metavar="DIR", help="the checkpoint folder")
     imported.set_defaults(run=_import)
+
+    export = sub.add_parser(
+        "export",
+        help="write a PTQ result of a trained LM as a GPTQ or compressed-tensors "
+        "checkpoint",
+        description="Quantize the float32 LM that 'qbits train' saved in --run by "
+        "--method as CONFIG says (as 'qbits ptq' does, on its calibration batches) "
+        "and write the stored weights to OUT as a safetensors checkpoint with "
+        "config.json's quantization_config, for PyTorch serving engines and "
+        "'qbits generate --checkpoint OUT'. See docs/guides/checkpoint-formats.md.",
+    )
+    export.add_argument(
+        "config", metavar="CONFIG", help="a weight format: preset or YAML file"
+    )
+    export.add_argument("out", metavar="OUT", help="the checkpoint folder to write")
+    export.add_argument(
+        "--run", required=True, metavar="DIR", dest="run_dir",
+        help="the output folder of qbits train",
+    )  # fmt: skip
+    export.add_argument(
+        "--format", choices=("gptq", "gptq_v2", "compressed-tensors"),
+        default="compressed-tensors", help="(default: %(default)s)",
+    )  # fmt: skip
+    export.add_argument(
+        "--method", choices=("rtn", "gptq", "qep", "awq"),
+        default="gptq", help="(default: %(default)s; awq is refused: see the guide)",
+    )  # fmt: skip
+    export.add_argument(
+        "--calibration", type=_count, default=16, metavar="N",
+        help="calibration batches (default: %(default)s)",
+    )  # fmt: skip
+    export.add_argument(
+        "--seed", type=_seed, help="which saved run, if --run holds several"
+    )
+    export.set_defaults(run=_export)
     return parser

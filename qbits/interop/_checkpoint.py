@@ -189,9 +189,12 @@ def write_checkpoint(
         out]`` (a dense kernel's layout, as :class:`Checkpoint` holds them
         and :func:`qbits.ptq.quantize_weights` stores them), all on one
         grid: int4/int8 (symmetric) or uint4/uint8 with zero points, in
-        groups along ``in`` or one scale per output channel.
+        groups along ``in``, one scale per output channel or one per
+        tensor; or float8_e4m3fn per channel or per tensor.
       format: ``"gptq"`` (v1 zero points, ``zero - 1``), ``"gptq_v2"`` or
-        ``"compressed-tensors"`` (``pack-quantized``). GPTQ scales are
+        ``"compressed-tensors"`` (``pack-quantized``; fp8:
+        ``float-quantized``; 2-D float ``*.weight`` tensors beside them
+        are its ``ignore`` list). GPTQ scales are
         float16 where float16 holds them all exactly (a checkpoint read
         from GPTQ), else float32 (qbits' PTQ scales: a float32 model's
         GPTQ checkpoint, which AutoGPTQ reads; float16-only kernels need
@@ -202,8 +205,11 @@ def write_checkpoint(
 
     Raises:
       InvalidArgumentError: For an unknown format, weights on different
-        grids or not int4/uint4/int8/uint8, or zero points the format
-        cannot store (GPTQ v1 stores ``zero - 1``: no zero of 0).
+        grids or not int4/uint4/int8/uint8/float8_e4m3fn, fp8 weights in
+        GPTQ, GPTQ weights whose sizes are not whole int32 words of codes
+        (multiples of 8 at 4 bits, of 4 at 8), or zero points the format
+        cannot store (``0 .. 2^b - 1``; GPTQ v1 stores ``zero - 1``: no
+        zero of 0).
 
     Example:
       >>> import os, tempfile, qbits.interop
@@ -226,30 +232,28 @@ def write_checkpoint(
     # group is on every grid whose group is its input size).
     groups = {d.group for d in decoded.values() if d.scale.shape[0] > 1}
     group = next(iter(groups)) if len(groups) == 1 else None
-    grids = {
-        (
-            d.bits,
-            d.kind,
-            group
-            if d.codes.shape[0] == group
-            else d.group
-            if d.scale.shape[0] > 1
-            else "channel",
-        )
-        for d in decoded.values()
-    }
-    if len(grids) != 1 or any(d.kind == "fp8" for d in decoded.values()):
+    grids = {(d.bits, d.kind, _blocks(d, group)) for d in decoded.values()}
+    fp8 = any(d.kind == "fp8" for d in decoded.values())
+    if len(grids) != 1 or (fp8 and format != "compressed-tensors"):
         raise InvalidArgumentError(
             owner,
             "weights",
             f"grids {sorted(map(str, grids))}",
-            "int or uint weights all on one grid (bits, zero points, group)",
+            "weights all on one grid (bits, zero points, group); fp8 "
+            "(float-quantized) in compressed-tensors only",
         )
     if format.startswith("gptq"):
         _check_gptq(owner, decoded, v2=format == "gptq_v2")
-        out, qc = write_gptq(decoded, group, v2=format == "gptq_v2")
+        out, qc = write_gptq(_per_channel(decoded), group, v2=format == "gptq_v2")
     else:
+        _check_zeros(owner, decoded, 0, "compressed-tensors")
         out, qc = write_compressed(decoded, group)
+        # float Linear weights beside them (a layer the method left float)
+        qc["ignore"] = sorted(
+            n[: -len(".weight")]
+            for n, t in (tensors or {}).items()
+            if n.endswith(".weight") and np.ndim(t) == 2
+        )
     for name, t in (tensors or {}).items():
         out[name] = np.asarray(t)
     folder = pathlib.Path(path)
@@ -261,18 +265,59 @@ def write_checkpoint(
     )
 
 
-def _check_gptq(owner: str, decoded: Mapping[str, Decoded], v2: bool) -> None:
-    """GPTQ holds zero points ``0 .. 2^b - 1`` (v1: ``1 .. 2^b``)."""
+def _blocks(d: Decoded, group: int | None) -> Any:
+    """A weight's scale blocks: its group, ``"channel"`` or ``"tensor"``."""
+    if d.scale.shape == (1, 1) and d.codes.shape[1] != 1:
+        return "tensor"
+    if d.scale.shape[0] == 1:
+        return group if d.codes.shape[0] == group else "channel"
+    return d.group
+
+
+def _per_channel(decoded: Mapping[str, Decoded]) -> dict[str, Decoded]:
+    """One scale (and zero point) per tensor repeated per channel (GPTQ's)."""
+    out = {}
     for m, d in decoded.items():
-        if d.zero is not None:
-            lo = 0 if v2 else 1
-            if d.zero.min() < lo or d.zero.max() > (1 << d.bits) - 1 + lo:
-                raise InvalidArgumentError(
-                    owner,
-                    f"weights[{m!r}]",
-                    f"zero points {d.zero.min()}..{d.zero.max()}",
-                    f"{lo}..{(1 << d.bits) - 1 + lo} for {format_name(v2)}",
-                )
+        width = (d.scale.shape[0], d.codes.shape[1])
+        zero = None if d.zero is None else np.broadcast_to(d.zero, width)
+        out[m] = dataclasses.replace(
+            d, scale=np.broadcast_to(d.scale, width), zero=zero
+        )
+    return out
+
+
+def _check_gptq(owner: str, decoded: Mapping[str, Decoded], v2: bool) -> None:
+    """GPTQ holds zero points ``0 .. 2^b - 1`` (v1: ``1 .. 2^b``) in whole words."""
+    for m, d in decoded.items():
+        per = 32 // d.bits
+        if d.codes.shape[0] % per or d.codes.shape[1] % per:
+            raise InvalidArgumentError(
+                owner,
+                f"weights[{m!r}]",
+                f"a [{d.codes.shape[1]}, {d.codes.shape[0]}] weight",
+                f"inputs and outputs in multiples of {per} for {d.bits}-bit GPTQ",
+                why="qweight and qzeros pack whole int32 words; AutoGPTQ reads no "
+                "padding",
+            )
+    _check_zeros(owner, decoded, 0 if v2 else 1, format_name(v2))
+
+
+def _check_zeros(owner: str, decoded: Mapping[str, Decoded], lo: int, fmt: str) -> None:
+    """Zero points ``lo .. lo + 2^b - 1``: what ``b`` bits hold (no silent wrap).
+
+    qbits' asymmetric grid spans a group's own [min, max], so a group of
+    one sign has its zero point outside the codes; the formats' cannot.
+    """
+    for m, d in decoded.items():
+        if d.zero is not None and (
+            d.zero.min() < lo or d.zero.max() > (1 << d.bits) - 1 + lo
+        ):
+            raise InvalidArgumentError(
+                owner,
+                f"weights[{m!r}]",
+                f"zero points {d.zero.min()}..{d.zero.max()}",
+                f"{lo}..{(1 << d.bits) - 1 + lo} for {fmt}",
+            )
 
 
 def format_name(v2: bool) -> str:

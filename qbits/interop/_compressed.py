@@ -233,41 +233,44 @@ def _nvfp4(
 def write_compressed(
     weights: Mapping[str, Decoded], group: int | None
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """``pack-quantized`` tensors and ``quantization_config`` of int weights.
+    """``pack-quantized`` (int) or ``float-quantized`` (fp8) tensors and config.
 
-    ``group``: inputs per scale, ``None`` for one per channel.
+    ``group``: inputs per scale, ``None`` for one per channel or (every
+    scale ``(1, 1)``) one per tensor.
     """
     tensors: dict[str, np.ndarray] = {}
     first = next(iter(weights.values()))
     bits, kind = first.bits, first.kind  # one grid, checked by the caller
+    per_tensor = group is None and all(d.scale.size == 1 for d in weights.values())
     mid = 1 << (bits - 1)
     for m, d in weights.items():
+        scale = d.scale.T.astype(np.float32)
+        tensors[f"{m}.weight_scale"] = scale.reshape(1) if per_tensor else scale
+        if kind == "fp8":
+            tensors[f"{m}.weight"] = d.codes.T.astype(ml_dtypes.float8_e4m3fn)
+            continue
         codes = d.codes - (mid if kind == "uint" else 0)  # signed
         tensors[f"{m}.weight_packed"] = pack_words(codes.T + mid, bits, 1)
         tensors[f"{m}.weight_shape"] = np.array(d.codes.shape[::-1], np.int64)
-        tensors[f"{m}.weight_scale"] = d.scale.T.astype(np.float32)
         if d.zero is not None:
             tensors[f"{m}.weight_zero_point"] = pack_words(
                 d.zero.T.astype(np.int64), bits, 0
             )
+    fmt = "float-quantized" if kind == "fp8" else "pack-quantized"
     weights_args = {
         "num_bits": bits,
-        "type": "int",
-        "symmetric": kind == "int",
+        "type": "float" if kind == "fp8" else "int",
+        "symmetric": kind != "uint",
         "dynamic": False,
-        "strategy": "group" if group else "channel",
+        "strategy": "group" if group else "tensor" if per_tensor else "channel",
         "group_size": group or None,
     }
     config = {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        "format": fmt,
         "quantization_status": "compressed",
         "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights_args,
-                "format": "pack-quantized",
-            }
+            "group_0": {"targets": ["Linear"], "weights": weights_args, "format": fmt}
         },
         "ignore": [],
     }

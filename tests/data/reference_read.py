@@ -3,7 +3,7 @@
 The other half of qbits' write test: ``qbits.interop.write_checkpoint``
 writes, the library that defines the format reads (never qbits)::
 
-    python tests/data/reference_read.py CHECKPOINT_DIR OUT.npz
+    python tests/data/reference_read.py CHECKPOINT_DIR OUT.npz [DIR OUT.npz ...]
 
 (in a venv with ``qbits[reference]``: PyTorch, auto-gptq 0.7.1 installed
 ``--no-deps``, compressed-tensors) writes ``weight/<module>`` (PyTorch's
@@ -16,7 +16,11 @@ writes, the library that defines the format reads (never qbits)::
   ``convert_gptq_v2_to_v1_format_module`` does (every stored zero point
   minus one, in int32 words);
 - compressed-tensors: the config is validated by ``QuantizationConfig``,
-  each module decompressed by its format's compressor.
+  each module decompressed by its format's compressor (``pack-quantized``,
+  ``float-quantized``).
+
+tests/interop runs it in a subprocess of the interpreter named by
+``QBITS_REFERENCE_PYTHON`` (docs/guides/development.md).
 """
 
 from __future__ import annotations
@@ -92,5 +96,7 @@ def read(folder: str | pathlib.Path) -> dict[str, np.ndarray]:
 
 
 if __name__ == "__main__":
-    weights = read(sys.argv[1])
-    np.savez(sys.argv[2], **{f"weight/{m}": w for m, w in weights.items()})
+    pairs = sys.argv[1:]
+    for folder, out in zip(pairs[::2], pairs[1::2], strict=True):
+        weights = read(folder)
+        np.savez(out, **{f"weight/{m}": w for m, w in weights.items()})

@@ -8,8 +8,10 @@ output the reference float matmul within float tolerance.
 """
 
 import json
+import os
 import pathlib
 import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -215,6 +217,8 @@ def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
         ("gptq_w4g16_sym", "gptq"),
         ("gptq_w8g32_sym", "gptq_v2"),
         ("ct_w8_channel", "compressed-tensors"),
+        ("ct_fp8_tensor", "compressed-tensors"),  # float-quantized
+        ("ct_fp8_channel", "compressed-tensors"),
     ):
         ckpt = qbits.interop.read_checkpoint(DATA / name)
         out = tmp_path / f"{name}-{fmt}"
@@ -230,31 +234,44 @@ def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
     again = qbits.interop.read_checkpoint(tmp_path / "gptq32")
     for m, qt in ckpt.weights.items():
         np.testing.assert_array_equal(again.weights[m].dequant(), qt.dequant())
+    # qbits' zero points may lie outside the codes (a group of one sign): refused
+    ckpt = qbits.interop.read_checkpoint(DATA / "ct_w4g16_asym")
+    qt = ckpt.weights[Q_PROJ]
+    off = {Q_PROJ: qt.replace(zero_point=qt.zero_point.at[0, 0].set(16))}
+    wrapped = r"zero points 3\.\.16.*expected 0\.\.15"
+    with pytest.raises(qbits.InvalidArgumentError, match=wrapped):
+        qbits.interop.write_checkpoint(tmp_path / "z", off, "compressed-tensors")
     ckpt = qbits.interop.read_checkpoint(DATA / "ct_fp8_tensor")
-    with pytest.raises(qbits.InvalidArgumentError, match="one grid"):
-        qbits.interop.write_checkpoint(tmp_path / "fp8", ckpt.weights)
+    with pytest.raises(qbits.InvalidArgumentError, match="compressed-tensors only"):
+        qbits.interop.write_checkpoint(tmp_path / "fp8", ckpt.weights)  # GPTQ
 
 
 def test_the_reference_libraries_read_what_qbits_writes(tmp_path):
-    # Only where qbits[reference] is installed beside qbits (the benchmark
-    # runs the same check in a separate reference venv).
-    pytest.importorskip("torch")
-    pytest.importorskip("compressed_tensors")
-    pytest.importorskip("auto_gptq")
-    import sys
-
-    sys.path.insert(0, str(DATA.parent))
-    import reference_read
-
-    ckpt = qbits.interop.read_checkpoint(DATA / "gptq_w4g16_asym")
-    for fmt in ("gptq", "gptq_v2", "compressed-tensors"):
-        qbits.interop.write_checkpoint(tmp_path / fmt, ckpt.weights, fmt)
-        got = reference_read.read(tmp_path / fmt)
+    # In a subprocess of an interpreter with qbits[reference] (PyTorch,
+    # AutoGPTQ, compressed-tensors), named by QBITS_REFERENCE_PYTHON: the
+    # libraries that define the formats read back what qbits wrote.
+    python = os.environ.get("QBITS_REFERENCE_PYTHON")
+    if not python:
+        pytest.skip("QBITS_REFERENCE_PYTHON is not set (docs/guides/development.md)")
+    cases = [("gptq_w4g16_asym", f) for f in ("gptq", "gptq_v2", "compressed-tensors")]
+    cases += [("gptq_w8g32_sym", "gptq"), ("ct_w4g32_sym", "gptq")]  # float32 scales
+    cases += [(n, "compressed-tensors") for n in ("ct_fp8_tensor", "ct_fp8_channel")]
+    argv, written = [python, str(DATA.parent / "reference_read.py")], []
+    for i, (name, fmt) in enumerate(cases):
+        ckpt = qbits.interop.read_checkpoint(DATA / name)
+        qbits.interop.write_checkpoint(tmp_path / str(i), ckpt.weights, fmt)
+        argv += [str(tmp_path / str(i)), str(tmp_path / f"{i}.npz")]
+        written.append((ckpt, fmt, tmp_path / f"{i}.npz"))
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for ckpt, fmt, npz in written:
+        got = np.load(npz)
+        half = fmt.startswith("gptq") and ckpt.format.startswith("gptq")
         for m, qt in ckpt.weights.items():
             w = np.asarray(qt.dequant()).T
-            if fmt.startswith("gptq"):  # the reference dequantizes in float16
+            if half:  # float16 scales: the reference dequantizes in float16
                 w = w.astype(np.float16).astype(np.float32)
-            np.testing.assert_array_equal(got[m], w)
+            np.testing.assert_array_equal(got[f"weight/{m}"], w, err_msg=f"{npz} {m}")
 
 
 def test_qbits_example_lm_served_from_a_compressed_tensors_checkpoint():
