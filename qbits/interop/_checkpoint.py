@@ -180,6 +180,7 @@ def write_checkpoint(
     format: str = "gptq",
     tensors: Mapping[str, Any] | None = None,
     config: Mapping[str, Any] | None = None,
+    input_orders: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes stored weights as a GPTQ or compressed-tensors checkpoint.
 
@@ -202,6 +203,12 @@ def write_checkpoint(
       tensors: Other tensors to write as they are (norms, embeddings),
         PyTorch layout.
       config: Other ``config.json`` entries (``model_type``, sizes).
+      input_orders: ``{module name: int [in]}``: for a weight whose rows
+        hold its inputs in another order, the input each row holds (an
+        act-order GPTQ checkpoint's :attr:`Checkpoint.input_orders`: pass
+        them with its weights, else the rows are written as the inputs in
+        order). Written as GPTQ's ``g_idx`` (``desc_act``); not in
+        compressed-tensors.
 
     Raises:
       InvalidArgumentError: For an unknown format, weights on different
@@ -209,7 +216,8 @@ def write_checkpoint(
         GPTQ, GPTQ weights whose sizes are not whole int32 words of codes
         (multiples of 8 at 4 bits, of 4 at 8), or zero points the format
         cannot store (``0 .. 2^b - 1``; GPTQ v1 stores ``zero - 1``: no
-        zero of 0).
+        zero of 0), or an input order that is not a permutation of its
+        weight's inputs (or is given for compressed-tensors).
 
     Example:
       >>> import os, tempfile, qbits.interop
@@ -228,6 +236,24 @@ def write_checkpoint(
     decoded = {
         m: from_qtensor(qt, owner, f"weights[{m!r}]") for m, qt in weights.items()
     }
+    for m, order in (input_orders or {}).items():
+        order = np.asarray(order)
+        d = decoded.get(m)
+        n_in = None if d is None else d.codes.shape[0]
+        if (
+            d is None
+            or format == "compressed-tensors"
+            or order.shape != (n_in,)
+            or not np.array_equal(np.sort(order), np.arange(n_in))
+        ):
+            raise InvalidArgumentError(
+                owner,
+                f"input_orders[{m!r}]",
+                f"{order.dtype}{list(order.shape)}",
+                "a permutation of the inputs of a weight in weights, for GPTQ "
+                "(compressed-tensors is written without an input order)",
+            )
+        decoded[m] = dataclasses.replace(d, order=order.astype(np.int64))
     # One grid: bits, zero points or not, one group size (a weight of one
     # group is on every grid whose group is its input size).
     groups = {d.group for d in decoded.values() if d.scale.shape[0] > 1}

@@ -182,18 +182,20 @@ def write_gptq(
             np.full(d.scale.shape, mid) if d.zero is None else d.zero.astype(np.int64)
         )
         stored = zero - (0 if v2 else 1)
+        g_idx = np.arange(d.codes.shape[0]) // d.group
+        if d.order is not None:  # act-order: row i of codes holds input order[i]
+            codes, g_idx = codes.copy(), g_idx.copy()
+            codes[d.order], g_idx[d.order] = codes.copy(), g_idx.copy()
         tensors[f"{m}.qweight"] = pack_words(codes, bits, 0)
         tensors[f"{m}.qzeros"] = pack_words(stored, bits, 1)
         tensors[f"{m}.scales"] = d.scale.astype(np.float16 if half else np.float32)
-        tensors[f"{m}.g_idx"] = (np.arange(d.codes.shape[0]) // d.group).astype(
-            np.int32
-        )
+        tensors[f"{m}.g_idx"] = g_idx.astype(np.int32)
     config = {
         "quant_method": "gptq",
         "bits": bits,
         "group_size": -1 if group is None else group,
         "sym": kind == "int",
-        "desc_act": False,
+        "desc_act": any(d.order is not None for d in weights.values()),
         "checkpoint_format": "gptq_v2" if v2 else "gptq",
     }
     return tensors, config

@@ -244,6 +244,21 @@ def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
     ckpt = qbits.interop.read_checkpoint(DATA / "ct_fp8_tensor")
     with pytest.raises(qbits.InvalidArgumentError, match="compressed-tensors only"):
         qbits.interop.write_checkpoint(tmp_path / "fp8", ckpt.weights)  # GPTQ
+    # act-order: the rows go back to their inputs, g_idx says their groups
+    ckpt = qbits.interop.read_checkpoint(DATA / "gptq_w4g16_actorder")
+    orders = ckpt.input_orders
+    qbits.interop.write_checkpoint(tmp_path / "act", ckpt.weights, input_orders=orders)
+    for name in ("qweight", "qzeros", "scales", "g_idx"):  # AutoGPTQ's own, again
+        want = read_tensors(DATA / "gptq_w4g16_actorder")
+        got = read_tensors(tmp_path / "act")
+        for m in orders:
+            np.testing.assert_array_equal(got[f"{m}.{name}"], want[f"{m}.{name}"])
+    for bad, fmt in ((np.zeros_like(orders[Q_PROJ]), "gptq"),
+                     (orders[Q_PROJ], "compressed-tensors")):  # fmt: skip
+        with pytest.raises(qbits.InvalidArgumentError, match="input_orders"):
+            qbits.interop.write_checkpoint(
+                tmp_path / "bad", ckpt.weights, fmt, input_orders={Q_PROJ: bad}
+            )
 
 
 def test_the_reference_libraries_read_what_qbits_writes(tmp_path):
