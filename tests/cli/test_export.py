@@ -93,8 +93,6 @@ def test_export_and_generate_errors_are_one_line(tmp_path, capsys):
     assert "holds no saved params" in _one_error_line(capsys)
     assert main(["generate", "--checkpoint", f"{DATA}/gptq_w4g16_sym"]) == 2
     assert "config.json has no qbits entry" in _one_error_line(capsys)
-    assert main(["generate", "--checkpoint", f"{DATA}/gptq_w4g16_actorder"]) == 2
-    assert "act-order" in _one_error_line(capsys)
     assert main(["generate", "--checkpoint", "c", "--run", "r"]) == 2
     assert "--run, --steps and --size do not apply" in _one_error_line(capsys)
     assert not (tmp_path / "out").exists()
