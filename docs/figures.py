@@ -649,7 +649,7 @@ def optim() -> str:
         text += (
             _table(["`--optimizer`", "eval loss", "eval / f32"], rows)
             + f"\n(The same at {long['steps']} steps, the LM's default "
-            f"schedule, seed {seeds}.)\n\n"
+            f"schedule, seeds {seeds}.)\n\n"
         )
     if "drift" in data:
         drift = data["drift"]
