@@ -107,7 +107,7 @@ def one_seed(run_dir: str, batches: int) -> dict:
         row(f"searched {bits:g} bits", at.config, at.nbytes, at.expected_loss,
             choices=at.choices)  # fmt: skip
     return {
-        "run": run_dir,
+        "run": os.path.basename(os.path.normpath(run_dir)),
         "search_seconds": found.seconds,
         "search_cpu_seconds": cpu,
         "calibration_batches": batches,
@@ -178,7 +178,8 @@ def markdown(result: dict) -> str:
             "",
         ]
     for s in seeds:
-        lines.append(f"Searched choice ({s['run']}):")
+        name = os.path.basename(os.path.normpath(s["run"]))  # not where it lay
+        lines.append(f"Searched choice (run {name}):")
         lines += ["", "```yaml", s["yaml"].rstrip(), "```", ""]
     return "\n".join(lines)
 

@@ -699,13 +699,45 @@ def optim() -> str:
     header = ["`--optimizer`", "state", "state / f32", "update alone",
               "train step / f32", "eval loss (per seed)", "eval / f32"]  # fmt: skip
     seeds = ", ".join(str(s) for s in meta["seeds"])
-    return (
+    text = (
         _table(header, table)
         + "\n"
         + f"(The example LM, float32 matmuls, {meta['steps']} steps, seeds "
         f"{seeds}; optimizer state summed over `nnx.Optimizer`'s arrays; times "
-        "on 2 CPU cores shared with other work: rough.)\n\n" + _source("optim_cpu.json")
+        "on 2 CPU cores shared with other work: rough.)\n\n"
     )
+    if "long" in data:
+        long = data["long"]
+        base = long["runs"]["adamw"]
+        rows = [
+            [names.get(n, n),
+             " / ".join(f"{r['eval_loss']:.4f}" for r in got),
+             " / ".join(f"{r['eval_loss'] / b['eval_loss']:.4f}"
+                        for r, b in zip(got, base, strict=True))]
+            for n, got in long["runs"].items()
+        ]  # fmt: skip
+        seeds = ", ".join(str(s) for s in long["seeds"])
+        text += (
+            _table(["`--optimizer`", "eval loss", "eval / f32"], rows)
+            + f"\n(The same at {long['steps']} steps, the LM's default "
+            f"schedule, seeds {seeds}.)\n\n"
+        )
+    if "drift" in data:
+        drift = data["drift"]
+        rows = [
+            [name, str(p["step"]), f"{p['update_norm_ratio']:.3f}",
+             f"{p['cosine']:.4f}", f"{p['sqrt_nu_ratio_median']:.3f}"]
+            for name, points in drift["runs"].items()
+            for p in points
+        ]  # fmt: skip
+        header = ["states", "step", "Adam step norm / f32", "cosine",
+                  "median sqrt(nu / nu f32)"]  # fmt: skip
+        text += (
+            _table(header, rows)
+            + "\n(Quantized states against float32 states fed the same "
+            f"gradients, {drift['steps_of_schedule']}-step schedule, seed 0.)\n\n"
+        )
+    return text + _source("optim_cpu.json")
 
 
 @figure("moe", "moe_cpu.json")

@@ -33,6 +33,7 @@ the two levels around a value with probabilities that make it unbiased.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -44,7 +45,7 @@ from flax import struct
 from qbits._errors import InvalidArgumentError
 from qbits._formats import float_format, round_to_format, stochastic_round_to_format
 from qbits._sharding import like, take
-from qbits._tensor import expand_scale, pack_nibbles, unpack_nibbles
+from qbits._tensor import expand_scale
 from qbits.numerics import UniformNoise
 
 __all__ = ["QuantizedMoment", "dequantize", "dynamic_map", "levels", "quantize"]
@@ -220,22 +221,56 @@ def _expand(scale: jax.Array, shape: tuple[int, ...], block_size: int) -> jax.Ar
     ].reshape(shape)
 
 
+def _keys(bits: Any) -> Any:
+    """Integers ordered as the float32 numbers whose bit patterns are ``bits``.
+
+    The bits of a negative number, but its sign, are flipped, so larger
+    magnitudes come first (``-0.0`` then sorts just below ``0.0``).
+    """
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@functools.cache
+def _buckets(entries: bytes) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(shift, counts, firsts)`` of :func:`_count_below` for a sorted table.
+
+    The float32 numbers are split by their top bits (the order key shifted
+    right by ``shift``: the largest shift, 24 down to 12, that puts at most
+    one entry in a bucket); ``counts[b]`` entries lie before bucket ``b``
+    and ``firsts[b]`` is the first entry from it on (``NaN`` past the end:
+    no number is above it).
+    """
+    table = np.frombuffer(entries, np.float32) + np.float32(0.0)  # -0.0 -> 0.0
+    keys = _keys(table.view(np.int32).astype(np.int64))
+    shifts = [
+        s
+        for s in range(24, 11, -1)
+        if np.bincount((keys >> s) - (keys.min() >> s)).max() <= 1
+    ]
+    if not shifts or not np.all(np.diff(table) > 0):
+        raise ValueError("a table of levels must increase, its entries apart")
+    shift = shifts[0]
+    starts = (np.arange(2 ** (32 - shift), dtype=np.int64) - 2 ** (31 - shift)) << shift
+    counts = np.searchsorted(keys, starts, "left").astype(np.int32)
+    firsts = np.append(table, np.float32(np.nan))[counts]
+    return shift, counts, firsts
+
+
 def _count_below(table: np.ndarray, x: jax.Array, inclusive: bool) -> jax.Array:
     """How many of the sorted ``table`` are ``< x`` (``<= x`` if ``inclusive``).
 
-    ``jnp.searchsorted`` as a binary search of elementwise lookups, which
-    keep ``x``'s layout on any mesh.
+    ``jnp.searchsorted`` in two lookups (kept in ``x``'s layout on any
+    mesh): the entries before the bucket of ``x``'s top bits, then one
+    comparison with the bucket's first entry, which no other entry shares.
+    ``NaN`` counts none, as a binary search's comparisons make it.
     """
-    size = 1 << (table.size - 1).bit_length()
-    padded = jnp.asarray(np.pad(table, (0, size - table.size), constant_values=np.inf))
-    index = jnp.zeros_like(x, jnp.int32)  # laid out as x
-    step = size // 2
-    while step:
-        probe = take(padded, index + (step - 1))
-        below = probe <= x if inclusive else probe < x
-        index = jnp.where(below, index + step, index)
-        step //= 2
-    return index
+    shift, counts, firsts = _buckets(np.asarray(table, np.float32).tobytes())
+    x = jnp.where(x == 0, 0.0, jnp.where(jnp.isnan(x), -jnp.inf, x))
+    keys = _keys(jax.lax.bitcast_convert_type(x, jnp.int32))
+    bucket = (keys >> shift) + 2 ** (31 - shift)
+    before = take(jnp.asarray(counts), bucket)
+    first = take(jnp.asarray(firsts), bucket)
+    return before + (first <= x if inclusive else first < x).astype(jnp.int32)
 
 
 def quantize(
@@ -276,7 +311,12 @@ def quantize(
             codes = low + up.astype(low.dtype)
         codes = codes.astype(jnp.uint8)
         if bits == 4:
-            codes = pack_nibbles(codes.astype(jnp.uint4), -1)
+            if shape and shape[-1] % 2:
+                codes = jnp.pad(codes, [(0, 0)] * (len(shape) - 1) + [(0, 1)])
+            # Two codes a byte, element 2i in the low nibble (pack_nibbles'
+            # layout); pairs by a reshape, which keeps a sharded axis sharded.
+            pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+            codes = pairs[..., 0] | (pairs[..., 1] << 4)
     return QuantizedMoment(
         codes=codes,
         absmax=absmax,
@@ -293,10 +333,15 @@ def dequantize(q: QuantizedMoment) -> jax.Array:
     codes = q.codes
     if q.state_format == "fp8":
         values = codes.astype(jnp.float32)
+    elif q.bits == 4:  # looked up by the byte: its low, then its high nibble
+        table = levels(q.state_format, q.bits, q.signed)
+        table, byte = np.pad(table, (0, 16 - table.size), "edge"), np.arange(256)
+        index = codes.astype(jnp.int32)
+        pair = [
+            take(jnp.asarray(table[nibble]), index) for nibble in (byte & 15, byte >> 4)
+        ]
+        values = jnp.stack(pair, -1).reshape(*codes.shape[:-1], -1)[..., : q.shape[-1]]
     else:
-        if q.bits == 4:
-            odd = bool(q.shape[-1] % 2)
-            codes = unpack_nibbles(codes, jnp.uint4, -1, pad=odd).astype(jnp.uint8)
         table = jnp.asarray(levels(q.state_format, q.bits, q.signed))
         values = take(table, codes.astype(jnp.int32))
     return values * _expand(q.absmax, q.shape, q.block_size)

@@ -243,6 +243,26 @@ def test_ptq_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_search_end_to_end(tmp_path, capsys):
+    """`qbits search` on a float32 run of the tiny MLP: rules as YAML, report."""
+    run = tmp_path / "run"
+    train = ["train", "none", "--model", "mlp", "--size", "tiny", "--steps", "1"]
+    assert main([*train, "--out", str(run), "-q"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "found.yaml"
+    argv = ["search", "w4a8", "none", "--run", str(run), "--budget", "5",
+            "--batches", "1", "--out", str(out), "-q"]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    # What qbits train FILE trains with: w4a8 on both weight matmuls.
+    assert qbits.load_config(out) == qbits.QuantConfig((), default="w4a8")
+    report = out.with_suffix(".md").read_text()
+    assert report.startswith("Budget 5 bits per weight: chose ")
+    assert "| layers/0 | w4a8 |" in report and "| head | w4a8 |" in report
+    assert "Held-out loss: " in report and "nan" not in report
+    assert report in stdout and f"qbits train {out}" in stdout
+
+
 def test_search_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     """`qbits search`'s bad input, refused before any measurement."""
     missing = tmp_path / "nothing"

@@ -55,6 +55,17 @@ def _block(p, x):
     return jnp.mean((jax.nn.gelu(h) @ p["fc"] - x) ** 2)
 
 
+def _w4_tiles(size):
+    return qbits.DotGeneralConfig(
+        fwd=qbits.MatmulConfig(
+            lhs=qbits.presets.get("w4a8").fwd.lhs,
+            rhs=qbits.Quantizer(
+                qbits.IntNumerics(bits=4), qbits.AbsMax(), qbits.Tiled(tile_size=size)
+            ),
+        )
+    )
+
+
 @pytest.fixture(scope="module")
 def searched():
     keys = jax.random.split(jax.random.key(0), 4)
@@ -66,7 +77,18 @@ def searched():
     batches = [
         jax.random.normal(jax.random.fold_in(keys[3], i), (8, 16)) for i in (0, 1)
     ]
-    found = diagnostics.search_budget(_block, params, batches, CANDIDATES, budget=6.0)
+    # int4 in tiles of 16 on a contraction of 16 stores int4 per channel:
+    # measured once (the compilations counted).
+    candidates = {"w4a8": "w4a8", "w4g16": _w4_tiles(16), "int8_fwd": "int8_fwd",
+                  "float": None}  # fmt: skip
+    compiled = []
+    quantize = qbits.transform._quantize
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(
+            qbits.transform, "_quantize", lambda *a: compiled.append(a) or quantize(*a)
+        )
+        found = diagnostics.search_budget(_block, params, batches, candidates, 6.0)
+    assert len(compiled) == 1 + 3 * 2 + 1  # reference, w4a8 and int8_fwd, choice
     return found, params, batches
 
 
@@ -78,9 +100,12 @@ def test_tiny_block_end_to_end(searched):
         found.costs[p][lb] for p, lb in found.choices.items()
     )
     # int4 per channel: 16x16 codes packed two per byte + 16 float32 scales.
-    assert found.costs["query"] == {"w4a8": 128 + 64, "int8_fwd": 256 + 64,
-                                    "float": 1024}  # fmt: skip
+    assert found.costs["query"] == {"w4a8": 128 + 64, "w4g16": 128 + 64,
+                                    "int8_fwd": 256 + 64, "float": 1024}  # fmt: skip
     assert all(d["float"] == 0.0 for d in found.sensitivity.values())
+    assert all(
+        d["w4g16"] == d["w4a8"] != d["int8_fwd"] for d in found.sensitivity.values()
+    )
     assert found.expected_loss == pytest.approx(
         found.reference_loss
         + sum(found.sensitivity[p][lb] for p, lb in found.choices.items())
@@ -118,6 +143,7 @@ def test_yaml_round_trip_reproduces_the_choice(searched, tmp_path):
     assert loaded == found.config
     table = qbits.layer_table(_block, loaded, params, batches[0])
     labels = {"w4a8": "w4a8", "int8_fwd": "int8_fwd", "float": "float"}
+    assert "w4g16" not in found.choices.values()  # w4a8 first: ties keep it
     for p, label in found.choices.items():
         assert table[p].describe() == labels[label], p
     quantized = jax.jit(qbits.quantize(_block, loaded))

@@ -12,7 +12,13 @@ from jax.sharding import PartitionSpec as P
 
 import qbits
 from qbits import optim
-from qbits.optim._blockwise import dequantize, dynamic_map, levels, quantize
+from qbits.optim._blockwise import (
+    _count_below,
+    dequantize,
+    dynamic_map,
+    levels,
+    quantize,
+)
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "bnb_optim.npz"
 FORMATS = [(8, "dynamic"), (8, "linear"), (8, "fp8"), (4, "dynamic"), (4, "linear")]
@@ -50,6 +56,37 @@ def test_maps_are_sorted_bounded_and_keep_their_shape():
     assert levels("dynamic", 4, False)[0] == 1 / 16
     assert levels("linear", 8, False)[0] == 1 / 256
     assert levels("fp8", 8, True) is None
+
+
+def test_the_level_lookup_is_a_searchsorted_of_every_map():
+    # The nearest level is a count of midpoints below (a tie to the lower
+    # level), stochastic rounding's a count of levels at or below: one
+    # bucket lookup on the float's top bits and one comparison, which must
+    # agree with counting on every value, the midpoints and their neighbours.
+    rng = np.random.default_rng(2)
+    spread = rng.uniform(-1, 1, 4096) * 10.0 ** rng.uniform(-10, 0, 4096)
+    tables = []
+    for bits, fmt in FORMATS[:2] + FORMATS[3:]:
+        for signed in (True, False):
+            t = levels(fmt, bits, signed)
+            tables += [((t[:-1] + t[1:]) / np.float32(2), False), (t, True)]
+    xs = []
+    for table, _ in tables:
+        up = np.nextafter(table, np.float32(np.inf))
+        down = np.nextafter(table, np.float32(-np.inf))
+        special = [0.0, -0.0, 1.0, -1.0, np.inf, -np.inf]
+        x = np.concatenate([table, up, down, spread, special]).astype(np.float32)
+        # (not the neighbours of 0: XLA on CPU reads subnormal numbers as 0)
+        xs.append(x[(x == 0) | (np.abs(x) >= np.finfo(np.float32).tiny)])
+
+    @jax.jit
+    def count(xs):
+        return [_count_below(t, x, inc) for (t, inc), x in zip(tables, xs, strict=True)]
+
+    for (table, inclusive), x, got in zip(tables, xs, count(xs), strict=True):
+        below = table <= x[:, None] if inclusive else table < x[:, None]
+        np.testing.assert_array_equal(np.asarray(got), below.sum(1))
+    assert int(count([jnp.full_like(x, jnp.nan) for x in xs])[0][0]) == 0
 
 
 def test_round_trip_is_within_half_a_level_and_idempotent():
