@@ -62,7 +62,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from make_quantized_checkpoints import HERE, IN, OUT, _extras, _float_weights, _write
+from make_quantized_checkpoints import (
+    HERE,
+    IN,
+    OUT,
+    _extras,
+    _float_weights,
+    _write,
+    compress_and_read,
+)
 
 
 def _awq_modules():
@@ -122,14 +130,10 @@ def awq(name: str, group: int) -> None:
 
 
 def nvfp4(name: str) -> None:
-    import json
 
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization import (
         QuantizationConfig,
-        QuantizationScheme,
         apply_quantization_config,
         preset_name_to_scheme,
     )
@@ -138,7 +142,6 @@ def nvfp4(name: str) -> None:
         calculate_qparams,
         generate_gparam,
     )
-    from safetensors.torch import load_file
 
     weights = _float_weights(50)
     model = torch.nn.Module()
@@ -159,26 +162,10 @@ def nvfp4(name: str) -> None:
         s, _ = calculate_qparams(g.amin(-1), g.amax(-1), args, global_scale=gs)
         m.weight_global_scale.data.copy_(gs)
         m.weight_scale.data.copy_(s)
-    compressor = ModelCompressor.from_pretrained_model(model, "nvfp4-pack-quantized")
-    compressor.compress_model(model)
-    tensors = {k.replace("__", "."): v for k, v in model.state_dict().items()}
-    tensors.update(_extras(50))
-    path = HERE / name
-    _write(path, tensors, {}, {})
-    compressor.update_config(str(path))
-    saved = load_file(path / "model.safetensors")
-    config = json.loads((path / "config.json").read_text())["quantization_config"]
-    group = QuantizationScheme.model_validate(config["config_groups"]["group_0"])
-    codec = BaseCompressor.get_value_from_registry(config["format"])
-    x = torch.randn(3, max(IN, OUT), generator=torch.Generator().manual_seed(7))
-    ref = {"x": x.numpy()}
-    for mod in weights:
-        part = {
-            k[len(mod) + 1 :]: v for k, v in saved.items() if k.startswith(mod + ".")
-        }
-        w = codec.decompress(part, group)["weight"]
-        ref[f"weight/{mod}"] = w.float().numpy()
-        ref[f"y/{mod}"] = (x[:, : w.shape[1]] @ w.float().t()).numpy()
+    path, parts, group, ref = compress_and_read(
+        model, "nvfp4-pack-quantized", name, weights, 50
+    )
+    for mod, part in parts.items():
         packed = part["weight_packed"]
         shape = (packed.shape[0], 2 * packed.shape[1])
         codes = unpack_fp4_from_uint8(packed, *shape, dtype=torch.float32)

@@ -165,8 +165,6 @@ def gptq(
 
 
 def compressed(name: str, fmt: str, args: dict) -> None:
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
@@ -201,20 +199,34 @@ def compressed(name: str, fmt: str, args: dict) -> None:
         m.weight_scale.data.copy_(s)
         if hasattr(m, "weight_zero_point"):
             m.weight_zero_point.data.copy_(z)
+    path, _, _, ref = compress_and_read(model, fmt, name, weights, len(name))
+    np.savez_compressed(path / "reference.npz", **ref)
+
+
+def compress_and_read(model, fmt: str, name: str, weights, seed: int):
+    """``model`` compressed in ``fmt`` into ``HERE / name``, and read back.
+
+    The reference read is the format's compressor on the saved tensors.
+    Returns ``(path, {module: its saved tensors}, the scheme, reference)``,
+    the reference holding ``x``, and each module's ``weight/`` and ``y/``.
+    """
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file
+
     compressor = ModelCompressor.from_pretrained_model(model, fmt)
     compressor.compress_model(model)
     tensors = {k.replace("__", "."): v for k, v in model.state_dict().items()}
-    tensors.update(_extras(len(name)))
+    tensors.update(_extras(seed))
     path = HERE / name
     _write(path, tensors, {}, {})
     compressor.update_config(str(path))
-    # The reference read: the format's compressor on the saved tensors.
     saved = load_file(path / "model.safetensors")
     config = json.loads((path / "config.json").read_text())["quantization_config"]
     group = QuantizationScheme.model_validate(config["config_groups"]["group_0"])
     codec = BaseCompressor.get_value_from_registry(config["format"])
     x = torch.randn(3, max(IN, OUT), generator=torch.Generator().manual_seed(7))
-    ref = {"x": x.numpy()}
+    ref, parts = {"x": x.numpy()}, {}
     for mod in weights:
         part = {
             k[len(mod) + 1 :]: v for k, v in saved.items() if k.startswith(mod + ".")
@@ -222,7 +234,8 @@ def compressed(name: str, fmt: str, args: dict) -> None:
         w = codec.decompress(part, group)["weight"]
         ref[f"weight/{mod}"] = w.float().numpy()
         ref[f"y/{mod}"] = (x[:, : w.shape[1]] @ w.float().t()).numpy()
-    np.savez_compressed(path / "reference.npz", **ref)
+        parts[mod] = part
+    return path, parts, group, ref
 
 
 def qbits_lm(name: str) -> None:
