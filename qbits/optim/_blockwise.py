@@ -45,7 +45,7 @@ from flax import struct
 from qbits._errors import InvalidArgumentError
 from qbits._formats import float_format, round_to_format, stochastic_round_to_format
 from qbits._sharding import like, take
-from qbits._tensor import expand_scale
+from qbits._tensor import expand_scale, pack_nibbles
 from qbits.numerics import UniformNoise
 
 __all__ = ["QuantizedMoment", "dequantize", "dynamic_map", "levels", "quantize"]
@@ -309,14 +309,9 @@ def quantize(
             above = take(jnp.asarray(table), low + 1)
             up = (scaled - below) / (above - below) > noise + 0.5
             codes = low + up.astype(low.dtype)
+        # 4-bit: two codes a byte, element 2i in the low nibble.
+        codes = pack_nibbles(codes.astype(jnp.uint4)) if bits == 4 else codes
         codes = codes.astype(jnp.uint8)
-        if bits == 4:
-            if shape and shape[-1] % 2:
-                codes = jnp.pad(codes, [(0, 0)] * (len(shape) - 1) + [(0, 1)])
-            # Two codes a byte, element 2i in the low nibble (pack_nibbles'
-            # layout); pairs by a reshape, which keeps a sharded axis sharded.
-            pairs = codes.reshape(*codes.shape[:-1], -1, 2)
-            codes = pairs[..., 0] | (pairs[..., 1] << 4)
     return QuantizedMoment(
         codes=codes,
         absmax=absmax,
