@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from qbits.interop._codes import Decoded, unpack_words
-from qbits.interop._safetensors import bad
+from qbits.interop._safetensors import bad, modules_with
 
 __all__ = ["read_awq"]
 
@@ -60,14 +60,9 @@ def read_awq(
 ) -> dict[str, Decoded]:
     """Every AWQ module's weight: ``{module name: Decoded}``; checks each tensor."""
     group = _settings(qc, f"{where}/config.json")
-    modules = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))
-    if not modules:
-        raise bad(
-            f"{where}: *.qweight",
-            "missing",
-            "AWQ's qweight tensors",
-            why="config.json declares quant_method awq",
-        )
+    modules = modules_with(
+        tensors, ".qweight", where, "AWQ's qweight tensors", "quant_method awq"
+    )
     out: dict[str, Decoded] = {}
     for m in modules:
         got = {}

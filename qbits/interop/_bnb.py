@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from qbits.interop._codes import Decoded
-from qbits.interop._safetensors import bad
+from qbits.interop._safetensors import bad, modules_with
 from qbits.numerics import Nf4Numerics
 
 __all__ = ["PARTS", "read_bnb"]
@@ -85,14 +85,8 @@ def read_bnb(
             why="8-bit (LLM.int8) and FP4 bitsandbytes weights not yet",
         )
     suffix = ".weight.quant_state.bitsandbytes__nf4"
-    modules = sorted(n[: -len(suffix)] for n in tensors if n.endswith(suffix))
-    if not modules:
-        raise bad(
-            f"{where}: *{suffix}",
-            "missing",
-            "the NF4 quant states of bitsandbytes' Linear4bit weights",
-            why="config.json declares load_in_4bit nf4",
-        )
+    what = "the NF4 quant states of bitsandbytes' Linear4bit weights"
+    modules = modules_with(tensors, suffix, where, what, "load_in_4bit nf4")
     levels = np.asarray(Nf4Numerics().levels, np.float32)
     out: dict[str, Decoded] = {}
     for m in modules:

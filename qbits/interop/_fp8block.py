@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from qbits.interop._codes import Decoded
-from qbits.interop._safetensors import bad
+from qbits.interop._safetensors import bad, modules_with
 
 __all__ = ["read_fp8_blocks"]
 
@@ -58,18 +58,10 @@ def read_fp8_blocks(
             "e4m3 weights, float scales",
         )
     bm, bn = block
-    modules = sorted(
-        n[: -len(".weight_scale_inv")]
-        for n in tensors
-        if n.endswith(".weight_scale_inv")
-    )
-    if not modules:
-        raise bad(
-            f"{where}: *.weight_scale_inv",
-            "missing",
-            "the block scales of FP8 weights",
-            why="config.json declares quant_method fp8",
-        )
+    modules = modules_with(
+        tensors, ".weight_scale_inv", where, "the block scales of FP8 weights",
+        "quant_method fp8",
+    )  # fmt: skip
     out: dict[str, Decoded] = {}
     for m in modules:
         w, s = tensors.get(f"{m}.weight"), tensors[f"{m}.weight_scale_inv"]

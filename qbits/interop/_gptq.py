@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from qbits.interop._codes import Decoded, pack_words, unpack_words
-from qbits.interop._safetensors import bad
+from qbits.interop._safetensors import bad, modules_with
 
 __all__ = ["read_gptq", "write_gptq"]
 
@@ -71,14 +71,9 @@ def read_gptq(
     bits, group, sym, act_order, v2 = _settings(qc, f"{where}/config.json")
     per = 32 // bits
     out: dict[str, Decoded] = {}
-    modules = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))
-    if not modules:
-        raise bad(
-            f"{where}: *.qweight",
-            "missing",
-            "GPTQ's qweight tensors",
-            why="config.json declares quant_method gptq",
-        )
+    modules = modules_with(
+        tensors, ".qweight", where, "GPTQ's qweight tensors", "quant_method gptq"
+    )
     for m in modules:
 
         def need(suffix: str, dtype: Any, m: str = m) -> np.ndarray:

@@ -16,6 +16,7 @@ import os
 import pathlib
 import struct
 from collections.abc import Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -45,6 +46,23 @@ OWNER = "qbits.interop.read_checkpoint"
 def bad(where: str, value: object, allowed: str, why: str = "") -> InvalidArgumentError:
     """The one-line error of a checkpoint: ``where`` names the file and tensor."""
     return InvalidArgumentError(OWNER, where, value, allowed, why=why)
+
+
+def modules_with(
+    tensors: Mapping[str, Any], suffix: str, where: str, what: str, declared: str
+) -> list[str]:
+    """The modules with a tensor ``<module><suffix>``, sorted; none is an error.
+
+    ``what`` names the tensors a format needs, ``declared`` the
+    ``config.json`` entry that says the checkpoint is in that format.
+    """
+    modules = sorted(n[: -len(suffix)] for n in tensors if n.endswith(suffix))
+    if not modules:
+        raise bad(
+            f"{where}: *{suffix}", "missing", what,
+            why=f"config.json declares {declared}",
+        )  # fmt: skip
+    return modules
 
 
 def _files(folder: pathlib.Path) -> dict[str, list[str] | None]:
