@@ -201,39 +201,42 @@ def _matching_inputs(name, fn, kinds, scales):
     return inputs, values
 
 
-def _check(name, fn, kinds, scales, rounding):
-    inputs, values = _matching_inputs(name, fn, kinds, scales)
-    want = jax.tree.leaves(fn(*values))
-    got_tree = jax.jit(scalify(fn, rounding=rounding))(*inputs)
-    got = jax.tree.leaves(got_tree, is_leaf=lambda x: isinstance(x, ScaledArray))
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        w = np.asarray(w)
-        if jnp.issubdtype(w.dtype, jnp.floating):
-            assert isinstance(g, ScaledArray), f"{name}: a float output lost its scale"
-            if rounding == "pow2":
-                e = np.log2(float(np.asarray(g.scale, np.float32)))
-                assert e == np.round(e), (
-                    f"{name}: scale {g.scale} is not a power of two"
-                )
-            g = np.asarray(asarray(g, jnp.float32))
-            scale = max(float(np.max(np.abs(w))), 1e-30)
-            err = np.max(np.abs(g - w)) / scale
-            # Rounding to float16 rounds the data, not the value: float16 eps.
-            tol = 1e-3 if name == "convert f16" else 2e-6
-            assert err < tol, f"{name}: relative error {err:.2e}"
-        else:
-            np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
+# Each case runs with power-of-two scales rounded to powers of two and with
+# arbitrary scales unrounded, both in one compiled program.
+ROUNDINGS = (((2.0**-7, 2.0**5), "pow2"), ((0.37, 13.1), "none"))
 
 
 @pytest.mark.parametrize("name, fn, kinds", CASES, ids=[c[0] for c in CASES])
-def test_rule_matches_unscaled_with_pow2_scales(name, fn, kinds):
-    _check(name, fn, kinds, scales=(2.0**-7, 2.0**5), rounding="pow2")
+def test_rule_matches_unscaled_with_pow2_and_arbitrary_scales(name, fn, kinds):
+    cases = [_matching_inputs(name, fn, kinds, scales) for scales, _ in ROUNDINGS]
+    scaled = [scalify(fn, rounding=rounding) for _, rounding in ROUNDINGS]
+    outs = jax.jit(lambda ins: [f(*i) for f, i in zip(scaled, ins, strict=True)])(
+        [inputs for inputs, _ in cases]
+    )
+    for (_, values), (_, rounding), got_tree in zip(
+        cases, ROUNDINGS, outs, strict=True
+    ):
+        want = jax.tree.leaves(fn(*values))
+        got = jax.tree.leaves(got_tree, is_leaf=lambda x: isinstance(x, ScaledArray))
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            _check_leaf(name, rounding, g, np.asarray(w))
 
 
-@pytest.mark.parametrize("name, fn, kinds", CASES, ids=[c[0] for c in CASES])
-def test_rule_matches_unscaled_with_arbitrary_scales(name, fn, kinds):
-    _check(name, fn, kinds, scales=(0.37, 13.1), rounding="none")
+def _check_leaf(name, rounding, g, w):
+    if jnp.issubdtype(w.dtype, jnp.floating):
+        assert isinstance(g, ScaledArray), f"{name}: a float output lost its scale"
+        if rounding == "pow2":
+            e = np.log2(float(np.asarray(g.scale, np.float32)))
+            assert e == np.round(e), f"{name}: scale {g.scale} is not a power of two"
+        g = np.asarray(asarray(g, jnp.float32))
+        scale = max(float(np.max(np.abs(w))), 1e-30)
+        err = np.max(np.abs(g - w)) / scale
+        # Rounding to float16 rounds the data, not the value: float16 eps.
+        tol = 1e-3 if name == "convert f16" else 2e-6
+        assert err < tol, f"{name}: relative error {err:.2e}"
+    else:
+        np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
 
 
 @settings(max_examples=10, deadline=None)
