@@ -48,19 +48,18 @@ def reference(x, numerics_fn, mapped, blocks, scales=None):
     """numpy reference: absmax per block, scale, numerics, dequant.
 
     With ``scales`` given, uses them (XLA divides by the constant ``mapped``
-    as a multiplication by its reciprocal, which can differ by 1 ulp).
+    as a multiplication by its reciprocal, which can differ by 1 ulp). The
+    numerics are elementwise, so they run once on the whole scaled tensor.
     """
     x = np.asarray(x, np.float32)
-    out = np.empty_like(x)
-    absmax = np.empty(
-        [n // b for n, b in zip(x.shape, blocks, strict=True)], np.float32
-    )
-    for idx in np.ndindex(*absmax.shape):
-        sl = tuple(slice(i * b, (i + 1) * b) for i, b in zip(idx, blocks, strict=True))
-        absmax[idx] = np.abs(x[sl]).max()
-        if scales is not None:
-            s = np.float32(scales[idx])
-            out[sl] = np.asarray(numerics_fn(jnp.asarray(x[sl] / s)), np.float32) * s
+    split = [d for n, b in zip(x.shape, blocks, strict=True) for d in (n // b, b)]
+    absmax = np.abs(x.reshape(split)).max(axis=tuple(range(1, len(split), 2)))
+    out = None
+    if scales is not None:
+        s = np.asarray(scales, np.float32)
+        for axis, b in enumerate(blocks):
+            s = np.repeat(s, b, axis=axis)
+        out = np.asarray(numerics_fn(jnp.asarray(x / s)), np.float32) * s
     return out, absmax / np.float32(mapped)
 
 
