@@ -267,7 +267,8 @@ def collectives_of(mesh, tokens, variant, engine=False):
     batch = jax.ShapeDtypeStruct(
         tokens.shape, tokens.dtype, sharding=NamedSharding(mesh, P("data", None))
     )
-    text = compiled_text(_step(apply, rngs), variables, batch)
+    with jax.set_mesh(mesh):
+        text = compiled_text(_step(apply, rngs), variables, batch)
     return count_collectives(text), collective_roles(text)
 
 
