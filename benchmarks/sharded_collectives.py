@@ -16,8 +16,19 @@ Separately, the bytes of the weights gathered: one FSDP matmul ``x @ w``
 replicated), forward and both gradients, whose only all-gathers are the
 weight's (codes and scales when quantized).
 
-Run: python benchmarks/sharded_collectives.py [--json OUT.json] [--md OUT.md]
-(8 host devices are made before JAX starts; about a minute on 2 cores.)
+Under explicit mesh axes, the plain-JAX block of the same check (weights
+gathered with ``reshard``, every einsum given its ``out_sharding``) through
+``qbits.quantize``: its training step's collectives per kind.
+
+With ``--target h200`` the same programs are compiled for 8 H200 GPUs
+without a GPU (XLA's GPU compiler, deviceless; the CUDA plugin must be
+installed: ``pip install 'qbits[gpu]'``), writing
+``sharded_collectives_h200.{json,md}``: where the dot takes fp8 itself,
+fp8 codes are gathered as fp8.
+
+Run: python benchmarks/sharded_collectives.py [--target h200] [--json OUT.json]
+[--md OUT.md] (8 host devices are made before JAX starts; about two minutes
+on 2 cores, five for the GPU.)
 """
 
 from __future__ import annotations
@@ -33,8 +44,16 @@ import argparse
 import json
 import pathlib
 
+if "--target" in sys.argv:  # before JAX starts its backends
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda")
+
 import jax
-from jax.sharding import AxisType
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,30 +61,92 @@ sys.path.insert(0, str(ROOT / "tests" / "transform"))
 
 import sharded_lm_check as lm  # noqa: E402
 
+import qbits  # noqa: E402
+from qbits._platform import lowering_platforms  # noqa: E402
+
 PRESETS = ("int8", "fp8", "fp8_delayed")
 # Through the engine without state (fp8_delayed keeps its history in state:
 # through the wrappers, which carry it).
 ENGINE = ("int8", "fp8")
 KINDS = ("all-gather", "collective-permute", "all-reduce", "all-to-all")
-OUT = ROOT / "benchmarks" / "results" / "sharded_collectives_cpu"
+RESULTS = ROOT / "benchmarks" / "results"
 
 
-def lm_counts(layers: int) -> tuple[dict, dict]:
+def gpu_devices(name: str) -> list:
+    """8 devices of the target GPU, for a deviceless compile; compiles
+    for that GPU from here on."""
+    from jax.experimental import topologies
+
+    from qbits.hlo._targets import target
+
+    config = target(name).config_text()
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=config, topology="1x1x8"
+    )
+    options = dict(qbits.hlo.GPU_COMPILER_OPTIONS)
+
+    def compiled_text(fn, *args):
+        with lowering_platforms("cuda"):
+            traced = jax.jit(fn).trace(*args)
+        lowered = traced.lower(lowering_platforms=("cuda",))
+        return lowered.compile(compiler_options=options).as_text()
+
+    lm.compiled_text = compiled_text
+    return list(topology.devices)
+
+
+def lm_counts(layers: int, devices: list | None) -> tuple[dict, dict]:
     """Collectives of the LM's training step, per config, and their roles."""
     lm.LAYERS = layers
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    mesh = jax.make_mesh(
+        (4, 2), ("data", "model"), (AxisType.Auto,) * 2, devices=devices
+    )
     tokens = jax.random.randint(jax.random.key(2), (8, 16), 0, lm.VOCAB)
     counts, roles = {}, {}
-    with jax.set_mesh(mesh):
-        for preset in ("float32", *PRESETS):
-            runs = [(preset, False)]
-            if preset in ENGINE:
-                runs.append((f"{preset} (qbits.quantize)", True))
-            for name, engine in runs:
-                counts[name], roles[name] = lm.collectives_of(
-                    mesh, tokens, preset, engine=engine
-                )
+    for preset in ("float32", *PRESETS):
+        runs = [(preset, False)]
+        if preset in ENGINE:
+            runs.append((f"{preset} (qbits.quantize)", True))
+        for name, engine in runs:
+            counts[name], roles[name] = lm.collectives_of(
+                mesh, tokens, preset, engine=engine
+            )
     return counts, roles
+
+
+def explicit_counts(devices: list | None) -> dict:
+    """Collectives of the explicit-axes block's training step, per config:
+    ops per kind, and its second-stage all-reduces."""
+    n, h, width = lm.HEADS, lm.WIDTH // lm.HEADS, lm.WIDTH
+    shapes = {"wq": (width, n, h), "wk": (width, n, h), "wv": (width, n, h),
+              "wo": (n, h, width), "w1": (width, lm.MLP),
+              "w2": (lm.MLP, width)}  # fmt: skip
+    mesh = Mesh(
+        np.asarray(devices or jax.devices()).reshape(4, 2),
+        ("data", "model"),
+        axis_types=(AxisType.Explicit,) * 2,
+    )
+    out = {}
+    for config in ("float32", *ENGINE):
+
+        def loss(p, x, config=config):
+            block = lambda p, x: lm._explicit_block(p, x, True)  # noqa: E731
+            if config != "float32":
+                block = qbits.quantize(block, config, jax.random.key(5))
+            return jnp.mean(block(p, x) ** 2)
+
+        with jax.set_mesh(mesh):
+            params = {
+                k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=lm.EXPLICIT_SPECS[k])
+                for k, s in shapes.items()
+            }
+            x = jax.ShapeDtypeStruct((8, 16, width), jnp.float32, sharding=P("data"))
+            text = lm.compiled_text(jax.value_and_grad(loss), params, x)
+        found = lm.count_collectives(text)
+        out[config] = {k: v["ops"] for k, v in sorted(found.items())}
+        second = lm.collective_roles(text)["second-stage all-reduces"]
+        out[config]["second-stage all-reduces"] = second
+    return out
 
 
 def markdown(data: dict) -> str:
@@ -94,26 +175,44 @@ def markdown(data: dict) -> str:
     w = data["weights_gathered"]
     for config, n in w.items():
         lines.append(f"| {config} | {n} | {n / w['float32']:.2f} |")
+    e = data["explicit_block"]
+    names = sorted({k for c in e.values() for k in c})
+    lines += ["", "| explicit axes, block | " + " | ".join(names) + " |",
+              "|---" * (len(names) + 1) + "|"]  # fmt: skip
+    for config, counts in e.items():
+        lines.append(
+            f"| {config} | " + " | ".join(str(counts.get(k, 0)) for k in names) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=str(OUT.with_suffix(".json")))
-    parser.add_argument("--md", default=str(OUT.with_suffix(".md")))
+    parser.add_argument("--target", choices=("h200",), default=None)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--md", default=None)
     args = parser.parse_args()
+    out = RESULTS / f"sharded_collectives_{args.target or 'cpu'}"
+    devices = gpu_devices(args.target) if args.target else None
+    where = (
+        f"8 {args.target} GPUs, compiled deviceless" if args.target else "8 CPU devices"
+    )
     data = {
-        "note": "benchmarks/sharded_collectives.py on 8 CPU devices (4x2 mesh, "
+        "note": f"benchmarks/sharded_collectives.py on {where} (4x2 mesh, "
         f"auto axes), jax {jax.__version__}; collectives of the optimized "
         "training step with 1 and 2 blocks (ops and result bytes per kind; "
         "roles: what some carry, collective_roles); "
-        "weights_gathered: all-gather bytes of one FSDP 256x256 matmul's step",
+        "weights_gathered: all-gather bytes of one FSDP 256x256 matmul's step; "
+        "explicit_block: ops per kind of the explicit-axes block's step",
     }
-    data["blocks_1"], data["roles_1"] = lm_counts(1)
-    data["blocks_2"], data["roles_2"] = lm_counts(2)
-    data["weights_gathered"] = lm.gathered_weight_bytes(("float32", *PRESETS))
-    pathlib.Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
-    pathlib.Path(args.md).write_text(markdown(data))
+    data["blocks_1"], data["roles_1"] = lm_counts(1, devices)
+    data["blocks_2"], data["roles_2"] = lm_counts(2, devices)
+    data["weights_gathered"] = lm.gathered_weight_bytes(("float32", *PRESETS), devices)
+    data["explicit_block"] = explicit_counts(devices)
+    pathlib.Path(args.json or out.with_suffix(".json")).write_text(
+        json.dumps(data, indent=1) + "\n"
+    )
+    pathlib.Path(args.md or out.with_suffix(".md")).write_text(markdown(data))
     print(markdown(data))
 
 

@@ -646,8 +646,62 @@ def collectives() -> str:
         + "\nGathered bytes of one FSDP weight (256 x 256 over 8 devices, "
         "forward and both gradients):\n\n"
         + _table(["config", "weight all-gathers", "of float32's"], wrows)
-        + "\n"
+        + _explicit_block(data)
         + _source("sharded_collectives_cpu.json")
+    )
+
+
+def _explicit_block(data: dict, roles: bool = True) -> str:
+    """The explicit-axes block's collectives: ops per kind, per config (and
+    with ``roles``, its all-reduces of an all-reduce's result)."""
+    block = data["explicit_block"]
+    second = "second-stage all-reduces"
+    kinds = sorted({k for c in block.values() for k in c} - {second})
+    rows = [
+        [config]
+        + [str(counts.get(k, 0)) for k in kinds]
+        + ([str(counts[second])] if roles else [])
+        for config, counts in block.items()
+    ]
+    header = ["config", *(k + "s" for k in kinds)]
+    header += ["of them, all-reduces of an all-reduce's result"] if roles else []
+    return (
+        "\nUnder explicit mesh axes, the plain-JAX block (`qbits.quantize`, "
+        "weights gathered by `reshard`), its training step:\n\n"
+        + _table(header, rows)
+        + "\n"
+    )
+
+
+@figure("collectives_h200", "sharded_collectives_h200.json")
+def collectives_h200() -> str:
+    data = _json("sharded_collectives_h200.json")
+    one, two = data["blocks_1"], data["blocks_2"]
+    kinds = sorted({k for c in two.values() for k in c})
+
+    def ops(counts: dict, kind: str) -> int:
+        return counts.get(kind, {}).get("ops", 0)
+
+    rows = [
+        [config] + [str(ops(two[config], k) - ops(one[config], k)) for k in kinds]
+        for config in two
+    ]
+    weights = data["weights_gathered"]
+    wrows = [
+        [config, f"{n / 1024:.0f} KiB", f"{n / weights['float32']:.2f}x"]
+        for config, n in weights.items()
+    ]
+    return (
+        _table(["config", *(k + "s" for k in kinds)], rows)
+        + "\nGathered bytes of one FSDP weight:\n\n"
+        + _table(["config", "weight all-gathers", "of float32's"], wrows)
+        + _explicit_block(data, roles=False)
+        + _source(
+            "sharded_collectives_h200.json",
+            note=", 8 H200s compiled for without a GPU (XLA's GPU compiler, "
+            + data["note"].split("), ")[1].split(";")[0]
+            + ")",
+        )
     )
 
 

@@ -66,6 +66,7 @@ from jax.typing import DTypeLike
 
 from qbits._errors import InvalidArgumentError, check_choice, check_float
 from qbits._platform import per_platform
+from qbits._sharding import max_on_shards
 
 __all__ = [
     "SCALE_ROUNDINGS",
@@ -232,26 +233,30 @@ class AbsMax(Calibration):
         ``x`` where a ``max`` takes one all-reduce); elsewhere non-finite
         values are mapped to inf before a plain ``max`` (XLA:CPU's
         vectorized max reductions drop NaN), the form GPU and TPU compilers
-        fuse best, and an inf bound becomes NaN. Both are right on every
-        backend.
+        fuse best, and an inf bound becomes NaN; where explicit mesh axes
+        shard ``axes``, that max per shard and one all-reduce over all of
+        them (not one per mesh axis). All are right on every backend.
         """
         axes = tuple(a % x.ndim for a in axes)
 
-        def mapped(x: jax.Array) -> jax.Array:
+        def largest(x: jax.Array) -> jax.Array:  # inf where not finite
             inf = lax.full_like(x, np.inf)
             magnitude = lax.select(lax.is_finite(x), lax.abs(x), inf)
-            bound = lax.expand_dims(lax.reduce_max(magnitude, axes), axes)
+            return lax.expand_dims(lax.reduce_max(magnitude, axes), axes)
+
+        def nan_if_inf(bound: jax.Array) -> jax.Array:
             nan = lax.full_like(bound, np.nan)
             return lax.select(lax.lt(bound, lax.full_like(bound, np.inf)), bound, nan)
 
+        sharded = max_on_shards(largest, largest, x, axes)  # None: no explicit axes
         if axes == tuple(range(x.ndim - len(axes), x.ndim)) and jax.device_count() == 1:
             bound = per_platform(
                 x,
                 cpu=functools.partial(_absmax_nan_if_non_finite, axes=axes),
-                default=mapped,
+                default=lambda x: nan_if_inf(largest(x)),
             )
         else:  # across rows XLA:CPU runs a variadic reduction slowly
-            bound = mapped(x)
+            bound = nan_if_inf(largest(x) if sharded is None else sharded)
         if self.clip_factor <= 1.0:
             clipped = lax.mul(bound, np.asarray(self.clip_factor, bound.dtype))
             if self.clip_factor == 1.0:

@@ -17,16 +17,18 @@ need none.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["abstract", "like", "spec_entries", "take"]
+__all__ = ["abstract", "like", "max_on_shards", "spec_entries", "take"]
 
 
 def _layout(x: Any) -> tuple[Any, tuple[Any, ...], bool] | None:
@@ -155,3 +157,61 @@ def take(table: jax.Array, index: jax.Array) -> jax.Array:
         return jax.numpy.take(table, index, mode="clip")
     out = NamedSharding(found[0], P(*entries))  # type: ignore[index]
     return table.at[index].get(mode="clip", out_sharding=out)
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def max_on_shards(
+    local: Callable[[jax.Array], jax.Array],
+    whole: Callable[[jax.Array], jax.Array],
+    x: jax.Array,
+    axes: Sequence[int],
+) -> jax.Array | None:
+    """A max over ``axes`` of ``x`` in one all-reduce, where explicit axes split them.
+
+    ``local(block)`` is a maximum over ``axes`` (kept, size 1) of a block of
+    ``x``; ``whole(x)`` the same of all of ``x``. Where explicit mesh axes
+    shard some of ``axes``, each shard computes ``local`` of its block and
+    one all-reduce (``pmax``) over all those mesh axes at once combines them;
+    ``whole`` reduced over a tensor sharded over two mesh axes would take
+    one all-reduce per axis (XLA's partitioner). A max is exact in any
+    order: the result is ``whole(x)``, bit for bit, and so is its
+    derivative (``whole``'s). ``None`` where no explicit axis shards
+    ``axes`` (auto axes, one device): use ``whole``.
+
+    Example:
+      >>> from qbits._sharding import max_on_shards
+      >>> m = lambda v: jnp.max(v, axis=0, keepdims=True)
+      >>> max_on_shards(m, m, jnp.ones((4, 2)), (0,)) is None  # no mesh
+      True
+    """
+    entries = spec_entries(x) if jax.device_count() > 1 else None
+    if entries is None:
+        return None
+    reduced = tuple(n for a in axes for n in _names(entries[a]))
+    if not reduced:
+        return None
+    spec = P(*entries)
+    kept = P(*(None if i in axes else e for i, e in enumerate(entries)))
+    used = {n for e in entries for n in _names(e)}
+    mesh = jax.typeof(x).sharding.mesh
+    on_shards = jax.shard_map(
+        lambda block: lax.pmax(local(block), reduced),
+        mesh=mesh, in_specs=spec, out_specs=kept, axis_names=used,
+    )  # fmt: skip
+    return _max_with_jvp(whole, on_shards, x)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _max_with_jvp(whole: Callable, on_shards: Callable, x: jax.Array) -> jax.Array:
+    return on_shards(x)  # pmax has no derivative: whole's below
+
+
+@_max_with_jvp.defjvp
+def _max_with_jvp_jvp(
+    whole: Callable, on_shards: Callable, primals: tuple, tangents: tuple
+) -> tuple[jax.Array, jax.Array]:
+    _, dt = jax.jvp(whole, primals, tangents)
+    return _max_with_jvp(whole, on_shards, *primals), dt

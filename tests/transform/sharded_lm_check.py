@@ -19,6 +19,7 @@ the all-gather bytes of an FSDP weight
 both). Exits non-zero on a mismatch.
 """
 
+import functools
 import json
 import os
 import re
@@ -245,6 +246,12 @@ def _shardings(mesh, tokens, variables):
     }
 
 
+def compiled_text(fn, *args):
+    """The optimized HLO of ``jax.jit(fn)(*args)`` (benchmarks/sharded_collectives.py
+    swaps in a deviceless compile for GPUs)."""
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
 def collectives_of(mesh, tokens, variant, engine=False):
     """The collectives of the sharded training step (compiled, not run):
     ``(count_collectives, collective_roles)``."""
@@ -261,7 +268,8 @@ def collectives_of(mesh, tokens, variant, engine=False):
     batch = jax.ShapeDtypeStruct(
         tokens.shape, tokens.dtype, sharding=NamedSharding(mesh, P("data", None))
     )
-    text = _step(apply, rngs).lower(variables, batch).compile().as_text()
+    with jax.set_mesh(mesh):
+        text = compiled_text(_step(apply, rngs), variables, batch)
     return count_collectives(text), collective_roles(text)
 
 
@@ -274,14 +282,14 @@ class _Fsdp(nn.Module):
         return x @ w
 
 
-def gathered_weight_bytes(configs):
+def gathered_weight_bytes(configs, devices=None):
     """All-gather bytes of one FSDP matmul's training step, per config.
 
     ``x @ w``, ``w`` 256 x 256 sharded over 8 devices along its contracted
     axis, ``x`` along the batch: the only all-gathers are the weight's
     (float32, or codes and scales).
     """
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((8,), ("data",), (AxisType.Auto,), devices=devices)
     x = jax.ShapeDtypeStruct(
         (64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data"))
     )
@@ -298,11 +306,10 @@ def gathered_weight_bytes(configs):
 
         variables = jax.tree_util.tree_map_with_path(placed, variables)
 
-        @jax.jit
         def step(variables, x, apply=apply, rngs=rngs):
             return jax.grad(lambda v: jnp.sum(apply(v, x, **rngs) ** 2))(variables)
 
-        found = count_collectives(step.lower(variables, x).compile().as_text())
+        found = count_collectives(compiled_text(step, variables, x))
         out[config] = found.get("all-gather", {}).get("bytes", 0)
     return out
 
@@ -547,6 +554,23 @@ def explicit_case():
             raise AssertionError(f"explicit {preset}: {name} grad {have} != {spec}")
     if ("s8", "s8", "s32") not in dots:
         raise AssertionError(f"explicit int8: dots {sorted(set(dots))}")
+    # An amax over both mesh axes (per tensor) or `data` (per channel) is one
+    # all-reduce (XLA's partitioner would take one per mesh axis): the
+    # unsharded bound and gradient, bit for bit (a NaN block too).
+    w = params["w1"].at[3, 5].set(jnp.nan)
+    for axes in ((0, 1), (0,)):
+        amax = functools.partial(qbits.AbsMax(), axes=axes)
+        grad = jax.grad(lambda v, amax=amax: jnp.sum(amax(v)))
+        both = jax.jit(lambda w, v, amax=amax, grad=grad: (amax(w), grad(v)))
+        want = both(w, params["w1"])
+        with jax.set_mesh(mesh):
+            shards = jax.device_put(w, P("data", "model"))
+            compiled = jax.jit(amax).lower(shards).compile()  # the bound alone
+            got = (compiled(shards), both(shards, sharded["w1"])[1])
+        reduces = count_collectives(compiled.as_text())["all-reduce"]["ops"]
+        same = all(map(lambda a, b: np.array_equal(a, b, equal_nan=True), got, want))
+        if reduces != 1 or not same:
+            raise AssertionError(f"explicit amax over {axes}: {reduces}, {same}")
 
 
 def main():

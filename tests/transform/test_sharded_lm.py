@@ -28,8 +28,10 @@ def test_sharded_lm_equals_unsharded_and_adds_no_resharding():
             assert ops(config, kind) <= ops("float32", kind), (config, kind)
         assert nbytes(config, "all-reduce") <= 1.05 * nbytes("float32", "all-reduce")
     # Per-tensor scales from the amax history: float32's all-gathers, of
-    # 8-bit codes (fp8 dot operands travel as float16 on XLA:CPU, which
-    # widens them before partitioning); a few all-reduces record the amaxes.
+    # 8-bit codes (as float16 on XLA:CPU, whose float normalization widens
+    # an all-gather of fp8 codes after partitioning; fp8 on an 8-GPU
+    # compile: benchmarks/sharded_collectives.py --target h200); a few
+    # all-reduces record the amaxes.
     assert ops("fp8_delayed", "all-gather") == ops("float32", "all-gather")
     assert nbytes("fp8_delayed", "all-gather") <= 0.55 * nbytes("float32", "all-gather")
     assert ops("fp8_delayed", "all-reduce") <= ops("float32", "all-reduce") + 3
