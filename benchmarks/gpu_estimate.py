@@ -88,12 +88,12 @@ def lm_split(p: qbits.hlo.Program, sizes: dict[str, int]) -> dict[str, float]:
 
 
 def loop_as_tiled(p: qbits.hlo.Program) -> float:
-    """The estimate with loop-emitter transposes at the tiled transpose rate.
+    """The estimate with every loop-emitter transpose at the tiled rate.
 
-    The LM's head permutations (``[b, S, h, d] <-> [b, h, S, d]``) keep the
-    minor axis; where XLA emits them with its loop emitter the estimate
-    prices them at the rate measured for one-byte 2-D transposes, which may
-    be pessimistic for them: this is the other end of the range.
+    The estimate prices those that keep the minor axis (the LM's head
+    permutations, ``[b, S, h, d] <-> [b, h, S, d]``) so already
+    (:attr:`qbits.hlo._module.Kernel.keeps_rows`); the others at the rate
+    measured for one-byte 2-D transposes: this is the other end of the range.
     """
     t = dataclasses.replace(
         p.target, loop_transpose_bandwidth=p.target.transpose_bandwidth

@@ -346,9 +346,11 @@ def gpu_estimate_lm() -> str:
         "scores*: every kernel reading or writing a `[batch, heads, S, S]` "
         "tensor besides the GEMMs (mask, softmax, and the quantization of the "
         "probabilities and their gradients). *Loop transposes at the tiled "
-        "rate*: the kernels XLA's loop emitter transposes (here permutations "
-        "of heads that keep the minor axis) priced like tiled transposes, "
-        "the other end of the estimate's range. `_proj`: attention's two einsums "
+        "rate*: every kernel XLA's loop emitter transposes priced like a tiled "
+        "transpose; the estimate prices so those that keep the minor axis "
+        "(attention's head permutations, which the H200's fusion autotuner "
+        "made tiled Triton kernels; a deviceless compile leaves them to the "
+        "loop emitter). `_proj`: attention's two einsums "
         "left in bf16 (`qbits._experiments.LM_RECIPES`).\n\n"
         + _source("gpu_estimate.json", "train_step_lm_gpu.json")
     )

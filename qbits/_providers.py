@@ -44,6 +44,7 @@ from flax.linen.fp8_ops import fp32_max_grad
 
 from qbits._errors import InvalidArgumentError, check_choice, check_float, check_int
 from qbits._lsq import LSQ_INITS, grid_max, init_step, lsq_quantize
+from qbits._platform import per_platform
 from qbits.numerics import QNumerics
 
 __all__ = [
@@ -392,7 +393,20 @@ def update_history(history: jax.Array, amax: jax.Array) -> jax.Array:
       Array([9., 3., 1.], dtype=float32)
     """
     amax = jnp.asarray(amax).astype(history.dtype).reshape(history.shape[1:])
+    return per_platform(history, amax, cpu=_rolled, cuda=_joined, default=_rolled)
+
+
+def _rolled(history: jax.Array, amax: jax.Array) -> jax.Array:
     return jnp.roll(history, shift=-1, axis=0).at[0].set(amax)
+
+
+def _joined(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """:func:`_rolled`'s values in one concatenation: one kernel on a GPU.
+
+    The roll and the write of ``amax`` are two kernels per history there
+    (the roll runs as soon as the step starts, the write after the amax).
+    """
+    return jnp.concatenate([amax[None], history[2:], history[:1]])[: len(history)]
 
 
 class LearnedScale(ScaleProvider):

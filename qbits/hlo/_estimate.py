@@ -4,7 +4,10 @@ The model is the simplest that the H200's profile supports: a GEMM takes
 its FLOPs at the rate its operands run at (:attr:`Target.gemm_rates`); any
 other kernel moves its bytes (every operand read whole, every output
 written) at the bandwidth its kind sustains (streaming, a tiled transpose,
-or a transpose left to the loop emitter), and no kernel takes less than
+or a transpose left to the loop emitter; one that keeps the minor axis, a
+permutation of whole rows such as attention's heads, at the tiled rate: on
+the H200 XLA's fusion autotuner made such casts tiled Triton kernels, which
+a deviceless compile cannot choose), and no kernel takes less than
 :attr:`Target.launch_us`. Kernels run one after the other; what runs
 between them (launches under CUDA graphs, the host) is not counted: the
 estimate is device time, as a profiler sums it.
@@ -72,7 +75,7 @@ def kernel_us(kernel: Kernel, target: Target) -> float:
     if kernel.gemm is not None:
         rate = _rate(kernel.gemm, target)
         return max(target.launch_us, kernel.gemm.flops / rate / 1e6)
-    if kernel.transposes and kernel.fusion_kind == "kLoop":
+    if kernel.transposes and kernel.fusion_kind == "kLoop" and not kernel.keeps_rows:
         bandwidth = target.loop_transpose_bandwidth
     elif kernel.transposes:
         bandwidth = target.transpose_bandwidth

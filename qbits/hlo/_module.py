@@ -150,6 +150,10 @@ class Kernel:
       transposes: Whether it changes the layout of an operand (a transpose
         inside the kernel or between its input and output layouts).
       where: The JAX name stack of the operation it came from.
+      keeps_rows: Whether every transpose in it keeps the minor dimension
+        (a permutation of rows of at least :data:`ROW_ELEMENTS` elements,
+        such as attention's ``[b, S, h, d] -> [b, h, S, d]``): each row is
+        read and written contiguously, whichever emitter runs it.
     """
 
     name: str
@@ -163,6 +167,7 @@ class Kernel:
     fusion_kind: str = ""
     transposes: bool = False
     where: str = ""
+    keeps_rows: bool = False
 
     @property
     def nbytes(self) -> float:
@@ -285,6 +290,32 @@ def _has_op(comps: dict[str, list[_Instr]], name: str, ops: set[str]) -> bool:
     return False
 
 
+#: The least elements of a row that :attr:`Kernel.keeps_rows` counts: 64 are
+#: 64 to 256 contiguous bytes, a whole memory transaction or more.
+ROW_ELEMENTS = 64
+
+
+def _keeps_rows(comps: dict[str, list[_Instr]], name: str) -> bool:
+    """Whether computation ``name`` transposes, keeping rows in every transpose.
+
+    A row: the operand's minor dimension, at least :data:`ROW_ELEMENTS`
+    long, which is also the result's minor dimension.
+    """
+    body = comps.get(name, [])
+    types = {i.name: i.types for i in body}
+    moves = [i for i in body if i.op in ("transpose", "copy")]
+    for instr in moves:
+        operand = types.get(instr.args[0], []) if instr.args else []
+        if not operand or not instr.types:
+            return False
+        src, out = operand[0], instr.types[0]
+        perm = _dims(instr.rest, "dimensions") if instr.op == "transpose" else None
+        kept = perm[out.layout[0]] if perm else out.layout[0]
+        if kept != src.layout[0] or src.shape[kept] < ROW_ELEMENTS:
+            return False
+    return bool(moves)
+
+
 def _op_name(rest: str) -> str:
     m = re.search(r'op_name="([^"]*)"', rest)
     return m.group(1) if m else ""
@@ -385,6 +416,12 @@ def kernels(text: str) -> list[Kernel]:
                 o.size == big.size and o.shape == big.shape and o.layout != big.layout
                 for o in outs
             )
+        keeps_rows = (
+            transposes
+            and instr.op == "fusion"
+            and bool(_called(instr))
+            and _keeps_rows(comps, _called(instr)[0])
+        )
         output = ", ".join(str(o) for o in outs)
         where = _op_name(instr.rest)
         found.append(
@@ -400,6 +437,7 @@ def kernels(text: str) -> list[Kernel]:
                 fusion_kind,
                 transposes,
                 where,
+                keeps_rows,
             )
         )
     return found

@@ -69,6 +69,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
+from qbits._platform import per_platform
 from qbits._tensor import QTensor
 from qbits.numerics import next_key
 from qbits.ops._backward import (
@@ -437,6 +438,22 @@ def _for_backward(
     return quantized[0]
 
 
+def _as_is(g: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return g, amax
+
+
+def _measured_first(g: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The gradient as it was when its amax (delayed scaling's) was taken.
+
+    On a GPU the amax then comes from the kernel that makes the gradient
+    (one pass writing it and reducing it, as under current scaling);
+    otherwise XLA fuses the gradient's producer into the cast that writes
+    its codes, writes the gradient a second time beside them and reads it
+    again for the amax (a 268 MB pass per step on the GPU benchmark's MLP).
+    """
+    return lax.optimization_barrier((g, amax))
+
+
 def _bwd(plan: Plan, residuals: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
     (rhs_b, lhs_b, needs, lgrad, rgrad, key, gscale, amax, zeros, data,
      measured) = residuals  # fmt: skip
@@ -445,6 +462,16 @@ def _bwd(plan: Plan, residuals: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
         probe = None if measured is None else as_cotangent(*measured)
         return None, None, None, {t: None for t in zeros}, None, probe
     needed = tuple(n for n, k in zip(("dlhs", "drhs"), needs.shape, strict=True) if k)
+    observed = dict(zeros)
+    observed.update(amax)
+    if "grad" in plan.observe:
+        side = "lhs" if provider(config.dlhs.lhs) else "rhs"
+        q = config.dlhs.lhs if side == "lhs" else config.drhs.lhs
+        cg = c.bind(data).gradient(side)
+        gamax = block_amax(q, cg.prepare(g, "lhs"), cg.contracting[0])
+        g, observed["grad"] = per_platform(
+            g, gamax, cpu=_as_is, cuda=_measured_first, default=_as_is
+        )
     grads, gq = backward_matmuls(config, c, needed, g, rhs_b, lhs_b, key, gscale, data)
     if measured is not None:
         found, probe = measured
@@ -459,13 +486,6 @@ def _bwd(plan: Plan, residuals: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
     if "drhs" in grads:
         dr = rgrad(grads["drhs"].astype(plan.dtypes[1]))
         dr = _match_vma(dr, vma.get("rhs", frozenset()), lax.psum)
-    observed = dict(zeros)
-    observed.update(amax)
-    if "grad" in plan.observe:
-        side = "lhs" if provider(config.dlhs.lhs) else "rhs"
-        q = config.dlhs.lhs if side == "lhs" else config.drhs.lhs
-        cg = c.bind(data).gradient(side)
-        observed["grad"] = block_amax(q, cg.prepare(g, "lhs"), cg.contracting[0])
     for t in observed:
         observed[t] = _match_vma(
             observed[t].reshape(zeros[t].shape),

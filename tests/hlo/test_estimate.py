@@ -21,6 +21,7 @@ import pytest
 
 import qbits
 import qbits.hlo
+from qbits.hlo._targets import TARGETS
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 H200 = "h200"
@@ -125,3 +126,39 @@ def test_a_program_compiled_here_is_read_too():
     assert p.estimate("h100").total_ms > 0
     with pytest.raises(qbits.InvalidArgumentError, match="'h100', 'h200'"):
         p.estimate("a100")
+
+
+_HEADS = """HloModule heads
+
+%fused_{name} (p: bf16[8192,2048]) -> {out} {{
+  %p = bf16[8192,2048]{{1,0}} parameter(0)
+  %b = bf16[4,2048,16,128]{{3,2,1,0}} bitcast(%p)
+  ROOT %t = {out}{{3,2,1,0}} transpose(%b), dimensions={{{perm}}}
+}}
+
+ENTRY %main (x: bf16[8192,2048]) -> {out} {{
+  %x = bf16[8192,2048]{{1,0}} parameter(0)
+  ROOT %{name} = {out}{{3,2,1,0}} fusion(%x), kind=kLoop, calls=%fused_{name}
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    "out, perm, keeps",
+    [
+        ("bf16[4,16,2048,128]", "0,2,1,3", True),  # heads to the front: rows of 128
+        ("bf16[4,16,128,2048]", "0,2,3,1", False),  # the minor axis moves
+    ],
+)
+def test_a_loop_transpose_that_keeps_rows_streams(out, perm, keeps):
+    # Attention's head permutations keep the minor axis: each row is read and
+    # written whole, as the H200's compiler made the same casts a tiled
+    # (Triton) kernel where a deviceless compile leaves the loop emitter. A
+    # transpose that moves the minor axis stays at the loop emitter's rate.
+    text = _HEADS.format(name="loop_transpose_fusion", out=out, perm=perm)
+    (k,) = qbits.hlo.Program(text, H200).kernels
+    assert k.transposes and k.fusion_kind == "kLoop" and k.keeps_rows is keeps
+    target = TARGETS[H200]
+    rate = target.transpose_bandwidth if keeps else target.loop_transpose_bandwidth
+    us = dict(qbits.hlo.Program(text, H200).estimate().kernels)[k.name]
+    assert us == pytest.approx(2 * 8192 * 2048 * 2 / rate / 1e6)
