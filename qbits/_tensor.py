@@ -21,7 +21,6 @@ __all__ = [
     "PACKABLE_DTYPES",
     "QTensor",
     "expand_scale",
-    "is_eager",
     "pack_nibbles",
     "storage_dtype",
     "unpack_nibbles",
@@ -198,20 +197,6 @@ class QTensor(struct.PyTreeNode):
         if self.tensor_scale is not None:
             scale = scale * self.tensor_scale.astype(jnp.float32)
         return apply_scale(values, scale).astype(self.dtype)
-
-
-def is_eager(*values: Any) -> bool:
-    """Whether ``values``' leaves are all concrete arrays: a call outside a trace.
-
-    Such a call runs compiled as one program rather than op by op (every
-    primitive of an eager call is a program of its own, compiled once a
-    shape).
-    """
-    leaves = jax.tree.leaves(values)
-    return bool(leaves) and all(
-        isinstance(v, jax.Array | np.ndarray) and not isinstance(v, jax.core.Tracer)
-        for v in leaves
-    )
 
 
 def storage_dtype(qdtype: Any) -> np.dtype | None:

@@ -38,7 +38,7 @@ from qbits._quantizer._arithmetic import (
 from qbits._quantizer._storage import blocked, encode, to_storage
 from qbits._quantizer._two_level import quantize_two_level
 from qbits._quantizer._zero_point import quantize_asymmetric
-from qbits._tensor import QTensor, is_eager
+from qbits._tensor import QTensor
 from qbits.numerics import QNumerics
 
 __all__ = ["Quantizer", "Request", "quantize_all"]
@@ -248,31 +248,9 @@ class Quantizer(struct.PyTreeNode):
         vjp: bool,
         given: jax.Array | None = None,
     ) -> tuple[QTensor, jax.tree_util.Partial | None]:
-        if is_eager(x, context, given):
-            # One compiled program, not one small program per primitive: an
-            # eager quantization of a weight compiled ~30 of them.
-            return _quantize_compiled(
-                self, x, context, given, store, contracting_axes, vjp
-            )
         request = Request(self, x, context, store, contracting_axes, given)
         (out,) = quantize_all([request], vjp=vjp)
         return out
-
-
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _quantize_compiled(
-    quantizer: Quantizer,
-    x: jax.Array,
-    context: Context | None,
-    given: jax.Array | None,
-    store: bool,
-    contracting_axes: tuple[int, ...] | None,
-    vjp: bool,
-) -> tuple[QTensor, jax.tree_util.Partial | None]:
-    """:meth:`Quantizer._quantize` of concrete arrays, compiled once a shape."""
-    request = Request(quantizer, x, context, store, contracting_axes, given)
-    (out,) = quantize_all([request], vjp=vjp)
-    return out
 
 
 class Request(NamedTuple):
