@@ -186,6 +186,7 @@ def _torch_layout(model: Any, result: Any, format: str) -> tuple[dict, dict]:
             qvalue=two_d(qt.qvalue),
             scale=two_d(qt.scale),
             zero_point=None if qt.zero_point is None else two_d(qt.zero_point),
+            tensor_scale=None if qt.tensor_scale is None else two_d(qt.tensor_scale),
         )
         bits = (
             4 if np.dtype(qt.qdtype).name in ("int4", "uint4", "float4_e2m1fn") else 8
