@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import qbits._experiments
-import qbits.cli._interop
 import qbits.interop
 from qbits._experiments import build_model, ptq_trained, spec
 from qbits._experiments._sweep import save_model_params, write_json_atomic
@@ -71,27 +70,16 @@ def test_export_then_generate_from_the_checkpoint_equals_the_ptq_result(
     np.testing.assert_array_equal(query.scale, stored.scale.reshape(1, 16))
 
     # Decoded from the checkpoint (names "qbits-lm" onto the LM's decode)...
-    served = []  # the model the command decodes, and the config it serves
-
-    def keep_served(*args):
-        served.append((served_lm(*args), args[2]))
-        return served[-1][0]
-
-    monkeypatch.setattr(qbits.cli._interop, "served_lm", keep_served)
     text = ["generate", "--checkpoint", str(out), "--tokens", "6", "--prompt", "The "]
     assert main([*text, "-q"]) == 0
     got = capsys.readouterr().out
-    # ...and served the native way from the PTQ result (its weights only, as
-    # the checkpoint holds them): the same tokens. The native params go into
-    # the command's model, whose decode is compiled already (same layers).
-    ckpt_lm, config = served[0]
+    # ...and served the native way from the PTQ result: the same tokens.
     prompt = jnp.asarray([data.chars.index(c) for c in "The "], jnp.int32)
     caches = jax.eval_shape(lambda: model.init_cache(1, "kv_int8"))
-    sp = qbits.serving.convert(decoder(model), config, result, prompt[None, :1], caches)
-    ckpt_sp = ckpt_lm.params.get_value()
-    assert jax.tree.structure(sp) == jax.tree.structure(ckpt_sp)
-    ckpt_lm.params.set_value(sp)
-    tokens = qbits.kvcache.generate(ckpt_lm, prompt, 6, cache="kv_int8")
+    fn = decoder(model)
+    sp = qbits.serving.convert(fn, "int8_fwd", result, prompt[None, :1], caches)
+    native = served_lm(model, sp, "int8_fwd")
+    tokens = qbits.kvcache.generate(native, prompt, 6, cache="kv_int8")
     assert got == "The " + "".join(data.chars[i] for i in np.asarray(tokens)) + "\n"
     assert len(set(got[4:])) > 2, got  # not one token repeated
 
