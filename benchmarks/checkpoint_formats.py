@@ -11,11 +11,16 @@ many bytes are held per float32 byte.
 
 Write: qbits PTQ results (RTN and GPTQ, int4 groups sym/asym, int8 per
 channel; FP8 E4M3 per tensor and per channel, compressed-tensors'
-``float-quantized`` only) written by ``qbits.interop.write_checkpoint``
-and read back by the reference libraries themselves
-(tests/data/reference_read.py, run in the reference venv): are the
-reference's dequantized weights qbits' bit for bit, and how many bytes
-are held per float32 byte. GPTQ gets float16 scales where they are exact
+``float-quantized`` only; NVFP4, ``nvfp4-pack-quantized``) written by
+``qbits.interop.write_checkpoint`` and read back by the reference
+libraries themselves (tests/data/reference_read.py, run in the reference
+venv): are the reference's dequantized weights qbits' bit for bit (NVFP4:
+its codes and E4M3 scales, and its bfloat16 ``decompress``; the float32
+weights' distance in ulps recorded), do the loaders leave exactly the
+float layers float (``qbits export``'s, written beside the quantized
+ones), and how many bytes are held per float32 byte. Read rows also give
+each checkpoint's own bytes (``Checkpoint.stored_bytes``). GPTQ gets
+float16 scales where they are exact
 (a checkpoint qbits read, written back), float32 ones otherwise (qbits'
 PTQ scales: a float32 model's GPTQ checkpoint, which AutoGPTQ reads in
 float32).
@@ -116,6 +121,8 @@ def read_rows() -> list[dict]:
                 "bit_exact": exact,
                 "served_rel_err": err,
                 "bytes_per_float32_byte": held / floats,
+                # in the checkpoint's files (bitsandbytes' 8-bit absmax)
+                "file_bytes_per_float32_byte": sum(ckpt.stored_bytes.values()) / floats,
             }
         )
     return rows
@@ -172,16 +179,18 @@ def _lm_cases(grids: dict) -> list[tuple]:
         "uint4 g8 asym": qbits.Quantizer(UintNumerics(bits=4), qbits.AbsMax(), g8),
         "int8 per channel": grids["int8 per channel"],
         "fp8 per channel": grids["fp8 per channel"],
+        "nvfp4": grids["nvfp4"],
     }
     cases = []
     for grid, q in lm_grids.items():
         config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=q))
         result = qbits.ptq.quantize_weights(fn, params, batches, config, method="gptq")
         for fmt in ("compressed-tensors", "gptq"):
-            if fmt == "gptq" and grid.startswith("fp8"):
+            if fmt == "gptq" and grid.startswith(("fp8", "nvfp4")):
                 continue
-            weights, _ = _torch_layout(model, result, fmt)
-            cases.append((f"qbits export, example LM, gptq {grid}", weights, fmt))
+            weights, tensors = _torch_layout(model, result, fmt)  # floats beside
+            source = f"qbits export, example LM, gptq {grid}"
+            cases.append((source, weights, fmt, tensors))
     return cases
 
 
@@ -197,28 +206,30 @@ def write_rows(refvenv: pathlib.Path) -> list[dict]:
     fp8 = Fp8Numerics("float8_e4m3fn")
     grids["fp8 per tensor"] = qbits.Quantizer(fp8, qbits.AbsMax(), qbits.PerTensor())
     grids["fp8 per channel"] = qbits.Quantizer(fp8, qbits.AbsMax(), qbits.PerChannel())
+    grids["nvfp4"] = qbits.presets.get("nvfp4_weight_only").fwd.rhs
     cases = [
         (f"qbits {method} {grid}", _ptq(method, q), fmt)
         for method in ("rtn", "gptq")
         for grid, q in grids.items()
         for fmt in ("compressed-tensors", "gptq")
-        if fmt == "compressed-tensors" or not grid.startswith("fp8")  # GPTQ: int
+        if fmt == "compressed-tensors" or not grid.startswith(("fp8", "nvfp4"))
     ]
     cases += _lm_cases(grids)
     for name in ("gptq_w4g16_asym", "gptq_w8g32_sym"):
         ckpt = qbits.interop.read_checkpoint(DATA / name)
         for fmt in ("gptq", "gptq_v2"):
-            cases.append((f"read {name}", dict(ckpt.weights), fmt))
+            cases.append((f"read {name}", dict(ckpt.weights), fmt, {}))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (source, weights, fmt) in enumerate(cases):
+        for i, (source, weights, fmt, *tensors) in enumerate(cases):
+            tensors = tensors[0] if tensors else {}
             held = sum(qt.nbytes for qt in weights.values())
             floats = sum(4 * int(np.prod(qt.shape)) for qt in weights.values())
             row = {"source": source, "format": fmt}
             row["bytes_per_float32_byte"] = held / floats
             folder = pathlib.Path(tmp) / str(i)
             try:
-                qbits.interop.write_checkpoint(folder, weights, fmt)
+                qbits.interop.write_checkpoint(folder, weights, fmt, tensors=tensors)
             except qbits.InvalidArgumentError as e:
                 row["refused"] = str(e).split("(")[1].split(")")[0]
                 rows.append(row)
@@ -241,24 +252,48 @@ def write_rows(refvenv: pathlib.Path) -> list[dict]:
                     w = np.asarray(qt.dequant()).T
                     if fmt.startswith("gptq") and half:  # the reference: in float16
                         w = w.astype(np.float16).astype(np.float32)
+                    if qt.tensor_scale is not None:  # NVFP4
+                        exact &= _nvfp4_exact(qt, ref, m, row)
+                        w = w.astype(ml_dtypes.bfloat16).astype(np.float32)
                     exact &= bool(np.array_equal(w, ref[f"weight/{m}"]))
                 row["reference_bit_exact"] = exact
+                # Linear layers the loader left float (reference_read.py fails
+                # unless they are exactly the checkpoint's float ones)
+                row["float_layers"] = sorted(k[6:] for k in ref if k[:6] == "float/")
             rows.append(row)
     return rows
 
 
+def _nvfp4_exact(qt, ref: dict, m: str, row: dict) -> bool:
+    """NVFP4 read by compressed-tensors: its codes and E4M3 scales qbits' bit
+    for bit (``decompress``'s bfloat16 weights are compared by the caller);
+    its float32 weights' largest distance from qbits' in ulps goes in
+    ``row`` (its ``scale / global_scale`` against ``scale * tensor_scale``)."""
+    u = qt.unpack()
+    exact = all(
+        np.array_equal(ref[f"{part}/{m}"], np.asarray(mine).astype(np.float32).T)
+        for part, mine in (("codes", u.qvalue), ("scale", u.scale))
+    )
+    mine = np.asarray(qt.dequant()).T.view(np.int32).astype(np.int64)
+    ulps = int(np.abs(ref[f"weight32/{m}"].view(np.int32) - mine).max())
+    row["float32_ulps"] = max(row.get("float32_ulps", 0), ulps)
+    return exact
+
+
 def _md(result: dict) -> str:
     head = (
-        "| checkpoint | format | qbits stores | bit-exact | served rel. err | bytes |"
+        "| checkpoint | format | qbits stores | bit-exact | served rel. err | bytes "
+        "held | bytes in file |"
     )
-    lines = [head, "|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|"]
     for r in result["read"]:
         if "refused" in r:
-            lines.append(f"| {r['checkpoint']} | | refused | | | |")
+            lines.append(f"| {r['checkpoint']} | | refused | | | | |")
             continue
         lines.append(
             f"| {r['checkpoint']} | {r['format']} | {r['qbits']} | {r['bit_exact']} | "
-            f"{r['served_rel_err']:.1e} | {r['bytes_per_float32_byte']:.3f} |"
+            f"{r['served_rel_err']:.1e} | {r['bytes_per_float32_byte']:.3f} | "
+            f"{r['file_bytes_per_float32_byte']:.3f} |"
         )
     lines += [
         "",
@@ -268,6 +303,10 @@ def _md(result: dict) -> str:
     for r in result["write"]:
         what = r.get("reference_bit_exact", r.get("refused", r.get("reference_error")))
         scales = f" ({r['gptq_scales']} scales)" if r.get("gptq_scales") else ""
+        if r.get("float_layers"):
+            scales += f" ({len(r['float_layers'])} 2-D float weights kept float)"
+        if "float32_ulps" in r:  # NVFP4: codes and scales, bfloat16 weights
+            scales += f" (float32 weights within {r['float32_ulps']} ulps)"
         size = f"{r['bytes_per_float32_byte']:.3f}"
         lines.append(f"| {r['source']} | {r['format']}{scales} | {what} | {size} |")
     return "\n".join(lines) + "\n"

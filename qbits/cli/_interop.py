@@ -15,33 +15,55 @@ def _import(args: argparse.Namespace) -> int:
     """Reads ``args.checkpoint`` with :func:`qbits.interop.read_checkpoint`.
 
     Prints each quantized weight as qbits stores it (its PyTorch module,
-    format and grid, ``[in, out]`` shape, bits per weight with scales and
-    zero points) and the float tensors beside them; a bad checkpoint is
-    the reader's one-line error (status 2).
+    format and grid: NF4's codebook, 2-D block scales, E4M3 block scales
+    under a tensor scale, act-order's input order; the ``[in, out]`` shape;
+    bits per weight held, with scales, zero points and input order, and in
+    the checkpoint's files, :attr:`~qbits.interop.Checkpoint.stored_bytes`)
+    and the float tensors beside them; a bad checkpoint is the reader's
+    one-line error (status 2).
     """
     import qbits.interop
 
     ckpt = qbits.interop.read_checkpoint(args.checkpoint)
     width = max(24, *(len(m) for m in ckpt.weights))
     print(f"{args.checkpoint}: {ckpt.format}, {len(ckpt.weights)} quantized weights")
-    print(f"{'module':<{width}} {'stored':<32} {'[in, out]':>12} {'bits/weight':>11}")
-    held = count = 0
+    print(
+        f"{'module':<{width}} {'stored':<51} {'[in, out]':>10} "
+        f"{'bits/weight':>11} {'in file':>7}"
+    )
+    held = count = stored = 0
     for m, qt in sorted(ckpt.weights.items()):
-        grid = ckpt.quantizers[m].granularity
-        what = f"{qt.qdtype.name} {type(grid).__name__}"
-        if getattr(grid, "tile_size", None):
-            what += f"({grid.tile_size})"
-        what += " + zero points" if qt.zero_point is not None else ""
+        what = _stored(qt, ckpt.quantizers[m].granularity, m in ckpt.input_orders)
         n = int(np.prod(qt.shape))
-        held, count = held + qt.nbytes, count + n
-        shape = f"{list(qt.shape)}"
-        print(f"{m:<{width}} {what:<32} {shape:>12} {8 * qt.nbytes / n:>11.3f}")
+        order = ckpt.input_orders.get(m)
+        here = qt.nbytes + (0 if order is None else order.nbytes)
+        held, count, stored = held + here, count + n, stored + ckpt.stored_bytes[m]
+        print(
+            f"{m:<{width}} {what:<51} {list(qt.shape)!s:>10} "
+            f"{8 * here / n:>11.3f} {8 * ckpt.stored_bytes[m] / n:>7.3f}"
+        )
     floats = sum(int(np.prod(t.shape)) for t in ckpt.tensors.values())
     print(
-        f"{8 * held / count:.3f} bits a quantized weight; {len(ckpt.tensors)} "
+        f"{8 * held / count:.3f} bits a quantized weight held "
+        f"({8 * stored / count:.3f} in the checkpoint); {len(ckpt.tensors)} "
         f"float tensors ({floats} values) beside them"
     )
     return 0
+
+
+def _stored(qt: Any, grid: Any, ordered: bool) -> str:
+    """A stored weight's format and grid, e.g. ``NF4 (uint4 codes) Tiled(64)``."""
+    what = f"{qt.qdtype.name}"
+    if qt.codebook is not None:
+        what = f"NF4 ({what} codes)" if len(qt.codebook) == 16 else f"{what} codebook"
+    what += f" {type(grid).__name__}"
+    tile, free = getattr(grid, "tile_size", None), getattr(grid, "free_tile_size", 1)
+    if tile:
+        what += f"({tile} x {free})" if free > 1 else f"({tile})"
+    if qt.tensor_scale is not None:
+        what += " + E4M3 scales, tensor scale"  # NVFP4's
+    what += " + zero points" if qt.zero_point is not None else ""
+    return what + (" + input order" if ordered else "")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -164,8 +186,11 @@ def _torch_layout(model: Any, result: Any, format: str) -> tuple[dict, dict]:
             qvalue=two_d(qt.qvalue),
             scale=two_d(qt.scale),
             zero_point=None if qt.zero_point is None else two_d(qt.zero_point),
+            tensor_scale=None if qt.tensor_scale is None else two_d(qt.tensor_scale),
         )
-        bits = 4 if np.dtype(qt.qdtype).name in ("int4", "uint4") else 8
+        bits = (
+            4 if np.dtype(qt.qdtype).name in ("int4", "uint4", "float4_e2m1fn") else 8
+        )
         lo = 1 if format == "gptq" else 0
         zero = None if qt.zero_point is None else np.asarray(qt.zero_point)
         gptq = format.startswith("gptq")

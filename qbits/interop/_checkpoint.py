@@ -47,6 +47,13 @@ _PARTS = (
     ".weight_scale_inv",
     *_BNB_PARTS,
 )
+# Constants of a tensor, not bytes per weight (not in Checkpoint.stored_bytes).
+_TABLES = (
+    ".weight_shape",
+    ".weight.quant_map",
+    ".weight.nested_quant_map",
+    ".weight.quant_state.bitsandbytes__nf4",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +83,14 @@ class Checkpoint:
         input ``order[r]``, so that each group is contiguous; serving
         multiplies ``x[..., order]`` by it (:func:`serving_params` carries
         the order along). Empty for every other checkpoint.
+      stored_bytes: ``{module name: int}``: the bytes each quantized
+        weight takes in the checkpoint's files: its codes, scales, zero
+        points and ``g_idx`` as stored there (GPTQ's float16 scales;
+        bitsandbytes' double quantization: a uint8 absmax per block and a
+        float32 one per 256 blocks, QLoRA's 4.127 bits a weight at blocks
+        of 64), not a format's per-tensor constants (quant maps,
+        ``weight_shape``). ``weights[m].nbytes`` is what qbits holds
+        (float32 scales: NF4's 4.5 bits a weight at blocks of 64).
 
     Example:
       >>> import os, qbits.interop
@@ -94,6 +109,7 @@ class Checkpoint:
     tensors: Mapping[str, np.ndarray]
     quantization_config: Mapping[str, Any]
     input_orders: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    stored_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -164,6 +180,14 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     }.get(method, method)
     used = {m + p for m in decoded for p in _PARTS}
     used |= {f"{m}.weight" for m, d in decoded.items() if d.kind in ("fp8", "nf4")}
+    stored = {
+        m: sum(
+            int(tensors[n].nbytes)
+            for n in {*(m + p for p in _PARTS), f"{m}.weight"} & used
+            if n in tensors and not n.endswith(_TABLES)
+        )
+        for m in decoded
+    }
     return Checkpoint(
         format=fmt,
         weights={m: to_qtensor(d) for m, d in decoded.items()},
@@ -171,6 +195,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         tensors={k: v for k, v in tensors.items() if k not in used},
         quantization_config=qc,
         input_orders={m: d.order for m, d in decoded.items() if d.order is not None},
+        stored_bytes=stored,
     )
 
 
@@ -191,17 +216,24 @@ def write_checkpoint(
         and :func:`qbits.ptq.quantize_weights` stores them), all on one
         grid: int4/int8 (symmetric) or uint4/uint8 with zero points, in
         groups along ``in``, one scale per output channel or one per
-        tensor; or float8_e4m3fn per channel or per tensor.
+        tensor; or float8_e4m3fn per channel or per tensor; or NVFP4
+        (float4_e2m1fn codes, float8_e4m3fn scales per 16 inputs, a tensor
+        scale: the ``nvfp4`` presets' weights).
       format: ``"gptq"`` (v1 zero points, ``zero - 1``), ``"gptq_v2"`` or
         ``"compressed-tensors"`` (``pack-quantized``; fp8:
-        ``float-quantized``; 2-D float ``*.weight`` tensors beside them
-        are its ``ignore`` list). GPTQ scales are
+        ``float-quantized``; NVFP4: ``nvfp4-pack-quantized``, its global
+        scale ``1 / tensor_scale`` in float32; 2-D float ``*.weight``
+        tensors beside them are its ``ignore`` list). GPTQ scales are
         float16 where float16 holds them all exactly (a checkpoint read
         from GPTQ), else float32 (qbits' PTQ scales: a float32 model's
         GPTQ checkpoint, which AutoGPTQ reads; float16-only kernels need
         float16 scales).
       tensors: Other tensors to write as they are (norms, embeddings),
-        PyTorch layout.
+        PyTorch layout. Its 2-D ``*.weight`` tensors are Linear layers kept
+        float, which the loaders must leave float: compressed-tensors'
+        ``ignore`` list; GPTQ's ``block_name_to_quantize`` (the quantized
+        modules' common prefix) and ``modules_in_block_to_quantize`` (their
+        names), as transformers (optimum) selects the layers it converts.
       config: Other ``config.json`` entries (``model_type``, sizes).
       input_orders: ``{module name: int [in]}``: for a weight whose rows
         hold its inputs in another order, the input each row holds (an
@@ -217,7 +249,8 @@ def write_checkpoint(
         (multiples of 8 at 4 bits, of 4 at 8), or zero points the format
         cannot store (``0 .. 2^b - 1``; GPTQ v1 stores ``zero - 1``: no
         zero of 0), or an input order that is not a permutation of its
-        weight's inputs (or is given for compressed-tensors).
+        weight's inputs (or is given for compressed-tensors), or (GPTQ) a
+        float Linear whose name ends in a quantized module's.
 
     Example:
       >>> import os, tempfile, qbits.interop
@@ -259,27 +292,29 @@ def write_checkpoint(
     groups = {d.group for d in decoded.values() if d.scale.shape[0] > 1}
     group = next(iter(groups)) if len(groups) == 1 else None
     grids = {(d.bits, d.kind, _blocks(d, group)) for d in decoded.values()}
-    fp8 = any(d.kind == "fp8" for d in decoded.values())
-    if len(grids) != 1 or (fp8 and format != "compressed-tensors"):
+    floats = any(d.kind in ("fp8", "fp4") for d in decoded.values())
+    if len(grids) != 1 or (floats and format != "compressed-tensors"):
         raise InvalidArgumentError(
             owner,
             "weights",
             f"grids {sorted(map(str, grids))}",
             "weights all on one grid (bits, zero points, group); fp8 "
-            "(float-quantized) in compressed-tensors only",
+            "(float-quantized) and NVFP4 in compressed-tensors only",
         )
+    # float Linear weights beside them (a layer the method left float)
+    floats = sorted(
+        n[: -len(".weight")]
+        for n, t in (tensors or {}).items()
+        if n.endswith(".weight") and np.ndim(t) == 2
+    )
     if format.startswith("gptq"):
         _check_gptq(owner, decoded, v2=format == "gptq_v2")
         out, qc = write_gptq(_per_channel(decoded), group, v2=format == "gptq_v2")
+        qc.update(_gptq_selection(owner, sorted(decoded), floats))
     else:
         _check_zeros(owner, decoded, 0, "compressed-tensors")
         out, qc = write_compressed(decoded, group)
-        # float Linear weights beside them (a layer the method left float)
-        qc["ignore"] = sorted(
-            n[: -len(".weight")]
-            for n, t in (tensors or {}).items()
-            if n.endswith(".weight") and np.ndim(t) == 2
-        )
+        qc["ignore"] = floats
     for name, t in (tensors or {}).items():
         out[name] = np.asarray(t)
     folder = pathlib.Path(path)
@@ -289,6 +324,42 @@ def write_checkpoint(
     (folder / "config.json").write_text(
         json.dumps(full, indent=2, sort_keys=True) + "\n"
     )
+
+
+def _gptq_selection(
+    owner: str, quantized: list[str], floats: list[str]
+) -> dict[str, Any]:
+    """The GPTQ config entries that keep ``floats`` float in transformers.
+
+    transformers loads GPTQ through optimum's ``GPTQQuantizer.convert_model``:
+    it converts the ``Linear`` modules whose names start with
+    ``block_name_to_quantize`` and, given ``modules_in_block_to_quantize``,
+    only those ending in one of its names. Written: the quantized modules'
+    common dotted prefix and their full names.
+
+    Raises:
+      InvalidArgumentError: If a float module's name ends in a quantized
+        one's (``encoder.q`` beside ``q``): that rule would convert it too.
+    """
+    parts = [m.split(".") for m in quantized]
+    common = []
+    for names in zip(*parts, strict=False):
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    clash = [f for f in floats if f not in quantized and f.endswith(tuple(quantized))]
+    if clash:
+        raise InvalidArgumentError(
+            owner,
+            "tensors",
+            f"float {clash[0]!r}",
+            "float Linear weights whose names do not end in a quantized module's name",
+            why="GPTQ's modules_in_block_to_quantize matches name endings",
+        )
+    return {
+        "block_name_to_quantize": ".".join(common),
+        "modules_in_block_to_quantize": [quantized],
+    }
 
 
 def _blocks(d: Decoded, group: int | None) -> Any:

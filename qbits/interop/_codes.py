@@ -119,20 +119,35 @@ def to_qtensor(d: Decoded) -> QTensor:
 
 
 def from_qtensor(qt: QTensor, owner: str, where: str) -> Decoded:
-    """A stored 2-D weight ``[in, out]`` (int4/uint4/int8/uint8/fp8) as codes.
+    """A stored 2-D weight ``[in, out]`` as codes.
+
+    int4/uint4/int8/uint8/fp8, or NVFP4 (float4_e2m1fn codes,
+    float8_e4m3fn scales per 16 inputs, a float32 tensor scale:
+    ``qbits.config.presets.nvfp4``'s weight).
 
     Raises:
       InvalidArgumentError: For any other layout (a codebook, a tensor
-        scale, another format or rank).
+        scale but not NVFP4's, another format or rank).
     """
     from qbits._errors import InvalidArgumentError
 
     kinds = {np.dtype(v): k for k, v in _STORAGE.items()}
+    kinds[np.dtype(ml_dtypes.float4_e2m1fn)] = ("fp4", 4)
     qdtype = None if qt.qdtype is None else np.dtype(qt.qdtype)
+    fp4 = qdtype == np.dtype(ml_dtypes.float4_e2m1fn)
+    nvfp4 = (
+        fp4
+        and qt.tensor_scale is not None
+        and np.dtype(qt.scale.dtype) == np.dtype(ml_dtypes.float8_e4m3fn)
+        and len(qt.shape) == 2
+        and qt.scale.shape == (qt.shape[0] // 16, qt.shape[1])
+        and qt.shape[0] % 16 == 0
+    )
     if (
         qdtype not in kinds
         or qt.codebook is not None
-        or qt.tensor_scale is not None
+        or (qt.tensor_scale is not None) != fp4
+        or (fp4 and not nvfp4)
         or len(qt.shape) != 2
     ):
         raise InvalidArgumentError(
@@ -140,10 +155,20 @@ def from_qtensor(qt: QTensor, owner: str, where: str) -> Decoded:
             where,
             f"a {qdtype} weight of shape {list(qt.shape)}",
             "a 2-D int4, uint4, int8, uint8 or float8_e4m3fn weight without "
-            "codebook or tensor scale",
+            "codebook or tensor scale, or NVFP4's (float4_e2m1fn codes, "
+            "float8_e4m3fn scales per 16 inputs, a tensor scale)",
         )
     kind, bits = kinds[qdtype]
     codes = np.asarray(qt.unpack().qvalue)
+    if fp4:
+        return Decoded(
+            codes.astype(np.float32),
+            np.asarray(qt.scale).astype(np.float32),
+            None,
+            4,
+            "fp4",
+            tensor_scale=float(np.asarray(qt.tensor_scale, np.float32).reshape(())),
+        )
     codes = codes.astype(np.float32 if kind == "fp8" else np.int32)
     zero = None if qt.zero_point is None else np.asarray(qt.zero_point, np.int32)
     return Decoded(codes, np.asarray(qt.scale, np.float32), zero, bits, kind)

@@ -233,13 +233,15 @@ def _nvfp4(
 def write_compressed(
     weights: Mapping[str, Decoded], group: int | None
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """``pack-quantized`` (int) or ``float-quantized`` (fp8) tensors and config.
+    """Tensors and config: ``pack-quantized``, ``float-quantized`` or NVFP4's.
 
     ``group``: inputs per scale, ``None`` for one per channel or (every
     scale ``(1, 1)``) one per tensor.
     """
-    tensors: dict[str, np.ndarray] = {}
     first = next(iter(weights.values()))
+    if first.kind == "fp4":
+        return _write_nvfp4(weights)
+    tensors: dict[str, np.ndarray] = {}
     bits, kind = first.bits, first.kind  # one grid, checked by the caller
     per_tensor = group is None and all(d.scale.size == 1 for d in weights.values())
     mid = 1 << (bits - 1)
@@ -265,7 +267,44 @@ def write_compressed(
         "strategy": "group" if group else "tensor" if per_tensor else "channel",
         "group_size": group or None,
     }
-    config = {
+    return tensors, _config(fmt, weights_args)
+
+
+def _write_nvfp4(
+    weights: Mapping[str, Decoded],
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """NVFP4 weights as ``nvfp4-pack-quantized`` (the layout :func:`_nvfp4` reads).
+
+    The codes and E4M3 scales are written as they are; the global scale is
+    ``1 / tensor_scale`` in float32, as compressed-tensors computes its own
+    (``generate_gparam``): not every float32 is the reciprocal of one, so
+    ``1 / global_scale`` may lie a float32 ulp from qbits' tensor scale.
+    """
+    tensors: dict[str, np.ndarray] = {}
+    for m, d in weights.items():
+        bits = d.codes.T.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+        tensors[f"{m}.weight_packed"] = (bits[:, 0::2] | (bits[:, 1::2] << 4)).astype(
+            np.uint8
+        )
+        tensors[f"{m}.weight_scale"] = d.scale.T.astype(ml_dtypes.float8_e4m3fn)
+        tensors[f"{m}.weight_global_scale"] = np.reshape(
+            np.float32(1) / np.float32(d.tensor_scale), (1,)
+        )
+    weights_args = {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": False,
+        "strategy": "tensor_group",
+        "group_size": 16,
+        "scale_dtype": "torch.float8_e4m3fn",
+    }
+    return tensors, _config("nvfp4-pack-quantized", weights_args)
+
+
+def _config(fmt: str, weights_args: dict[str, Any]) -> dict[str, Any]:
+    """The ``quantization_config`` of one config group targeting every Linear."""
+    return {
         "quant_method": "compressed-tensors",
         "format": fmt,
         "quantization_status": "compressed",
@@ -274,4 +313,3 @@ def write_compressed(
         },
         "ignore": [],
     }
-    return tensors, config

@@ -85,6 +85,12 @@ def test_reads_codes_and_scales_bit_for_bit_and_serves_the_reference(name):
         np.testing.assert_array_equal(got, ref[f"weight/{m}"])
         if name.startswith("bnb"):  # the absmax bitsandbytes double-dequantizes
             np.testing.assert_array_equal(qt.scale.T.ravel(), ref[f"absmax/{m}"])
+            # the file's bytes: codes, an absmax per block (double quantization:
+            # uint8, and a float32 per 256 blocks); qbits holds float32 absmax
+            n, blocks = w.size, qt.scale.size
+            absmax = blocks + 4 * -(-blocks // 256) if "dq" in name else 4 * blocks
+            assert ckpt.stored_bytes[m] == n // 2 + absmax
+            assert qt.nbytes == n // 2 + 4 * blocks
         if name.startswith("awq"):  # AutoAWQ's zero points and fp16 scales
             np.testing.assert_array_equal(qt.zero_point.T, ref[f"zeros/{m}"])
             np.testing.assert_array_equal(
@@ -219,6 +225,7 @@ def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
         ("ct_w8_channel", "compressed-tensors"),
         ("ct_fp8_tensor", "compressed-tensors"),  # float-quantized
         ("ct_fp8_channel", "compressed-tensors"),
+        ("ct_nvfp4", "compressed-tensors"),  # nvfp4-pack-quantized
     ):
         ckpt = qbits.interop.read_checkpoint(DATA / name)
         out = tmp_path / f"{name}-{fmt}"
@@ -244,6 +251,19 @@ def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
     ckpt = qbits.interop.read_checkpoint(DATA / "ct_fp8_tensor")
     with pytest.raises(qbits.InvalidArgumentError, match="compressed-tensors only"):
         qbits.interop.write_checkpoint(tmp_path / "fp8", ckpt.weights)  # GPTQ
+    # float Linears beside GPTQ weights: transformers' selection names the rest
+    ckpt = qbits.interop.read_checkpoint(DATA / "gptq_w4g16_sym")
+    q_only, floats = (
+        {Q_PROJ: ckpt.weights[Q_PROJ]},
+        {f"{OUT_PROJ}.weight": np.ones((32, 32))},
+    )
+    qbits.interop.write_checkpoint(tmp_path / "f", q_only, tensors=floats)
+    qc = json.loads((tmp_path / "f" / "config.json").read_text())["quantization_config"]
+    assert qc["block_name_to_quantize"] == Q_PROJ
+    assert qc["modules_in_block_to_quantize"] == [[Q_PROJ]]
+    with pytest.raises(qbits.InvalidArgumentError, match="end in a quantized"):
+        clash = {f"x.{Q_PROJ}.weight": np.ones((32, 64))}
+        qbits.interop.write_checkpoint(tmp_path / "c", q_only, tensors=clash)
     # act-order: the rows go back to their inputs, g_idx says their groups
     ckpt = qbits.interop.read_checkpoint(DATA / "gptq_w4g16_actorder")
     orders = ckpt.input_orders
@@ -270,22 +290,48 @@ def test_the_reference_libraries_read_what_qbits_writes(tmp_path):
         pytest.skip("QBITS_REFERENCE_PYTHON is not set (docs/guides/development.md)")
     cases = [("gptq_w4g16_asym", f) for f in ("gptq", "gptq_v2", "compressed-tensors")]
     cases += [("gptq_w8g32_sym", "gptq"), ("ct_w4g32_sym", "gptq")]  # float32 scales
-    cases += [(n, "compressed-tensors") for n in ("ct_fp8_tensor", "ct_fp8_channel")]
+    cases += [
+        (n, "compressed-tensors")
+        for n in ("ct_fp8_tensor", "ct_fp8_channel", "ct_nvfp4")
+    ]
+    # o_proj kept float beside q_proj: the loaders must leave it (and lm_head)
+    # float (reference_read.py fails if their choice is not the checkpoint's)
+    cases += [
+        ("gptq_w8g32_sym", f"{f} o_proj float") for f in ("gptq", "compressed-tensors")
+    ]
     argv, written = [python, str(DATA.parent / "reference_read.py")], []
     for i, (name, fmt) in enumerate(cases):
         ckpt = qbits.interop.read_checkpoint(DATA / name)
-        qbits.interop.write_checkpoint(tmp_path / str(i), ckpt.weights, fmt)
+        fmt, *kept = fmt.split(" ", 1)
+        weights, tensors = ckpt.weights, {}
+        if kept:
+            weights = {Q_PROJ: ckpt.weights[Q_PROJ]}
+            tensors = {**ckpt.tensors, f"{OUT_PROJ}.weight": np.ones((32, 32))}
+        qbits.interop.write_checkpoint(tmp_path / str(i), weights, fmt, tensors=tensors)
         argv += [str(tmp_path / str(i)), str(tmp_path / f"{i}.npz")]
-        written.append((ckpt, fmt, tmp_path / f"{i}.npz"))
+        written.append((ckpt, weights, fmt, tmp_path / f"{i}.npz"))
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    for ckpt, fmt, npz in written:
+    for ckpt, weights, fmt, npz in written:
         got = np.load(npz)
+        floats = sorted(k for k in got if k.startswith("float/"))
+        kept = ["float/lm_head", f"float/{OUT_PROJ}"]
+        assert floats == (kept if len(weights) == 1 else []), npz
         half = fmt.startswith("gptq") and ckpt.format.startswith("gptq")
-        for m, qt in ckpt.weights.items():
+        for m, qt in weights.items():
             w = np.asarray(qt.dequant()).T
             if half:  # float16 scales: the reference dequantizes in float16
                 w = w.astype(np.float16).astype(np.float32)
+            if qt.tensor_scale is not None:  # NVFP4: codes and scales bit for bit
+                qt = qt.unpack()
+                for part, mine in (("codes", qt.qvalue), ("scale", qt.scale)):
+                    mine = np.asarray(mine).astype(np.float32).T
+                    np.testing.assert_array_equal(got[f"{part}/{m}"], mine)
+                # its float32 scale / global_scale, qbits' scale * tensor_scale:
+                # a rounding apart, and one more for the fixture's global scale
+                # read (1 / g) and written back (1 / (1 / g))
+                np.testing.assert_array_max_ulp(got[f"weight32/{m}"], w, maxulp=2)
+                w = w.astype(ml_dtypes.bfloat16).astype(np.float32)  # decompress'
             np.testing.assert_array_equal(got[f"weight/{m}"], w, err_msg=f"{npz} {m}")
 
 
@@ -349,6 +395,15 @@ def test_qbits_import_lists_the_weights_or_prints_the_one_line_error(capsys):
     assert main(["import", str(DATA / "gptq_w4g16_asym")]) == 0
     out = capsys.readouterr().out
     assert f"{Q_PROJ} uint4 Tiled(16) + zero points" in out and "7.000" in out
+    for name, stored, bits in (
+        ("bnb_nf4_dq", "NF4 (uint4 codes) Tiled(32)", "5.000   4.266"),
+        ("fp8_block24x48", "float8_e4m3fn Tiled(16 x 8)", "8.250   8.062"),
+        ("gptq_w4g16_actorder", "int4 Tiled(16) + input order", "7.000   6.250"),
+        ("ct_nvfp4", "float4_e2m1fn Tiled(16) + E4M3 scales, tensor scale", "4.516"),
+    ):
+        assert main(["import", str(DATA / name)]) == 0
+        line = next(s for s in capsys.readouterr().out.splitlines() if Q_PROJ in s)
+        assert stored in line and line.endswith(bits), line
     assert main(["import", str(DATA / "gptq_w4g16_asym" / "model.safetensors")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config.json" in err
