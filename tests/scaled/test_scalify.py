@@ -101,7 +101,7 @@ def test_grad_inside_scalify_gives_scaled_gradients():
     x = jnp.asarray(RNG.normal(size=(5, 8)), jnp.float32)
     p = _params()
     fn = jax.value_and_grad(_mlp_loss)
-    want = fn(p, x)
+    want = jax.jit(fn)(p, x)  # compiled whole, not op by op
     got = jax.jit(scalify(fn))(as_scaled_array(p, scale=0.25), as_scaled_array(x, 8.0))
     assert all(is_scaled(g) for g in jax.tree.leaves(got, is_leaf=is_scaled))
     jax.tree.map(
@@ -127,7 +127,7 @@ def test_optax_update_under_scalify(make_opt):
 
     state = opt.init(p)
     with jax.numpy_dtype_promotion("standard"):  # optax's adam mixes int and float
-        want = step(p, state, x)
+        want = jax.jit(step)(p, state, x)  # compiled whole, not op by op
         got = jax.jit(scalify(step))(
             as_scaled_array(p), as_scaled_array(state), as_scaled_array(x)
         )
