@@ -143,14 +143,16 @@ def test_agrees_with_bitsandbytes_blockwise_quantization_and_adamw8bit():
         ("signed", x, True, 2048),
         ("unsigned", x * x, False, 256),
     ):
-        q = quantize(values, "dynamic", 8, signed, size)
+        q = jax.jit(quantize, static_argnums=(1, 2, 3, 4))(
+            values, "dynamic", 8, signed, size
+        )  # compiled: one program, not one an op
         np.testing.assert_array_equal(np.asarray(q.codes), ref[f"codes_{name}"])
         np.testing.assert_array_equal(np.asarray(q.absmax), ref[f"absmax_{name}"])
 
     # Two steps of bitsandbytes' AdamW8bit (block size 256) on 5000 params.
     tx = optim.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
     params = jnp.asarray(ref["p0"])
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
     step = jax.jit(_standard(lambda g, s, p: tx.update(g, s, p)))
     for k in (1, 2):
         updates, state = step(jnp.asarray(ref[f"g{k}"]), state, params)
@@ -212,7 +214,7 @@ def test_states_keep_their_sharding_under_jit_and_through_orbax(tmp_path):
             state_bits=4,
             stochastic_rounding=True,
         )
-        state = tx.init(params)
+        state = jax.jit(tx.init)(params)  # compiled: one program, not one an op
         updates, state = jax.jit(_standard(tx.update))(params, state, params)
         adam = state.inner[1][0]
         for moment in (adam.mu["w"], adam.nu["w"]):
@@ -275,10 +277,10 @@ def test_errors_name_the_argument():
         optim.quantize_states(optax.adam)
     tx = optim.quantize_states(optax.sgd(0.1))  # no momentum: no moment to store
     with pytest.raises(qbits.InvalidArgumentError, match="moment field"):
-        tx.init({"w": jnp.ones(8)})
+        jax.jit(tx.init)({"w": jnp.ones(8)})  # raised while tracing
     tx = optim.quantize_states(optax.sgd(0.1, momentum=0.9), min_size=0)
     assert isinstance(
-        tx.init({"w": jnp.ones(8)}).inner[0].trace["w"], optim.QuantizedMoment
+        jax.jit(tx.init)({"w": jnp.ones(8)}).inner[0].trace["w"], optim.QuantizedMoment
     )
 
 

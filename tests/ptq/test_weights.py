@@ -51,13 +51,13 @@ def test_gptq_and_awq_beat_round_to_nearest_on_every_weight():
     rtn = ptq.quantize_weights(_model, params, batches, config, method="rtn")
     # Round to nearest is what the engine computes with the same config.
     want = jax.jit(qbits.quantize(_model, config))(params, batches[0])
-    np.testing.assert_allclose(_model(rtn.params, batches[0]), want, rtol=1e-4,
+    model = jax.jit(_model)
+    np.testing.assert_allclose(model(rtn.params, batches[0]), want, rtol=1e-4,
                                atol=1e-4)  # fmt: skip
     paths = [r.path for r in rtn.layers]
     assert paths == [row.path for row in
                      qbits.layer_table(_model, config, params, batches[0]).rows
                      if "weight" in row.kind]  # fmt: skip
-    model = jax.jit(_model)
 
     def model_error(p):
         return sum(
@@ -194,19 +194,19 @@ def test_smoothing_and_rotation_run_online_in_every_layout_and_cut_w8a8_error():
                rotate=True, key=jax.random.key(1))  # fmt: skip
     assert set(both.transforms) == {"wq", "wo", "mlp/up", "mlp/down"}
     assert both.transforms["mlp/up"]["scale"].shape == (LAYERS, D)
-    got = both.function(_model)(both.params, x)
-    want = _transformed_reference(both.params, x, both.transforms)
+    got = jax.jit(both.function(_model))(both.params, x)
+    want = jax.jit(_transformed_reference)(both.params, x, both.transforms)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     # W8A8 on loud input channels: both transforms cut the model's error.
-    errors = {}
+    errors, want = {}, jax.jit(_model)(params, x)
     for name, kw in {
         "rtn": {},
         "smooth": {"smooth": 0.5},
         "rotate": {"rotate": True, "key": jax.random.key(2)},
     }.items():
         out = run("int8_fwd", method="rtn", **kw)
-        errors[name] = float(jnp.sum((out.function(_model)(out.params, x)
-                                      - _model(params, x)) ** 2))  # fmt: skip
+        got = jax.jit(out.function(_model))(out.params, x)
+        errors[name] = float(jnp.sum((got - want) ** 2))
     assert errors["smooth"] < 0.7 * errors["rtn"], errors
     assert errors["rotate"] < 0.7 * errors["rtn"], errors
     with pytest.raises(qbits.InvalidArgumentError, match=r"mean .x Q."):

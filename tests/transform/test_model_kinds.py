@@ -483,12 +483,12 @@ def _linen_serve(fn, config):
         sp = serving.convert(model, config, params, SERVE_X, False)  # non-arrays
         served = jax.jit(serving.serve(model, config).apply)(sp, SERVE_X)
         qat = jax.jit(qbits.flax.quantize(model, config).apply)(params, SERVE_X)
-        ref = model.apply(params, SERVE_X)
+        ref = jax.jit(model.apply)(params, SERVE_X)
     else:
         sp = serving.convert(fn, config, params, SERVE_X)
         served = jax.jit(serving.serve(fn, config))(sp, SERVE_X)
         qat = jax.jit(qbits.quantize(fn, config))(params, SERVE_X)
-        ref = fn(params, SERVE_X)
+        ref = jax.jit(fn)(params, SERVE_X)
     kernels = sp.params["params"]
     dropped = [kernels["block"]["fc1"]["kernel"], kernels["proj"]["kernel"]]
     return sp.weights, dropped, kernels["head"]["kernel"], served, qat, ref
@@ -527,13 +527,6 @@ INT8_WEIGHT_ONLY = qbits.DotGeneralConfig(
         rhs=qbits.Quantizer(qbits.IntNumerics(bits=8), granularity=qbits.PerChannel())
     )
 )
-UINT8 = qbits.DotGeneralConfig(  # zero points, one per output channel, unpacked
-    fwd=qbits.MatmulConfig(
-        rhs=qbits.Quantizer(
-            qbits.numerics.UintNumerics(bits=8), granularity=qbits.PerChannel()
-        )
-    )
-)
 # name: (config, stored codes' dtype, the arrays beside qvalue and scale)
 FORMATS = {
     "int8_fwd": ("int8_fwd", "int8", {}),
@@ -542,23 +535,15 @@ FORMATS = {
     "int8_weight_only": (INT8_WEIGHT_ONLY, "int8", {}),
     "fp8": ("fp8", "float8_e4m3fn", {}),
     "w4g128_asym": ("w4g128_asym", "uint8", {"zero_point": "int16"}),
-    "nf4": ("nf4", "uint8", {}),
-    "nvfp4": ("nvfp4", "uint8", {"tensor_scale": "float32"}),
-    "nvfp4_weight_only": ("nvfp4_weight_only", "uint8", {"tensor_scale": "float32"}),
-    "uint8": (UINT8, "uint8", {"zero_point": "int16"}),
 }
-# Two formats a model, one a stored layer: five models cover the ten, the
-# first three on every kind of model. The float4 pairs run with XLA's default
-# CPU emitters (the suite's faster ones cast to float4 otherwise:
-# conftest.py), one kind each: what they add is the formats' rounding, which
-# the kind of model does not change.
+# Two formats a model, one a stored layer: three models cover the six, on
+# every kind of model. The PTQ formats with more arrays or float4 casts (nf4,
+# nvfp4, nvfp4_weight_only, unsigned with zero points) are served bit for bit
+# in tests/serving/test_ptq_formats.py, each on a kind of model: what they
+# add is the format's rounding, which the kind of model does not change.
 PAIRS = [("int8_fwd", "w4a8"), ("int4_weight_only", "int8_weight_only"),
          ("fp8", "w4g128_asym")]  # fmt: skip
-SERVED_CASES = [
-    *((kind, pair) for pair in PAIRS for kind in SERVE),
-    pytest.param("nnx", ("nf4", "nvfp4"), marks=pytest.mark.optimized),
-    pytest.param("linen", ("nvfp4_weight_only", "uint8"), marks=pytest.mark.optimized),
-]
+SERVED_CASES = [(kind, pair) for pair in PAIRS for kind in SERVE]
 
 
 @pytest.mark.parametrize(

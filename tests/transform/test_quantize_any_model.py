@@ -21,10 +21,13 @@ S8 = ("s8", "s8", "s32")
 I8 = ("int8", "int8", "int32")  # the jaxpr spelling
 
 
+@functools.cache
 def _lm(**kw):
+    """The example LM, its variables and a batch; initialised compiled (one
+    program, not one per primitive) and once per ``kw`` for the module."""
     model = LM(**kw)
     tokens = lm_batch()
-    return model, model.init(jax.random.key(0), tokens), tokens
+    return model, jax.jit(model.init)(jax.random.key(0), tokens), tokens
 
 
 def _lm_loss(apply, tokens):
@@ -119,8 +122,8 @@ def test_deterministic_config_equals_the_flax_layer_wrappers_bit_for_bit():
         np.testing.assert_array_equal(
             transformed(variables, x), wrapped.apply(variables, x)
         )
-        g1 = jax.grad(lambda v, f=transformed: f(v, x).sum())(variables)
-        g2 = jax.grad(lambda v, f=wrapped.apply: f(v, x).sum())(variables)
+        g1 = jax.jit(jax.grad(lambda v, f=transformed: f(v, x).sum()))(variables)
+        g2 = jax.jit(jax.grad(lambda v, f=wrapped.apply: f(v, x).sum()))(variables)
         jax.tree.map(np.testing.assert_array_equal, g1, g2)
 
 
@@ -218,7 +221,9 @@ def test_stochastic_rounding_draws_per_scan_iteration():
     again = qbits.quantize(fn, config, key)(w, x)
     np.testing.assert_array_equal(ys, again)  # the same key, the same numbers
     # the same input h in iterations 0 and 1 would round alike with one stream
-    g = jax.grad(lambda w: (qbits.quantize(fn, config, key)(w, x) ** 2).sum())(w)
+    g = jax.jit(jax.grad(lambda w: (qbits.quantize(fn, config, key)(w, x) ** 2).sum()))(
+        w
+    )
     assert bool(jnp.all(jnp.isfinite(g)))
     draws = qbits.quantize(lambda w, x: fn(w, x)[:1], config, key)
     assert draws(w, x).shape == (1, 4, 16)
@@ -594,10 +599,10 @@ def test_an_activation_einsum_gives_lhs_to_its_written_first_operand(spec):
     ours = qbits.quantize(
         lambda a, b: jnp.einsum(spec, a, b), config, params_argnum=None
     )
-    theirs = functools.partial(qbits.einsum(config.for_activations()), spec)
+    theirs = jax.jit(functools.partial(qbits.einsum(config.for_activations()), spec))
     np.testing.assert_array_equal(ours(a, b), theirs(a, b))
-    grads = jax.grad(lambda a, b: ours(a, b).sum(), argnums=(0, 1))(a, b)
-    want = jax.grad(lambda a, b: theirs(a, b).sum(), argnums=(0, 1))(a, b)
+    grads = jax.jit(jax.grad(lambda a, b: ours(a, b).sum(), argnums=(0, 1)))(a, b)
+    want = jax.jit(jax.grad(lambda a, b: theirs(a, b).sum(), argnums=(0, 1)))(a, b)
     for g, w in zip(grads, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
@@ -789,7 +794,7 @@ def test_an_integer_activation_times_a_float_weight_is_quantized(
     np.testing.assert_array_equal(got, qbits.quantize(cast, "int8", key)(p, x))
     assert not np.array_equal(got, mixed(p, x))  # quantized, not float
     grads = [
-        jax.grad(lambda p, h=h: qbits.quantize(h, "int8", key)(p, x).sum())(p)
+        jax.jit(jax.grad(lambda p, h=h: qbits.quantize(h, "int8", key)(p, x).sum()))(p)
         for h in (mixed, cast)
     ]
     np.testing.assert_array_equal(grads[0]["w"], grads[1]["w"])
