@@ -71,6 +71,7 @@ from make_quantized_checkpoints import (
     _write,
     compress_and_read,
 )
+from reference_read import nvfp4_reference
 
 
 def _awq_modules():
@@ -131,13 +132,11 @@ def awq(name: str, group: int) -> None:
 
 def nvfp4(name: str) -> None:
 
-    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization import (
         QuantizationConfig,
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
     from compressed_tensors.quantization.utils import (
         calculate_qparams,
         generate_gparam,
@@ -166,19 +165,10 @@ def nvfp4(name: str) -> None:
         model, "nvfp4-pack-quantized", name, weights, 50
     )
     for mod, part in parts.items():
-        packed = part["weight_packed"]
-        shape = (packed.shape[0], 2 * packed.shape[1])
-        codes = unpack_fp4_from_uint8(packed, *shape, dtype=torch.float32)
-        ref[f"codes/{mod}"] = codes.numpy()
-        # the same dequantize in float32 (decompress returns bfloat16)
-        w32 = dequantize(
-            x_q=codes,
-            scale=part["weight_scale"].float(),
-            args=group.weights,
-            global_scale=part["weight_global_scale"],
-            dtype=torch.float32,
-        )
-        ref[f"weight32/{mod}"] = w32.numpy()
+        # codes and float32 weights as compressed-tensors unpacks and
+        # dequantizes them (decompress returns bfloat16)
+        read = nvfp4_reference(mod, part, group)
+        ref.update({k: read[k] for k in (f"codes/{mod}", f"weight32/{mod}")})
     np.savez_compressed(path / "reference.npz", **ref)
 
 

@@ -100,7 +100,7 @@ def read(folder: str | pathlib.Path) -> dict[str, np.ndarray]:
             decompressed = codec.decompress(part, scheme)
             out[f"weight/{m}"] = decompressed["weight"].float().numpy()
             if "weight_global_scale" in part:  # NVFP4: its codes and scales too
-                out.update(_nvfp4(m, part, scheme))
+                out.update(nvfp4_reference(m, part, scheme))
     # The loader's choice of the layers it quantizes: those the checkpoint
     # quantizes; every other Linear (2-D float weight) stays float.
     shapes = {
@@ -170,7 +170,7 @@ def _ct_converted(model: torch.nn.Module, qc: dict) -> set[str]:
     }
 
 
-def _nvfp4(m: str, part: dict, scheme) -> dict[str, np.ndarray]:
+def nvfp4_reference(m: str, part: dict, scheme) -> dict[str, np.ndarray]:
     """An NVFP4 module's codes, scales and float32 weights, as compressed-tensors
     unpacks and dequantizes them (``decompress`` returns bfloat16)."""
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
