@@ -51,6 +51,26 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
+def _saved_run_options(
+    parser: argparse.ArgumentParser, batches: str, default: int
+) -> None:
+    """Adds ``--run DIR``, its calibration batches and ``--seed``.
+
+    For a verb that reads the float32 runs ``qbits train`` saved.
+    """
+    parser.add_argument(
+        "--run", required=True, metavar="DIR", dest="run_dir",
+        help="the output folder of qbits train",
+    )  # fmt: skip
+    parser.add_argument(
+        batches, type=_count, default=default, metavar="N",
+        help="calibration batches (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=_seed, help="which saved run, if --run holds several"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=_PROG,
@@ -139,13 +159,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="CONFIG",
         help="a preset name (e.g. w4g128_asym, nf4, int8_fwd) or a YAML config file",
     )
-    ptq.add_argument(
-        "--run",
-        required=True,
-        metavar="DIR",
-        dest="run_dir",
-        help="the output folder of qbits train",
-    )
+    _saved_run_options(ptq, "--calibration", 16)
     ptq.add_argument(
         "--method",
         nargs="+",
@@ -155,16 +169,6 @@ def _parser() -> argparse.ArgumentParser:
         "GPTQ, AWQ; smoothquant: RTN after SmoothQuant's scales (alpha 0.5, "
         "for W8A8); rtn+rot, gptq+rot: after a random Hadamard rotation; "
         "qep: GPTQ after quantization error propagation",
-    )
-    ptq.add_argument(
-        "--calibration",
-        type=_count,
-        default=16,
-        metavar="N",
-        help="calibration batches (default: %(default)s)",
-    )
-    ptq.add_argument(
-        "--seed", type=_seed, help="which saved run, if --run holds several"
     )
     ptq.add_argument("--out", help="output folder (default: DIR/ptq-CONFIG)")
     ptq.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -187,22 +191,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the formats a layer may take: preset names (e.g. w4a8 int8_fwd), "
         "YAML files of one matmul config, or none (float)",
     )
-    search.add_argument(
-        "--run", required=True, metavar="DIR", dest="run_dir",
-        help="the output folder of qbits train",
-    )  # fmt: skip
+    _saved_run_options(search, "--batches", 4)
     search.add_argument(
         "--budget", type=float, required=True,
         help="mean stored bits per weight (scales included), or bytes with --unit",
     )  # fmt: skip
     search.add_argument("--unit", choices=("bits", "bytes"), default="bits")
-    search.add_argument(
-        "--batches", type=_count, default=4, metavar="N",
-        help="calibration batches (default: %(default)s)",
-    )  # fmt: skip
-    search.add_argument(
-        "--seed", type=_seed, help="which saved run, if --run holds several"
-    )
     search.add_argument(
         "--out", help="the YAML file to write (default: DIR/search-BUDGET.yaml)"
     )
@@ -347,10 +341,7 @@ def _parser() -> argparse.ArgumentParser:
         "config", metavar="CONFIG", help="a weight format: preset or YAML file"
     )
     export.add_argument("out", metavar="OUT", help="the checkpoint folder to write")
-    export.add_argument(
-        "--run", required=True, metavar="DIR", dest="run_dir",
-        help="the output folder of qbits train",
-    )  # fmt: skip
+    _saved_run_options(export, "--calibration", 16)
     export.add_argument(
         "--format", choices=("gptq", "gptq_v2", "compressed-tensors"),
         default="compressed-tensors", help="(default: %(default)s)",
@@ -359,12 +350,5 @@ def _parser() -> argparse.ArgumentParser:
         "--method", choices=("rtn", "gptq", "qep", "awq"),
         default="gptq", help="(default: %(default)s; awq is refused: see the guide)",
     )  # fmt: skip
-    export.add_argument(
-        "--calibration", type=_count, default=16, metavar="N",
-        help="calibration batches (default: %(default)s)",
-    )  # fmt: skip
-    export.add_argument(
-        "--seed", type=_seed, help="which saved run, if --run holds several"
-    )
     export.set_defaults(run=_export)
     return parser
