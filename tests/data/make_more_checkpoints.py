@@ -70,6 +70,7 @@ from make_quantized_checkpoints import (
     _float_weights,
     _write,
     compress_and_read,
+    quantizable_linears,
 )
 from reference_read import nvfp4_reference
 
@@ -131,27 +132,14 @@ def awq(name: str, group: int) -> None:
 
 
 def nvfp4(name: str) -> None:
-
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        apply_quantization_config,
-        preset_name_to_scheme,
-    )
+    from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import (
         calculate_qparams,
         generate_gparam,
     )
 
     weights = _float_weights(50)
-    model = torch.nn.Module()
-    for mod, w in weights.items():
-        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-        linear.weight.data = w.clone()
-        model.add_module(mod.replace(".", "__"), linear)
-    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
-    apply_quantization_config(
-        model, QuantizationConfig(config_groups={"group_0": scheme})
-    )
+    model = quantizable_linears(weights, preset_name_to_scheme("NVFP4A16", ["Linear"]))
     for mod in weights:
         m = getattr(model, mod.replace(".", "__"))
         args = m.quantization_scheme.weights

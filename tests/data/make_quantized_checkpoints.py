@@ -165,24 +165,12 @@ def gptq(
 
 
 def compressed(name: str, fmt: str, args: dict) -> None:
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
     weights = _float_weights(len(name))
-    model = torch.nn.Module()
-    for mod, w in weights.items():
-        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-        linear.weight.data = w.clone()
-        model.add_module(mod.replace(".", "__"), linear)  # flat, renamed below
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args))
-    apply_quantization_config(
-        model, QuantizationConfig(config_groups={"group_0": scheme})
-    )
+    model = quantizable_linears(weights, scheme)
     for mod in weights:
         m = getattr(model, mod.replace(".", "__"))
         qargs = m.quantization_scheme.weights
@@ -201,6 +189,26 @@ def compressed(name: str, fmt: str, args: dict) -> None:
             m.weight_zero_point.data.copy_(z)
     path, _, _, ref = compress_and_read(model, fmt, name, weights, len(name))
     np.savez_compressed(path / "reference.npz", **ref)
+
+
+def quantizable_linears(weights, scheme):
+    """A module of bias-free Linears holding ``weights`` (flat names: ``.``
+    as ``__``, renamed when written), with compressed-tensors' ``scheme``
+    applied to them (their scale parameters still to fill)."""
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+    )
+
+    model = torch.nn.Module()
+    for mod, w in weights.items():
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.data = w.clone()
+        model.add_module(mod.replace(".", "__"), linear)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme})
+    )
+    return model
 
 
 def compress_and_read(model, fmt: str, name: str, weights, seed: int):
