@@ -248,7 +248,6 @@ class AbsMax(Calibration):
             nan = lax.full_like(bound, np.nan)
             return lax.select(lax.lt(bound, lax.full_like(bound, np.inf)), bound, nan)
 
-        sharded = max_on_shards(largest, largest, x, axes)  # None: no explicit axes
         if axes == tuple(range(x.ndim - len(axes), x.ndim)) and jax.device_count() == 1:
             bound = per_platform(
                 x,
@@ -256,6 +255,7 @@ class AbsMax(Calibration):
                 default=lambda x: nan_if_inf(largest(x)),
             )
         else:  # across rows XLA:CPU runs a variadic reduction slowly
+            sharded = max_on_shards(largest, largest, x, axes)  # None: auto axes
             bound = nan_if_inf(largest(x) if sharded is None else sharded)
         if self.clip_factor <= 1.0:
             clipped = lax.mul(bound, np.asarray(self.clip_factor, bound.dtype))
