@@ -67,11 +67,9 @@ def _check_dtype(owner: str, group_sizes: Any) -> None:
     """Raises InvalidArgumentError unless ``group_sizes`` holds integers."""
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise InvalidArgumentError(
-            owner,
-            "group_sizes.dtype",
-            jnp.dtype(group_sizes.dtype),
+            owner, "group_sizes.dtype", jnp.dtype(group_sizes.dtype),
             "an integer dtype (int32): the number of lhs rows of each group",
-        )
+        )  # fmt: skip
 
 
 def _check_group_sizes(owner: str, group_sizes: Any, rhs: Any, group: int) -> None:
@@ -86,12 +84,10 @@ def _check_group_sizes(owner: str, group_sizes: Any, rhs: Any, group: int) -> No
     count = rhs.shape[group]
     if tuple(group_sizes.shape) != (count,):
         raise InvalidArgumentError(
-            owner,
-            "group_sizes.shape",
-            tuple(group_sizes.shape),
+            owner, "group_sizes.shape", tuple(group_sizes.shape),
             f"({count},): one size per group, as rhs has {count} groups "
             f"(rhs.shape[{group}]; rhs is {tuple(rhs.shape)})",
-        )
+        )  # fmt: skip
     _check_sizes(owner, group_sizes)
 
 
@@ -113,23 +109,19 @@ def _check_sizes(owner: str, group_sizes: Any) -> None:
                 for at in np.argwhere(sizes < 0)[:4]]  # fmt: skip
     if negative:
         raise InvalidArgumentError(
-            owner,
-            "group_sizes",
-            sizes.tolist(),
+            owner, "group_sizes", sizes.tolist(),
             "sizes >= 0: the number of lhs rows of each group",
             why=f"negative: {', '.join(negative)}",
-        )
+        )  # fmt: skip
     top = int(np.iinfo(dtype).max)
     sums = np.sum(sizes, axis=-1, keepdims=True) if sizes.size else sizes
     if np.any(sums > top):
         raise InvalidArgumentError(
-            owner,
-            "group_sizes",
-            sizes.tolist(),
+            owner, "group_sizes", sizes.tolist(),
             f"sizes whose sum is at most {top}, the largest {dtype.name} (the "
             "dtype lax adds them up in; the ragged dimension is smaller still)",
             why=f"they sum to {max(np.ravel(sums))}, which wraps in {dtype.name}",
-        )
+        )  # fmt: skip
 
 
 def _valid(group_sizes: jax.Array) -> jax.Array:
@@ -149,14 +141,12 @@ def _check_shapes(owner: str, lhs: Any, rhs: Any, rd: RaggedDims) -> None:
         for a, b in pairs:
             if lhs.shape[a] != rhs.shape[b]:
                 raise InvalidArgumentError(
-                    owner,
-                    "rhs.shape",
-                    tuple(rhs.shape),
+                    owner, "rhs.shape", tuple(rhs.shape),
                     f"rhs.shape[{b}] == lhs.shape[{a}] = {lhs.shape[a]}: the "
                     f"{kind} axes of lhs and rhs have the same size",
                     why=f"lhs.shape is {tuple(lhs.shape)}; lhs axis {a} is "
                     f"{kind} with rhs axis {b}",
-                )
+                )  # fmt: skip
 
 
 def _check_config(config: DotGeneralConfig, owner: str) -> None:
@@ -274,11 +264,10 @@ class RaggedDot(Op):
                 lhs, rhs, group_sizes, precision, preferred_element_type,
                 group_offset, out_sharding,
             )  # fmt: skip
-        return self.general(
-            lhs, rhs, group_sizes, BASIC, precision, preferred_element_type,
-            group_offset, out_sharding, state=state, diagnostics=diagnostics,
-            _owner="ragged_dot",
-        )  # fmt: skip
+        rest = (precision, preferred_element_type, group_offset, out_sharding)
+        return self._general(
+            "ragged_dot", lhs, rhs, group_sizes, BASIC, rest, state, diagnostics
+        )
 
     def general(
         self,
@@ -293,7 +282,6 @@ class RaggedDot(Op):
         *,
         state: dict[str, jax.Array] | None = None,
         diagnostics: dict[str, jax.Array] | None = None,
-        _owner: str = "ragged_dot_general",
     ) -> jax.Array:
         """Computes ``lax.ragged_dot_general(...)``, quantized.
 
@@ -319,20 +307,31 @@ class RaggedDot(Op):
           ...                x, w).shape
           (5, 3)
         """
+        rdn = ragged_dot_dimension_numbers
+        rest = (precision, preferred_element_type, group_offset, out_sharding)
+        return self._general(
+            "ragged_dot_general", lhs, rhs, group_sizes, rdn, rest, state, diagnostics
+        )
+
+    def _general(
+        self,
+        owner: str,
+        lhs: Any,
+        rhs: Any,
+        group_sizes: Any,
+        rdn: Any,
+        rest: tuple[Any, ...],
+        state: Any,
+        diagnostics: Any,
+    ) -> jax.Array:
+        """:meth:`general`, errors naming ``owner``; ``rest`` as lax's after ``rdn``."""
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         group_sizes = jnp.asarray(group_sizes)
-        rdn = ragged_dot_dimension_numbers
         if self._passes(state, diagnostics):
-            _check_dtype(_owner, group_sizes)
-            _check_sizes(_owner, group_sizes)
-            return lax.ragged_dot_general(
-                lhs, rhs, group_sizes, rdn, precision, preferred_element_type,
-                group_offset, out_sharding,
-            )  # fmt: skip
-        c = _contraction(
-            _owner, lhs, rhs, group_sizes, rdn, precision, preferred_element_type,
-            group_offset, out_sharding,
-        )  # fmt: skip
+            _check_dtype(owner, group_sizes)
+            _check_sizes(owner, group_sizes)
+            return lax.ragged_dot_general(lhs, rhs, group_sizes, rdn, *rest)
+        c = _contraction(owner, lhs, rhs, group_sizes, rdn, *rest)
         config = self.config
         if diagnostics is None and own_weight_grad(config.drhs):
             # The weight gradient quantizes its operands itself, group by
@@ -340,7 +339,7 @@ class RaggedDot(Op):
             c = dataclasses.replace(c, drhs=config.drhs)
             config = config.replace(drhs=IDENTITY_MATMUL)
         out = state_lib.run(
-            config, c, lhs, rhs, self.key, state, _owner,
+            config, c, lhs, rhs, self.key, state, owner,
             data=(group_sizes, self.key), probe=diagnostics,
         )  # fmt: skip
         # Traced sizes that are negative or wrap around: lax leaves them
