@@ -443,20 +443,29 @@ ZERO_SIZE_GRANULARITIES = [
 def test_zero_size_input_gives_an_empty_qtensor(granularity, scale_shape):
     # Used to raise ZeroDivisionError in the block layout.
     x = jnp.ones((0, 8))
-    for numerics in (
-        IntNumerics(bits=8),
-        IntNumerics(1, False),
-        FpNumerics("float4_e2m1fn"),
-    ):
-        q = Quantizer(numerics, granularity=granularity)
-        store = numerics.get_dtype() is not None
-        qt = q.quant(x, store=store)
-        assert qt.qvalue.shape == (0, 8) and qt.scale.shape == scale_shape
-        np.testing.assert_array_equal(qt.scale, 1.0)
-        assert qt.dequant().shape == (0, 8) and qt.dequant().dtype == jnp.float32
-        qt, grad = q.quant_vjp(x, store=store)
-        assert grad(x).shape == (0, 8)
-    g = jax.grad(lambda x: jnp.sum(q.quant(x).dequant()))(x)
+
+    @jax.jit
+    def run(x):  # one program: the checks are of shapes, dtypes and scales
+        out = []
+        for numerics in (
+            IntNumerics(bits=8),
+            IntNumerics(1, False),
+            FpNumerics("float4_e2m1fn"),
+        ):
+            q = Quantizer(numerics, granularity=granularity)
+            store = numerics.get_dtype() is not None
+            qt = q.quant(x, store=store)
+            _, grad = q.quant_vjp(x, store=store)
+            out.append((qt.qvalue, qt.scale, qt.dequant(), grad(x)))
+        out.append(jax.grad(lambda x: jnp.sum(q.quant(x).dequant()))(x))
+        return out
+
+    *quantized, g = run(x)
+    for qvalue, scale, dq, dx in quantized:
+        assert qvalue.shape == (0, 8) and scale.shape == scale_shape
+        np.testing.assert_array_equal(scale, 1.0)
+        assert dq.shape == (0, 8) and dq.dtype == jnp.float32
+        assert dx.shape == (0, 8)
     assert g.shape == (0, 8)
     # As a matmul operand: the granularity's axes from the contraction.
     q = Quantizer(IntNumerics(bits=8), granularity=PerChannel())
