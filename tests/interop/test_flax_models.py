@@ -9,11 +9,16 @@ Here each checkpoint is served onto that tree (shapes only, from the
 JSON) through a JAX transcription of the Flax model's forward: the
 logits are the Flax model's within float tolerance. Flax GPT-2 stores its
 ``Conv1D`` kernels ``[out, in]`` and reads them transposed: the stored
-weights are laid out as the matmul reads them.
+weights are laid out as the matmul reads them. And AWQ of the Flax Llama,
+its scales folded as AutoAWQ folds a Llama's, written as compressed-tensors
+and served back (read by compressed-tensors too, with
+``QBITS_REFERENCE_PYTHON``).
 """
 
 import json
+import os
 import pathlib
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -131,3 +136,70 @@ def test_served_onto_the_flax_parameter_tree_gives_the_flax_logits(
     logits = qbits.serving.serve(fn, config)(sp, tokens)
     top = float(np.abs(ref["logits"]).max())
     np.testing.assert_allclose(logits, ref["logits"], rtol=0, atol=tol * top)
+
+
+def test_awq_of_the_flax_llama_scales_folded_written_and_served(tmp_path):
+    # AutoAWQ's Llama layout on the Flax Llama's tree: up_proj's channels
+    # before down_proj, input_layernorm before q/k/v, post_attention_
+    # layernorm before gate/up (v_proj keeps its channels: with grouped
+    # key/value heads its 16 are not o_proj's 32 inputs).
+    from qbits.numerics import IntNumerics
+
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda s: jnp.asarray(
+            1 + 0.1 * rng.standard_normal(s.shape)
+            if len(s.shape) == 1
+            else 0.2 * rng.standard_normal(s.shape),
+            s.dtype,
+        ),
+        _tree("llama"),
+    )
+    tokens = jnp.asarray(np.load(DATA / "llama.npz")["tokens"])
+    at = "model/layers/0"
+    fold = {
+        f"{at}/mlp/up_proj": (f"{at}/mlp/down_proj",),
+        f"{at}/input_layernorm": tuple(f"{at}/self_attn/{m}_proj" for m in "qkv"),
+        f"{at}/post_attention_layernorm": (f"{at}/mlp/gate_proj", f"{at}/mlp/up_proj"),
+    }
+    want = _llama(params, tokens)
+
+    def awq(bits, granularity):
+        q = qbits.Quantizer(IntNumerics(bits=bits), qbits.AbsMax(), granularity)
+        config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=q))
+        awq = qbits.ptq.Awq(grid=4, clip_grid=2)
+        return qbits.ptq.quantize_weights(
+            _llama, params, [tokens], config, method=awq, fold=fold
+        )
+
+    top = float(jnp.abs(want).max())
+    fine = awq(16, qbits.PerChannel())  # Q(s w) is s w: the float model
+    np.testing.assert_allclose(_llama(fine.params, tokens), want, atol=1e-4 * top)
+    result = awq(4, qbits.Tiled(tile_size=16))
+    assert len(result.stored) == 8  # every weight on its grid, lm_head too
+    weights = {p.replace("/", "."): qt for p, qt in result.stored.items()}
+    tensors = {}  # the float ones (norms, embedding) under PyTorch's names
+    for path, x in jax.tree_util.tree_flatten_with_path(result.params)[0]:
+        keys = [k.key for k in path]
+        if keys[-1] != "kernel":
+            tensors[".".join([*keys[:-1], "weight"])] = np.asarray(x)
+    qbits.interop.write_checkpoint(
+        tmp_path, weights, "compressed-tensors", tensors=tensors
+    )
+    ckpt = qbits.interop.read_checkpoint(tmp_path)
+    sp, config = qbits.interop.serving_params(ckpt, _llama, _tree("llama"), tokens)
+    got = qbits.serving.serve(_llama, config)(sp, tokens)
+    mine = _llama(result.params, tokens)  # the AWQ result in float: on the grid
+    np.testing.assert_allclose(got, mine, atol=1e-5 * float(jnp.abs(mine).max()))
+    python = os.environ.get("QBITS_REFERENCE_PYTHON")  # compressed-tensors reads it
+    if python:
+        script = DATA.parent / "reference_read.py"
+        out = tmp_path.parent / "llama_awq.npz"
+        run = subprocess.run([python, str(script), str(tmp_path), str(out)],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        got = np.load(out)
+        for m, qt in weights.items():
+            np.testing.assert_array_equal(
+                got[f"weight/{m}"], np.asarray(qt.dequant()).T
+            )
