@@ -24,7 +24,9 @@ output. For each entry, in order:
 Weights in no entry get ``s = 1`` (the clipping search alone: an MLP's
 down projection after a GELU has no linear layer before it). A layer
 before may itself be a weight quantized here (``v_proj``): its entry, which
-divides its output channels, must come before the one that quantizes it.
+divides its output channels, must come before the one that quantizes it;
+a weight whose output channels are not its parameter's last axes (Flax
+GPT-2's ``[out, in]`` kernels) cannot be a layer before.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ def fold_awq(
         if not any(p in seen for p in w.paths):
             groups.append((None, [w]))
     done: dict[int, str] = {}  # leaves quantized so far
+    by_leaf = {w.leaf: w for w in weights}
     out = []
     for before, members in groups:
         for w in members:
@@ -158,6 +161,19 @@ def fold_awq(
                 )  # fmt: skip
         leaves = [] if before is None else _leaves(owner, before, names)
         for leaf in leaves:
+            reader = by_leaf.get(leaf)  # a weight: its outputs must be last
+            n = len(np.shape(values[leaf]))
+            if reader is not None and (
+                reader.ms.index is not None
+                or tuple(reader.ms.free) != tuple(range(n - len(reader.ms.free), n))
+            ):
+                raise InvalidArgumentError(
+                    owner, "fold", f"{before!r}",
+                    "a layer whose parameters end in their output channels",
+                    why=f"{reader.ms.path!r} reads {'/'.join(names[leaf])!r} "
+                    "with its output channels elsewhere (a kernel stored "
+                    "[out, in])",
+                )  # fmt: skip
             if leaf in done:
                 raise InvalidArgumentError(
                     owner, "fold", f"{before!r}",

@@ -62,7 +62,11 @@ def test_fold_keeps_the_function_and_stores_every_weight_on_its_grid():
     awq = ptq.Awq(grid=5, clip_grid=3)
     out = ptq.quantize_weights(_net, params, [x], config, method=awq, fold=FOLD)
     assert [r.path for r in out.layers] == ["a", "b", "c"]  # the stats' order
-    assert all(r.error <= r.error_rtn for r in out.layers)
+    # per layer before, never worse than RTN (alpha = 0 is s = 1): a and b
+    # summed (one s for both), c alone
+    err = {r.path: (r.error, r.error_rtn) for r in out.layers}
+    assert err["a"][0] + err["b"][0] <= err["a"][1] + err["b"][1]
+    assert err["c"][0] <= err["c"][1]
     assert sorted(out.stored) == ["a", "b", "c"]
     for m in "abc":  # the weight in params is the stored one, bit for bit
         np.testing.assert_array_equal(out.stored[m].dequant(), out.params[m]["kernel"])
@@ -98,10 +102,18 @@ def test_fold_keeps_the_function_and_stores_every_weight_on_its_grid():
         ({"fold": {"norm": ("a",), "c": ("b",)}}, r"'c/kernel' has shape \[16, 8\]"),
         ({"fold": {"norm": ("a",)}, "method": "gptq"}, r"only AWQ has scales"),
         ({"fold": {"norm": "a"}}, r"a mapping \{layer before"),
+        ({"fold": {"t": ("c",)}, "net": "t"}, r"'t' reads 't/kernel' with its output"),
     ],
 )
 def test_bad_folds_raise(kwargs, match):
     kwargs = {"method": ptq.Awq(grid=2, clip_grid=1), **kwargs}
+    net, params = _net, _params()
+    if kwargs.pop("net", None):  # t's kernel stored [out, in], read transposed
+        params = {**params, "t": {"kernel": params["a"]["kernel"]}}
+
+        def net(p, x):
+            return _net(p, x @ p["t"]["kernel"].T)
+
     with pytest.raises(qbits.InvalidArgumentError, match=match):
-        ptq.quantize_weights(_net, _params(), [_x()], _config(8, qbits.PerChannel()),
+        ptq.quantize_weights(net, params, [_x()], _config(8, qbits.PerChannel()),
                              **kwargs)  # fmt: skip
