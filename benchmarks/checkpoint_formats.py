@@ -10,7 +10,9 @@ is the served matmul from the reference weights' float matmul, and how
 many bytes are held per float32 byte.
 
 Write: qbits PTQ results (RTN and GPTQ, int4 groups sym/asym, int8 per
-channel; FP8 E4M3 per tensor and per channel, compressed-tensors'
+channel; AWQ of the example LM with its scales folded into the layers
+before, whose served logits are compared with the float LM on the
+reference's weights; FP8 E4M3 per tensor and per channel, compressed-tensors'
 ``float-quantized`` only; NVFP4, ``nvfp4-pack-quantized``) written by
 ``qbits.interop.write_checkpoint`` and read back by the reference
 libraries themselves (tests/data/reference_read.py, run in the reference
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -167,6 +170,7 @@ def _lm_cases(grids: dict) -> list[tuple]:
     0..15).
     """
     from qbits._experiments import build_model, spec
+    from qbits._experiments._ptq import lm_fold
     from qbits.cli._interop import _torch_layout
 
     model, data = build_model(spec("lm", "tiny"), 0)
@@ -182,16 +186,65 @@ def _lm_cases(grids: dict) -> list[tuple]:
         "nvfp4": grids["nvfp4"],
     }
     cases = []
-    for grid, q in lm_grids.items():
+    for method, grid in [*(("gptq", g) for g in lm_grids), *AWQ_GRIDS]:
+        q = lm_grids[grid]
         config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=q))
-        result = qbits.ptq.quantize_weights(fn, params, batches, config, method="gptq")
+        fold = {"fold": lm_fold(1)} if method == "awq" else {}
+        result = qbits.ptq.quantize_weights(
+            fn, params, batches, config, method=method, **fold
+        )
         for fmt in ("compressed-tensors", "gptq"):
             if fmt == "gptq" and grid.startswith(("fp8", "nvfp4")):
                 continue
             weights, tensors = _torch_layout(model, result, fmt)  # floats beside
-            source = f"qbits export, example LM, gptq {grid}"
-            cases.append((source, weights, fmt, tensors))
+            source = f"qbits export, example LM, {method} {grid}"
+            served = None
+            if method == "awq":  # qbits' served AWQ model, for the logits:
+                # the stored weights from their codes; a weight serving cannot
+                # store (out's groups of 8 span its heads axis) in float, as
+                # the PTQ result has it (convert would quantize it again)
+                only = qbits.QuantConfig(
+                    rules=tuple(
+                        qbits.Rule(re.escape(path), config) for path in result.stored
+                    ),
+                    default=None,
+                )
+                sp = qbits.serving.convert(fn, only, result, batches[0])
+                served = (fn, params, batches[0], sp, only)
+            cases.append((source, weights, fmt, tensors, served))
     return cases
+
+
+# AWQ (scales folded into the layers before: qbits export --method awq).
+AWQ_GRIDS = [
+    ("awq", "int4 g8 sym"),
+    ("awq", "uint4 g8 asym"),
+    ("awq", "int8 per channel"),
+]
+
+
+def _served_rel_err(served, folder: pathlib.Path, ref: dict) -> float:
+    """qbits' served AWQ LM against the float LM on the reference's weights
+    (and the checkpoint's float tensors: the folded norms): logits' largest
+    difference over their largest magnitude."""
+    fn, params, tokens, sp, config = served
+    mine, _ = qbits.serving.serve(fn, config)(sp, tokens)
+    ckpt = qbits.interop.read_checkpoint(folder)
+    floats_sp, _ = qbits.interop.serving_params(
+        ckpt, fn, params, tokens, names="qbits-lm"
+    )
+    floats = {
+        info.param: jnp.asarray(
+            ref[f"weight/{info.path.replace('/', '.')}"].T.reshape(info.param_shape)
+        )
+        for info in floats_sp.layers
+    }
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(floats_sp.params)
+    float_params = jax.tree.unflatten(
+        treedef, [floats.get(jax.tree_util.keystr(p), x) for p, x in leaves]
+    )
+    want, _ = fn(float_params, tokens)
+    return float(jnp.abs(mine - want).max() / jnp.abs(want).max())
 
 
 def write_rows(refvenv: pathlib.Path) -> list[dict]:
@@ -221,8 +274,8 @@ def write_rows(refvenv: pathlib.Path) -> list[dict]:
             cases.append((f"read {name}", dict(ckpt.weights), fmt, {}))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (source, weights, fmt, *tensors) in enumerate(cases):
-            tensors = tensors[0] if tensors else {}
+        for i, (source, weights, fmt, *more) in enumerate(cases):
+            tensors, served = (*more, None)[:2] if more else ({}, None)
             held = sum(qt.nbytes for qt in weights.values())
             floats = sum(4 * int(np.prod(qt.shape)) for qt in weights.values())
             row = {"source": source, "format": fmt}
@@ -260,6 +313,8 @@ def write_rows(refvenv: pathlib.Path) -> list[dict]:
                 # Linear layers the loader left float (reference_read.py fails
                 # unless they are exactly the checkpoint's float ones)
                 row["float_layers"] = sorted(k[6:] for k in ref if k[:6] == "float/")
+                if served is not None:
+                    row["served_rel_err"] = _served_rel_err(served, folder, ref)
             rows.append(row)
     return rows
 
@@ -297,8 +352,9 @@ def _md(result: dict) -> str:
         )
     lines += [
         "",
-        "| written from | format | reference read: bit-exact | bytes |",
-        "|---|---|---|---|",
+        "| written from | format | reference read: bit-exact | served rel. err "
+        "| bytes |",
+        "|---|---|---|---|---|",
     ]
     for r in result["write"]:
         what = r.get("reference_bit_exact", r.get("refused", r.get("reference_error")))
@@ -308,7 +364,10 @@ def _md(result: dict) -> str:
         if "float32_ulps" in r:  # NVFP4: codes and scales, bfloat16 weights
             scales += f" (float32 weights within {r['float32_ulps']} ulps)"
         size = f"{r['bytes_per_float32_byte']:.3f}"
-        lines.append(f"| {r['source']} | {r['format']}{scales} | {what} | {size} |")
+        err = f"{r['served_rel_err']:.1e}" if "served_rel_err" in r else ""
+        lines.append(
+            f"| {r['source']} | {r['format']}{scales} | {what} | {err} | {size} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -1253,7 +1253,8 @@ def checkpoint_formats() -> str:
             "refused: " + r.get("refused", r.get("reference_error", "")))  # fmt: skip
         scales = f" ({r['gptq_scales']} scales)" if r.get("gptq_scales") else ""
         size = r.get("bytes_per_float32_byte")
-        write.append([r["source"], r["format"] + scales, cell,
+        err = f"{r['served_rel_err']:.1e}" if "served_rel_err" in r else ""
+        write.append([r["source"], r["format"] + scales, cell, err,
                       "" if size is None else f"{size:.3f}"])  # fmt: skip
     return (
         _table(
@@ -1269,7 +1270,13 @@ def checkpoint_formats() -> str:
         )
         + f"\nRefused on read: {', '.join(refused) or 'none'}.\n\n"
         + _table(
-            ["written from", "format", "reference read, bit-exact", "bytes / float32"],
+            [
+                "written from",
+                "format",
+                "reference read, bit-exact",
+                "served rel. err (AWQ)",
+                "bytes / float32",
+            ],
             write,
         )
         + "\n"

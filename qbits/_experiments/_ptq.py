@@ -189,8 +189,13 @@ def ptq_trained(
     *,
     calibration: int = 16,
     seed: int | None = None,
+    fold: bool = False,
 ) -> tuple[Any, Any, dict[str, Any], ptq.PtqResult]:
     """One method of :func:`post_train` on a saved float32 run, its result kept.
+
+    With ``fold`` (``method="awq"``, the LM): AWQ's scales are folded into
+    the layers before (:func:`lm_fold`), so that its weights lie on their
+    grids and are stored (``qbits export --method awq``).
 
     Returns:
       ``(model, data, run, result)``: the float model (as
@@ -218,9 +223,40 @@ def ptq_trained(
     fn, params = qbits.nnx.as_function(model)
     batches = _calibration_batches(spec, data, run["seed"], calibration)
     kwargs = dict(METHODS[method])
+    if fold:
+        if method != "awq" or run["model"] != "lm":
+            raise InvalidArgumentError(
+                _OWNER, "fold", True, "fold with method 'awq' and the lm",
+                why=f"method {method!r}, model {run['model']!r}",
+            )  # fmt: skip
+        kwargs["fold"] = lm_fold(spec.depth)
     if kwargs.get("rotate"):
         kwargs["key"] = jax.random.key(run["seed"])
     return model, data, run, ptq.quantize_weights(fn, params, batches, config, **kwargs)
+
+
+def lm_fold(depth: int) -> dict[str, tuple[str, ...]]:
+    """Where AWQ's scales fold in the example LM (``quantize_weights(fold=)``).
+
+    Per block: ``value``'s output channels before ``out`` (attention mixes
+    positions, not channels: ``out`` reads ``value``'s channels as they
+    are), then ``norm1`` (its scale and bias) before ``query``, ``key`` and
+    ``value``, ``norm2`` before ``fc1``; the final ``norm`` before
+    ``head``. ``fc2`` follows a GELU: nothing to fold into (``s = 1``).
+
+    Example:
+      >>> from qbits._experiments._ptq import lm_fold
+      >>> lm_fold(1)["blocks/0/norm1"]
+      ('blocks/0/attn/query', 'blocks/0/attn/key', 'blocks/0/attn/value')
+    """
+    fold: dict[str, tuple[str, ...]] = {}
+    for i in range(depth):
+        b = f"blocks/{i}"
+        fold[f"{b}/attn/value"] = (f"{b}/attn/out",)
+        fold[f"{b}/norm1"] = tuple(f"{b}/attn/{m}" for m in ("query", "key", "value"))
+        fold[f"{b}/norm2"] = (f"{b}/mlp/fc1",)
+    fold["norm"] = ("head",)
+    return fold
 
 
 def _check_out(run_dir: str | os.PathLike, out: str | os.PathLike, name: str) -> None:

@@ -86,18 +86,13 @@ def _export(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out}: exists and is not an empty folder")
-    if args.method == "awq":
-        raise UsageError(
-            "--method awq: AWQ's weights are Q(s w) / s, on no grid the formats "
-            "store (a checkpoint holds Q(s w), s folded into the layer before, "
-            "which qbits does not do); use rtn, gptq or qep"
-        )
     model, _, run, result = ptq_trained(
         args.run_dir,
         config,
         args.method,
         calibration=args.calibration,
         seed=args.seed,
+        fold=args.method == "awq",
     )
     if run["model"] != "lm":
         raise UsageError(

@@ -348,7 +348,8 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     export.add_argument(
         "--method", choices=("rtn", "gptq", "qep", "awq"),
-        default="gptq", help="(default: %(default)s; awq is refused: see the guide)",
+        default="gptq", help="(default: %(default)s; awq folds its scales into the "
+        "layers before: see the guide)",
     )  # fmt: skip
     export.set_defaults(run=_export)
     return parser

@@ -9,7 +9,9 @@ PyTorch ``weight`` that lands on a ``kernel`` is transposed (``Linear``
 is ``[out, in]``, a kernel ``[in, out]``), then every tensor is reshaped
 to its parameter's shape (``[in, heads, head_dim]`` for a
 ``LinearGeneral``): quantized weights too, codes and scales alike, never
-dequantized.
+dequantized, laid out as the matmul reads the parameter (Flax GPT-2's
+``Conv1D`` kernel is ``[out, in]``, multiplied transposed: its stored
+weight is ``[in, out]``, the parameter a shape only).
 """
 
 from __future__ import annotations
@@ -36,9 +38,26 @@ __all__ = ["NAMES", "serving_params"]
 
 OWNER = "qbits.interop.serving_params"
 
-#: Built-in name tables: Hugging Face Llama (Flax's parameter names) and
-#: qbits' example LM (``qbits train``), its PyTorch twin named as it is.
+#: Built-in name tables: Hugging Face Llama and GPT-2 (the parameter paths
+#: of transformers' FlaxLlamaForCausalLM and FlaxGPT2LMHeadModel; GPT-2's
+#: head is tied to ``wte``) and qbits' example LM (``qbits train``), its
+#: PyTorch twin named as it is.
 NAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "gpt2": (
+        (r"transformer\.(wte|wpe)\.weight", r"transformer/\1/embedding"),
+        (
+            r"transformer\.h\.(\d+)\.(attn|mlp)\.(\w+)\.weight",
+            r"transformer/h/\1/\2/\3/kernel",
+        ),
+        (
+            r"transformer\.h\.(\d+)\.(attn|mlp)\.(\w+)\.bias",
+            r"transformer/h/\1/\2/\3/bias",
+        ),
+        (r"transformer\.h\.(\d+)\.(ln_\d)\.weight", r"transformer/h/\1/\2/scale"),
+        (r"transformer\.h\.(\d+)\.(ln_\d)\.bias", r"transformer/h/\1/\2/bias"),
+        (r"transformer\.ln_f\.weight", "transformer/ln_f/scale"),
+        (r"transformer\.ln_f\.bias", "transformer/ln_f/bias"),
+    ),
     "llama": (
         (r"model\.embed_tokens\.weight", "model/embed_tokens/embedding"),
         (
@@ -153,7 +172,8 @@ def serving_params(
         (``jax.eval_shape`` of the init): only shapes and dtypes are read,
         every value comes from the checkpoint.
       *args: Sample inputs (arrays or ``jax.ShapeDtypeStruct`` s).
-      names: A name table: ``"llama"`` (Hugging Face Llama, Flax names),
+      names: A name table: ``"llama"`` and ``"gpt2"`` (Hugging Face
+        Llama and GPT-2, onto their Flax models' parameter paths),
         ``"qbits-lm"`` (qbits' example LM), or ``(regex, template)`` pairs
         from PyTorch tensor names to ``/``-joined parameter paths.
       **kwargs: Keyword arguments of ``fn``.
@@ -216,8 +236,15 @@ def serving_params(
         i = paths[target]
         leaf = leaves[i][1]
         shape = tuple(leaf.shape)
-        if isinstance(value, QTensor):
-            found[i] = (name, _reshaped(value, shape, f"checkpoint tensor {name!r}"))
+        if isinstance(value, QTensor):  # laid out as its matmul reads it, below
+            if math.prod(value.shape) != math.prod(shape):
+                raise InvalidArgumentError(
+                    OWNER, f"checkpoint tensor {name!r}",
+                    f"a [{value.shape[1]}, {value.shape[0]}] weight",
+                    f"a weight of {math.prod(shape)} entries for a parameter "
+                    f"of shape {list(shape)}",
+                )  # fmt: skip
+            found[i] = (name, value)
             continue
         a = np.asarray(value)
         if a.ndim == 2 and target.endswith("kernel"):
@@ -262,7 +289,18 @@ def serving_params(
         i = by_keys.get(tuple(s.keys))
         if i is None:
             continue
-        given[path] = stored[i]
+        # The weight as the matmul reads it: the parameter, or the parameter
+        # rearranged (Flax GPT-2's Conv1D kernel [out, in], read transposed).
+        where = f"checkpoint tensor {found[i][0]!r}"
+        operand = tuple(s.weight.shape)
+        if s.contracting != tuple(range(len(s.contracting))):
+            raise InvalidArgumentError(
+                OWNER, where, f"read by {path!r} as a {list(operand)} operand "
+                f"contracting axes {list(s.contracting)}",
+                "a parameter its matmul reads with the input axes first "
+                "([*in, *out], transposed or not)",
+            )  # fmt: skip
+        given[path] = _reshaped(stored[i], operand, where)
         paths_of[path] = i
         q: Quantizer = quantizers[i]
         rules.append(Rule(re.escape(path), DotGeneralConfig(fwd=MatmulConfig(rhs=q))))

@@ -20,7 +20,7 @@ import itertools
 import re
 import types
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -35,6 +35,7 @@ from qbits.config import QuantConfig, Rule, _as_quant_config
 from qbits.numerics import NoNumerics
 from qbits.ops import DotGeneralConfig
 from qbits.ptq._collect import MatmulStats, collect_stats
+from qbits.ptq._fold import check_fold, fold_awq
 from qbits.ptq._gptq import GptqResult, check_quantizer, output_error
 from qbits.ptq._method import Method, by_name, method_class, settings
 from qbits.ptq._plan import Weight, check_alone, check_inputs, check_some, plan
@@ -127,7 +128,8 @@ class PtqResult(NamedTuple):
         config given to :func:`quantize_weights`) takes them, as does
         ``qbits.quantize(fn, config, stored=result.stored)``. Matmuls that
         share a weight (``w``, ``w#2``) share its stored weight. AWQ's weights
-        (``Q(s w) / s``) are left out, and so is a weight whose scale blocks
+        (``Q(s w) / s``) are left out (with ``fold``, its ``Q(s w)`` are
+        in), and so is a weight whose scale blocks
         on ``(K, N)`` are not those of its operand (NVFP4's tensor scale,
         one per ``(K, N)`` matrix, of a weight with a matrix per group:
         serving quantizes those again), and one whose blocks fit ``(K, N)``
@@ -198,6 +200,7 @@ def quantize_weights(
     rotate: bool = False,
     key: jax.Array | None = None,
     progress: bool = False,
+    fold: Mapping[str, Sequence[str]] | None = None,
     **deprecated: Any,
 ) -> PtqResult:
     """Quantizes every weight of ``fn(params, batch)`` after training.
@@ -268,6 +271,17 @@ def quantize_weights(
       key: With ``rotate``: random signs for the Hadamard matrices
         (QuaRot's randomized transform); ``None``: the plain matrix.
       progress: Show a progress bar over the layers.
+      fold: With :class:`Awq` only: ``{layer before: matmul paths}``, the
+        matmuls that read that layer's output (``{"blocks/0/norm1":
+        ("blocks/0/attn/query", "blocks/0/attn/key")}``; a layer is the
+        ``/`` path of its parameters' keys). AWQ's scales ``s`` are folded
+        into the layer before, as AutoAWQ does: one ``s`` for all its
+        matmuls (their errors summed), every parameter under it divided by
+        ``s`` along its last axes (a norm's scale and bias, a projection's
+        output channels), and each weight becomes ``Q(s w)``, on its grid
+        and stored (:attr:`PtqResult.stored`): a result checkpoint formats
+        hold. Weights in no entry get ``s = 1``. A layer before that is
+        itself quantized here must come before the entry that quantizes it.
       **deprecated: The settings this function took before methods were
         values, still accepted with a string ``method`` (with a
         ``DeprecationWarning`` that names the value to pass instead):
@@ -284,7 +298,12 @@ def quantize_weights(
         config that quantizes no weight of ``fn``, a weight quantizer with a
         scale provider or stochastic rounding, ``smooth`` outside [0, 1], a
         transform the method refuses (:meth:`Method.check`: AWQ with
-        ``rotate``), a ``K`` with no Hadamard matrix, ``smooth`` or
+        ``rotate``), a ``fold`` without AWQ or with ``smooth``, ``rotate``
+        or ``stats``, naming a matmul or layer that is not there, matmuls
+        that read other inputs or have other grids, a layer whose parameters
+        do not end in ``K`` channels, a weight of stacked layers or groups,
+        or entries in an order that divides a weight already quantized;
+        a ``K`` with no Hadamard matrix, ``smooth`` or
         ``rotate`` of a weight read by more than its matmul (a tied
         embedding's lookup would read the transformed table), a parameter two
         matmuls quantize in other layouts or on other grids (naming both),
@@ -314,6 +333,8 @@ def quantize_weights(
         check_float(_OWNER, "smooth", smooth, lo=0.0, hi=1.0)
     check_bool(_OWNER, "rotate", rotate)
     method.check(_OWNER, smooth=smooth, rotate=rotate)
+    if fold is not None:
+        fold = check_fold(_OWNER, fold, method, smooth, rotate, stats)
     if method.propagated and batches is None:
         raise InvalidArgumentError(
             _OWNER, "batches", None,
@@ -347,6 +368,23 @@ def quantize_weights(
         name = "smooth" if smooth is not None else "rotate"
         check_alone(_OWNER, name, smooth if smooth is not None else rotate, weights)
     reports, written, transforms, stored = [], [], {}, {}
+    if fold is not None:
+        names = [_key_names(p) for p, _ in leaves]
+        done = fold_awq(_OWNER, weights, values, names, fold, method)
+        for w, mat, errors, grid in sorted(done, key=lambda d: weights.index(d[0])):
+            new = _unmatrix(w.ms, mat)
+            values[w.leaf] = w.ms.write(values[w.leaf], new).astype(
+                values[w.leaf].dtype
+            )
+            reports.append(
+                LayerReport(w.ms.path, w.param, method.name, *errors, w.paths)
+            )
+            qt = stored_weight(w.ms, new, w.quantizer, [grid])
+            for ms, cfg in zip(w.uses, w.configs, strict=True):
+                if qt is not None:
+                    stored[ms.path] = qt
+                written.append(_without_weight(ms.path, cfg))
+        weights = []  # all done
     for w in tqdm(weights, desc="ptq", unit="layer", disable=not progress):
         k = w.stats.hessian.shape[-1]
         try:
@@ -386,6 +424,15 @@ def quantize_weights(
     written.sort(key=lambda r: "#" not in r.pattern)
     rules = QuantConfig((*written, *quant.rules), quant.default, source=quant.source)
     return PtqResult(new_params, tuple(reports), rules, transforms, stored)
+
+
+def _key_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A parameter's keys as strings, without a Variable's ``.value``."""
+    names = tuple(
+        str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path
+    )
+    last = path[-1] if path else None
+    return names[:-1] if isinstance(last, jax.tree_util.GetAttrKey) else names
 
 
 def _without_weight(path: str, cfg: DotGeneralConfig) -> Rule:

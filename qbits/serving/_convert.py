@@ -173,9 +173,10 @@ def _stored_of(owner: str, result: PtqResult) -> dict[str, Any]:
         warnings.warn(
             f"qbits.serving.convert quantizes {', '.join(map(repr, again))} "
             "again, with scales of its own: the PtqResult has no stored weight "
-            "for them (AWQ's weights Q(s w) / s need their activation scales; "
+            "for them (AWQ's weights Q(s w) / s need their activation scales: "
+            "quantize_weights(fold=) folds them into the layer before; "
             "NVFP4's tensor scale per group of a grouped weight has no "
-            "stored form)",
+            "stored form; scale blocks that do not fit the operand's own axes)",
             UserWarning,
             stacklevel=3,
         )

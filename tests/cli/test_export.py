@@ -6,6 +6,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import qbits._experiments
 import qbits.interop
@@ -44,8 +45,9 @@ def _one_error_line(capsys):
     return err
 
 
+@pytest.mark.parametrize("method", ["rtn", "awq"])  # awq: scales folded
 def test_export_then_generate_from_the_checkpoint_equals_the_ptq_result(
-    tmp_path, capsys, monkeypatch
+    tmp_path, capsys, monkeypatch, method
 ):
     run = _saved_run(tmp_path / "run")
     out = tmp_path / "ckpt"
@@ -56,7 +58,7 @@ def test_export_then_generate_from_the_checkpoint_equals_the_ptq_result(
         return kept[-1]
 
     monkeypatch.setattr(qbits._experiments, "ptq_trained", keep)
-    argv = ["export", "int8_fwd", str(out), "--run", str(run), "--method", "rtn"]
+    argv = ["export", "int8_fwd", str(out), "--run", str(run), "--method", method]
     assert main([*argv, "--format", "compressed-tensors", "--calibration", "1"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"wrote {out}: compressed-tensors/pack-quantized, lm")
@@ -68,6 +70,10 @@ def test_export_then_generate_from_the_checkpoint_equals_the_ptq_result(
     stored = result.stored["blocks/0/attn/query"]  # [in, heads, head_dim]
     np.testing.assert_array_equal(query.qvalue, stored.qvalue.reshape(16, 16))
     np.testing.assert_array_equal(query.scale, stored.scale.reshape(1, 16))
+    if method == "awq":  # the norm before query, key and value holds 1 / s
+        norm = result.params["blocks"][0]["norm1"]["scale"][...]
+        np.testing.assert_array_equal(ckpt.tensors["blocks.0.norm1.weight"], norm)
+        assert not np.array_equal(norm, model.blocks[0].norm1.scale[...])
 
     # Decoded from the checkpoint (names "qbits-lm" onto the LM's decode)...
     text = ["generate", "--checkpoint", str(out), "--tokens", "6", "--prompt", "The "]
@@ -87,8 +93,6 @@ def test_export_then_generate_from_the_checkpoint_equals_the_ptq_result(
 def test_export_and_generate_errors_are_one_line(tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["export", "int8_fwd", str(tmp_path / "out"), "--run", str(run)]
-    assert main([*argv, "--method", "awq"]) == 2
-    assert "AWQ's weights are Q(s w) / s" in _one_error_line(capsys)
     assert main(argv) == 2
     assert "holds no saved params" in _one_error_line(capsys)
     assert main(["generate", "--checkpoint", f"{DATA}/gptq_w4g16_sym"]) == 2

@@ -335,6 +335,59 @@ def test_the_reference_libraries_read_what_qbits_writes(tmp_path):
             np.testing.assert_array_equal(got[f"weight/{m}"], w, err_msg=f"{npz} {m}")
 
 
+def test_the_references_read_qbits_awq_of_the_example_lm_scales_folded(tmp_path):
+    # AWQ's s folded into the layers before (norms, value's channels): the
+    # checkpoint holds Q(s w) and the folded float norms. The reference reads
+    # codes and scales bit for bit; the float LM on its weights is qbits'
+    # served AWQ model within float tolerance.
+    python = os.environ.get("QBITS_REFERENCE_PYTHON")
+    if not python:
+        pytest.skip("QBITS_REFERENCE_PYTHON is not set (docs/guides/development.md)")
+    from qbits._experiments import build_model, spec
+    from qbits._experiments._ptq import lm_fold
+    from qbits.cli._interop import _torch_layout
+    from qbits.numerics import IntNumerics
+
+    model, data = build_model(spec("lm", "tiny"), 0)
+    fn, params = qbits.nnx.as_function(model)
+    tokens = jax.random.randint(jax.random.key(0), (4, 16), 0, data.vocab)
+    q = qbits.Quantizer(IntNumerics(bits=8), qbits.AbsMax(), qbits.PerChannel())
+    config = qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=q))
+    awq = qbits.ptq.Awq(grid=5, clip_grid=3)
+    result = qbits.ptq.quantize_weights(
+        fn, params, [tokens], config, method=awq, fold=lm_fold(1)
+    )
+    assert len(result.stored) == 7  # every weight on its grid
+    served = qbits.serving.serve(fn, config)
+    mine, _ = served(qbits.serving.convert(fn, config, result, tokens), tokens)
+    argv, written = [python, str(DATA.parent / "reference_read.py")], []
+    for fmt in ("compressed-tensors", "gptq"):
+        weights, tensors = _torch_layout(model, result, fmt)
+        qbits.interop.write_checkpoint(tmp_path / fmt, weights, fmt, tensors=tensors)
+        argv += [str(tmp_path / fmt), str(tmp_path / f"{fmt}.npz")]
+        written.append((fmt, weights))
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for fmt, weights in written:
+        got = np.load(tmp_path / f"{fmt}.npz")
+        for m, qt in weights.items():  # float32 scales: no float16 rounding
+            np.testing.assert_array_equal(
+                got[f"weight/{m}"], np.asarray(qt.dequant()).T
+            )
+        ckpt = qbits.interop.read_checkpoint(tmp_path / fmt)
+        sp, _ = qbits.interop.serving_params(ckpt, fn, params, tokens, names="qbits-lm")
+        floats = {}  # the reference's weights; the checkpoint's float tensors
+        for info in sp.layers:
+            w = got[f"weight/{info.path.replace('/', '.')}"].T
+            floats[info.param] = jnp.asarray(w.reshape(info.param_shape))
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(sp.params)
+        ref = jax.tree.unflatten(
+            treedef, [floats.get(jax.tree_util.keystr(p), x) for p, x in leaves]
+        )
+        want, _ = fn(ref, tokens)
+        np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-4, err_msg=fmt)
+
+
 def test_qbits_example_lm_served_from_a_compressed_tensors_checkpoint():
     # qbits' tiny LM (nnx, LinearGeneral attention) as compressed-tensors
     # quantized its PyTorch twin; logits against the same LM in float on the
