@@ -88,7 +88,9 @@ def test_number_of_levels(bits, pz):
         return
     edge = 2.0 ** (bits - 1)
     ramp = jnp.arange(-edge - 3, edge + 3, 0.25, dtype=jnp.float32)
-    levels = np.unique(np.asarray(IntNumerics(bits=bits, preserve_zero=pz)(ramp)))
+    levels = np.unique(
+        np.asarray(jax.jit(IntNumerics(bits=bits, preserve_zero=pz))(ramp))
+    )
     assert len(levels) == (2**bits - 1 if pz else 2**bits)
     top = edge - 1 if pz else edge - 0.5
     assert levels[0] == -top and levels[-1] == top
