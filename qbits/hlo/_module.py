@@ -455,9 +455,7 @@ def _fused_gemm(
     if inner is None:
         return None
     dot, scope = inner
-    operands = [
-        scope[a].types[0] for a in dot.args[:2] if a in scope and scope[a].types
-    ]
+    operands = [_read(scope, a) for a in dot.args[:2] if a in scope and scope[a].types]
     if len(operands) != 2 or not dot.types:
         return None
     backend = config.get("fusion_backend_config", {}).get("kind", "")
@@ -483,6 +481,27 @@ def _fused_gemm(
         window = 1
     gemm = _gemm(kind, operands[0], operands[1], dot.types[0], lc, rc, True)
     return dataclasses.replace(gemm, out=out.dtype, flops=gemm.flops * window)
+
+
+def _read(scope: dict[str, _Instr], name: str) -> _Array:
+    """What a fused dot's operand reads from memory.
+
+    The operand itself, or, where the fusion widens 8-bit values on the way
+    (XLA's FP8 form: ``dot(convert(a) * s, convert(b))``), those values: the
+    GEMM reads them narrow.
+    """
+    arr = scope[name].types[0]
+    instr = scope[name]
+    for _ in range(16):
+        if instr.op not in ("convert", "multiply", "bitcast", "copy", "transpose"):
+            break
+        ins = [scope[a] for a in instr.args if a in scope and scope[a].types]
+        if not ins:
+            break
+        instr = max(ins, key=lambda i: i.types[0].size)
+        if instr.types[0].narrow and instr.types[0].size == arr.size:
+            return dataclasses.replace(arr, dtype=instr.types[0].dtype)
+    return arr
 
 
 def _category(

@@ -292,10 +292,11 @@ def _gemm_layout_dot(
     An FP8 dot with per-tensor scales whose output is a 16-bit float
     (``out_dtype``) is written in the form XLA turns into one cuBLASLt FP8
     GEMM that writes that dtype itself, the product of the two scales its
-    ``alpha``: ``dot(a, b) -> bf16`` times the product rounded to ``bf16``
-    (no float32 output written and converted by another kernel). Its
-    outputs differ from the float32 form's by at most that rounding of the
-    scale product (a relative 2**-9 for bfloat16).
+    lhs scale: ``dot(bf16(a) * s, bf16(b)) -> bf16``, ``s`` the product
+    rounded to ``bf16`` (no float32 output written and converted by another
+    kernel, no pass over the output for the scale). Its outputs differ from
+    the float32 form's by that rounding of the scale product (a relative
+    2**-9 for bfloat16) and the output's one rounding to bf16.
     """
     if precision is None and cfg.accumulator == np.dtype(np.float32):
         # fp8: no fast accumulation (cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM).

@@ -169,8 +169,9 @@ def real_dot(
     scale) instead of a pass over the output; there the product of the two
     scales must be a normal float32 (it is unless the two operands' amaxes
     multiply to less than about 2e-33 for E4M3, or overflow). With an
-    ``out_dtype`` of 16 bits too, the fp8 dot writes that dtype and the
-    product is rounded to it (see :mod:`qbits.ops._matmul`'s GPU layout).
+    ``out_dtype`` of 16 bits too, the fp8 dot is XLA's FP8 form: the codes
+    widened to that dtype, the lhs times the product rounded to it, the dot
+    writing it (see :mod:`qbits.ops._matmul`'s GPU layout).
     """
     tiled = tiled_pair(a, sl, sr, dims)
     if (
@@ -187,11 +188,14 @@ def real_dot(
         both = lax.mul(
             sl.reshape(()).astype(jnp.float32), sr.reshape(()).astype(jnp.float32)
         )
-        out = lax.dot_general(
-            a, b, dims.lax(), precision, preferred_element_type=out_dtype,
-            out_sharding=out_sharding,
+        # XLA's FP8 form: the codes widened, the lhs times the scale
+        # product; cuBLASLt applies it as the lhs scale, and the GEMM output
+        # takes no pass of its own.
+        scaled = lax.mul(a.astype(out_dtype), both.astype(out_dtype))
+        return lax.dot_general(
+            scaled, b.astype(out_dtype), dims.lax(), precision,
+            preferred_element_type=out_dtype, out_sharding=out_sharding,
         )  # fmt: skip
-        return lax.mul(out, both.astype(out_dtype))
     a, b, acc = common_dtypes(a, b, cfg.accumulator)
     unshift, out_dims = None, dims
     if headroom is not None:

@@ -67,7 +67,13 @@ from jax import lax
 from qbits import _sharding as sharding
 from qbits._errors import InvalidArgumentError
 from qbits._granularity import PerTensor
-from qbits._providers import ScaleProvider, max_combining
+from qbits._providers import (
+    ScaleProvider,
+    delayed_scales,
+    max_combining,
+    stacks,
+    updated_histories,
+)
 from qbits._quantizer import Quantizer
 from qbits.ops import _core as core
 from qbits.ops._config import DotGeneralConfig
@@ -354,6 +360,44 @@ def _provide_scale(provider: ScaleProvider, numerics: Any, state: Any) -> jax.Ar
     return _provide(provider, numerics, max_combining(state))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _provide_delayed(
+    providers: tuple[ScaleProvider, ...],
+    numerics: tuple[Any, ...],
+    states: tuple[dict[str, jax.Array], ...],
+) -> list[jax.Array]:
+    """:func:`_provide` of a matmul's per-tensor delayed-scaling states at once.
+
+    The same scales and next states as one :func:`_provide` per tensor; on
+    a GPU their histories are reduced, and the next ones written, together
+    (:func:`~qbits._providers.delayed_scales`): two kernels per matmul where
+    each tensor took two of its own. The next state's ``scale`` is this
+    step's (what :meth:`~qbits.DelayedScaling.update` recomputes).
+    """
+    return delayed_scales(providers, [_f32(s) for s in states], numerics)
+
+
+def _provide_delayed_fwd(providers: Any, numerics: Any, states: Any):
+    scales = _provide_delayed(providers, numerics, states)
+    return scales, (states, scales)
+
+
+def _provide_delayed_bwd(providers: Any, numerics: Any, residuals: Any, amaxes: Any):
+    states, scales = residuals
+    histories = updated_histories(
+        [_f32(s)["amax_history"] for s in states], list(amaxes)
+    )
+    new = []
+    for state, scale, history in zip(states, scales, histories, strict=True):
+        next_state = {"scale": scale, "amax_history": history}
+        new.append({k: lax.convert_element_type(next_state[k], state[k].dtype)
+                    for k in state})  # fmt: skip
+    return (tuple(new),)
+
+
+_provide_delayed.defvjp(_provide_delayed_fwd, _provide_delayed_bwd)
+
+
 # Called on concrete state (outside ``jit``), in one program: there the
 # max-combining arrays are intermediates, and JAX cannot hold a sharded one
 # on its own (an op-by-op call would).
@@ -415,16 +459,37 @@ def run(
     state = _check_state(owner, expected, state)
     operands = {"lhs": lhs, "rhs": rhs}
     scales: dict[str, jax.Array] = {}
+    subs = {
+        t: {k[len(t) + 1 :]: v for k, v in state.items() if k.startswith(f"{t}_")}
+        for t in states
+    }
+    traced = {
+        t: any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(sub))
+        for t, sub in subs.items()
+    }
+    # Per-tensor delayed scaling: the tensors' states together (one
+    # reduction and one history write per matmul on a GPU).
+    together = [
+        t for t, ts in states.items() if traced[t] and stacks(ts.provider, subs[t])
+    ]
+    if len(together) > 1:
+        found = _provide_delayed(
+            tuple(states[t].provider for t in together),
+            tuple(states[t].quantizer.numerics for t in together),
+            tuple(max_combining(subs[t]) for t in together),
+        )
+        scales.update(zip(together, found, strict=True))
     for t, ts in states.items():
-        sub = {k[len(t) + 1 :]: v for k, v in state.items() if k.startswith(f"{t}_")}
+        sub = subs[t]
         numerics = ts.quantizer.numerics
         if t in operands:
             operands[t] = ts.provider.prepare(operands[t], _f32(sub), numerics)
-        if ts.provider.trainable:
+        if t in scales:
+            scale = scales[t]
+        elif ts.provider.trainable:
             scale = ts.provider.scale(_f32(sub), numerics)
         else:
-            traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(sub))
-            provide = _provide_scale if traced else _replaced_scale
+            provide = _provide_scale if traced[t] else _replaced_scale
             scale = provide(ts.provider, numerics, sub)
         scales[t] = jnp.reshape(scale, ts.scale_shape).astype(jnp.float32)
         vma.append((f"{t}_scale", core.varying(scales[t])))

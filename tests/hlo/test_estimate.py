@@ -162,3 +162,37 @@ def test_a_loop_transpose_that_keeps_rows_streams(out, perm, keeps):
     rate = target.transpose_bandwidth if keeps else target.loop_transpose_bandwidth
     us = dict(qbits.hlo.Program(text, H200).estimate().kernels)[k.name]
     assert us == pytest.approx(2 * 8192 * 2048 * 2 / rate / 1e6)
+
+
+_FP8_FORM = """HloModule fp8_form
+
+%fused (p0: f8e4m3fn[64,128], p1: f8e5m2[256,128], p2: bf16[]) -> bf16[64,256] {
+  %p0 = f8e4m3fn[64,128]{1,0} parameter(0)
+  %c0 = bf16[64,128]{1,0} convert(%p0)
+  %p2 = bf16[] parameter(2)
+  %s = bf16[64,128]{1,0} broadcast(%p2), dimensions={}
+  %m = bf16[64,128]{1,0} multiply(%c0, %s)
+  %p1 = f8e5m2[256,128]{1,0} parameter(1)
+  %c1 = bf16[256,128]{1,0} convert(%p1)
+  ROOT %d = bf16[64,256]{1,0} dot(%m, %c1), {DIMS}
+}
+
+ENTRY %main (a: f8e4m3fn[64,128], b: f8e5m2[256,128], s: bf16[]) -> bf16[64,256] {
+  %a = f8e4m3fn[64,128]{1,0} parameter(0)
+  %b = f8e5m2[256,128]{1,0} parameter(1)
+  %s = bf16[] parameter(2)
+  ROOT %f = bf16[64,256]{1,0} fusion(%a, %b, %s), kind=kCustom, {TRITON}
+}
+""".replace("{DIMS}", "lhs_contracting_dims={1}, rhs_contracting_dims={1}").replace(
+    "{TRITON}",
+    'calls=%fused, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
+)
+
+
+def test_a_triton_gemm_of_xlas_fp8_form_reads_fp8():
+    # qbits writes FP8 GEMMs as dot(convert(a) * s, convert(b)) on GPUs; a
+    # Triton GEMM fusion of that form (where autotuning keeps one) reads
+    # the 8-bit codes and runs at the FP8 rate, not bf16's.
+    (g,) = qbits.hlo.Program(_FP8_FORM, H200).gemms
+    assert (g.kind, g.lhs, g.rhs, g.out) == ("triton", "f8e4m3fn", "f8e5m2", "bf16")
+    assert g.low_precision and g.contraction_minor == (True, True)

@@ -90,8 +90,8 @@ def _program(preset, target="h100"):
 @pytest.mark.parametrize(
     "preset, kind, out, kernels",
     [
-        ("fp8", "cublaslt_fp8", "bf16", 40),
-        ("fp8_delayed", "cublaslt_fp8", "bf16", 40),
+        ("fp8", "cublaslt_fp8", "bf16", 36),
+        ("fp8_delayed", "cublaslt_fp8", "bf16", 32),
         ("int8", "cublaslt", "s32", 46),
     ],
 )
@@ -105,11 +105,13 @@ def test_quantized_step_is_8bit_gemms_and_no_waste(preset, kind, out, kernels):
         assert g.out == out, g
     assert p.count("wide_copy") == 0  # no float32 copy of a weight for its amax
     assert p.count("output_convert") == 0  # no lone convert of a GEMM's output
-    # No activation's codes transposed: each cast writes the layouts its
-    # GEMMs take. What is left is one weight's codes (w2's, whose forward and
-    # input-gradient GEMMs take the two layouts), half the bytes of a cast.
+    # No codes transposed: each cast writes the layouts its GEMMs take. For
+    # int8 one weight's codes may be left (w2's, whose forward and
+    # input-gradient GEMMs take the two layouts), half the bytes of a cast;
+    # FP8's weight casts write both (XLA's FP8 form leaves them no copy).
     layouts = [k for k in p.kernels if k.category == "code_layout"]
-    assert len(layouts) <= 1 and all(k.nbytes <= 2 * D_MODEL * D_FF for k in layouts)
+    assert len(layouts) <= (1 if preset == "int8" else 0)
+    assert all(k.nbytes <= 2 * D_MODEL * D_FF for k in layouts)
     assert len(p.kernels) <= kernels
     e = p.estimate()
     assert e.by_category.get("code_layout", 0) < 0.05 * e.total_ms
@@ -137,7 +139,7 @@ def test_estimated_device_time_on_an_h200_beats_bf16():
     # of launches, as much for bf16). The H100's slower memory leaves fp8
     # at ~1.3x: the work outside the GEMMs moves bytes.
     bf16 = _program(None, "h200").estimate().total_ms
-    for preset, least in (("fp8", 1.35), ("fp8_delayed", 1.35)):
+    for preset, least in (("fp8", 1.4), ("fp8_delayed", 1.4)):
         assert bf16 / _program(preset, "h200").estimate().total_ms >= least, preset
         assert all(all(g.contraction_minor) for g in _program(preset, "h200").gemms)
 
@@ -154,6 +156,10 @@ def test_delayed_scaling_costs_no_more_than_current_scaling():
     casts = [k for k in delayed.kernels if k.category == "cast"]
     assert casts and not [k for k in casts if "bf16[" in k.output]
     assert not [k for k in delayed.kernels if "dynamic_update_slice" in k.name]
+    # Each matmul's three amax histories are read by one reduction and
+    # written by one kernel (each tensor's took two of its own: 12 kernels).
+    history = [k for k in delayed.kernels if any("history" in i for i in k.inputs)]
+    assert len(history) == 4, [k.name for k in history]
 
 
 @_needs("h200")

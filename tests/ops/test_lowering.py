@@ -54,6 +54,50 @@ def _element(t: str) -> str:
     return t.rsplit("x", 1)[-1]
 
 
+def _fp8_dots(text: str) -> list[tuple[list[str], str, str]]:
+    """Each dot's operand definitions, its output's uses and its line.
+
+    Per function (SSA names are per function): for every dot, the lines
+    defining its two operands (and, for a multiply, its operands' too).
+    """
+    found = []
+    for body in text.split("func.func")[1:]:
+        lines = body.splitlines()
+        defs = {}
+        for ln in lines:
+            m = re.match(r"\s*(%[\w#]+) = ", ln)
+            if m:
+                defs[m.group(1)] = ln
+        for ln in lines:
+            if "stablehlo.dot_general" not in ln:
+                continue
+            name = ln.split("=", 1)[0].strip()
+            operands = re.findall(r"%[\w#]+", ln.split("=", 1)[1])[:2]
+            chain = []
+            for o in operands:
+                d = defs.get(o, "")
+                chain.append(d)
+                if "stablehlo.multiply" in d:
+                    chain.extend(
+                        defs.get(a, "")
+                        for a in re.findall(r"%[\w#]+", d.split("=", 1)[1])
+                    )
+            uses = [
+                u
+                for u in lines
+                if re.search(rf"{re.escape(name)}\b", u) and u is not ln
+            ]
+            found.append((chain, " ".join(uses), ln))
+    return found
+
+
+def _widened(chain: list[str]) -> list[str]:
+    """The fp8 element types an operand chain converts from."""
+    return re.findall(
+        r"stablehlo\.convert %[\w#]+ : \(tensor<[\dx]+x(f8E\w+)>\)", " ".join(chain)
+    )
+
+
 @pytest.mark.parametrize("preset", ["fp8", "int8"])
 def test_gpu_program_has_gemm_layout_dots_and_no_cpu_forms(preset):
     text = _training_step_text(preset, "cuda")
@@ -66,13 +110,16 @@ def test_gpu_program_has_gemm_layout_dots_and_no_cpu_forms(preset):
         if preset == "int8":
             assert (_element(a), _element(b), _element(out)) == ("i8", "i8", "i32")
         else:
-            assert _element(a).startswith("f8E") and _element(b).startswith("f8E")
-            assert "f8E5M2" not in (_element(a) + _element(b)).replace(
-                "f8E5M2", "", 1
-            ), "never E5M2 x E5M2"
-            # The GEMM writes the compute dtype itself (no float32 output
-            # converted by another kernel).
+            # XLA's FP8 form: both operands widened from fp8 codes (see
+            # test_fp8_dot_is_xlas_fp8_form_on_gpu). The GEMM writes the
+            # compute dtype itself (no float32 output converted by another
+            # kernel).
             assert _element(out) == "bf16"
+    if preset == "fp8":
+        for chain, _, line in _fp8_dots(text):
+            codes = _widened(chain)
+            assert len(codes) == 2, line
+            assert codes.count("f8E5M2") < 2, "never E5M2 x E5M2"
     # No CPU workaround: no variadic reduction, and barriers only hold fp8
     # values (they keep XLA from dropping the fp8 rounding as excess
     # precision) or, for int8, one quantization's tensor, inverse scale and
@@ -97,27 +144,27 @@ def test_gpu_program_has_gemm_layout_dots_and_no_cpu_forms(preset):
 
 
 def test_fp8_program_has_e4m3_forward_and_e5m2_gradients():
-    dots = _dots(_training_step_text("fp8", "cuda"))
-    pairs = sorted((_element(a), _element(b)) for _, _, a, b, _ in dots)
+    dots = _fp8_dots(_training_step_text("fp8", "cuda"))
+    pairs = sorted(tuple(_widened(chain)) for chain, _, _ in dots)
+    assert len(pairs) == 6
     assert pairs.count(("f8E4M3FN", "f8E4M3FN")) == 2
     assert all("f8E5M2" in p for p in pairs if p != ("f8E4M3FN", "f8E4M3FN"))
 
 
-def test_fp8_output_is_scaled_by_one_scalar_on_gpu():
-    # cuBLASLt takes the two per-tensor scales as one scalar operand; a
-    # second multiply would stay behind as a pass over the output.
-    lines = _training_step_text("fp8", "cuda").splitlines()
-    starts = [i for i, ln in enumerate(lines) if "stablehlo.dot_general" in ln]
-    assert starts
-    for i in starts:
-        name = lines[i].split("=", 1)[0].strip()
-        uses = []
-        for ln in lines[i + 1 :]:
-            if "func.func" in ln or ln.strip().startswith(f"{name} ="):
-                break  # SSA names are per function
-            if re.search(rf"{re.escape(name)}\b", ln):
-                uses.append(ln)
-        assert len(uses) == 1 and "stablehlo.multiply" in uses[0], uses
+def test_fp8_dot_is_xlas_fp8_form_on_gpu():
+    # dot(convert(a) * s, convert(b)) -> bf16, s the two per-tensor scales'
+    # product: cuBLASLt takes s as the lhs's scale and writes the output
+    # once, in bf16 and in the layout its user wants. Multiplied after the
+    # dot, the scale stayed behind in the user's kernel when that user
+    # widened the output (an SGD update in float32), and XLA wrote weight
+    # gradients column-major for it to transpose.
+    dots = _fp8_dots(_training_step_text("fp8", "cuda"))
+    assert len(dots) == 6
+    for chain, uses, line in dots:
+        lhs, rhs = chain[0], chain[-1]
+        assert "stablehlo.multiply" in lhs and "stablehlo.convert" in rhs, line
+        assert "f8E" in rhs and len(_widened(chain)) == 2, line
+        assert "stablehlo.multiply" not in uses, uses
 
 
 def test_cpu_program_keeps_its_forms():
