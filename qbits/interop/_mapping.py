@@ -57,6 +57,9 @@ NAMES: dict[str, tuple[tuple[str, str], ...]] = {
         (r"transformer\.h\.(\d+)\.(ln_\d)\.bias", r"transformer/h/\1/\2/bias"),
         (r"transformer\.ln_f\.weight", "transformer/ln_f/scale"),
         (r"transformer\.ln_f\.bias", "transformer/ln_f/bias"),
+        # The head is tied to wte: a checkpoint that holds it too (AutoGPTQ
+        # saves the whole state dict) holds it equal, which is checked.
+        (r"lm_head\.weight", "transformer/wte/embedding"),
     ),
     "llama": (
         (r"model\.embed_tokens\.weight", "model/embed_tokens/embedding"),
@@ -244,6 +247,13 @@ def serving_params(
                     f"a weight of {math.prod(shape)} entries for a parameter "
                     f"of shape {list(shape)}",
                 )  # fmt: skip
+            if i in found:
+                raise InvalidArgumentError(
+                    OWNER, f"checkpoint tensor {name!r}",
+                    f"mapped onto {target!r}, as {found[i][0]!r} is",
+                    "one tensor a parameter (a quantized weight cannot be "
+                    "tied), or names= that map them apart",
+                )  # fmt: skip
             found[i] = (name, value)
             continue
         a = np.asarray(value)
@@ -256,7 +266,18 @@ def serving_params(
                 f"shape {list(a.shape)}",
                 f"{list(shape)}, as parameter {target!r}",
             )
-        found[i] = (name, jnp.asarray(a.reshape(shape), leaf.dtype))
+        value = jnp.asarray(a.reshape(shape), leaf.dtype)
+        if i in found:  # a tied parameter: its tensors must agree
+            first, other = found[i]
+            if isinstance(other, QTensor) or not np.array_equal(other, value):
+                raise InvalidArgumentError(
+                    OWNER, f"checkpoint tensor {name!r}",
+                    f"mapped onto {target!r}, as {first!r} is, and different",
+                    "one tensor a parameter (a tied head equal to its "
+                    "embedding), or names= that map them apart",
+                )  # fmt: skip
+            continue
+        found[i] = (name, value)
     missing = [p for p, i in paths.items() if i not in found]
     if missing:
         raise InvalidArgumentError(

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import qbits.interop
+from qbits import InvalidArgumentError
 
 DATA = pathlib.Path(__file__).parents[1] / "data" / "flax"
 
@@ -203,3 +204,24 @@ def test_awq_of_the_flax_llama_scales_folded_written_and_served(tmp_path):
             np.testing.assert_array_equal(
                 got[f"weight/{m}"], np.asarray(qt.dequant()).T
             )
+
+
+def test_a_tied_head_the_checkpoint_holds_must_equal_its_embedding():
+    # AutoGPTQ saves the whole state dict: GPT-2's lm_head.weight beside wte.
+    import dataclasses
+
+    ckpt = qbits.interop.read_checkpoint(DATA / "gpt2_gptq")
+    tokens = jnp.asarray(np.load(DATA / "gpt2.npz")["tokens"])
+    wte = np.asarray(ckpt.tensors["transformer.wte.weight"])
+
+    def served(head):
+        tensors = {**ckpt.tensors, "lm_head.weight": head}
+        tied = dataclasses.replace(ckpt, tensors=tensors)
+        return qbits.interop.serving_params(
+            tied, _gpt2, _tree("gpt2"), tokens, names="gpt2"
+        )
+
+    sp, _ = served(wte.copy())
+    np.testing.assert_array_equal(sp.params["transformer"]["wte"]["embedding"], wte)
+    with pytest.raises(InvalidArgumentError, match=r"lm_head\.weight.*as 'transf"):
+        served(wte + 1)
