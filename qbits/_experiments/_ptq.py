@@ -155,12 +155,12 @@ def post_train(
     collect_seconds = time.perf_counter() - tic
     for method in methods:
         tic = time.perf_counter()
-        kwargs = dict(METHODS[method])
-        if kwargs.get("rotate"):  # QuaRot's random signs, the run's seed
-            kwargs["key"] = jax.random.key(run["seed"])
-        # A propagated method runs the batches again: the statistics of the
-        # quantized model's activations.
-        given = (batches, None) if kwargs["method"].propagated else (None, stats)
+        kwargs = _method_kwargs(method, run, spec)
+        # A propagated method runs the batches again (the statistics of the
+        # quantized model's activations), as a folded one does (those of
+        # the folded layers' inputs).
+        again = kwargs["method"].propagated or "fold" in kwargs
+        given = (batches, None) if again else (None, stats)
         got = ptq.quantize_weights(  # the config as given: its name in errors
             fn, params, given[0], config, stats=given[1], progress=progress, **kwargs
         )
@@ -189,13 +189,12 @@ def ptq_trained(
     *,
     calibration: int = 16,
     seed: int | None = None,
-    fold: bool = False,
 ) -> tuple[Any, Any, dict[str, Any], ptq.PtqResult]:
     """One method of :func:`post_train` on a saved float32 run, its result kept.
 
-    With ``fold`` (``method="awq"``, the LM): AWQ's scales are folded into
-    the layers before (:func:`lm_fold`), so that its weights lie on their
-    grids and are stored (``qbits export --method awq``).
+    The LM's AWQ folds its scales into the layers before (:func:`lm_fold`),
+    as :func:`post_train` does: its weights lie on their grids and are
+    stored (``qbits export --method awq``).
 
     Returns:
       ``(model, data, run, result)``: the float model (as
@@ -222,17 +221,24 @@ def ptq_trained(
     spec = model_spec(run["model"], run["size"])
     fn, params = qbits.nnx.as_function(model)
     batches = _calibration_batches(spec, data, run["seed"], calibration)
+    kwargs = _method_kwargs(method, run, spec)
+    return model, data, run, ptq.quantize_weights(fn, params, batches, config, **kwargs)
+
+
+def _method_kwargs(method: str, run: dict[str, Any], spec: Any) -> dict[str, Any]:
+    """``quantize_weights``' arguments for ``method`` on a saved run.
+
+    QuaRot's random signs from the run's seed; the LM's AWQ folded into the
+    layers before (:func:`lm_fold`), so that the AWQ a report shows is the
+    one that is stored, served and exported (the MLP's layers before are
+    ReLUs: its AWQ keeps ``Q(s w) / s`` in float).
+    """
     kwargs = dict(METHODS[method])
-    if fold:
-        if method != "awq" or run["model"] != "lm":
-            raise InvalidArgumentError(
-                _OWNER, "fold", True, "fold with method 'awq' and the lm",
-                why=f"method {method!r}, model {run['model']!r}",
-            )  # fmt: skip
-        kwargs["fold"] = lm_fold(spec.depth)
     if kwargs.get("rotate"):
         kwargs["key"] = jax.random.key(run["seed"])
-    return model, data, run, ptq.quantize_weights(fn, params, batches, config, **kwargs)
+    if method == "awq" and run["model"] == "lm":
+        kwargs["fold"] = lm_fold(spec.depth)
+    return kwargs
 
 
 def lm_fold(depth: int) -> dict[str, tuple[str, ...]]:

@@ -92,7 +92,6 @@ def _export(args: argparse.Namespace) -> int:
         args.method,
         calibration=args.calibration,
         seed=args.seed,
-        fold=args.method == "awq",
     )
     if run["model"] != "lm":
         raise UsageError(

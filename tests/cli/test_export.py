@@ -100,3 +100,16 @@ def test_export_and_generate_errors_are_one_line(tmp_path, capsys):
     assert main(["generate", "--checkpoint", "c", "--run", "r"]) == 2
     assert "--run, --steps and --size do not apply" in _one_error_line(capsys)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_lms_awq_is_folded_for_ptq_reports_and_exports():
+    # post_train (qbits ptq) and ptq_trained (qbits export) take their
+    # methods' arguments from one place: the LM's AWQ the report shows is
+    # the folded one export writes.
+    from qbits._experiments._ptq import _method_kwargs, lm_fold
+
+    lm, mlp = spec("lm", "tiny"), spec("mlp", "tiny")
+    run = {"model": "lm", "seed": 0}
+    assert _method_kwargs("awq", run, lm)["fold"] == lm_fold(lm.depth)
+    assert "fold" not in _method_kwargs("gptq", run, lm)
+    assert "fold" not in _method_kwargs("awq", run | {"model": "mlp"}, mlp)
