@@ -49,7 +49,7 @@ from qbits.ptq._gptq import GptqResult, output_error
 from qbits.ptq._plan import Weight
 from qbits.ptq._rtn import rtn
 
-__all__ = ["check_fold", "fold_awq"]
+__all__ = ["check_fold", "check_folded", "fold_awq"]
 
 
 def check_fold(
@@ -90,7 +90,7 @@ def fold_awq(
     names: list[tuple[str, ...]],
     fold: dict[str, tuple[str, ...]],
     method: Awq,
-) -> list[tuple[Weight, jax.Array, tuple[float, float], GptqResult]]:
+) -> list[tuple[Weight, jax.Array, tuple[float, float], GptqResult, jax.Array]]:
     """Quantizes every weight by AWQ with ``fold``; updates ``values`` in place.
 
     Args:
@@ -106,7 +106,8 @@ def fold_awq(
       Per weight, in the order quantized: the weight, its new ``(K, N)``
       matrix ``Q(s w)`` (on the grid), ``(error_rtn, error)`` (of the
       effective ``Q(s w) / s`` against the float weight, per calibration
-      row) and its grid (scales, zero points) for storing.
+      row), its grid (scales, zero points) for storing, and ``s w`` in
+      float (for :func:`check_folded`).
     """
     by_path = {p: w for w in weights for p in w.paths}
     seen: dict[str, str] = {}
@@ -195,12 +196,44 @@ def fold_awq(
                 output_error(m, rtn(m, w.quantizer).weight, w.stats.hessian)
             )
             err = float(output_error(m, g.weight / s[:, None], w.stats.hessian))
-            out.append((w, g.weight.astype(m.dtype), (err_rtn / rows, err / rows), g))
+            errors = (err_rtn / rows, err / rows)
+            out.append((w, g.weight.astype(m.dtype), errors, g, m * s[:, None]))
             done[w.leaf] = before or w.ms.path
         k = s.shape[0]
         for leaf in leaves:
             values[leaf] = _divide(owner, before, names[leaf], values[leaf], s, k)
     return out
+
+
+def check_folded(
+    owner: str, fn: Any, params: Any, folded: Any, batch: Any, fold: Any
+) -> None:
+    """Raises unless the model with the scales folded, in float, is the model.
+
+    ``folded``: the parameters with each layer before divided by ``s`` and
+    each weight ``s w`` (not quantized). They compute what ``params`` do
+    only if every reader of a layer before's output is one of its matmuls:
+    a layer whose output also reaches another matmul, a residual or the
+    output would silently change the model.
+    """
+    want = jax.tree.leaves(jax.jit(fn)(params, batch))
+    got = jax.tree.leaves(jax.jit(fn)(folded, batch))
+    for a, b in zip(want, got, strict=True):
+        if not jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating):
+            continue
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        top = float(np.max(np.abs(a), initial=0.0))
+        off = float(np.max(np.abs(a - b), initial=0.0))
+        if not off <= 1e-3 * top:  # NaN too
+            raise InvalidArgumentError(
+                owner, "fold", fold,
+                "layers before whose output only their listed matmuls read "
+                "(a norm before all of q, k and v; not a layer whose output "
+                "also reaches another matmul, a residual or the output)",
+                why=f"in float, the model with AWQ's scales folded differs "
+                f"from the model by {off / max(top, 1e-30):.2g} of its "
+                "largest output on the first batch",
+            )  # fmt: skip
 
 
 def _leaves(owner: str, before: str, names: list[tuple[str, ...]]) -> list[int]:

@@ -35,7 +35,7 @@ from qbits.config import QuantConfig, Rule, _as_quant_config
 from qbits.numerics import NoNumerics
 from qbits.ops import DotGeneralConfig
 from qbits.ptq._collect import MatmulStats, collect_stats
-from qbits.ptq._fold import check_fold, fold_awq
+from qbits.ptq._fold import check_fold, check_folded, fold_awq
 from qbits.ptq._gptq import GptqResult, check_quantizer, output_error
 from qbits.ptq._method import Method, by_name, method_class, settings
 from qbits.ptq._plan import Weight, check_alone, check_inputs, check_some, plan
@@ -282,6 +282,9 @@ def quantize_weights(
         and stored (:attr:`PtqResult.stored`): a result checkpoint formats
         hold. Weights in no entry get ``s = 1``. A layer before that is
         itself quantized here must come before the entry that quantizes it.
+        Each layer before's output must be read by its listed matmuls alone:
+        the folded model in float (``s w`` unquantized) is run on the first
+        batch and refused where it differs from ``fn``.
       **deprecated: The settings this function took before methods were
         values, still accepted with a string ``method`` (with a
         ``DeprecationWarning`` that names the value to pass instead):
@@ -371,7 +374,12 @@ def quantize_weights(
     if fold is not None:
         names = [_key_names(p) for p, _ in leaves]
         done = fold_awq(_OWNER, weights, values, names, fold, method)
-        for w, mat, errors, grid in sorted(done, key=lambda d: weights.index(d[0])):
+        floats = list(values)  # the layers before divided, the weights s w
+        for w, *_, scaled in done:
+            floats[w.leaf] = w.ms.write(values[w.leaf], _unmatrix(w.ms, scaled))
+        folded = jax.tree_util.tree_unflatten(treedef, floats)
+        check_folded(_OWNER, fn, params, folded, first, fold)
+        for w, mat, errors, grid, _ in sorted(done, key=lambda d: weights.index(d[0])):
             new = _unmatrix(w.ms, mat)
             values[w.leaf] = w.ms.write(values[w.leaf], new).astype(
                 values[w.leaf].dtype

@@ -75,17 +75,23 @@ def test_fold_keeps_the_function_and_stores_every_weight_on_its_grid():
     got = qbits.serving.serve(_net, config)(sp, x)
     np.testing.assert_allclose(got, _net(out.params, x), rtol=1e-5, atol=1e-4)
 
-    # one matmul under its layer: the s of Awq's own search
-    one = ptq.quantize_weights(_net, params, [x], config,
+    # one matmul under its layer (the norm's output b's alone): the s of
+    # Awq's own search
+    def net(p, x):
+        h = x * p["norm"]["g"]
+        a = x @ p["a"]["kernel"] + p["a"]["bias"]
+        return jnp.tanh(h @ p["b"]["kernel"]) + a @ p["c"]["kernel"]
+
+    one = ptq.quantize_weights(net, params, [x], config,
                                method=ptq.Awq(grid=5, clip_grid=1),
                                fold={"norm": ("b",)})  # fmt: skip
-    stats = ptq.collect_stats(_net, params, [x], config=config)["b"].stats
+    stats = ptq.collect_stats(net, params, [x], config=config)["b"].stats
     quantizer = config.fwd.rhs
     mine = ptq.Awq(grid=5, clip_grid=1).search(params["b"]["kernel"], stats, quantizer)
     s = params["norm"]["g"] / one.params["norm"]["g"]
     np.testing.assert_allclose(s, mine.scales, rtol=1e-6)
     # "a" in no entry: s = 1, RTN's grid with AWQ's clipping search off
-    rtn = ptq.quantize_weights(_net, params, [x], config, method="rtn")
+    rtn = ptq.quantize_weights(net, params, [x], config, method="rtn")
     np.testing.assert_array_equal(one.params["a"]["kernel"], rtn.params["a"]["kernel"])
 
 
@@ -101,6 +107,11 @@ def test_fold_keeps_the_function_and_stores_every_weight_on_its_grid():
         ({"fold": {"norm": ("a", "c")}}, r"'a' and 'c' read other inputs"),
         ({"fold": {"norm": ("a",), "c": ("b",)}}, r"'c/kernel' has shape \[16, 8\]"),
         ({"fold": {"norm": ("a",)}, "method": "gptq"}, r"only AWQ has scales"),
+        # b reads the norm's output too: dividing it would change b's input
+        (
+            {"fold": {"norm": ("a",)}, "method": ptq.Awq(grid=5, clip_grid=1)},
+            r"folded differs from the model by",
+        ),
         ({"fold": {"norm": "a"}}, r"a mapping \{layer before"),
         ({"fold": {"t": ("c",)}, "net": "t"}, r"'t' reads 't/kernel' with its output"),
     ],
