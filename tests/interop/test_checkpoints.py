@@ -376,16 +376,22 @@ def test_the_references_read_qbits_awq_of_the_example_lm_scales_folded(tmp_path)
             )
         ckpt = qbits.interop.read_checkpoint(tmp_path / fmt)
         sp, _ = qbits.interop.serving_params(ckpt, fn, params, tokens, names="qbits-lm")
-        floats = {}  # the reference's weights; the checkpoint's float tensors
-        for info in sp.layers:
-            w = got[f"weight/{info.path.replace('/', '.')}"].T
-            floats[info.param] = jnp.asarray(w.reshape(info.param_shape))
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(sp.params)
-        ref = jax.tree.unflatten(
-            treedef, [floats.get(jax.tree_util.keystr(p), x) for p, x in leaves]
-        )
-        want, _ = fn(ref, tokens)
+        want, _ = fn(_reference_params(sp, got), tokens)
         np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-4, err_msg=fmt)
+
+
+def _reference_params(sp, ref):
+    """``sp.params`` with the reference's dequantized weights (``weight/NAME``,
+    PyTorch's ``[out, in]``) where stored weights serve: the float model the
+    reference library would run."""
+    floats = {}
+    for info in sp.layers:
+        w = ref[f"weight/{info.path.replace('/', '.')}"].T
+        floats[info.param] = jnp.asarray(w.reshape(info.param_shape))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(sp.params)
+    return jax.tree.unflatten(
+        treedef, [floats.get(jax.tree_util.keystr(p), x) for p, x in leaves]
+    )
 
 
 def test_qbits_example_lm_served_from_a_compressed_tensors_checkpoint():
@@ -404,15 +410,7 @@ def test_qbits_example_lm_served_from_a_compressed_tensors_checkpoint():
     sp, config = qbits.interop.serving_params(ckpt, fn, state, tokens, names="qbits-lm")
     assert len(sp.layers) == 6 and all(i.param_shape for i in sp.layers)
     logits, _ = qbits.serving.serve(fn, config)(sp, tokens)
-    floats = {}
-    for info in sp.layers:  # the reference's weights where the stored ones serve
-        w = ref[f"weight/{info.path.replace('/', '.')}"].T
-        floats[info.param] = jnp.asarray(w.reshape(info.param_shape))
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(sp.params)
-    params = jax.tree.unflatten(
-        treedef, [floats.get(jax.tree_util.keystr(p), x) for p, x in leaves]
-    )
-    want, _ = fn(params, tokens)
+    want, _ = fn(_reference_params(sp, ref), tokens)
     np.testing.assert_allclose(
         np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-5
     )
