@@ -37,7 +37,6 @@ Every file is written by the reference libraries, never by qbits:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import sys
@@ -46,6 +45,9 @@ import tempfile
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from make_quantized_checkpoints import _load
 
 HERE = pathlib.Path(__file__).parent / "flax"
 TOKENS = (np.arange(16).reshape(2, 8) * 7 % 64).astype(np.int32)
@@ -131,17 +133,6 @@ def _from_torch(model, state: dict, flax_cls, name: str, ref: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         _flax(pathlib.Path(tmp), flax_cls, name, ref)
-
-
-def _load(name: str, relpath: str):
-    root = pathlib.Path(
-        importlib.util.find_spec("auto_gptq").submodule_search_locations[0]
-    )
-    spec = importlib.util.spec_from_file_location(name, root / relpath)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def gpt2() -> None:
