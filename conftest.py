@@ -62,11 +62,12 @@ from hypothesis import settings
 import qbits
 
 # Scripts that are run, not imported: the fixture writers need the reference
-# libraries (aqtp, torch, bitsandbytes, compressed-tensors), the others set
-# XLA_FLAGS for a subprocess with 8 devices.
+# libraries (aqtp, torch, bitsandbytes, compressed-tensors, transformers'
+# Flax models), the others set XLA_FLAGS for a subprocess with 8 devices.
 collect_ignore = [
     "tests/data/make_aqt_golden.py",
     "tests/data/make_bnb_optim.py",
+    "tests/data/make_flax_checkpoints.py",
     "tests/data/make_more_checkpoints.py",
     "tests/data/make_quantized_checkpoints.py",
     "tests/data/reference_read.py",
