@@ -149,6 +149,34 @@ def explicit_counts(devices: list | None) -> dict:
     return out
 
 
+def reduce_counts(devices: list | None) -> dict:
+    """All-reduces of one absmax over every axis of a float32[8, 16, 64]
+    tiled over the 4 x 2 mesh: plain ``jnp.max(jnp.abs(x))`` under auto axes
+    (two dimensions tiled, or one over both mesh axes), and ``qbits.AbsMax``
+    under explicit axes. Shows XLA's partitioner reducing a tensor tiled on
+    two dimensions with one all-reduce per dimension."""
+    out = {}
+    cases = (
+        ("auto axes, jnp.max, tiled (data, -, model)", AxisType.Auto,
+         P("data", None, "model"), lambda x: jnp.max(jnp.abs(x))),
+        ("auto axes, jnp.max, tiled (-, -, data x model)", AxisType.Auto,
+         P(None, None, ("data", "model")), lambda x: jnp.max(jnp.abs(x))),
+        ("explicit axes, qbits.AbsMax, tiled (data, -, model)", AxisType.Explicit,
+         P("data", None, "model"), lambda x: qbits.AbsMax()(x, axes=(0, 1, 2))),
+    )  # fmt: skip
+    for name, kind, spec, fn in cases:
+        mesh = Mesh(
+            np.asarray(devices or jax.devices()).reshape(4, 2),
+            ("data", "model"),
+            axis_types=(kind,) * 2,
+        )
+        with jax.set_mesh(mesh):
+            x = jax.ShapeDtypeStruct((8, 16, 64), jnp.float32, sharding=spec)
+            found = lm.count_collectives(lm.compiled_text(fn, x))
+        out[name] = found.get("all-reduce", {}).get("ops", 0)
+    return out
+
+
 def markdown(data: dict) -> str:
     """Per block (2 blocks minus 1) ops per kind, and the 2-block bytes."""
     one, two = data["blocks_1"], data["blocks_2"]
@@ -183,6 +211,9 @@ def markdown(data: dict) -> str:
         lines.append(
             f"| {config} | " + " | ".join(str(counts.get(k, 0)) for k in names) + " |"
         )
+    lines += ["", "| one absmax over all axes | all-reduces |", "|---|---|"]
+    for name, n in data["absmax_reduce"].items():
+        lines.append(f"| {name} | {n} |")
     return "\n".join(lines) + "\n"
 
 
@@ -203,12 +234,14 @@ def main() -> None:
         "training step with 1 and 2 blocks (ops and result bytes per kind; "
         "roles: what some carry, collective_roles); "
         "weights_gathered: all-gather bytes of one FSDP 256x256 matmul's step; "
-        "explicit_block: ops per kind of the explicit-axes block's step",
+        "explicit_block: ops per kind of the explicit-axes block's step; "
+        "absmax_reduce: all-reduces of one absmax over a 2-axis-tiled array",
     }
     data["blocks_1"], data["roles_1"] = lm_counts(1, devices)
     data["blocks_2"], data["roles_2"] = lm_counts(2, devices)
     data["weights_gathered"] = lm.gathered_weight_bytes(("float32", *PRESETS), devices)
     data["explicit_block"] = explicit_counts(devices)
+    data["absmax_reduce"] = reduce_counts(devices)
     pathlib.Path(args.json or out.with_suffix(".json")).write_text(
         json.dumps(data, indent=1) + "\n"
     )

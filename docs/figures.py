@@ -649,6 +649,14 @@ def collectives() -> str:
         "forward and both gradients):\n\n"
         + _table(["config", "weight all-gathers", "of float32's"], wrows)
         + _explicit_block(data)
+        + "One absmax over every axis of a float32[8, 16, 64] tiled over the "
+        "mesh, alone in a program (XLA's partitioner reduces a tensor tiled on "
+        "two dimensions with one all-reduce per dimension):\n\n"
+        + _table(
+            ["absmax", "all-reduces"],
+            [[name, str(n)] for name, n in data["absmax_reduce"].items()],
+        )
+        + "\n"
         + _source("sharded_collectives_cpu.json")
     )
 

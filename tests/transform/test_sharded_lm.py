@@ -49,6 +49,17 @@ def test_sharded_lm_equals_unsharded_and_adds_no_resharding():
     assert not any(roles["float32"].values()), roles
     scales = roles["int8"]["scale all-gathers"]
     assert ops("int8", "all-gather") - scales == ops("float32", "all-gather"), roles
+    # Of those, the ones XLA's sharding propagation adds by computing a
+    # scale on the batch's rows of an amax every device holds (then
+    # gathering it back, docs/guides/large-models.md): 3 in this model,
+    # the per-token scales of the inputs of qkv, fc1 and the head.
+    assert roles["int8"]["of them, slices of a replicated value"] <= 3, roles
+    # No amax reduced in two stages beyond what XLA's partitioner does for a
+    # reduce over a tensor tiled on two mesh axes: none for int8 (each
+    # per-channel or per-token amax spans one sharded axis), 2 for
+    # fp8_delayed's recorded amaxes (outside the block).
+    assert roles["int8"]["second-stage all-reduces"] == 0, roles
+    assert roles["fp8_delayed"]["second-stage all-reduces"] <= 2, roles
     # 8-bit weights on the wire: an FSDP weight is gathered as codes.
     weights = report["weights"]
     assert weights["int8"] <= 0.3 * weights["float32"], weights
