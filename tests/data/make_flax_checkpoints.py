@@ -44,10 +44,10 @@ import tempfile
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from make_quantized_checkpoints import _load
+from make_quantized_checkpoints import _load, calibrate_groups, decompressed
 
 HERE = pathlib.Path(__file__).parent / "flax"
 TOKENS = (np.arange(16).reshape(2, 8) * 7 % 64).astype(np.int32)
@@ -72,14 +72,13 @@ def _flax(folder: pathlib.Path, cls, name: str, ref: dict) -> None:
 
 
 def llama() -> None:
-    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
         QuantizationScheme,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import FlaxLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -101,12 +100,7 @@ def llama() -> None:
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
     )
-    quantized = [n for n, m in model.named_modules() if hasattr(m, "weight_scale")]
-    for n in quantized:
-        m = model.get_submodule(n)
-        w = m.weight.data.reshape(m.weight.shape[0], -1, 16)
-        s, _ = calculate_qparams(w.amin(-1), w.amax(-1), args)
-        m.weight_scale.data.copy_(s)
+    quantized = calibrate_groups(model, args, 16)
     compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
     compressor.compress_model(model)
     path = HERE / "llama_ct"
@@ -115,12 +109,8 @@ def llama() -> None:
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     config.to_json_file(path / "config.json")
     compressor.update_config(str(path))
-    saved = load_file(path / "model.safetensors")
-    codec = BaseCompressor.get_value_from_registry("pack-quantized")
     ref = {}
-    for n in quantized:
-        part = {k[len(n) + 1 :]: v for k, v in saved.items() if k.startswith(n + ".")}
-        w = codec.decompress(part, scheme)["weight"].float()
+    for n, w in decompressed(path, quantized, scheme).items():
         ref[f"weight/{n}"] = w.numpy()
         float_state[f"{n}.weight"] = w
     _from_torch(

@@ -246,6 +246,37 @@ def compress_and_read(model, fmt: str, name: str, weights, seed: int):
     return path, parts, group, ref
 
 
+def calibrate_groups(model, args, group: int) -> list[str]:
+    """Sets each quantized Linear's group scales (and zero points) from its
+    weight's min and max, by compressed-tensors' ``calculate_qparams``; the
+    names of those Linears."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    quantized = [n for n, m in model.named_modules() if hasattr(m, "weight_scale")]
+    for n in quantized:
+        m = model.get_submodule(n)
+        w = m.weight.data.reshape(m.weight.shape[0], -1, group)
+        s, z = calculate_qparams(w.amin(-1), w.amax(-1), args)
+        m.weight_scale.data.copy_(s)
+        if not args.symmetric:
+            m.weight_zero_point.data.copy_(z)
+    return quantized
+
+
+def decompressed(path: pathlib.Path, quantized: list[str], scheme) -> dict:
+    """``{Linear name: float32 weight}``: compressed-tensors' own decompression
+    of the pack-quantized weights saved in ``path``."""
+    from compressed_tensors.compressors.base import BaseCompressor
+
+    saved = load_file(path / "model.safetensors")
+    codec = BaseCompressor.get_value_from_registry("pack-quantized")
+    out = {}
+    for n in quantized:
+        part = {k[len(n) + 1 :]: v for k, v in saved.items() if k.startswith(n + ".")}
+        out[n] = codec.decompress(part, scheme)["weight"].float()
+    return out
+
+
 def qbits_lm(name: str) -> None:
     """qbits' tiny example LM (width 16, 1 block, 10 tokens) as a PyTorch twin.
 
@@ -254,14 +285,12 @@ def qbits_lm(name: str) -> None:
     points, groups of 16), the head, norms and embeddings float.
     """
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
         QuantizationScheme,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     torch.manual_seed(3)
     width, vocab = 16, 10
@@ -290,24 +319,16 @@ def qbits_lm(name: str) -> None:
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme})
     )
-    quantized = [n for n, m in model.named_modules() if hasattr(m, "weight_scale")]
-    for n in quantized:
-        m = model.get_submodule(n)
-        w = m.weight.data.reshape(m.weight.shape[0], -1, 16)
-        s, z = calculate_qparams(w.amin(-1), w.amax(-1), args)
-        m.weight_scale.data.copy_(s)
-        m.weight_zero_point.data.copy_(z)
+    quantized = calibrate_groups(model, args, 16)
     compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
     compressor.compress_model(model)
     path = HERE / name
     _write(path, dict(model.state_dict()), {}, {})
     compressor.update_config(str(path))
-    saved = load_file(path / "model.safetensors")
-    codec = BaseCompressor.get_value_from_registry("pack-quantized")
-    ref = {}
-    for n in quantized:
-        part = {k[len(n) + 1 :]: v for k, v in saved.items() if k.startswith(n + ".")}
-        ref[f"weight/{n}"] = codec.decompress(part, scheme)["weight"].float().numpy()
+    ref = {
+        f"weight/{n}": w.numpy()
+        for n, w in decompressed(path, quantized, scheme).items()
+    }
     np.savez_compressed(path / "reference.npz", **ref)
 
 
