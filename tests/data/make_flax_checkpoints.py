@@ -47,7 +47,12 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from make_quantized_checkpoints import _load, calibrate_groups, decompressed
+from make_quantized_checkpoints import (
+    _load,
+    calibrate_groups,
+    decompressed,
+    gptq_packed,
+)
 
 HERE = pathlib.Path(__file__).parent / "flax"
 TOKENS = (np.arange(16).reshape(2, 8) * 7 % 64).astype(np.int32)
@@ -147,23 +152,9 @@ def gpt2() -> None:
     modules = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
     for mod in modules:
         w = state[f"{mod}.weight"].t().contiguous()  # Conv1D [in, out] -> [out, in]
-        fout, fin = w.shape
+        fin = w.shape[1]
         g_idx = torch.arange(fin, dtype=torch.int32) // group
-        scales = torch.zeros(fout, fin // group)
-        zeros = torch.zeros(fout, fin // group)
-        for gi in range(fin // group):
-            q = quantizer.Quantizer()
-            q.configure(bits, perchannel=True, sym=True, mse=False)
-            q.find_params(w[:, g_idx == gi], weight=True)
-            scales[:, gi], zeros[:, gi] = q.scale.flatten(), q.zero.flatten()
-        scales = scales.half().float()
-        g = g_idx.long()
-        w = quantizer.quantize(w, scales[:, g], zeros[:, g], 2**bits - 1)
-        linear = torch.nn.Linear(fin, fout, bias=False)
-        linear.weight.data = w
-        layer = qlinear.QuantLinear(bits, group, fin, fout, bias=False)
-        layer.pack(linear, scales.clone(), zeros.clone(), g_idx)
-        layer.scales = layer.scales.half()
+        layer, *_ = gptq_packed(qlinear, quantizer, w, g_idx, bits, group, True)
         with torch.no_grad():
             deq = layer(torch.eye(fin, dtype=torch.float16)).t().float()  # [out, in]
         ref[f"weight/{mod}"] = deq.numpy()

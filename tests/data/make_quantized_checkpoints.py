@@ -93,6 +93,36 @@ def _extras(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+def gptq_packed(qlinear, quantizer, w, g_idx, bits: int, group: int, sym: bool):
+    """AutoGPTQ's ``QuantLinear`` of ``w`` ``[out, in]`` in ``g_idx``'s groups.
+
+    Returns ``(layer, w on the grid, scales, zeros)``: the scales as GPTQ
+    keeps them (float16 values, in float32), the zeros as found.
+    """
+    fout, fin = w.shape
+    scales = torch.zeros(fout, fin // group)
+    zeros = torch.zeros(fout, fin // group)
+    for gi in range(fin // group):
+        q = quantizer.Quantizer()
+        q.configure(bits, perchannel=True, sym=sym, mse=False)
+        q.find_params(w[:, g_idx == gi], weight=True)
+        scales[:, gi] = q.scale.flatten()
+        zeros[:, gi] = q.zero.flatten()
+    # GPTQ keeps fp16 scales: the packer rounds with them
+    scales = scales.half().float()
+    g = g_idx.long()
+    # GPTQ hands the packer its weight on the grid (quantizer.quantize, clamped)
+    w = quantizer.quantize(w, scales[:, g], zeros[:, g], 2**bits - 1)
+    # in float32 (8-bit grid values need more than float16's 11 bits), the
+    # scales then stored as the float16 values they are (a fp16 model's)
+    linear = torch.nn.Linear(fin, fout, bias=False)
+    linear.weight.data = w
+    layer = qlinear.QuantLinear(bits, group, fin, fout, bias=False)
+    layer.pack(linear, scales.clone(), zeros.clone(), g_idx)  # may edit zeros
+    layer.scales = layer.scales.half()
+    return layer, w, scales, zeros
+
+
 def gptq(
     name: str, bits: int, group: int, sym: bool, act_order: bool, v2: bool
 ) -> None:
@@ -103,36 +133,17 @@ def gptq(
     x = torch.randn(3, max(IN, OUT), generator=torch.Generator().manual_seed(7))
     ref["x"] = x.numpy()
     for mod, w in weights.items():
-        fout, fin = w.shape
-        ngroups = fin // group
+        fin = w.shape[1]
         if act_order:  # GPTQ's act-order: groups over a permuted column order
             perm = torch.randperm(fin, generator=torch.Generator().manual_seed(fin))
             g_idx = torch.empty(fin, dtype=torch.int32)
             g_idx[perm] = torch.arange(fin, dtype=torch.int32) // group
         else:
             g_idx = torch.arange(fin, dtype=torch.int32) // group
-        scales = torch.zeros(fout, ngroups)
-        zeros = torch.zeros(fout, ngroups)
-        for gi in range(ngroups):
-            q = quantizer.Quantizer()
-            q.configure(bits, perchannel=True, sym=sym, mse=False)
-            q.find_params(w[:, g_idx == gi], weight=True)
-            scales[:, gi] = q.scale.flatten()
-            zeros[:, gi] = q.zero.flatten()
-        # GPTQ keeps fp16 scales: the packer rounds with them
-        scales = scales.half().float()
+        layer, w, scales, zeros = gptq_packed(
+            qlinear, quantizer, w, g_idx, bits, group, sym
+        )
         g = g_idx.long()
-        # GPTQ hands the packer its weight on the grid (quantizer.quantize, clamped)
-        w = quantizer.quantize(w, scales[:, g], zeros[:, g], 2**bits - 1)
-        # in float32 (8-bit grid values need more than float16's 11 bits), the
-        # scales then stored as the float16 values they are (a fp16 model's)
-        linear = torch.nn.Linear(fin, fout, bias=False)
-        linear.weight.data = w
-        layer = qlinear.QuantLinear(bits, group, fin, fout, bias=False)
-        layer.pack(
-            linear, scales.clone(), zeros.clone(), g_idx
-        )  # pack may edit zeros in place
-        layer.scales = layer.scales.half()
         # The codes QuantLinear.pack computes (float32: fp16 weight and scales, zeros)
         codes = torch.round((w + (zeros * scales)[:, g]) / scales[:, g])
         assert codes.min() >= 0 and codes.max() <= 2**bits - 1
