@@ -289,14 +289,17 @@ def _gemm_layout_dot(
     elements; written here, they fuse into the quantization that produces
     the operand, and XLA sees the layout its GEMM takes.
 
-    An FP8 dot with per-tensor scales whose output is a 16-bit float
+    An FP8 dot with per-tensor scales whose output is bfloat16
     (``out_dtype``) is written in the form XLA turns into one cuBLASLt FP8
     GEMM that writes that dtype itself, the product of the two scales its
     lhs scale: ``dot(bf16(a) * s, bf16(b)) -> bf16``, ``s`` the product
     rounded to ``bf16`` (no float32 output written and converted by another
     kernel, no pass over the output for the scale). Its outputs differ from
     the float32 form's by that rounding of the scale product (a relative
-    2**-9 for bfloat16) and the output's one rounding to bf16.
+    2**-9) and the output's one rounding to bf16. Not for float16: its
+    range does not hold a product of two small scales (weights of amax 0.05
+    and activations of amax 1 give 2.5e-7, a float16 subnormal with two
+    significant bits), so a float16 output is written as float32 first.
     """
     if precision is None and cfg.accumulator == np.dtype(np.float32):
         # fp8: no fast accumulation (cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM).

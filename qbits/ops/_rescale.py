@@ -168,10 +168,11 @@ def real_dot(
     product, the form XLA's GPU compiler folds into an FP8 GEMM (cuBLASLt's
     scale) instead of a pass over the output; there the product of the two
     scales must be a normal float32 (it is unless the two operands' amaxes
-    multiply to less than about 2e-33 for E4M3, or overflow). With an
-    ``out_dtype`` of 16 bits too, the fp8 dot is XLA's FP8 form: the codes
-    widened to that dtype, the lhs times the product rounded to it, the dot
-    writing it (see :mod:`qbits.ops._matmul`'s GPU layout).
+    multiply to less than about 2e-33 for E4M3, or overflow). With a
+    bfloat16 ``out_dtype`` too, the fp8 dot is XLA's FP8 form: the codes
+    widened to bfloat16, the lhs times the product rounded to it, the dot
+    writing it (see :mod:`qbits.ops._matmul`'s GPU layout; float16's range
+    does not hold the product of two small scales).
     """
     tiled = tiled_pair(a, sl, sr, dims)
     if (
@@ -183,7 +184,7 @@ def real_dot(
         and is_byte_float(a)
         and is_byte_float(b)
         and out_dtype is not None
-        and np.dtype(out_dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+        and np.dtype(out_dtype) == np.dtype(jnp.bfloat16)
     ):
         both = lax.mul(
             sl.reshape(()).astype(jnp.float32), sr.reshape(()).astype(jnp.float32)

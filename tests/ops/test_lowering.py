@@ -24,7 +24,7 @@ _DOT = re.compile(
 )
 
 
-def _training_step_text(preset: str, platform: str) -> str:
+def _training_step_text(preset: str, platform: str, dtype=jnp.bfloat16) -> str:
     config = qbits.presets.get(preset)
     dg = qbits.dot_general(config, jax.random.key(0))
 
@@ -32,9 +32,9 @@ def _training_step_text(preset: str, platform: str) -> str:
         h = jax.nn.gelu(dg(x, w1, DN))
         return jnp.sum(dg(h, w2, DN).astype(jnp.float32) ** 2)
 
-    x = jnp.ones((64, 128), jnp.bfloat16)
-    w1 = jnp.ones((128, 256), jnp.bfloat16)
-    w2 = jnp.ones((256, 128), jnp.bfloat16)
+    x = jnp.ones((64, 128), dtype)
+    w1 = jnp.ones((128, 256), dtype)
+    w2 = jnp.ones((256, 128), dtype)
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     with qbits.hlo.lowering_platforms(platform):
         return step.trace(x, w1, w2).lower(lowering_platforms=(platform,)).as_text()
@@ -165,6 +165,16 @@ def test_fp8_dot_is_xlas_fp8_form_on_gpu():
         assert "stablehlo.multiply" in lhs and "stablehlo.convert" in rhs, line
         assert "f8E" in rhs and len(_widened(chain)) == 2, line
         assert "stablehlo.multiply" not in uses, uses
+
+
+def test_fp8_dots_of_float16_write_float32_on_gpu():
+    # float16 cannot hold the scales' product of small operands (2.5e-7 is a
+    # subnormal with two significant bits): its dots write float32, scaled
+    # there, and XLA's FP8 form is bfloat16's alone.
+    dots = _dots(_training_step_text("fp8", "cuda", jnp.float16))
+    assert len(dots) == 6
+    for *_, a, b, out in dots:
+        assert (_element(a)[:2], _element(b)[:2], _element(out)) == ("f8", "f8", "f32")
 
 
 def test_cpu_program_keeps_its_forms():
