@@ -145,7 +145,10 @@ def fold_awq(
                     "matrix each", why=f"{w.ms.path!r} has stacked layers or "
                     "groups (a scan, a per-group weight)",
                 )  # fmt: skip
-        mats = tuple(w.ms.matrix(w.ms.operand(values[w.leaf])) for w in members)
+        mats = tuple(  # float32, as the driver quantizes every weight
+            w.ms.matrix(w.ms.operand(values[w.leaf])).astype(jnp.float32)
+            for w in members
+        )
         first = members[0]
         for w in members[1:]:
             if w.quantizer != first.quantizer:
@@ -216,6 +219,14 @@ def check_folded(
     a layer whose output also reaches another matmul, a residual or the
     output would silently change the model.
     """
+    # float32 parameters: 1e-3 of the largest output; narrower ones round
+    # the divided layers and s w (bfloat16: about 1e-2 on their own).
+    kinds = {
+        np.dtype(x.dtype)
+        for x in jax.tree.leaves(folded)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    }
+    tol = max([1e-3] + [8 * float(jnp.finfo(k).eps) for k in kinds])
     want = jax.tree.leaves(jax.jit(fn)(params, batch))
     got = jax.tree.leaves(jax.jit(fn)(folded, batch))
     for a, b in zip(want, got, strict=True):
@@ -224,7 +235,7 @@ def check_folded(
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         top = float(np.max(np.abs(a), initial=0.0))
         off = float(np.max(np.abs(a - b), initial=0.0))
-        if not off <= 1e-3 * top:  # NaN too
+        if not off <= tol * top:  # NaN too
             raise InvalidArgumentError(
                 owner, "fold", fold,
                 "layers before whose output only their listed matmuls read "
@@ -255,7 +266,8 @@ def _divide(
     shape = tuple(np.shape(v))
     for t in range(1, len(shape) + 1):
         if math.prod(shape[-t:]) == k:
-            return (jnp.asarray(v) / s.reshape(shape[-t:])).astype(jnp.asarray(v).dtype)
+            v = jnp.asarray(v)  # divided in float32, kept in its dtype
+            return (v.astype(jnp.float32) / s.reshape(shape[-t:])).astype(v.dtype)
     raise InvalidArgumentError(
         owner, "fold", f"{before!r}",
         f"a layer whose parameters end in {k} output channels",

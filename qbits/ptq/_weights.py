@@ -376,7 +376,8 @@ def quantize_weights(
         done = fold_awq(_OWNER, weights, values, names, fold, method)
         floats = list(values)  # the layers before divided, the weights s w
         for w, *_, scaled in done:
-            floats[w.leaf] = w.ms.write(values[w.leaf], _unmatrix(w.ms, scaled))
+            sw = w.ms.write(values[w.leaf], _unmatrix(w.ms, scaled))
+            floats[w.leaf] = sw.astype(values[w.leaf].dtype)
         folded = jax.tree_util.tree_unflatten(treedef, floats)
         check_folded(_OWNER, fn, params, folded, first, fold)
         for w, mat, errors, grid, _ in sorted(done, key=lambda d: weights.index(d[0])):

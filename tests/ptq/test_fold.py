@@ -128,3 +128,14 @@ def test_bad_folds_raise(kwargs, match):
     with pytest.raises(qbits.InvalidArgumentError, match=match):
         ptq.quantize_weights(net, params, [_x()], _config(8, qbits.PerChannel()),
                              **kwargs)  # fmt: skip
+
+
+def test_a_bfloat16_model_folds():
+    # the folded layers and s w rounded to bfloat16 move the float model by
+    # about 1e-2 of its largest output: a fold that is right is not refused
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _params())
+    x = _x().astype(jnp.bfloat16)
+    out = ptq.quantize_weights(_net, params, [x], _config(8, qbits.PerChannel()),
+                               method=ptq.Awq(grid=5, clip_grid=1), fold=FOLD)  # fmt: skip
+    assert sorted(out.stored) == ["a", "b", "c"]
+    assert out.params["norm"]["g"].dtype == jnp.bfloat16
