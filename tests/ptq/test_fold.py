@@ -135,7 +135,7 @@ def test_a_bfloat16_model_folds():
     # about 1e-2 of its largest output: a fold that is right is not refused
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _params())
     x = _x().astype(jnp.bfloat16)
-    out = ptq.quantize_weights(_net, params, [x], _config(8, qbits.PerChannel()),
-                               method=ptq.Awq(grid=5, clip_grid=1), fold=FOLD)  # fmt: skip
+    config, awq = _config(8, qbits.PerChannel()), ptq.Awq(grid=5, clip_grid=1)
+    out = ptq.quantize_weights(_net, params, [x], config, method=awq, fold=FOLD)
     assert sorted(out.stored) == ["a", "b", "c"]
     assert out.params["norm"]["g"].dtype == jnp.bfloat16
