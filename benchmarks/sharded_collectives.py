@@ -27,8 +27,10 @@ installed: ``pip install 'qbits[gpu]'``), writing
 fp8 codes are gathered as fp8.
 
 Run: python benchmarks/sharded_collectives.py [--target h200] [--json OUT.json]
-[--md OUT.md] (8 host devices are made before JAX starts; about two minutes
-on 2 cores, five for the GPU.)
+[--md OUT.md] [--dump DIR] (``--dump`` writes each compiled program's optimized
+HLO to DIR, numbered in compile order, to read what a collective carries; 8 host
+devices are made before JAX starts; about two minutes on 2 cores, five for the
+GPU.)
 """
 
 from __future__ import annotations
@@ -93,6 +95,19 @@ def gpu_devices(name: str) -> list:
 
     lm.compiled_text = compiled_text
     return list(topology.devices)
+
+
+def dump_hlo(folder: pathlib.Path) -> None:
+    """Writes every program compiled from here on to ``folder/NNN.hlo``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    compile_text, count = lm.compiled_text, iter(range(10**6))
+
+    def compiled_text(fn, *args):
+        text = compile_text(fn, *args)
+        (folder / f"{next(count):03d}.hlo").write_text(text)
+        return text
+
+    lm.compiled_text = compiled_text
 
 
 def lm_counts(layers: int, devices: list | None) -> tuple[dict, dict]:
@@ -222,9 +237,12 @@ def main() -> None:
     parser.add_argument("--target", choices=("h200",), default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
+    parser.add_argument("--dump", default=None, help="write each optimized HLO here")
     args = parser.parse_args()
     out = RESULTS / f"sharded_collectives_{args.target or 'cpu'}"
     devices = gpu_devices(args.target) if args.target else None
+    if args.dump:
+        dump_hlo(pathlib.Path(args.dump))
     where = (
         f"8 {args.target} GPUs, compiled deviceless" if args.target else "8 CPU devices"
     )
