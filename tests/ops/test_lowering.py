@@ -327,3 +327,47 @@ def test_a_bf16_dot_algorithm_does_not_cast_a_ragged_dots_codes():
         text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     dots = [ln for ln in text.splitlines() if "ragged_dot" in ln]
     assert dots and all("tensor<8x16xi8>, tensor<2x16x4xi8>" in ln for ln in dots)
+
+
+@pytest.fixture
+def gpu_forms_on_cpu():
+    """Programs traced for a GPU compile for the CPU (the platform mark off)."""
+    from jax._src.interpreters import mlir
+
+    from qbits import _platform
+
+    mlir.register_lowering(_platform.traced_for_p, lambda ctx, x, **_: [x])
+    try:
+        yield
+    finally:
+        mlir.register_lowering(_platform.traced_for_p, _platform._check)
+
+
+@pytest.mark.parametrize("preset", ["int8", "int8_fwd", "fp8"])
+def test_gpu_forms_compute_the_cpu_forms_numbers(preset, gpu_forms_on_cpu):
+    # The GPU's forms (GEMM layouts, no barriers, XLA's FP8 form) run here
+    # on the CPU: the integer ones give the CPU form's values and both
+    # gradients bit for bit; the FP8 form rounds the scale product, each
+    # scaled code and the output to bfloat16 (on a GPU cuBLASLt applies the
+    # scale in float32), within 1e-2 of the largest output.
+    k = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(k[0], (64, 128), jnp.bfloat16)
+    w = 0.05 * jax.random.normal(k[1], (128, 256), jnp.bfloat16)
+    g = jax.random.normal(k[2], (64, 256), jnp.bfloat16)
+    dg = qbits.dot_general(qbits.presets.get(preset), jax.random.key(0))
+
+    @jax.jit
+    def f(x, w, g):
+        y, vjp = jax.vjp(lambda x, w: dg(x, w, DN), x, w)
+        return (y, *vjp(g))
+
+    cpu = f(x, w, g)
+    with qbits.hlo.lowering_platforms("cuda"):
+        traced = f.trace(x, w, g)
+    gpu = traced.lower(lowering_platforms=("cpu",)).compile()(x, w, g)
+    for a, b in zip(cpu, gpu, strict=True):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        if preset == "fp8":
+            assert float(jnp.abs(a - b).max()) <= 1e-2 * float(jnp.abs(a).max())
+        else:
+            assert bool((a == b).all())
