@@ -127,7 +127,10 @@ def per_platform(
 
     Every form must give the same numbers on every platform (only their
     speed differs), or be right on the platforms it is chosen for whatever
-    the lowering (the mark refuses the others).
+    the lowering (the mark refuses the others). One form differs by
+    design: XLA's FP8 form on GPUs rounds the scales' product and the
+    output to bfloat16 (:mod:`qbits.ops._matmul`); tests/ops/test_lowering.py
+    runs the GPU's forms on the CPU against the CPU's.
     """
     platform = _traced_for()
     if platform is None:
