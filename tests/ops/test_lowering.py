@@ -343,31 +343,41 @@ def gpu_forms_on_cpu():
         mlir.register_lowering(_platform.traced_for_p, _platform._check)
 
 
-@pytest.mark.parametrize("preset", ["int8", "int8_fwd", "fp8"])
+@pytest.mark.parametrize("preset", ["int8", "int8_fwd", "fp8", "fp8_delayed"])
 def test_gpu_forms_compute_the_cpu_forms_numbers(preset, gpu_forms_on_cpu):
-    # The GPU's forms (GEMM layouts, no barriers, XLA's FP8 form) run here
-    # on the CPU: the integer ones give the CPU form's values and both
-    # gradients bit for bit; the FP8 form rounds the scale product, each
-    # scaled code and the output to bfloat16 (on a GPU cuBLASLt applies the
-    # scale in float32), within 1e-2 of the largest output.
+    # The GPU's forms (GEMM layouts, no barriers, XLA's FP8 form, delayed
+    # scaling's stacked state) run here on the CPU: the integer ones give
+    # the CPU form's values and both gradients bit for bit, delayed
+    # scaling's next state is the CPU's bit for bit; the FP8 form rounds the
+    # scale product, each scaled code and the output to bfloat16 (on a GPU
+    # cuBLASLt applies the scale in float32), within 1e-2 of the largest
+    # output.
     k = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(k[0], (64, 128), jnp.bfloat16)
     w = 0.05 * jax.random.normal(k[1], (128, 256), jnp.bfloat16)
     g = jax.random.normal(k[2], (64, 256), jnp.bfloat16)
     dg = qbits.dot_general(qbits.presets.get(preset), jax.random.key(0))
+    state = None
+    if preset == "fp8_delayed":  # histories of earlier steps
+        state = jax.tree.map(
+            lambda s: s + 0.5 * (s.ndim == 1 and s.shape[0] > 1),
+            dg.init_state(x, w, DN),
+        )
 
     @jax.jit
-    def f(x, w, g):
-        y, vjp = jax.vjp(lambda x, w: dg(x, w, DN), x, w)
+    def f(x, w, g, state):
+        y, vjp = jax.vjp(lambda x, w, s: dg(x, w, DN, state=s), x, w, state)
         return (y, *vjp(g))
 
-    cpu = f(x, w, g)
+    cpu = f(x, w, g, state)
     with qbits.hlo.lowering_platforms("cuda"):
-        traced = f.trace(x, w, g)
-    gpu = traced.lower(lowering_platforms=("cpu",)).compile()(x, w, g)
-    for a, b in zip(cpu, gpu, strict=True):
+        traced = f.trace(x, w, g, state)
+    gpu = traced.lower(lowering_platforms=("cpu",)).compile()(x, w, g, state)
+    for a, b in zip(cpu[:3], gpu[:3], strict=True):
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-        if preset == "fp8":
+        if preset.startswith("fp8"):
             assert float(jnp.abs(a - b).max()) <= 1e-2 * float(jnp.abs(a).max())
         else:
             assert bool((a == b).all())
+    for a, b in zip(jax.tree.leaves(cpu[3]), jax.tree.leaves(gpu[3]), strict=True):
+        assert bool((a == b).all())  # the next state
