@@ -52,6 +52,20 @@ def _settings(qc: Mapping[str, Any], where: str) -> tuple[int, int, bool, bool, 
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in _FORMATS:
         raise bad(f"{where}: checkpoint_format", fmt, " or ".join(_FORMATS))
+    dynamic = qc.get("dynamic") or {}
+    for rule, settings in dynamic.items() if isinstance(dynamic, Mapping) else []:
+        other = isinstance(settings, Mapping) and any(
+            settings[k] != qc.get(k) for k in settings
+        )
+        if not str(rule).startswith("-:") and other:
+            raise bad(
+                f"{where}: dynamic",
+                {rule: settings},
+                "no per-module settings other than the checkpoint's ('-:' "
+                "rules, modules left float, are read)",
+                why="GPTQModel's dynamic gives the modules a rule matches their "
+                "own bits, group_size, sym or desc_act: not read yet",
+            )
     return (
         bits,
         group,

@@ -170,6 +170,14 @@ def test_bad_checkpoints_are_one_line_errors_naming_file_and_tensor(tmp_path):
     path = _copy(tmp_path, "gptq_w4g16_sym", edit=lambda t: t.pop(f"{OUT_PROJ}.scales"))
     assert f"{OUT_PROJ}.scales='missing'" in _error(path)
     assert "bits=3" in _error(_copy(tmp_path, "gptq_w8g32_sym", config={"bits": 3}))
+    # GPTQModel's dynamic: modules with their own settings are refused by
+    # name; a '-:' rule (modules left float) and restated settings are read
+    dynamic = {"+:.*o_proj": {"bits": 8}}
+    path = _copy(tmp_path, "gptq_w4g16_sym", config={"dynamic": dynamic})
+    assert "dynamic={'+:.*o_proj': {'bits': 8}}" in _error(path)
+    dynamic = {"-:lm_head": {}, r"+:.*q_proj": {"bits": 4}}
+    path = _copy(tmp_path, "gptq_w4g16_sym", config={"dynamic": dynamic})
+    assert Q_PROJ in qbits.interop.read_checkpoint(path).weights
     # a 4-bit checkpoint declared 8-bit: qweight holds twice the inputs
     text = _error(
         _copy(tmp_path, "gptq_v2_w4g16_asym", config={"bits": 8, "group_size": 8})
