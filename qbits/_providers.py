@@ -465,46 +465,38 @@ def updated_histories(histories: Sequence[jax.Array], amaxes: Sequence[jax.Array
                                                                    strict=True)
     ]  # fmt: skip
     n = len(histories)
-    out = per_platform(
-        *histories, *amaxes,
-        cpu=lambda *a: [_rolled(h, m) for h, m in zip(a[:n], a[n:], strict=True)],
-        cuda=lambda *a: _stacked_joined(a[:n], a[n:]),
-        default=lambda *a: [_rolled(h, m) for h, m in zip(a[:n], a[n:], strict=True)],
-    )  # fmt: skip
-    return list(out)
+
+    def each(*a: jax.Array) -> list[jax.Array]:
+        return [_rolled(h, m) for h, m in zip(a[:n], a[n:], strict=True)]
+
+    def stacked(*a: jax.Array) -> list[jax.Array]:
+        return _stacked(_joined, a[:n], a[n:])
+
+    return list(per_platform(*histories, *amaxes, cpu=each, cuda=stacked, default=each))
 
 
 def _maxima(*histories: jax.Array) -> list[jax.Array]:
     return [jnp.max(h, axis=0) for h in histories]
 
 
-def _by_length(histories: Sequence[jax.Array]) -> dict[tuple[int, Any], list[int]]:
+def _stacked_maxima(*histories: jax.Array) -> list[jax.Array]:
+    return _stacked(lambda h: jnp.max(h, axis=0), histories)
+
+
+def _stacked(fn: Any, histories: Sequence[jax.Array], *others: Sequence[Any]) -> list:
+    """``fn`` of each history (and its ``others``), mapped over stacks.
+
+    The histories of one length and dtype are stacked: one kernel for them.
+    """
     groups: dict[tuple[int, Any], list[int]] = {}
     for i, h in enumerate(histories):
         groups.setdefault((h.shape[0], h.dtype), []).append(i)
-    return groups
-
-
-def _stacked_maxima(*histories: jax.Array) -> list[jax.Array]:
     out: list[Any] = [None] * len(histories)
-    for members in _by_length(histories).values():
-        maxima = jnp.max(jnp.stack([histories[i] for i in members]), axis=1)
+    for members in groups.values():
+        args = [jnp.stack([xs[i] for i in members]) for xs in (histories, *others)]
+        result = jax.vmap(fn)(*args)
         for j, i in enumerate(members):
-            out[i] = maxima[j]
-    return out
-
-
-def _stacked_joined(
-    histories: Sequence[jax.Array], amaxes: Sequence[jax.Array]
-) -> list[jax.Array]:
-    out: list[Any] = [None] * len(histories)
-    for members in _by_length(histories).values():
-        stack = jnp.stack([histories[i] for i in members])
-        new = jnp.stack([amaxes[i] for i in members])[:, None]
-        joined = jnp.concatenate([new, stack[:, 2:], stack[:, :1]], axis=1)
-        joined = joined[:, : stack.shape[1]]
-        for j, i in enumerate(members):
-            out[i] = joined[j]
+            out[i] = result[j]
     return out
 
 
