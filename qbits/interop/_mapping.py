@@ -247,34 +247,28 @@ def serving_params(
                     f"a weight of {math.prod(shape)} entries for a parameter "
                     f"of shape {list(shape)}",
                 )  # fmt: skip
-            if i in found:
+        else:
+            a = np.asarray(value)
+            if a.ndim == 2 and target.endswith("kernel"):
+                a = a.T
+            if a.size != math.prod(shape):
                 raise InvalidArgumentError(
-                    OWNER, f"checkpoint tensor {name!r}",
-                    f"mapped onto {target!r}, as {found[i][0]!r} is",
-                    "one tensor a parameter (a quantized weight cannot be "
-                    "tied), or names= that map them apart",
-                )  # fmt: skip
-            found[i] = (name, value)
-            continue
-        a = np.asarray(value)
-        if a.ndim == 2 and target.endswith("kernel"):
-            a = a.T
-        if a.size != math.prod(shape):
-            raise InvalidArgumentError(
-                OWNER,
-                f"checkpoint tensor {name!r}",
-                f"shape {list(a.shape)}",
-                f"{list(shape)}, as parameter {target!r}",
-            )
-        value = jnp.asarray(a.reshape(shape), leaf.dtype)
-        if i in found:  # a tied parameter: its tensors must agree
+                    OWNER,
+                    f"checkpoint tensor {name!r}",
+                    f"shape {list(a.shape)}",
+                    f"{list(shape)}, as parameter {target!r}",
+                )
+            value = jnp.asarray(a.reshape(shape), leaf.dtype)
+        if i in found:  # a tied parameter: its tensors, in float, must agree
             first, other = found[i]
-            if isinstance(other, QTensor) or not np.array_equal(other, value):
+            quantized = isinstance(value, QTensor) or isinstance(other, QTensor)
+            if quantized or not np.array_equal(other, value):
                 raise InvalidArgumentError(
                     OWNER, f"checkpoint tensor {name!r}",
                     f"mapped onto {target!r}, as {first!r} is, and different",
                     "one tensor a parameter (a tied head equal to its "
-                    "embedding), or names= that map them apart",
+                    "embedding; quantized weights are never tied), or names= "
+                    "that map them apart",
                 )  # fmt: skip
             continue
         found[i] = (name, value)
