@@ -48,7 +48,22 @@ def _import(args: argparse.Namespace) -> int:
         f"({8 * stored / count:.3f} in the checkpoint); {len(ckpt.tensors)} "
         f"float tensors ({floats} values) beside them"
     )
+    if ckpt.activations:  # W8A8: the inputs as the checkpoint's engine runs them
+        kinds = {_stored_input(q) for q in ckpt.activations.values()}
+        print(
+            f"inputs quantized as they come: {', '.join(sorted(kinds))} "
+            f"({len(ckpt.activations)} layers)"
+        )
     return 0
+
+
+def _stored_input(q: Any) -> str:
+    """An input quantizer, e.g. ``float8_e4m3fn per token``."""
+    grid = q.granularity
+    per = {"PerChannel": "per token", "PerTensor": "per tensor"}.get(
+        type(grid).__name__, f"per token and {getattr(grid, 'tile_size', '?')} inputs"
+    )
+    return f"{q.numerics.get_dtype().name} {per}"
 
 
 def _stored(qt: Any, grid: Any, ordered: bool) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from qbits.interop._codes import Decoded, from_qtensor, to_qtensor
 from qbits.interop._compressed import read_compressed, write_compressed
 from qbits.interop._fp8block import read_fp8_blocks
 from qbits.interop._gptq import read_gptq, write_gptq
+from qbits.interop._inputs import INPUT_PARTS, input_quantizers
 from qbits.interop._safetensors import bad, read_tensors, write_tensors
 
 __all__ = ["Checkpoint", "read_checkpoint", "write_checkpoint"]
@@ -91,6 +93,12 @@ class Checkpoint:
         of 64), not a format's per-tensor constants (quant maps,
         ``weight_shape``). ``weights[m].nbytes`` is what qbits holds
         (float32 scales: NF4's 4.5 bits a weight at blocks of 64).
+      activations: ``{module name: Quantizer}`` for the layers whose inputs
+        the checkpoint quantizes as it runs (compressed-tensors' dynamic
+        FP8 ``input_activations``, DeepSeek FP8's per-token blocks):
+        :func:`serving_params` quantizes those inputs so. What qbits does
+        not reproduce (static input scales, integer or NVFP4 inputs) is
+        named in a warning when the checkpoint is read.
 
     Example:
       >>> import os, qbits.interop
@@ -110,6 +118,7 @@ class Checkpoint:
     quantization_config: Mapping[str, Any]
     input_orders: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
     stored_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    activations: Mapping[str, Quantizer] = dataclasses.field(default_factory=dict)
 
 
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -132,6 +141,13 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
     Returns:
       A :class:`Checkpoint`.
+
+    Warns:
+      UserWarning: Naming what the checkpoint declares about its layers'
+        inputs (or outputs, or KV cache) that qbits does not reproduce
+        (static input scales, integer or NVFP4 inputs): those are then
+        served in float. Dynamic FP8 inputs are reproduced
+        (:attr:`Checkpoint.activations`).
 
     Raises:
       InvalidArgumentError: One line naming the file and tensor: an unknown
@@ -180,6 +196,19 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     }.get(method, method)
     used = {m + p for m in decoded for p in _PARTS}
     used |= {f"{m}.weight" for m, d in decoded.items() if d.kind in ("fp8", "nf4")}
+    # The inputs' (outputs', cache's) scales are no model tensors either.
+    aside = sorted(k for k in tensors if k.endswith(INPUT_PARTS))
+    activations, unread = input_quantizers(method, qc, sorted(decoded))
+    if aside and not unread:
+        unread = [f"the scales {aside[0]!r} and others of that kind"]
+    if unread:
+        warnings.warn(
+            f"{folder}: the weights are read, but not {'; '.join(unread)}: "
+            "qbits serves those values in float, where a serving engine "
+            "would quantize them",
+            stacklevel=2,
+        )
+    used |= set(aside)
     stored = {
         m: sum(
             int(tensors[n].nbytes)
@@ -196,6 +225,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         quantization_config=qc,
         input_orders={m: d.order for m, d in decoded.items() if d.order is not None},
         stored_bytes=stored,
+        activations=activations,
     )
 
 

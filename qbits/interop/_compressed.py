@@ -31,7 +31,7 @@ import numpy as np
 from qbits.interop._codes import Decoded, pack_words, unpack_words
 from qbits.interop._safetensors import bad
 
-__all__ = ["read_compressed", "write_compressed"]
+__all__ = ["config_group", "read_compressed", "write_compressed"]
 
 FORMATS = (
     "pack-quantized",
@@ -42,9 +42,9 @@ FORMATS = (
 _STRATEGIES = ("group", "channel", "tensor")
 
 
-def _scheme(qc: Mapping[str, Any], module: str, where: str) -> tuple[str, dict]:
-    """The format and weight arguments of the config group targeting ``module``."""
-    for name, group in (qc.get("config_groups") or {}).items():
+def config_group(qc: Mapping[str, Any], module: str) -> Mapping[str, Any]:
+    """The config group targeting ``module`` (``{}`` if none does)."""
+    for group in (qc.get("config_groups") or {}).values():
         for target in group.get("targets", ()):
             hit = (
                 re.fullmatch(target[3:], module)
@@ -52,19 +52,28 @@ def _scheme(qc: Mapping[str, Any], module: str, where: str) -> tuple[str, dict]:
                 else target in ("Linear", module)
             )
             if hit:
-                fmt = group.get("format") or qc.get("format")
-                if fmt not in FORMATS:
-                    raise bad(
-                        f"{where}/config.json: config_groups.{name}.format",
-                        fmt,
-                        "pack-quantized, float-quantized or nvfp4-pack-quantized",
-                    )
-                return fmt, dict(group.get("weights") or {})
-    raise bad(
-        f"{where}: {module}.weight_scale",
-        "no config group targets it",
-        "a module a config group targets",
-    )
+                return group
+    return {}
+
+
+def _scheme(qc: Mapping[str, Any], module: str, where: str) -> tuple[str, dict]:
+    """The format and weight arguments of the config group targeting ``module``."""
+    group = config_group(qc, module)
+    if not group:
+        raise bad(
+            f"{where}: {module}.weight_scale",
+            "no config group targets it",
+            "a module a config group targets",
+        )
+    fmt = group.get("format") or qc.get("format")
+    if fmt not in FORMATS:
+        name = next(k for k, g in qc["config_groups"].items() if g is group)
+        raise bad(
+            f"{where}/config.json: config_groups.{name}.format",
+            fmt,
+            "pack-quantized, float-quantized or nvfp4-pack-quantized",
+        )
+    return fmt, dict(group.get("weights") or {})
 
 
 def read_compressed(

@@ -185,7 +185,8 @@ def serving_params(
       ``(serving_params, config)``: run with
       ``qbits.serving.serve(fn, config)(serving_params, *args)``; each
       quantized matmul computes on the checkpoint's codes and scales (no
-      float copy of the weight), everything else in float. (Finding the
+      float copy of the weight), its input quantized where the checkpoint
+      says so (:attr:`Checkpoint.activations`), everything else in float. (Finding the
       matmuls traces ``fn`` through the engine's storing pass, which
       computes on zeros of each weight's shape for a moment; nothing of it
       is kept.)
@@ -318,7 +319,10 @@ def serving_params(
         given[path] = _reshaped(stored[i], operand, where)
         paths_of[path] = i
         q: Quantizer = quantizers[i]
-        rules.append(Rule(re.escape(path), DotGeneralConfig(fwd=MatmulConfig(rhs=q))))
+        inputs = checkpoint.activations.get(found[i][0][: -len(".weight")])
+        # the inputs too, where the checkpoint quantizes them
+        mm = MatmulConfig(rhs=q) if inputs is None else MatmulConfig(lhs=inputs, rhs=q)
+        rules.append(Rule(re.escape(path), DotGeneralConfig(fwd=mm)))
     config = QuantConfig(rules=tuple(rules), default=None)
     result = PtqResult(tree, (), QuantConfig(), stored=given)
     sp = serving.convert(fn, config, result, *args, **kwargs)

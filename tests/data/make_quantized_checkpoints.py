@@ -175,12 +175,19 @@ def gptq(
     _write(HERE / name, tensors, {"quantization_config": config}, ref)
 
 
-def compressed(name: str, fmt: str, args: dict) -> None:
+def compressed(name: str, fmt: str, args: dict, inputs: dict | None = None) -> None:
+    """A compressed-tensors checkpoint; with ``inputs``, its layers' inputs
+    quantized as well (``input_activations``): ``yq/<name>`` is then the
+    reference forward with compressed-tensors' own quantization of ``x``."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
     weights = _float_weights(len(name))
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args))
+    acts = None if inputs is None else QuantizationArgs(**inputs)
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(**args), input_activations=acts
+    )
     model = quantizable_linears(weights, scheme)
     for mod in weights:
         m = getattr(model, mod.replace(".", "__"))
@@ -199,6 +206,14 @@ def compressed(name: str, fmt: str, args: dict) -> None:
         if hasattr(m, "weight_zero_point"):
             m.weight_zero_point.data.copy_(z)
     path, _, _, ref = compress_and_read(model, fmt, name, weights, len(name))
+    for mod in weights if acts is not None else ():
+        m = getattr(model, mod.replace(".", "__"))
+        w = torch.from_numpy(ref[f"weight/{mod}"])
+        x = torch.from_numpy(ref["x"][:, : w.shape[1]])
+        # [batch, seq, hidden], as a model runs (compressed-tensors' "token"
+        # keeps the first two axes: a 2-D input would get one scale)
+        xq = forward_quantize(m, x[None], "input", acts)[0]
+        ref[f"yq/{mod}"] = (xq @ w.t()).numpy()
     np.savez_compressed(path / "reference.npz", **ref)
 
 
@@ -374,6 +389,13 @@ def main() -> None:
         "ct_fp8_channel",
         "float-quantized",
         dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+    )
+    # llm-compressor's FP8_DYNAMIC: channel weights, inputs per token at run time
+    compressed(
+        "ct_fp8_dynamic",
+        "float-quantized",
+        dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+        dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True),
     )
 
 

@@ -1,0 +1,107 @@
+"""What a checkpoint declares about its layers' inputs (W8A8 and kin).
+
+A weight format says how the weights are stored; some checkpoints also
+declare that each layer's *input* is quantized when the model runs, and
+serving engines (vLLM, SGLang) then quantize it. Serving such a
+checkpoint with float inputs gives another model's outputs, so qbits
+quantizes the inputs it can reproduce and says which it cannot:
+
+- compressed-tensors ``input_activations`` with ``type: float``,
+  ``num_bits: 8``, ``dynamic: true`` (llm-compressor's ``FP8_DYNAMIC``):
+  E4M3 codes with an absmax scale per token (``strategy: token``), per
+  tensor (``tensor``) or per ``group_size`` inputs (``group``), computed
+  from each input as it comes: a ``Quantizer`` of ``Fp8Numerics`` with
+  ``PerChannel()``, ``PerTensor()`` or ``Tiled(group_size)``.
+- DeepSeek-V3's FP8 (``quant_method: fp8``, ``activation_scheme:
+  dynamic``): E4M3 with an absmax scale per token and ``weight_block_size[1]``
+  inputs (``Tiled``), as its ``act_quant`` and transformers' ``FP8Linear``
+  quantize them.
+
+Not reproduced, named in one warning (the layers then read float inputs):
+static input scales (``dynamic: false``, ``input_scale`` tensors), integer
+inputs (compressed-tensors' fake quantization clips to ``-128`` and
+vLLM's kernel scales by ``amax / 127``: two grids, neither qbits'
+``IntNumerics``), NVFP4 inputs, ``output_activations`` and a
+``kv_cache_scheme`` (qbits' own :mod:`qbits.kvcache` quantizes a cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from qbits._calibration import AbsMax
+from qbits._granularity import PerChannel, PerTensor, Tiled
+from qbits._quantizer import Quantizer
+from qbits.interop._compressed import config_group
+from qbits.numerics import Fp8Numerics
+
+__all__ = ["INPUT_PARTS", "input_quantizers"]
+
+#: Tensors of a module's declared input (and output, cache) quantization:
+#: not model tensors, whether qbits reproduces the scheme or not.
+INPUT_PARTS = (
+    ".input_scale",
+    ".input_zero_point",
+    ".input_global_scale",
+    ".output_scale",
+    ".output_zero_point",
+    ".k_scale",
+    ".v_scale",
+)
+_GRANULARITY = {"token": PerChannel, "tensor": PerTensor}
+
+
+def input_quantizers(
+    method: str, qc: Mapping[str, Any], modules: Iterable[str]
+) -> tuple[dict[str, Quantizer], list[str]]:
+    """The quantizer of each module's input, and the schemes not reproduced.
+
+    Args:
+      method: ``quantization_config.quant_method``.
+      qc: The ``quantization_config``.
+      modules: The quantized modules' names.
+
+    Returns:
+      ``({module: Quantizer}, [what is not reproduced, one line each])``.
+    """
+    fp8 = Fp8Numerics("float8_e4m3fn")
+    found: dict[str, Quantizer] = {}
+    unread: set[str] = set()
+    if method == "fp8":
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme == "dynamic":
+            _, bn = qc["weight_block_size"]
+            found = {m: Quantizer(fp8, AbsMax(), Tiled(tile_size=bn)) for m in modules}
+        else:
+            unread.add(f"activation_scheme {scheme!r} (static input_scale)")
+    if method != "compressed-tensors":
+        return found, sorted(unread)
+    for m in modules:
+        group = config_group(qc, m)
+        args = dict(group.get("input_activations") or {})
+        if group.get("output_activations"):
+            unread.add("output_activations")
+        if not args:
+            continue
+        strategy = args.get("strategy")
+        if (
+            (args.get("type"), args.get("num_bits")) == ("float", 8)
+            and args.get("dynamic") is True
+            and strategy in ("token", "tensor", "group")
+        ):
+            granularity = (
+                Tiled(tile_size=int(args["group_size"]))
+                if strategy == "group"
+                else _GRANULARITY[strategy]()
+            )
+            found[m] = Quantizer(fp8, AbsMax(), granularity)
+            continue
+        unread.add(
+            "input_activations "
+            + ", ".join(f"{k} {args.get(k)}" for k in ("type", "num_bits", "strategy"))
+            + (", static" if args.get("dynamic") is False else "")
+        )
+    if qc.get("kv_cache_scheme"):
+        unread.add("kv_cache_scheme")
+    return found, sorted(unread)

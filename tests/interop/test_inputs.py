@@ -1,0 +1,123 @@
+"""qbits.interop: the inputs a checkpoint quantizes (W8A8), served as declared.
+
+``ct_fp8_dynamic`` was written by compressed-tensors with
+llm-compressor's FP8_DYNAMIC scheme (channel weights, each token's input
+quantized as the model runs); its ``yq/`` outputs are compressed-tensors'
+own forward with that input quantization (tests/data/make_quantized_checkpoints.py).
+"""
+
+import json
+import shutil
+import warnings
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import qbits.interop
+from qbits.interop._safetensors import read_tensors, write_tensors
+from tests.interop.test_checkpoints import DATA, OUT_PROJ, Q_PROJ, _llama, _shapes
+
+
+def _read_quietly(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return qbits.interop.read_checkpoint(path)
+
+
+def _served_q(ckpt, x):
+    sp, config = qbits.interop.serving_params(ckpt, _llama, _shapes(), x)
+    return np.asarray(qbits.serving.serve(_llama, config)(sp, x)[0])
+
+
+def test_dynamic_fp8_inputs_are_quantized_as_compressed_tensors_does():
+    ckpt = _read_quietly(DATA / "ct_fp8_dynamic")
+    assert sorted(ckpt.activations) == [OUT_PROJ, Q_PROJ]
+    inputs = ckpt.activations[Q_PROJ]
+    assert inputs.numerics.dtype == jnp.float8_e4m3fn
+    assert isinstance(inputs.granularity, qbits.PerChannel)  # a scale per token
+    ref = np.load(DATA / "ct_fp8_dynamic" / "reference.npz")
+    q = _served_q(ckpt, jnp.asarray(ref["x"][:, :64]))
+    np.testing.assert_allclose(q, ref[f"yq/{Q_PROJ}"], rtol=1e-5, atol=1e-6)
+    # served with float inputs, it would be another model's output
+    assert np.abs(q - ref[f"y/{Q_PROJ}"]).max() > 1e-2
+
+
+def test_deepseek_fp8_inputs_are_quantized_per_token_and_weight_block():
+    # act_quant of DeepSeek-V3 (and transformers' FP8Linear): E4M3, a scale
+    # amax / 448 per token and weight_block_size[1] inputs
+    ckpt = _read_quietly(DATA / "fp8_block16x32")
+    assert ckpt.activations[Q_PROJ].granularity == qbits.Tiled(tile_size=32)
+    ref = np.load(DATA / "fp8_block16x32" / "reference.npz")
+    x = ref["x"][:, :64].reshape(3, 2, 32)
+    s = np.abs(x).max(-1, keepdims=True) / np.float32(448)
+    xq = ((x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s).reshape(3, 64)
+    want = xq @ ref[f"weight/{Q_PROJ}"].T
+    q = _served_q(ckpt, jnp.asarray(ref["x"][:, :64]))
+    np.testing.assert_allclose(q, want, rtol=1e-5, atol=1e-6)
+
+
+def _edited(tmp_path, name, edit_config, edit_tensors=None):
+    out = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(DATA / name, out)
+    full = json.loads((out / "config.json").read_text())
+    edit_config(full["quantization_config"])
+    (out / "config.json").write_text(json.dumps(full))
+    if edit_tensors is not None:
+        tensors = read_tensors(out)
+        edit_tensors(tensors)
+        write_tensors(out / "model.safetensors", tensors)
+    return out
+
+
+def _inputs(**args):
+    def edit(qc):
+        qc["config_groups"]["group_0"]["input_activations"] = {
+            "num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+            "group_size": None, **args,
+        }  # fmt: skip
+
+    return edit
+
+
+def test_input_granularities_and_what_is_not_reproduced_warns(tmp_path):
+    ckpt = _read_quietly(
+        _edited(tmp_path, "ct_fp8_dynamic", _inputs(strategy="tensor"))
+    )
+    assert isinstance(ckpt.activations[Q_PROJ].granularity, qbits.PerTensor)
+    path = _edited(tmp_path, "ct_fp8_dynamic", _inputs(strategy="group", group_size=16))
+    assert _read_quietly(path).activations[Q_PROJ].granularity == qbits.Tiled(
+        tile_size=16
+    )
+
+    def static(t):  # calibrated input scales, as llm-compressor's FP8 writes them
+        for m in (Q_PROJ, OUT_PROJ):
+            t[f"{m}.input_scale"] = np.array([0.01], np.float32)
+
+    cases = [
+        (_inputs(strategy="tensor", dynamic=False), static, "tensor, static"),
+        (_inputs(strategy="token", type="int"), None, "type int, num_bits 8"),
+        (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8}), None, "kv_cache"),
+        (lambda qc: None, static, f"{OUT_PROJ}.input_scale"),  # undeclared
+    ]
+    for edit_config, edit_tensors, named in cases:
+        path = _edited(tmp_path, "ct_fp8_channel", edit_config, edit_tensors)
+        with pytest.warns(UserWarning, match="serves those values in float") as record:
+            ckpt = qbits.interop.read_checkpoint(path)
+        assert named in str(record[0].message)
+        assert ckpt.activations == {}  # those layers read float inputs
+        assert sorted(ckpt.tensors) == ["lm_head.weight", "model.norm.weight"]
+    path = _edited(
+        tmp_path, "fp8_block16x32", lambda qc: qc.update(activation_scheme="static")
+    )
+    with pytest.warns(UserWarning, match="activation_scheme 'static'"):
+        assert qbits.interop.read_checkpoint(path).activations == {}
+
+
+def test_qbits_import_names_the_inputs_it_quantizes(capsys):
+    from qbits.cli import main
+
+    assert main(["import", str(DATA / "ct_fp8_dynamic")]) == 0
+    out = capsys.readouterr().out
+    assert "inputs quantized as they come: float8_e4m3fn per token (2 layers)" in out
