@@ -128,8 +128,9 @@ def _export(args: argparse.Namespace) -> int:
         "torch_dtype": "float32",
         "qbits": {"model": "lm", "size": run["size"], "ptq": f"{name} {args.method}"},
     }
+    inputs = _inputs(config, weights, args.format)
     qbits.interop.write_checkpoint(
-        out, weights, args.format, tensors=tensors, config=meta
+        out, weights, args.format, tensors=tensors, config=meta, activations=inputs
     )
     held = sum(qt.nbytes for qt in weights.values())
     count = sum(int(np.prod(qt.shape)) for qt in weights.values())
@@ -146,10 +147,16 @@ def _export(args: argparse.Namespace) -> int:
     )
     refs = [config.default, *(rule.config for rule in config.rules)]
     configs = [qbits.presets.get(r) if isinstance(r, str) else r for r in refs]
-    if any(getattr(getattr(c, "fwd", None), "lhs", None) for c in configs):
+    if inputs:
+        print(
+            f"inputs: {name} quantizes them as the checkpoint's "
+            "input_activations declare (serving engines do the same)"
+        )
+    elif any(getattr(getattr(c, "fwd", None), "lhs", None) for c in configs):
         print(
             f"note: {name} quantizes activations too; the checkpoint holds the "
-            "weights only (served with float activations)"
+            "weights only (served with float activations: compressed-tensors "
+            "declares dynamic E4M3 inputs alone)"
         )
     if floats:
         print(
@@ -158,6 +165,25 @@ def _export(args: argparse.Namespace) -> int:
             "the PTQ result's)"
         )
     return 0
+
+
+def _inputs(config: Any, weights: dict, format: str) -> dict:
+    """The stored layers' input quantizers, where the format can declare them.
+
+    Those of :func:`qbits.interop.write_checkpoint`'s ``activations``: one
+    dynamic E4M3 quantizer for every stored layer, in compressed-tensors;
+    else none (the weights alone are written).
+    """
+    from qbits.interop._inputs import input_args
+
+    found = {}
+    for m in weights:
+        resolved = config.resolve(m.replace(".", "/")).config
+        found[m] = getattr(getattr(resolved, "fwd", None), "lhs", None)
+    kinds = {str(input_args(q)) if q is not None else None for q in found.values()}
+    if format != "compressed-tensors" or len(kinds) != 1 or kinds == {"None"}:
+        return {}
+    return {} if None in kinds else found
 
 
 def _torch_layout(model: Any, result: Any, format: str) -> tuple[dict, dict]:

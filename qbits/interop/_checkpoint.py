@@ -22,7 +22,7 @@ from qbits.interop._codes import Decoded, from_qtensor, to_qtensor
 from qbits.interop._compressed import read_compressed, write_compressed
 from qbits.interop._fp8block import read_fp8_blocks
 from qbits.interop._gptq import read_gptq, write_gptq
-from qbits.interop._inputs import INPUT_PARTS, input_quantizers
+from qbits.interop._inputs import INPUT_PARTS, input_quantizers, written_inputs
 from qbits.interop._safetensors import bad, read_tensors, write_tensors
 
 __all__ = ["Checkpoint", "read_checkpoint", "write_checkpoint"]
@@ -236,6 +236,7 @@ def write_checkpoint(
     tensors: Mapping[str, Any] | None = None,
     config: Mapping[str, Any] | None = None,
     input_orders: Mapping[str, Any] | None = None,
+    activations: Mapping[str, Quantizer] | None = None,
 ) -> None:
     """Writes stored weights as a GPTQ or compressed-tensors checkpoint.
 
@@ -271,6 +272,12 @@ def write_checkpoint(
         them with its weights, else the rows are written as the inputs in
         order). Written as GPTQ's ``g_idx`` (``desc_act``); not in
         compressed-tensors.
+      activations: ``{module name: Quantizer}``: the quantizer of each
+        layer's input where the model quantizes it too (W8A8, a
+        :attr:`Checkpoint.activations`): written as compressed-tensors'
+        ``input_activations``, so that serving engines quantize the inputs
+        as qbits does. Dynamic E4M3 per tensor, per token or per group of
+        inputs, one for all quantized layers.
 
     Raises:
       InvalidArgumentError: For an unknown format, weights on different
@@ -317,6 +324,7 @@ def write_checkpoint(
                 "(compressed-tensors is written without an input order)",
             )
         decoded[m] = dataclasses.replace(d, order=order.astype(np.int64))
+    inputs = written_inputs(owner, format, decoded, activations or {})
     # One grid: bits, zero points or not, one group size (a weight of one
     # group is on every grid whose group is its input size).
     groups = {d.group for d in decoded.values() if d.scale.shape[0] > 1}
@@ -345,6 +353,8 @@ def write_checkpoint(
         _check_zeros(owner, decoded, 0, "compressed-tensors")
         out, qc = write_compressed(decoded, group)
         qc["ignore"] = floats
+        if inputs is not None:
+            qc["config_groups"]["group_0"]["input_activations"] = inputs
     for name, t in (tensors or {}).items():
         out[name] = np.asarray(t)
     folder = pathlib.Path(path)

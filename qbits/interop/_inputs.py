@@ -27,16 +27,20 @@ vLLM's kernel scales by ``amax / 127``: two grids, neither qbits'
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import ml_dtypes
+
 from qbits._calibration import AbsMax
+from qbits._errors import InvalidArgumentError
 from qbits._granularity import PerChannel, PerTensor, Tiled
 from qbits._quantizer import Quantizer
 from qbits.interop._compressed import config_group
 from qbits.numerics import Fp8Numerics
 
-__all__ = ["INPUT_PARTS", "input_quantizers"]
+__all__ = ["INPUT_PARTS", "input_args", "input_quantizers", "written_inputs"]
 
 #: Tensors of a module's declared input (and output, cache) quantization:
 #: not model tensors, whether qbits reproduces the scheme or not.
@@ -105,3 +109,65 @@ def input_quantizers(
     if qc.get("kv_cache_scheme"):
         unread.add("kv_cache_scheme")
     return found, sorted(unread)
+
+
+def input_args(q: Quantizer) -> dict[str, Any] | None:
+    """compressed-tensors' ``input_activations`` for an input quantizer.
+
+    ``None`` unless the engines compute it as qbits does: dynamic E4M3 with
+    an absmax scale (``AbsMax()``, no scale rounding, provider or noise)
+    per tensor, per token (``PerChannel()``) or per group of inputs
+    (``Tiled(tile_size=g)`` along them).
+    """
+    n, grid = q.numerics, q.granularity
+    if not (
+        isinstance(n, Fp8Numerics)
+        and n.dtype == ml_dtypes.float8_e4m3fn
+        and n.clip
+        and n.noise_fn is None
+        and q.calibration == AbsMax()
+        and q.scale_rounding == "none"
+        and q.provider is None
+    ):
+        return None
+    if isinstance(grid, PerTensor):
+        strategy, group = "tensor", None
+    elif grid == PerChannel():
+        strategy, group = "token", None
+    elif grid == Tiled(tile_size=getattr(grid, "tile_size", 0)):
+        strategy, group = "group", grid.tile_size
+    else:
+        return None
+    return {
+        "num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+        "strategy": strategy, "group_size": group,
+    }  # fmt: skip
+
+
+def written_inputs(
+    owner: str, format: str, modules: Iterable[str], activations: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """The one ``input_activations`` entry ``activations`` write, checked.
+
+    Raises:
+      InvalidArgumentError: Unless every module has one input quantizer,
+        the same for all, that :func:`input_args` expresses, and the format
+        is compressed-tensors.
+    """
+    if not activations:
+        return None
+    args = {m: input_args(q) for m, q in activations.items()}
+    kinds = {json.dumps(a, sort_keys=True) for a in args.values()}
+    if (
+        format != "compressed-tensors"
+        or set(activations) != set(modules)
+        or None in args.values()
+        or len(kinds) != 1
+    ):
+        raise InvalidArgumentError(
+            owner, "activations", f"input quantizers of {sorted(activations)}",
+            "one dynamic E4M3 input quantizer (AbsMax(), PerTensor(), "
+            "PerChannel() or Tiled(tile_size=g)) for every quantized layer, "
+            "in compressed-tensors; or none (the inputs served in float)",
+        )  # fmt: skip
+    return next(iter(args.values()))

@@ -19,7 +19,8 @@ writes, the library that defines the format reads (never qbits)::
   each module decompressed by its format's compressor (``pack-quantized``,
   ``float-quantized``, ``nvfp4-pack-quantized``: its bfloat16 weights, and
   the codes, scales and float32 weights of its own unpacking and
-  ``dequantize``).
+  ``dequantize``); a module's ``input_activations`` as compressed-tensors
+  parses them (``inputs/<module>``: type, bits, strategy, group, dynamic).
 
 tests/interop runs it in a subprocess of the interpreter named by
 ``QBITS_REFERENCE_PYTHON`` (docs/guides/development.md).
@@ -99,6 +100,12 @@ def read(folder: str | pathlib.Path) -> dict[str, np.ndarray]:
             }
             decompressed = codec.decompress(part, scheme)
             out[f"weight/{m}"] = decompressed["weight"].float().numpy()
+            inputs = scheme.input_activations  # W8A8: the inputs, as it parsed them
+            if inputs is not None:
+                out[f"inputs/{m}"] = np.array(
+                    f"{inputs.type} {inputs.num_bits} {inputs.strategy} "
+                    f"{inputs.group_size} dynamic={inputs.dynamic}"
+                )
             if "weight_global_scale" in part:  # NVFP4: its codes and scales too
                 out.update(nvfp4_reference(m, part, scheme))
     # The loader's choice of the layers it quantizes: those the checkpoint

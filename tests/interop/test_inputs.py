@@ -7,7 +7,9 @@ own forward with that input quantization (tests/data/make_quantized_checkpoints.
 """
 
 import json
+import os
 import shutil
+import subprocess
 import warnings
 
 import jax.numpy as jnp
@@ -121,3 +123,47 @@ def test_qbits_import_names_the_inputs_it_quantizes(capsys):
     assert main(["import", str(DATA / "ct_fp8_dynamic")]) == 0
     out = capsys.readouterr().out
     assert "inputs quantized as they come: float8_e4m3fn per token (2 layers)" in out
+
+
+def test_inputs_written_as_compressed_tensors_declares_them(tmp_path):
+    ckpt = _read_quietly(DATA / "ct_fp8_dynamic")
+    write = qbits.interop.write_checkpoint
+    write(
+        tmp_path / "ct",
+        ckpt.weights,
+        "compressed-tensors",
+        activations=ckpt.activations,
+    )
+    assert _read_quietly(tmp_path / "ct").activations == ckpt.activations
+    int8 = qbits.presets.get("int8").fwd.lhs  # no engine quantizes inputs so
+    for fmt, acts in (
+        ("gptq", ckpt.activations),  # GPTQ declares weights only
+        ("compressed-tensors", {Q_PROJ: ckpt.activations[Q_PROJ]}),  # not o_proj's
+        ("compressed-tensors", {Q_PROJ: int8, OUT_PROJ: int8}),
+    ):
+        with pytest.raises(qbits.InvalidArgumentError, match="activations="):
+            write(tmp_path / "bad", ckpt.weights, fmt, activations=acts)
+    assert not (tmp_path / "bad").exists()  # checked before anything is written
+    # qbits export's choice: the inputs where one E4M3 quantizer serves all
+    from qbits.cli._interop import _inputs
+
+    names = {Q_PROJ: None, OUT_PROJ: None}
+    assert sorted(
+        _inputs(qbits.QuantConfig(default="fp8"), names, "compressed-tensors")
+    )
+    assert _inputs(qbits.QuantConfig(default="int8"), names, "compressed-tensors") == {}
+    assert _inputs(qbits.QuantConfig(default="fp8"), names, "gptq") == {}
+    # compressed-tensors itself parses them (QBITS_REFERENCE_PYTHON's venv)
+    python = os.environ.get("QBITS_REFERENCE_PYTHON")
+    if not python:
+        pytest.skip("QBITS_REFERENCE_PYTHON is not set (docs/guides/development.md)")
+    script = DATA.parent / "reference_read.py"
+    run = subprocess.run(
+        [python, str(script), str(tmp_path / "ct"), str(tmp_path / "ct.npz")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = np.load(tmp_path / "ct.npz")
+    for m, qt in ckpt.weights.items():
+        np.testing.assert_array_equal(got[f"weight/{m}"], np.asarray(qt.dequant()).T)
+        assert str(got[f"inputs/{m}"]) == "float 8 token None dynamic=True"
