@@ -79,7 +79,16 @@ def _scheme(qc: Mapping[str, Any], module: str, where: str) -> tuple[str, dict]:
 def read_compressed(
     tensors: Mapping[str, np.ndarray], qc: Mapping[str, Any], where: str
 ) -> dict[str, Decoded]:
-    """Every quantized module's weight: ``{module name: Decoded}``, checked."""
+    """Every quantized module's weight: ``{module name: Decoded}``, checked.
+
+    Refuses what would serve another model: transforms applied as the model
+    runs (``transform_config`` at ``input``, ``output``, ``k_cache`` or
+    ``q_attn``: Hadamard rotations of QuIP and SpinQuant's R3/R4; those at
+    ``weight_input``/``weight_output`` are already in the stored weights)
+    and weights stored sparse (``sparsity_config.format`` other than
+    ``dense``).
+    """
+    _check_dense_and_offline(qc, where)
     out: dict[str, Decoded] = {}
     modules = sorted(
         n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")
@@ -177,6 +186,30 @@ def read_compressed(
             why="config.json declares quant_method compressed-tensors",
         )
     return out
+
+
+def _check_dense_and_offline(qc: Mapping[str, Any], where: str) -> None:
+    """Raises for online transforms or sparse storage (see :func:`read_compressed`)."""
+    groups = (qc.get("transform_config") or {}).get("config_groups") or {}
+    for name, scheme in groups.items():
+        for args in scheme.get("apply") or ():
+            if args.get("location") not in ("weight_input", "weight_output"):
+                raise bad(
+                    f"{where}/config.json: transform_config.{name}",
+                    f"a {scheme.get('type')} transform at {args.get('location')}",
+                    "transforms at weight_input or weight_output only (in "
+                    "the stored weights)",
+                    why="transforms applied to activations as the model runs "
+                    "are not yet served",
+                )
+    sparse = (qc.get("sparsity_config") or {}).get("format")
+    if sparse not in (None, "dense"):
+        raise bad(
+            f"{where}/config.json: sparsity_config.format",
+            sparse,
+            "dense",
+            why="sparse storage (bitmasks, 2:4) not yet",
+        )
 
 
 def _nvfp4(

@@ -8,6 +8,7 @@ own forward with that input quantization (tests/data/make_quantized_checkpoints.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import warnings
@@ -167,3 +168,25 @@ def test_inputs_written_as_compressed_tensors_declares_them(tmp_path):
     for m, qt in ckpt.weights.items():
         np.testing.assert_array_equal(got[f"weight/{m}"], np.asarray(qt.dequant()).T)
         assert str(got[f"inputs/{m}"]) == "float 8 token None dynamic=True"
+
+
+def test_online_transforms_and_sparse_storage_are_refused(tmp_path):
+    hadamard = {
+        "type": "hadamard",
+        "apply": [
+            {"targets": ["re:.*o_proj$"], "location": "weight_input"},
+            {"targets": ["re:.*o_proj$"], "location": "input", "inverse": True},
+        ],
+    }
+    for edit, named in (
+        (lambda qc: qc.update(transform_config={"config_groups": {"R4": hadamard}}),
+         "transform_config.R4='a hadamard transform at input'"),
+        (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}),
+         "sparsity_config.format='sparse-24-bitmask'"),
+    ):  # fmt: skip
+        with pytest.raises(qbits.InvalidArgumentError, match=re.escape(named)):
+            qbits.interop.read_checkpoint(_edited(tmp_path, "ct_fp8_channel", edit))
+    # transforms in the stored weights alone: read
+    hadamard["apply"] = hadamard["apply"][:1]
+    edit = lambda qc: qc.update(transform_config={"config_groups": {"R1": hadamard}})  # noqa: E731
+    assert _read_quietly(_edited(tmp_path, "ct_fp8_channel", edit)).weights
