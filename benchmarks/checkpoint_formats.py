@@ -6,8 +6,11 @@ tests/data/make_quantized_checkpoints.py and make_more_checkpoints.py),
 read by ``qbits.interop.read_checkpoint``: are its dequantized weights the
 reference's bit for bit (GPTQ's and AWQ's dequantize in float16,
 compressed-tensors' NVFP4 in bfloat16), how far
-is the served matmul from the reference weights' float matmul, and how
-many bytes are held per float32 byte.
+is the served matmul from the reference weights' float matmul (the
+weights alone: a checkpoint that also quantizes its inputs, W8A8, is
+served here with float inputs; tests/interop/test_inputs.py checks its
+inputs against the reference's), and how many bytes are held per float32
+byte.
 
 Write: qbits PTQ results (RTN and GPTQ, int4 groups sym/asym, int8 per
 channel; AWQ of the example LM with its scales folded into the layers
