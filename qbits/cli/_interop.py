@@ -63,7 +63,8 @@ def _stored_input(q: Any) -> str:
     per = {"PerChannel": "per token", "PerTensor": "per tensor"}.get(
         type(grid).__name__, f"per token and {getattr(grid, 'tile_size', '?')} inputs"
     )
-    return f"{q.numerics.get_dtype().name} {per}"
+    static = " on a static scale" if hasattr(q.calibration, "value") else ""
+    return f"{q.numerics.get_dtype().name} {per}{static}"
 
 
 def _stored(qt: Any, grid: Any, ordered: bool) -> str:

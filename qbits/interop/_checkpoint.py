@@ -94,10 +94,11 @@ class Checkpoint:
         ``weight_shape``). ``weights[m].nbytes`` is what qbits holds
         (float32 scales: NF4's 4.5 bits a weight at blocks of 64).
       activations: ``{module name: Quantizer}`` for the layers whose inputs
-        the checkpoint quantizes as it runs (compressed-tensors' dynamic
-        FP8 ``input_activations``, DeepSeek FP8's per-token blocks):
+        the checkpoint quantizes as it runs (compressed-tensors' FP8
+        ``input_activations``, dynamic or on a static ``input_scale``;
+        DeepSeek FP8's per-token blocks):
         :func:`serving_params` quantizes those inputs so. What qbits does
-        not reproduce (static input scales, integer or NVFP4 inputs) is
+        not reproduce (integer or NVFP4 inputs, other static scales) is
         named in a warning when the checkpoint is read.
 
     Example:
@@ -145,9 +146,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     Warns:
       UserWarning: Naming what the checkpoint declares about its layers'
         inputs (or outputs, or KV cache) that qbits does not reproduce
-        (static input scales, integer or NVFP4 inputs): those are then
-        served in float. Dynamic FP8 inputs are reproduced
-        (:attr:`Checkpoint.activations`).
+        (integer or NVFP4 inputs, other static scales): those are then
+        served in float. FP8 inputs, dynamic or static per tensor, are
+        reproduced (:attr:`Checkpoint.activations`).
 
     Raises:
       InvalidArgumentError: One line naming the file and tensor: an unknown
@@ -198,9 +199,12 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     used |= {f"{m}.weight" for m, d in decoded.items() if d.kind in ("fp8", "nf4")}
     # The inputs' (outputs', cache's) scales are no model tensors either.
     aside = sorted(k for k in tensors if k.endswith(INPUT_PARTS))
-    activations, unread = input_quantizers(method, qc, sorted(decoded))
-    if aside and not unread:
-        unread = [f"the scales {aside[0]!r} and others of that kind"]
+    activations, unread, read = input_quantizers(
+        method, qc, sorted(decoded), tensors, str(folder)
+    )
+    aside_unread = [k for k in aside if k not in read]
+    if aside_unread and not unread:
+        unread = [f"the scales {aside_unread[0]!r} and others of that kind"]
     if unread:
         warnings.warn(
             f"{folder}: the weights are read, but not {'; '.join(unread)}: "

@@ -17,12 +17,19 @@ quantizes the inputs it can reproduce and says which it cannot:
   inputs (``Tiled``), as its ``act_quant`` and transformers' ``FP8Linear``
   quantize them.
 
+- compressed-tensors ``input_activations`` with ``type: float``,
+  ``num_bits: 8``, ``dynamic: false``, ``strategy: tensor``
+  (llm-compressor's static ``FP8``): E4M3 on the calibrated
+  ``m.input_scale``: ``ConstantBound(b)`` with ``b / 448`` that scale
+  (the float32 ``b`` nearest ``448 s`` that gives it back exactly; for
+  about 1 scale in 9 none does, and qbits' is a float32 ulp from it).
+
 Not reproduced, named in one warning (the layers then read float inputs):
-static input scales (``dynamic: false``, ``input_scale`` tensors), integer
-inputs (compressed-tensors' fake quantization clips to ``-128`` and
-vLLM's kernel scales by ``amax / 127``: two grids, neither qbits'
-``IntNumerics``), NVFP4 inputs, ``output_activations`` and a
-``kv_cache_scheme`` (qbits' own :mod:`qbits.kvcache` quantizes a cache).
+other static input scales, integer inputs (compressed-tensors' fake
+quantization clips to ``-128`` and vLLM's kernel scales by ``amax /
+127``: two grids, neither qbits' ``IntNumerics``), NVFP4 inputs,
+``output_activations`` and a ``kv_cache_scheme`` (qbits' own
+:mod:`qbits.kvcache` quantizes a cache).
 """
 
 from __future__ import annotations
@@ -32,12 +39,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import ml_dtypes
+import numpy as np
 
-from qbits._calibration import AbsMax
+from qbits._calibration import AbsMax, ConstantBound
 from qbits._errors import InvalidArgumentError
 from qbits._granularity import PerChannel, PerTensor, Tiled
 from qbits._quantizer import Quantizer
 from qbits.interop._compressed import config_group
+from qbits.interop._safetensors import bad
 from qbits.numerics import Fp8Numerics
 
 __all__ = ["INPUT_PARTS", "input_args", "input_quantizers", "written_inputs"]
@@ -57,21 +66,33 @@ _GRANULARITY = {"token": PerChannel, "tensor": PerTensor}
 
 
 def input_quantizers(
-    method: str, qc: Mapping[str, Any], modules: Iterable[str]
-) -> tuple[dict[str, Quantizer], list[str]]:
-    """The quantizer of each module's input, and the schemes not reproduced.
+    method: str,
+    qc: Mapping[str, Any],
+    modules: Iterable[str],
+    tensors: Mapping[str, np.ndarray],
+    where: str,
+) -> tuple[dict[str, Quantizer], list[str], set[str]]:
+    """The quantizer of each module's input, the schemes not reproduced.
 
     Args:
       method: ``quantization_config.quant_method``.
       qc: The ``quantization_config``.
       modules: The quantized modules' names.
+      tensors: The checkpoint's tensors (static input scales).
+      where: The checkpoint folder, for errors.
 
     Returns:
-      ``({module: Quantizer}, [what is not reproduced, one line each])``.
+      ``({module: Quantizer}, [what is not reproduced, one line each],
+      {the tensors read: static input scales})``.
+
+    Raises:
+      InvalidArgumentError: For a static FP8 input whose ``input_scale``
+        is missing or not one positive finite float.
     """
     fp8 = Fp8Numerics("float8_e4m3fn")
     found: dict[str, Quantizer] = {}
     unread: set[str] = set()
+    read: set[str] = set()
     if method == "fp8":
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme == "dynamic":
@@ -80,7 +101,7 @@ def input_quantizers(
         else:
             unread.add(f"activation_scheme {scheme!r} (static input_scale)")
     if method != "compressed-tensors":
-        return found, sorted(unread)
+        return found, sorted(unread), read
     for m in modules:
         group = config_group(qc, m)
         args = dict(group.get("input_activations") or {})
@@ -101,6 +122,15 @@ def input_quantizers(
             )
             found[m] = Quantizer(fp8, AbsMax(), granularity)
             continue
+        if (args.get("type"), args.get("num_bits"), strategy) == (
+            "float",
+            8,
+            "tensor",
+        ) and args.get("dynamic") is False:
+            bound = ConstantBound(_bound(tensors.get(f"{m}.input_scale"), m, where))
+            found[m] = Quantizer(fp8, bound, PerTensor())
+            read.add(f"{m}.input_scale")
+            continue
         unread.add(
             "input_activations "
             + ", ".join(f"{k} {args.get(k)}" for k in ("type", "num_bits", "strategy"))
@@ -108,7 +138,36 @@ def input_quantizers(
         )
     if qc.get("kv_cache_scheme"):
         unread.add("kv_cache_scheme")
-    return found, sorted(unread)
+    return found, sorted(unread), read
+
+
+def _bound(scale: Any, m: str, where: str) -> float:
+    """The float32 bound whose scale (``bound / 448``) is ``scale``."""
+    s = None if scale is None else np.asarray(scale)
+    if (
+        s is None
+        or s.size != 1
+        or s.dtype.kind != "f"
+        or not np.isfinite(s).all()
+        or not (s > 0).all()
+    ):
+        raise bad(
+            f"{where}: {m}.input_scale",
+            "missing" if s is None else f"{s.dtype}{list(s.shape)} {s.ravel()[:2]}",
+            "one positive float: the static input scale input_activations declare",
+        )
+    s = np.float32(s.ravel()[0])
+    mapped = np.float32(448)
+    near = up = down = np.float32(s * mapped)
+    nearest_first = [near]
+    for _ in range(8):
+        up = np.nextafter(up, np.float32(np.inf))
+        down = np.nextafter(down, np.float32(0))
+        nearest_first += [down, up]
+    for b in nearest_first:  # b / 448 is monotone in b: the nearest that gives s
+        if np.float32(b / mapped) == s:
+            return float(b)
+    return float(near)  # none does: the scale is a float32 ulp from s
 
 
 def input_args(q: Quantizer) -> dict[str, Any] | None:

@@ -205,6 +205,14 @@ def compressed(name: str, fmt: str, args: dict, inputs: dict | None = None) -> N
         m.weight_scale.data.copy_(s)
         if hasattr(m, "weight_zero_point"):
             m.weight_zero_point.data.copy_(z)
+        if acts is not None and not acts.dynamic:  # static: calibrated on a
+            # sample of its own, narrower than x (so that x clips)
+            g = torch.Generator().manual_seed(11)
+            calib = 0.8 * torch.randn(16, w.shape[-1], generator=g)
+            s, _ = calculate_qparams(
+                calib.amin().reshape(1), calib.amax().reshape(1), acts
+            )
+            m.input_scale.data.copy_(s)
     path, _, _, ref = compress_and_read(model, fmt, name, weights, len(name))
     for mod in weights if acts is not None else ():
         m = getattr(model, mod.replace(".", "__"))
@@ -396,6 +404,15 @@ def main() -> None:
         "float-quantized",
         dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
         dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True),
+    )
+    # llm-compressor's FP8 (static): a calibrated input_scale per layer
+    compressed(
+        "ct_fp8_static",
+        "float-quantized",
+        dict(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+        dict(
+            num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False
+        ),
     )
 
 

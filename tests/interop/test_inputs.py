@@ -47,6 +47,25 @@ def test_dynamic_fp8_inputs_are_quantized_as_compressed_tensors_does():
     assert np.abs(q - ref[f"y/{Q_PROJ}"]).max() > 1e-2
 
 
+def test_static_fp8_inputs_are_quantized_on_the_calibrated_scale():
+    ckpt = _read_quietly(DATA / "ct_fp8_static")
+    inputs = ckpt.activations[Q_PROJ]
+    scale = read_tensors(DATA / "ct_fp8_static")[f"{Q_PROJ}.input_scale"]
+    assert isinstance(inputs.granularity, qbits.PerTensor)
+    assert np.float32(inputs.calibration.value) / np.float32(448) == scale[0]
+    ref = np.load(DATA / "ct_fp8_static" / "reference.npz")
+    assert np.abs(ref["x"]).max() > 448 * scale[0]  # x clips at the scale
+    q = _served_q(ckpt, jnp.asarray(ref["x"][:, :64]))
+    np.testing.assert_allclose(q, ref[f"yq/{Q_PROJ}"], rtol=1e-5, atol=1e-6)
+    assert np.abs(q - ref[f"y/{Q_PROJ}"]).max() > 1e-2
+    for bad in (np.array([0.0], np.float32), np.array([0.1, 0.2], np.float32)):
+        tensors = {**read_tensors(DATA / "ct_fp8_static"), f"{Q_PROJ}.input_scale": bad}
+        with pytest.raises(qbits.InvalidArgumentError, match=r"q_proj\.input_scale"):
+            qbits.interop._inputs.input_quantizers(
+                "compressed-tensors", ckpt.quantization_config, [Q_PROJ], tensors, "w"
+            )
+
+
 def test_deepseek_fp8_inputs_are_quantized_per_token_and_weight_block():
     # act_quant of DeepSeek-V3 (and transformers' FP8Linear): E4M3, a scale
     # amax / 448 per token and weight_block_size[1] inputs
@@ -99,7 +118,7 @@ def test_input_granularities_and_what_is_not_reproduced_warns(tmp_path):
             t[f"{m}.input_scale"] = np.array([0.01], np.float32)
 
     cases = [
-        (_inputs(strategy="tensor", dynamic=False), static, "tensor, static"),
+        (_inputs(type="int", dynamic=False), static, "type int, num_bits 8"),
         (_inputs(strategy="token", type="int"), None, "type int, num_bits 8"),
         (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8}), None, "kv_cache"),
         (lambda qc: None, static, f"{OUT_PROJ}.input_scale"),  # undeclared
