@@ -2,7 +2,10 @@
 
 ``quantization_config``: ``quant_method: fp8``, ``fmt: e4m3``,
 ``activation_scheme: dynamic``, ``weight_block_size: [bm, bn]``
-(DeepSeek-V3 and transformers' ``FineGrainedFP8Config``: ``[128, 128]``).
+(DeepSeek-V3 and transformers' ``FineGrainedFP8Config``: ``[128, 128]``),
+``scale_fmt: float`` or ``ue8m0`` (DeepSeek-V3.1 on: every scale a power
+of two, stored as float32, ``float8_e8m0fnu`` or its bytes; the inputs'
+scales rounded up to powers of two as well).
 Per ``Linear`` module ``m`` (weight ``[out, in]``):
 
 - ``m.weight`` float8_e4m3fn ``[out, in]``;
@@ -24,6 +27,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from qbits.interop._codes import Decoded
@@ -32,6 +36,13 @@ from qbits.interop._safetensors import bad, modules_with
 __all__ = ["read_fp8_blocks"]
 
 _SCALES = ("float32", "bfloat16")
+# ue8m0 (DeepSeek-V3.1 on): float32 powers of two, float8_e8m0fnu, or its bytes
+_POW2_SCALES = ("float32", "float8_e8m0fnu", "uint8")
+
+
+def _powers_of_two(s: np.ndarray) -> bool:
+    mantissa, _ = np.frexp(s)
+    return bool(np.all(np.isfinite(s) & (s > 0) & (mantissa == 0.5)))
 
 
 def read_fp8_blocks(
@@ -51,11 +62,12 @@ def read_fp8_blocks(
             "[rows, columns] of each scale's block (DeepSeek-V3: [128, 128])",
             why="per-tensor FP8 checkpoints without blocks not yet",
         )
-    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("scale_fmt", "float") != "float":
+    scale_fmt = qc.get("scale_fmt", "float")
+    if qc.get("fmt", "e4m3") != "e4m3" or scale_fmt not in ("float", "ue8m0"):
         raise bad(
             f"{config}: fmt, scale_fmt",
-            f"{qc.get('fmt')}, {qc.get('scale_fmt')}",
-            "e4m3 weights, float scales",
+            f"{qc.get('fmt')}, {scale_fmt}",
+            "e4m3 weights, float or ue8m0 scales",
         )
     bm, bn = block
     modules = modules_with(
@@ -73,12 +85,22 @@ def read_fp8_blocks(
             )
         n_out, n_in = w.shape
         want = [-(-n_out // bm), -(-n_in // bn)]
-        if s.dtype.name not in _SCALES or list(s.shape) != want:
+        dtypes = _SCALES if scale_fmt == "float" else _POW2_SCALES
+        if s.dtype.name not in dtypes or list(s.shape) != want:
             raise bad(
                 f"{where}: {m}.weight_scale_inv",
                 f"{s.dtype}{list(s.shape)}",
-                f"float32{want}: a scale per {bm} x {bn} block of "
-                f"a [{n_out}, {n_in}] weight",
+                f"{' or '.join(dtypes)}{want}: a scale per {bm} x {bn} block "
+                f"of a [{n_out}, {n_in}] weight",
+            )
+        if s.dtype == np.uint8:  # ue8m0's bytes (transformers' MXFP8 checkpoints)
+            s = s.view(ml_dtypes.float8_e8m0fnu)
+        s = s.astype(np.float32)
+        if scale_fmt == "ue8m0" and not _powers_of_two(s):
+            raise bad(
+                f"{where}: {m}.weight_scale_inv",
+                "scales that are not powers of two",
+                "ue8m0 scales (scale_fmt: ue8m0), powers of two",
             )
         # A last partial block (DeepSeek-V3's 576-row kv_a_proj_with_mqa in
         # blocks of 128): qbits' tiles divide the weight, so its scales are

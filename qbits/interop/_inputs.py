@@ -15,7 +15,8 @@ quantizes the inputs it can reproduce and says which it cannot:
 - DeepSeek-V3's FP8 (``quant_method: fp8``, ``activation_scheme:
   dynamic``): E4M3 with an absmax scale per token and ``weight_block_size[1]``
   inputs (``Tiled``), as its ``act_quant`` and transformers' ``FP8Linear``
-  quantize them.
+  quantize them; with ``scale_fmt: ue8m0`` (DeepSeek-V3.1 on) each scale
+  rounded up to a power of two (``scale_rounding="e8m0"``).
 
 - compressed-tensors ``input_activations`` with ``type: float``,
   ``num_bits: 8``, ``dynamic: false``, ``strategy: tensor``
@@ -97,7 +98,10 @@ def input_quantizers(
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme == "dynamic":
             _, bn = qc["weight_block_size"]
-            found = {m: Quantizer(fp8, AbsMax(), Tiled(tile_size=bn)) for m in modules}
+            # ue8m0: DeepSeek-V3.1's act_quant rounds each scale up to 2^k
+            pow2 = "e8m0" if qc.get("scale_fmt") == "ue8m0" else "none"
+            q = Quantizer(fp8, AbsMax(), Tiled(tile_size=bn), scale_rounding=pow2)
+            found = dict.fromkeys(modules, q)
         else:
             unread.add(f"activation_scheme {scheme!r} (static input_scale)")
     if method != "compressed-tensors":

@@ -40,6 +40,8 @@ by the library that defines the format, never by qbits:
   which leaves every block's absmax as it is, and its codes are cropped);
   the reference dequantized weight is ``_dequantize_fp8_weight``, the
   integration's dequantization that handles a last partial block.
+  ``fp8_block16x32_ue8m0``: ``FineGrainedFP8Config(scale_fmt="ue8m0")``
+  (DeepSeek-V3.1's power-of-two scales, stored ``float8_e8m0fnu``).
 - bitsandbytes NF4 with double quantization (0.50.2, on CPU):
   ``bitsandbytes.functional.quantize_4bit(w, blocksize=32, quant_type=
   "nf4", compress_statistics=True)``, saved as transformers saves a
@@ -160,7 +162,7 @@ def nvfp4(name: str) -> None:
     np.savez_compressed(path / "reference.npz", **ref)
 
 
-def fp8_blocks(name: str, block: tuple[int, int]) -> None:
+def fp8_blocks(name: str, block: tuple[int, int], scale_fmt: str = "float") -> None:
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import (
         Fp8Dequantize,
@@ -169,7 +171,9 @@ def fp8_blocks(name: str, block: tuple[int, int]) -> None:
     )
 
     quantizer = types.SimpleNamespace(  # what the conversion ops read of it
-        quantization_config=FineGrainedFP8Config(weight_block_size=block)
+        quantization_config=FineGrainedFP8Config(
+            weight_block_size=block, scale_fmt=scale_fmt
+        )
     )
     tensors, ref = _extras(60), {}
     x = torch.randn(3, max(IN, OUT), generator=torch.Generator().manual_seed(7))
@@ -186,6 +190,7 @@ def fp8_blocks(name: str, block: tuple[int, int]) -> None:
         else:
             weight = _dequantize_fp8_weight(q, s, list(block), torch.float32)
         tensors[f"{mod}.weight"], tensors[f"{mod}.weight_scale_inv"] = q, s
+        weight = weight.float()  # ue8m0's bfloat16: exact (E4M3 times 2^k)
         ref[f"weight/{mod}"] = weight.numpy()
         ref[f"y/{mod}"] = (x[:, : w.shape[1]] @ weight.t()).numpy()
     config = {  # DeepSeek-V3's, its block size apart
@@ -194,6 +199,8 @@ def fp8_blocks(name: str, block: tuple[int, int]) -> None:
         "fmt": "e4m3",
         "weight_block_size": list(block),
     }
+    if scale_fmt != "float":  # DeepSeek-V3.1's: power-of-two scales
+        config["scale_fmt"] = scale_fmt
     _write(HERE / name, tensors, {"quantization_config": config}, ref)
 
 
@@ -232,6 +239,7 @@ def main() -> None:
     nvfp4("ct_nvfp4")
     fp8_blocks("fp8_block16x32", (16, 32))
     fp8_blocks("fp8_block24x48", (24, 48))
+    fp8_blocks("fp8_block16x32_ue8m0", (16, 32), "ue8m0")
     bnb_nf4("bnb_nf4_dq", 32)
     bnb_nf4("bnb_nf4", 32, double=False)
 

@@ -66,14 +66,20 @@ def test_static_fp8_inputs_are_quantized_on_the_calibrated_scale():
             )
 
 
-def test_deepseek_fp8_inputs_are_quantized_per_token_and_weight_block():
+@pytest.mark.parametrize("name", ["fp8_block16x32", "fp8_block16x32_ue8m0"])
+def test_deepseek_fp8_inputs_are_quantized_per_token_and_weight_block(name):
     # act_quant of DeepSeek-V3 (and transformers' FP8Linear): E4M3, a scale
-    # amax / 448 per token and weight_block_size[1] inputs
-    ckpt = _read_quietly(DATA / "fp8_block16x32")
-    assert ckpt.activations[Q_PROJ].granularity == qbits.Tiled(tile_size=32)
-    ref = np.load(DATA / "fp8_block16x32" / "reference.npz")
+    # amax / 448 per token and weight_block_size[1] inputs; ue8m0 (V3.1 on):
+    # that scale rounded up to a power of two
+    ckpt = _read_quietly(DATA / name)
+    inputs = ckpt.activations[Q_PROJ]
+    assert inputs.granularity == qbits.Tiled(tile_size=32)
+    ref = np.load(DATA / name / "reference.npz")
     x = ref["x"][:, :64].reshape(3, 2, 32)
     s = np.abs(x).max(-1, keepdims=True) / np.float32(448)
+    if name.endswith("ue8m0"):
+        assert inputs.scale_rounding == "e8m0"
+        s = np.exp2(np.ceil(np.log2(s))).astype(np.float32)
     xq = ((x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s).reshape(3, 64)
     want = xq @ ref[f"weight/{Q_PROJ}"].T
     q = _served_q(ckpt, jnp.asarray(ref["x"][:, :64]))
@@ -130,6 +136,19 @@ def test_input_granularities_and_what_is_not_reproduced_warns(tmp_path):
         assert named in str(record[0].message)
         assert ckpt.activations == {}  # those layers read float inputs
         assert sorted(ckpt.tensors) == ["lm_head.weight", "model.norm.weight"]
+
+    def as_bytes(t):  # ue8m0 scales as transformers' MXFP8 checkpoints hold them
+        for m in (Q_PROJ, OUT_PROJ):
+            t[f"{m}.weight_scale_inv"] = t[f"{m}.weight_scale_inv"].view(np.uint8)
+
+    path = _edited(tmp_path, "fp8_block16x32_ue8m0", lambda qc: None, as_bytes)
+    got = _read_quietly(path).weights[Q_PROJ].scale
+    want = _read_quietly(DATA / "fp8_block16x32_ue8m0").weights[Q_PROJ].scale
+    np.testing.assert_array_equal(got, want)
+    # ue8m0 declared, float scales stored: the tensors are checked
+    path = _edited(tmp_path, "fp8_block16x32", lambda qc: qc.update(scale_fmt="ue8m0"))
+    with pytest.raises(qbits.InvalidArgumentError, match="not powers of two"):
+        qbits.interop.read_checkpoint(path)
     path = _edited(
         tmp_path, "fp8_block16x32", lambda qc: qc.update(activation_scheme="static")
     )
