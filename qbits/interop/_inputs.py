@@ -56,6 +56,7 @@ __all__ = ["INPUT_PARTS", "input_args", "input_quantizers", "written_inputs"]
 #: not model tensors, whether qbits reproduces the scheme or not.
 INPUT_PARTS = (
     ".input_scale",
+    ".activation_scale",  # transformers' FP8Linear, activation_scheme static
     ".input_zero_point",
     ".input_global_scale",
     ".output_scale",
@@ -103,7 +104,7 @@ def input_quantizers(
             q = Quantizer(fp8, AbsMax(), Tiled(tile_size=bn), scale_rounding=pow2)
             found = dict.fromkeys(modules, q)
         else:
-            unread.add(f"activation_scheme {scheme!r} (static input_scale)")
+            unread.add(f"activation_scheme {scheme!r} (activation_scale tensors)")
     if method != "compressed-tensors":
         return found, sorted(unread), read
     for m in modules:
