@@ -95,10 +95,10 @@ class Checkpoint:
         (float32 scales: NF4's 4.5 bits a weight at blocks of 64).
       activations: ``{module name: Quantizer}`` for the layers whose inputs
         the checkpoint quantizes as it runs (compressed-tensors' FP8
-        ``input_activations``, dynamic or on a static ``input_scale``;
-        DeepSeek FP8's per-token blocks):
+        ``input_activations``, dynamic or on a static ``input_scale``, and
+        int8 per token; DeepSeek FP8's per-token blocks):
         :func:`serving_params` quantizes those inputs so. What qbits does
-        not reproduce (integer or NVFP4 inputs, other static scales) is
+        not reproduce (NVFP4 inputs, other static scales) is
         named in a warning when the checkpoint is read.
 
     Example:
@@ -146,9 +146,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     Warns:
       UserWarning: Naming what the checkpoint declares about its layers'
         inputs (or outputs, or KV cache) that qbits does not reproduce
-        (integer or NVFP4 inputs, other static scales): those are then
-        served in float. FP8 inputs, dynamic or static per tensor, are
-        reproduced (:attr:`Checkpoint.activations`).
+        (NVFP4 inputs, other static scales): those are then served in
+        float. FP8 inputs (dynamic, or static per tensor) and int8 ones
+        (dynamic per token) are reproduced (:attr:`Checkpoint.activations`).
 
     Raises:
       InvalidArgumentError: One line naming the file and tensor: an unknown

@@ -17,18 +17,24 @@ quantizes the inputs it can reproduce and says which it cannot:
   inputs (``Tiled``), as its ``act_quant`` and transformers' ``FP8Linear``
   quantize them; with ``scale_fmt: ue8m0`` (DeepSeek-V3.1 on) each scale
   rounded up to a power of two (``scale_rounding="e8m0"``).
-
 - compressed-tensors ``input_activations`` with ``type: float``,
   ``num_bits: 8``, ``dynamic: false``, ``strategy: tensor``
   (llm-compressor's static ``FP8``): E4M3 on the calibrated
   ``m.input_scale``: ``ConstantBound(b)`` with ``b / 448`` that scale
   (the float32 ``b`` nearest ``448 s`` that gives it back exactly; for
   about 1 scale in 9 none does, and qbits' is a float32 ulp from it).
+- compressed-tensors ``input_activations`` with ``type: int``,
+  ``num_bits: 8``, ``dynamic: true``, ``strategy: token``, symmetric
+  (llm-compressor's ``W8A8``), as vLLM quantizes them
+  (``dynamic_scaled_int8_quant``: a scale ``amax / 127`` per token, codes
+  -127..127): ``IntNumerics(bits=8, preserve_max_val=True)`` with
+  ``PerChannel()``. compressed-tensors' own fake quantization maps
+  ``amax`` onto 127.5 instead (codes -128..127), a grid no serving engine
+  runs.
 
 Not reproduced, named in one warning (the layers then read float inputs):
-other static input scales, integer inputs (compressed-tensors' fake
-quantization clips to ``-128`` and vLLM's kernel scales by ``amax /
-127``: two grids, neither qbits' ``IntNumerics``), NVFP4 inputs,
+other static input scales (vLLM clips static int8 inputs at -128, qbits'
+``IntNumerics`` at -127), asymmetric int8 inputs, NVFP4 inputs,
 ``output_activations`` and a ``kv_cache_scheme`` (qbits' own
 :mod:`qbits.kvcache` quantizes a cache).
 """
@@ -48,7 +54,7 @@ from qbits._granularity import PerChannel, PerTensor, Tiled
 from qbits._quantizer import Quantizer
 from qbits.interop._compressed import config_group
 from qbits.interop._safetensors import bad
-from qbits.numerics import Fp8Numerics
+from qbits.numerics import Fp8Numerics, IntNumerics
 
 __all__ = ["INPUT_PARTS", "input_args", "input_quantizers", "written_inputs"]
 
@@ -92,6 +98,8 @@ def input_quantizers(
         is missing or not one positive finite float.
     """
     fp8 = Fp8Numerics("float8_e4m3fn")
+    # vLLM's dynamic_scaled_int8_quant: scale amax / 127, codes -127..127
+    int8_as_vllm = IntNumerics(bits=8, preserve_max_val=True)
     found: dict[str, Quantizer] = {}
     unread: set[str] = set()
     read: set[str] = set()
@@ -115,11 +123,8 @@ def input_quantizers(
         if not args:
             continue
         strategy = args.get("strategy")
-        if (
-            (args.get("type"), args.get("num_bits")) == ("float", 8)
-            and args.get("dynamic") is True
-            and strategy in ("token", "tensor", "group")
-        ):
+        kind = (args.get("type"), args.get("num_bits"), args.get("dynamic"))
+        if kind == ("float", 8, True) and strategy in ("token", "tensor", "group"):
             granularity = (
                 Tiled(tile_size=int(args["group_size"]))
                 if strategy == "group"
@@ -127,14 +132,13 @@ def input_quantizers(
             )
             found[m] = Quantizer(fp8, AbsMax(), granularity)
             continue
-        if (args.get("type"), args.get("num_bits"), strategy) == (
-            "float",
-            8,
-            "tensor",
-        ) and args.get("dynamic") is False:
+        if kind == ("float", 8, False) and strategy == "tensor":
             bound = ConstantBound(_bound(tensors.get(f"{m}.input_scale"), m, where))
             found[m] = Quantizer(fp8, bound, PerTensor())
             read.add(f"{m}.input_scale")
+            continue
+        if kind == ("int", 8, True) and strategy == "token" and args.get("symmetric"):
+            found[m] = Quantizer(int8_as_vllm, AbsMax(), PerChannel())
             continue
         unread.add(
             "input_activations "

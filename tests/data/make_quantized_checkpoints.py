@@ -405,6 +405,13 @@ def main() -> None:
         dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
         dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True),
     )
+    # llm-compressor's W8A8 (int8): channel weights, inputs per token at run time
+    compressed(
+        "ct_w8a8_int8",
+        "pack-quantized",
+        dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+        dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True),
+    )
     # llm-compressor's FP8 (static): a calibrated input_scale per layer
     compressed(
         "ct_fp8_static",

@@ -66,6 +66,26 @@ def test_static_fp8_inputs_are_quantized_on_the_calibrated_scale():
             )
 
 
+def test_int8_inputs_are_quantized_as_vllm_does():
+    # llm-compressor's W8A8; vLLM's dynamic_scaled_int8_quant (its CUDA
+    # kernel, int8_quant_kernels.cu): scale amax / 127 per token, codes
+    # rint(x * (127 / amax)) saturated
+    ckpt = _read_quietly(DATA / "ct_w8a8_int8")
+    inputs = ckpt.activations[Q_PROJ]
+    assert inputs.numerics == qbits.IntNumerics(bits=8, preserve_max_val=True)
+    ref = np.load(DATA / "ct_w8a8_int8" / "reference.npz")
+    x = ref["x"][:, :64]
+    amax = np.abs(x).max(-1, keepdims=True)
+    codes = np.clip(np.rint(x * (np.float32(127) / amax)), -128, 127)
+    want = (codes * (amax / np.float32(127))) @ ref[f"weight/{Q_PROJ}"].T
+    q = _served_q(ckpt, jnp.asarray(x))
+    np.testing.assert_allclose(q, want, rtol=1e-5, atol=1e-6)
+    # compressed-tensors' own fake quantization maps amax onto 127.5: a
+    # grid as fine, another model; both a quantization step from float
+    for other in (ref[f"yq/{Q_PROJ}"], ref[f"y/{Q_PROJ}"]):
+        assert 1e-4 < np.abs(q - other).max() < 1e-2
+
+
 @pytest.mark.parametrize("name", ["fp8_block16x32", "fp8_block16x32_ue8m0"])
 def test_deepseek_fp8_inputs_are_quantized_per_token_and_weight_block(name):
     # act_quant of DeepSeek-V3 (and transformers' FP8Linear): E4M3, a scale
@@ -125,7 +145,7 @@ def test_input_granularities_and_what_is_not_reproduced_warns(tmp_path):
 
     cases = [
         (_inputs(type="int", dynamic=False), static, "type int, num_bits 8"),
-        (_inputs(strategy="token", type="int"), None, "type int, num_bits 8"),
+        (_inputs(strategy="tensor", type="int"), None, "type int, num_bits 8"),
         (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8}), None, "kv_cache"),
         (lambda qc: None, static, f"{OUT_PROJ}.input_scale"),  # undeclared
     ]
