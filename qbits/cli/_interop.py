@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 from typing import Any
 
@@ -129,10 +130,21 @@ def _export(args: argparse.Namespace) -> int:
         "torch_dtype": "float32",
         "qbits": {"model": "lm", "size": run["size"], "ptq": f"{name} {args.method}"},
     }
-    inputs = _inputs(config, weights, args.format)
-    qbits.interop.write_checkpoint(
-        out, weights, args.format, tensors=tensors, config=meta, activations=inputs
+    # the stored layers' input quantizers, where the format can declare
+    # them (one dynamic E4M3 for all: write_checkpoint checks, before
+    # writing anything); else the weights alone
+    inputs = {m: _lhs(config, m) for m in weights}
+    inputs = {} if None in inputs.values() else inputs
+    write = functools.partial(
+        qbits.interop.write_checkpoint, out, weights, args.format, tensors, meta
     )
+    try:
+        write(activations=inputs)
+    except qbits.InvalidArgumentError as e:
+        if e.argument != "activations":
+            raise
+        inputs = {}
+        write()
     held = sum(qt.nbytes for qt in weights.values())
     count = sum(int(np.prod(qt.shape)) for qt in weights.values())
     floats = sorted(
@@ -168,23 +180,10 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inputs(config: Any, weights: dict, format: str) -> dict:
-    """The stored layers' input quantizers, where the format can declare them.
-
-    Those of :func:`qbits.interop.write_checkpoint`'s ``activations``: one
-    dynamic E4M3 quantizer for every stored layer, in compressed-tensors;
-    else none (the weights alone are written).
-    """
-    from qbits.interop._inputs import input_args
-
-    found = {}
-    for m in weights:
-        resolved = config.resolve(m.replace(".", "/")).config
-        found[m] = getattr(getattr(resolved, "fwd", None), "lhs", None)
-    kinds = {str(input_args(q)) if q is not None else None for q in found.values()}
-    if format != "compressed-tensors" or len(kinds) != 1 or kinds == {"None"}:
-        return {}
-    return {} if None in kinds else found
+def _lhs(config: Any, module: str) -> Any:
+    """The input quantizer ``config`` gives the stored layer ``module``."""
+    resolved = config.resolve(module.replace(".", "/")).config
+    return getattr(getattr(resolved, "fwd", None), "lhs", None)
 
 
 def _torch_layout(model: Any, result: Any, format: str) -> tuple[dict, dict]:

@@ -113,3 +113,16 @@ def test_the_lms_awq_is_folded_for_ptq_reports_and_exports():
     assert _method_kwargs("awq", run, lm)["fold"] == lm_fold(lm.depth)
     assert "fold" not in _method_kwargs("gptq", run, lm)
     assert "fold" not in _method_kwargs("awq", run | {"model": "mlp"}, mlp)
+
+
+def test_export_declares_the_inputs_fp8_quantizes(tmp_path, capsys):
+    # fp8 quantizes every stored layer's input per tensor, dynamic E4M3:
+    # written as compressed-tensors' input_activations, read back as such
+    run = _saved_run(tmp_path / "run")
+    out = tmp_path / "ckpt"
+    argv = ["export", "fp8", str(out), "--run", str(run), "--method", "rtn"]
+    assert main([*argv, "--format", "compressed-tensors", "--calibration", "1"]) == 0
+    assert "inputs: fp8 quantizes them as" in capsys.readouterr().out
+    ckpt = qbits.interop.read_checkpoint(out)
+    assert len(ckpt.activations) == len(ckpt.weights) == 7
+    assert {type(q.granularity) for q in ckpt.activations.values()} == {qbits.PerTensor}

@@ -203,15 +203,6 @@ def test_inputs_written_as_compressed_tensors_declares_them(tmp_path):
         with pytest.raises(qbits.InvalidArgumentError, match="activations="):
             write(tmp_path / "bad", ckpt.weights, fmt, activations=acts)
     assert not (tmp_path / "bad").exists()  # checked before anything is written
-    # qbits export's choice: the inputs where one E4M3 quantizer serves all
-    from qbits.cli._interop import _inputs
-
-    names = {Q_PROJ: None, OUT_PROJ: None}
-    assert sorted(
-        _inputs(qbits.QuantConfig(default="fp8"), names, "compressed-tensors")
-    )
-    assert _inputs(qbits.QuantConfig(default="int8"), names, "compressed-tensors") == {}
-    assert _inputs(qbits.QuantConfig(default="fp8"), names, "gptq") == {}
     # compressed-tensors itself parses them (QBITS_REFERENCE_PYTHON's venv)
     python = os.environ.get("QBITS_REFERENCE_PYTHON")
     if not python:
