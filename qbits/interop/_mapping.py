@@ -27,6 +27,7 @@ import numpy as np
 
 from qbits import serving, transform
 from qbits._errors import InvalidArgumentError
+from qbits._granularity import Tiled
 from qbits._quantizer import Quantizer
 from qbits._tensor import QTensor
 from qbits.config import QuantConfig, Rule
@@ -320,6 +321,17 @@ def serving_params(
         paths_of[path] = i
         q: Quantizer = quantizers[i]
         inputs = checkpoint.activations.get(found[i][0][: -len(".weight")])
+        if isinstance(getattr(inputs, "granularity", None), Tiled) and (
+            len(s.contracting) > 1
+        ):  # groups of the flattened input: not Tiled's over one of its axes
+            raise InvalidArgumentError(
+                OWNER, where, f"read by {path!r} contracting "
+                f"{len(s.contracting)} axes, its inputs quantized in groups "
+                f"of {inputs.granularity.tile_size}",
+                "a model whose matmul reads that layer's input flattened "
+                "([..., in], as a Dense layer does), so that the groups are "
+                "the checkpoint's",
+            )  # fmt: skip
         # the inputs too, where the checkpoint quantizes them
         mm = MatmulConfig(rhs=q) if inputs is None else MatmulConfig(lhs=inputs, rhs=q)
         rules.append(Rule(re.escape(path), DotGeneralConfig(fwd=mm)))

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import warnings
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -239,3 +240,30 @@ def test_online_transforms_and_sparse_storage_are_refused(tmp_path):
     hadamard["apply"] = hadamard["apply"][:1]
     edit = lambda qc: qc.update(transform_config={"config_groups": {"R1": hadamard}})  # noqa: E731
     assert _read_quietly(_edited(tmp_path, "ct_fp8_channel", edit)).weights
+
+
+def test_input_groups_over_several_contracting_axes_are_refused(tmp_path):
+    # the checkpoint's groups are of the flattened input; a matmul contracting
+    # (heads, head_dim) would group along head_dim alone: refused
+    def heads(p, x):
+        attn = p["model"]["layers"]["0"]["self_attn"]
+        dims = (((1, 2), (0, 1)), ((), ()))
+        q = jax.lax.dot_general(x.reshape(3, 2, 32), attn["q_proj"]["kernel"], dims)
+        return q @ attn["o_proj"]["kernel"]
+
+    shapes = {"model": {"layers": _shapes()["model"]["layers"]}}
+    attn = shapes["model"]["layers"]["0"]["self_attn"]
+    attn["q_proj"]["kernel"] = jax.ShapeDtypeStruct((2, 32, 32), jnp.float32)
+    path = _edited(tmp_path, "ct_fp8_dynamic", _inputs(strategy="group", group_size=16))
+    ckpt = _read_quietly(path)
+    ckpt = qbits.interop.Checkpoint(
+        ckpt.format, ckpt.weights, ckpt.quantizers, {}, ckpt.quantization_config,
+        activations=ckpt.activations,
+    )  # fmt: skip
+    with pytest.raises(qbits.InvalidArgumentError, match="contracting 2 axes"):
+        qbits.interop.serving_params(
+            ckpt, heads, shapes, jnp.ones((3, 64)), names=[
+                (r"model\.layers\.0\.self_attn\.(q|o)_proj\.weight",
+                 r"model/layers/0/self_attn/\1_proj/kernel"),
+            ],
+        )  # fmt: skip
