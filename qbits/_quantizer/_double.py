@@ -13,9 +13,12 @@ dynamic map, each block divided by its absmax ``a`` (float32):
           \qquad \hat{s}_i = \mathrm{map}[c_i]\, a + o.
 
 As bitsandbytes' reference implementation (its ``default`` backend)
-rounds: a full block is multiplied by ``1 / max(a, 1e-38)``, a last partial
-one divided by ``max(a, 1e-38)`` (which is then its stored absmax), clipped
-to ``[-1, 1]``, the nearest level taken (a tie to the lower one). The
+rounds: a full block is multiplied by ``1 / max(a, t)``, a last partial
+one divided by ``max(a, t)`` (which is then its stored absmax), clipped
+to ``[-1, 1]``, the nearest level taken (a tie to the lower one). ``t`` is
+float32's smallest normal (bitsandbytes' is ``1e-38``, a subnormal, which
+XLA:CPU reads as 0); it only matters for a block of scales all equal to
+their mean, which decodes to the mean either way. The
 mean is XLA's float32 sum divided by ``n``; PyTorch sums in another order,
 so ``o`` can differ from bitsandbytes' by a rounding of the sum (and a
 code at a near-tie with it). Stored, a scale costs 8 bits plus 32 per 256:
@@ -68,7 +71,7 @@ def double_quantize(scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     blocks, rem = -(-n // NESTED_BLOCK), n % NESTED_BLOCK
     x = jnp.pad(flat, (0, blocks * NESTED_BLOCK - n)).reshape(blocks, NESTED_BLOCK)
     absmax = jnp.max(jnp.abs(x), axis=1)
-    floor = jnp.maximum(absmax, np.float32(1e-38))
+    floor = jnp.maximum(absmax, np.finfo(np.float32).tiny)
     scaled = x * (np.float32(1) / floor)[:, None]
     if rem:  # bitsandbytes divides a last partial block, and keeps its floor
         scaled = scaled.at[-1].set(x[-1] / floor[-1])

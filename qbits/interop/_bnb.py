@@ -138,16 +138,18 @@ def read_bnb(
                 tensors, f"{m}.weight.nested_quant_map", "float32", (256,), where
             )
             offset = state.get("nested_offset")
-            if (
-                nb != NESTED_BLOCK
-                or not np.array_equal(table, _SIGNED_MAP)
-                or not isinstance(offset, int | float)
-            ):
+            if not np.array_equal(table, _SIGNED_MAP):
                 raise bad(
-                    f"{where}: {m}.weight.nested_quant_map, {m}{suffix}",
+                    f"{where}: {m}.weight.nested_quant_map",
+                    "other levels",
+                    "bitsandbytes' signed dynamic map (create_dynamic_map())",
+                )
+            if nb != NESTED_BLOCK or not isinstance(offset, int | float):
+                raise bad(
+                    f"{where}: {m}{suffix}",
                     f"nested_blocksize {nb}, nested_offset {offset!r}",
-                    f"bitsandbytes' double quantization: nested_blocksize "
-                    f"{NESTED_BLOCK}, its signed dynamic map, a float offset",
+                    f"nested_blocksize {NESTED_BLOCK} and a float offset "
+                    "(bitsandbytes' double quantization)",
                 )
             # held as stored: uint8 codes [in // b, out], the nested absmax
             # and offset (qbits' order of the scales is bitsandbytes')

@@ -229,6 +229,14 @@ def test_bad_checkpoints_are_one_line_errors_naming_file_and_tensor(tmp_path):
         tmp_path, "bnb_nf4_dq", edit=lambda t: t.pop(f"{Q_PROJ}.weight.nested_absmax")
     )
     assert f"{Q_PROJ}.weight.nested_absmax='missing'" in _error(path)
+    path = _copy(
+        tmp_path,
+        "bnb_nf4_dq",
+        edit=lambda t: t.update(
+            {f"{Q_PROJ}.weight.nested_quant_map": np.ones(256, np.float32)}
+        ),
+    )
+    assert f"{Q_PROJ}.weight.nested_quant_map='other levels'" in _error(path)
     text = _error(
         _copy(
             tmp_path,
