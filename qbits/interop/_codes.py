@@ -136,7 +136,8 @@ def from_qtensor(qt: QTensor, owner: str, where: str) -> Decoded:
 
     Raises:
       InvalidArgumentError: For any other layout (a codebook, a tensor
-        scale but not NVFP4's, another format or rank).
+        scale but not NVFP4's, double-quantized scales, another format or
+        rank).
     """
     from qbits._errors import InvalidArgumentError
 
@@ -155,6 +156,7 @@ def from_qtensor(qt: QTensor, owner: str, where: str) -> Decoded:
     if (
         qdtype not in kinds
         or qt.codebook is not None
+        or qt.scale_absmax is not None  # double-quantized scales: not written
         or (qt.tensor_scale is not None) != fp4
         or (fp4 and not nvfp4)
         or len(qt.shape) != 2
@@ -162,10 +164,13 @@ def from_qtensor(qt: QTensor, owner: str, where: str) -> Decoded:
         raise InvalidArgumentError(
             owner,
             where,
-            f"a {qdtype} weight of shape {list(qt.shape)}",
+            f"a {qdtype} weight of shape {list(qt.shape)}"
+            + (" with a codebook (NF4)" if qt.codebook is not None else "")
+            + (" with double-quantized scales" if qt.scale_absmax is not None else ""),
             "a 2-D int4, uint4, int8, uint8 or float8_e4m3fn weight without "
-            "codebook or tensor scale, or NVFP4's (float4_e2m1fn codes, "
-            "float8_e4m3fn scales per 16 inputs, a tensor scale)",
+            "codebook, tensor scale or double-quantized scales, or NVFP4's "
+            "(float4_e2m1fn codes, float8_e4m3fn scales per 16 inputs, a "
+            "tensor scale)",
         )
     kind, bits = kinds[qdtype]
     codes = np.asarray(qt.unpack().qvalue)

@@ -289,6 +289,22 @@ def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
     ckpt = qbits.interop.read_checkpoint(DATA / "ct_fp8_tensor")
     with pytest.raises(qbits.InvalidArgumentError, match="compressed-tensors only"):
         qbits.interop.write_checkpoint(tmp_path / "fp8", ckpt.weights)  # GPTQ
+    # NF4 and double-quantized scales have no GPTQ or compressed-tensors form
+    nf4 = qbits.interop.read_checkpoint(DATA / "bnb_nf4_dq").weights
+    with pytest.raises(
+        qbits.InvalidArgumentError, match=r"codebook \(NF4\) with double"
+    ):
+        qbits.interop.write_checkpoint(tmp_path / "nf4", nf4, "compressed-tensors")
+    int4 = qbits.Quantizer(
+        qbits.IntNumerics(bits=4),
+        granularity=qbits.Tiled(tile_size=16),
+        double_quant=True,
+    )
+    dq = {Q_PROJ: int4.quant(jnp.ones((64, 32)), store=True, contracting_axes=(0,))}
+    with pytest.raises(
+        qbits.InvalidArgumentError, match="with double-quantized scales"
+    ):
+        qbits.interop.write_checkpoint(tmp_path / "dq", dq, "gptq")
     # float Linears beside GPTQ weights: transformers' selection names the rest
     ckpt = qbits.interop.read_checkpoint(DATA / "gptq_w4g16_sym")
     q_only, floats = (
