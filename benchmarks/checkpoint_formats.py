@@ -123,7 +123,8 @@ def read_rows() -> list[dict]:
                 )
                 + (", zero points" if q.zero_point is not None else "")
                 + (", input order" if ckpt.input_orders else "")
-                + (", E4M3 scales, tensor scale" if q.tensor_scale is not None else ""),
+                + (", E4M3 scales, tensor scale" if q.tensor_scale is not None else "")
+                + (", 8-bit scales" if q.scale_absmax is not None else ""),
                 "bit_exact": exact,
                 "served_rel_err": err,
                 "bytes_per_float32_byte": held / floats,

@@ -11,7 +11,8 @@ steps, batches and schedule (AdamW, warm-up and cosine decay):
 - LoRA: rank-8 adapters on every weight matmul (:func:`qbits.lora.apply`,
   13 of them: attention projections, MLP, head), float32 base frozen;
 - QLoRA: the same adapters over a base whose weights are held as NF4
-  (blocks of 64) or int4 in groups of 64 (symmetric), packed (the
+  (blocks of 64; float32 absmax, or double-quantized as QLoRA stores them:
+  ``nf4_dq``) or int4 in groups of 64 (symmetric), packed (the
   attention output projection, which contracts heads x head size 4 x 32,
   in groups of 32 along the head size).
 
@@ -48,18 +49,22 @@ def _nbytes(tree):
 
 
 def _weight_only(
-    numerics: qbits.numerics.QNumerics, group: int
+    numerics: qbits.numerics.QNumerics, group: int, double_quant: bool
 ) -> qbits.DotGeneralConfig:
-    rhs = qbits.Quantizer(numerics, granularity=qbits.Tiled(tile_size=group))
+    tiled = qbits.Tiled(tile_size=group)
+    rhs = qbits.Quantizer(numerics, granularity=tiled, double_quant=double_quant)
     return qbits.DotGeneralConfig(fwd=qbits.MatmulConfig(rhs=rhs, mode="fake"))
 
 
-def _base(numerics: qbits.numerics.QNumerics) -> qbits.QuantConfig:
+def _base(
+    numerics: qbits.numerics.QNumerics, double_quant: bool = False
+) -> qbits.QuantConfig:
     """Weights in groups of 64 along K; the attention output projection
-    contracts (heads 4, head size 32), and a group lies along one axis: 32."""
+    contracts (heads 4, head size 32), and a group lies along one axis: 32.
+    ``double_quant``: the scales stored as QLoRA stores them (``nf4_dq``)."""
     return qbits.QuantConfig(
-        rules=(qbits.Rule(".*attn/out", _weight_only(numerics, 32)),),
-        default=_weight_only(numerics, 64),
+        rules=(qbits.Rule(".*attn/out", _weight_only(numerics, 32, double_quant)),),
+        default=_weight_only(numerics, 64, double_quant),
     )
 
 
@@ -72,6 +77,12 @@ METHODS = {
         alpha=ALPHA,
         dropout=DROPOUT,
         base=_base(qbits.numerics.Nf4Numerics()),
+    ),
+    "QLoRA r8 (NF4 double-quant base)": lora.LoraConfig(
+        rank=RANK,
+        alpha=ALPHA,
+        dropout=DROPOUT,
+        base=_base(qbits.numerics.Nf4Numerics(), double_quant=True),
     ),
     "QLoRA r8 (int4 g64 base)": lora.LoraConfig(
         rank=RANK, alpha=ALPHA, dropout=DROPOUT, base=_base(qbits.IntNumerics(bits=4))

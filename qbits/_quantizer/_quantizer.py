@@ -35,10 +35,11 @@ from qbits._quantizer._arithmetic import (
     negatives_stay_negative,
     scales_and_inverses,
 )
+from qbits._quantizer._double import check_double_quant, double_quantize
 from qbits._quantizer._storage import blocked, encode, to_storage
 from qbits._quantizer._two_level import quantize_two_level
 from qbits._quantizer._zero_point import quantize_asymmetric
-from qbits._tensor import QTensor
+from qbits._tensor import QTensor, decode_scale
 from qbits.numerics import QNumerics
 
 __all__ = ["Quantizer", "Request", "quantize_all"]
@@ -89,6 +90,9 @@ class Quantizer(struct.PyTreeNode):
       keeps the zero points. ``scale_rounding="e4m3"`` gives NVFP4's
       two-level scales: E4M3 block scales under a float32 tensor scale
       (:mod:`qbits._quantizer._two_level`). Neither takes a scale provider.
+    - ``double_quant=True``: the float32 scales are quantized in turn
+      (:mod:`qbits._quantizer._double`); the QTensor holds them decoded,
+      or stored (``store=True``) their codes.
     - The gradient of ``quant(x).dequant()`` is ``(g * s) * (1 / s)``:
       in float32 it flushes to 0 where ``|g| * s`` is below ``2**-126`` and
       overflows where it exceeds float32's largest value (blocks at
@@ -105,6 +109,9 @@ class Quantizer(struct.PyTreeNode):
         rounded up); or
         ``"e4m3"``: float8_e4m3fn block scales under a float32 scale for
         the whole tensor (NVFP4's two-level scaling).
+      provider: A scale provider (scales from state), or ``None``.
+      double_quant: Quantize the scales too, as bitsandbytes'
+        ``bnb_4bit_use_double_quant`` (``nf4_dq``: 4.127 bits a weight).
 
     Example:
       >>> import jax.numpy as jnp
@@ -126,6 +133,7 @@ class Quantizer(struct.PyTreeNode):
         pytree_node=False, default="none"
     )
     provider: ScaleProvider | None = struct.field(pytree_node=False, default=None)
+    double_quant: bool = struct.field(pytree_node=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.calibration, ScaleProvider):
@@ -157,6 +165,7 @@ class Quantizer(struct.PyTreeNode):
                 f"'none' with {type(self.numerics).__name__} (an asymmetric "
                 "grid's scale and zero point are not rounded)",
             )
+        check_double_quant(self)
         if self.provider is not None and (asymmetric or self.scale_rounding == "e4m3"):
             what = "a zero point" if asymmetric else "a two-level (e4m3) scale"
             raise InvalidArgumentError(
@@ -540,7 +549,14 @@ def _encode(
         q = to_storage(q, p.qdtype, saturate=not clipped, guard=not vjp, codes=codes)
     scale = scale.reshape(layout.scale_shape).astype(jnp.float32)
     codebook = self.numerics.codebook if p.request.store else None
-    qt = QTensor(q, scale, qdtype=p.qdtype, dtype=x.dtype, codebook=codebook)
+    nested: dict[str, jax.Array] = {}
+    if self.double_quant:  # the scales quantized in turn, as bitsandbytes does
+        codes, absmax, offset = double_quantize(scale)
+        if p.request.store:
+            scale, nested = codes, {"scale_absmax": absmax, "scale_offset": offset}
+        else:
+            scale = decode_scale(codes, absmax, offset)
+    qt = QTensor(q, scale, qdtype=p.qdtype, dtype=x.dtype, codebook=codebook, **nested)
     return qt, grad
 
 

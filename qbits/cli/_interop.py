@@ -79,6 +79,8 @@ def _stored(qt: Any, grid: Any, ordered: bool) -> str:
         what += f"({tile} x {free})" if free > 1 else f"({tile})"
     if qt.tensor_scale is not None:
         what += " + E4M3 scales, tensor scale"  # NVFP4's
+    if qt.scale_absmax is not None:
+        what += " + 8-bit scales"  # double quantization (QLoRA's)
     what += " + zero points" if qt.zero_point is not None else ""
     return what + (" + input order" if ordered else "")
 

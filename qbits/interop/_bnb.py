@@ -18,10 +18,11 @@ into blocks of ``b`` weights; QLoRA: 64):
 
 The weight is ``quant_map[q] * absmax``. qbits reads the uint4 codes of its
 NF4 (``Nf4Numerics``, ``Tiled(b)``; a block must lie within one row of
-``in``) with the float32 absmax per block, computed from the double
-quantization as bitsandbytes computes it: the same float32 weights, with
-a float32 scale per block held (4.5 bits a weight at ``b = 64``, where
-QLoRA's 8-bit absmax holds 4.127).
+``in``) with the float32 absmax per block or, with double quantization,
+holds what the file holds (``Quantizer(double_quant=True)``: the uint8
+codes as the scale, ``nested_absmax`` and ``nested_offset`` beside them,
+4.127 bits a weight at ``b = 64``), which it decodes as bitsandbytes does
+(:func:`qbits._tensor.decode_scale`): the same float32 weights.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from qbits._tensor import NESTED_BLOCK
 from qbits.interop._codes import Decoded
 from qbits.interop._safetensors import bad, modules_with
-from qbits.numerics import Nf4Numerics
+from qbits.numerics import _SIGNED_MAP, Nf4Numerics
 
 __all__ = ["PARTS", "read_bnb"]
 
@@ -135,13 +137,29 @@ def read_bnb(
             table = _need(
                 tensors, f"{m}.weight.nested_quant_map", "float32", (256,), where
             )
-            # bitsandbytes' dequantize_blockwise, then + offset, in float32
-            absmax = table[codes8] * np.repeat(nested, nb)[:blocks]
-            absmax = absmax + np.float32(state.get("nested_offset", 0.0))
+            offset = state.get("nested_offset")
+            if not np.array_equal(table, _SIGNED_MAP):
+                raise bad(
+                    f"{where}: {m}.weight.nested_quant_map",
+                    "other levels",
+                    "bitsandbytes' signed dynamic map (create_dynamic_map())",
+                )
+            if nb != NESTED_BLOCK or not isinstance(offset, int | float):
+                raise bad(
+                    f"{where}: {m}{suffix}",
+                    f"nested_blocksize {nb}, nested_offset {offset!r}",
+                    f"nested_blocksize {NESTED_BLOCK} and a float offset "
+                    "(bitsandbytes' double quantization)",
+                )
+            # held as stored: uint8 codes [in // b, out], the nested absmax
+            # and offset (qbits' order of the scales is bitsandbytes')
+            absmax = codes8.reshape(n_out, n_in // block).T
+            nested_parts = (nested, np.full((1, 1), offset, np.float32))
         else:
             absmax = _need(tensors, f"{m}.weight.absmax", "float32", (blocks,), where)
+            absmax = absmax.reshape(n_out, n_in // block).T
+            nested_parts = None
         nibbles = np.stack([packed[:, 0] >> 4, packed[:, 0] & 0xF], axis=-1)
         codes = nibbles.reshape(n_out, n_in).T.astype(np.int32)  # [in, out]
-        scale = absmax.astype(np.float32).reshape(n_out, n_in // block).T
-        out[m] = Decoded(codes, scale, None, 4, "nf4")
+        out[m] = Decoded(codes, absmax, None, 4, "nf4", nested=nested_parts)
     return out

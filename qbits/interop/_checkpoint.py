@@ -70,8 +70,10 @@ class Checkpoint:
         transpose of PyTorch's ``[out, in]``): int4/uint4 codes packed two
         per byte along ``out``, int8/uint8 or float8_e4m3fn codes, float32
         scales per block, int16 zero points for asymmetric grids; NVFP4's
-        float4_e2m1fn codes with E4M3 scales under a tensor scale. No float
-        copy of a weight is held.
+        float4_e2m1fn codes with E4M3 scales under a tensor scale;
+        bitsandbytes NF4 with double quantization as stored (uint8 scale
+        codes, their absmax per 256 and offset). No float copy of a weight
+        is held.
       quantizers: ``{module name: Quantizer}``: the qbits grid each weight
         is on (``IntNumerics``/``UintNumerics``/``Fp8Numerics`` with
         ``Tiled(group)``, ``PerChannel()`` or ``PerTensor()``), for the
@@ -91,8 +93,9 @@ class Checkpoint:
         bitsandbytes' double quantization: a uint8 absmax per block and a
         float32 one per 256 blocks, QLoRA's 4.127 bits a weight at blocks
         of 64), not a format's per-tensor constants (quant maps,
-        ``weight_shape``). ``weights[m].nbytes`` is what qbits holds
-        (float32 scales: NF4's 4.5 bits a weight at blocks of 64).
+        ``weight_shape``, the JSON quant state). ``weights[m].nbytes`` is
+        what qbits holds: the same arrays (float32 scales where the file
+        has float16 ones), plus 4 bytes for double quantization's offset.
       activations: ``{module name: Quantizer}`` for the layers whose inputs
         the checkpoint quantizes as it runs (compressed-tensors' FP8
         ``input_activations``, dynamic or on a static ``input_scale``, and

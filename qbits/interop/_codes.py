@@ -48,7 +48,10 @@ class Decoded:
     (GPTQ act-order: the inputs sorted by group); the matmul then takes its
     activation as ``x[..., order]``. ``fp4``: NVFP4, E2M1 codes with E4M3
     block scales (held as float32, each exactly an E4M3 value) under the
-    float32 ``tensor_scale``.
+    float32 ``tensor_scale``. ``nested``: a double-quantized ``scale``
+    (bitsandbytes NF4, QLoRA's): ``scale`` holds its uint8 codes, ``nested``
+    the float32 absmax per 256 scales and the offset ``(1, 1)``
+    (:func:`qbits._tensor.decode_scale`).
     """
 
     codes: np.ndarray
@@ -58,6 +61,7 @@ class Decoded:
     kind: str  # "int", "uint", "fp8", "fp4" or "nf4"
     order: np.ndarray | None = None
     tensor_scale: float | None = None
+    nested: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def group(self) -> int:
@@ -67,7 +71,8 @@ class Decoded:
     def quantizer(self) -> Quantizer:
         """The qbits quantizer whose grid these codes are on."""
         if self.kind == "nf4":  # QLoRA's codes in blocks along the input axis
-            return Quantizer(Nf4Numerics(), AbsMax(), Tiled(tile_size=self.group))
+            tiled, double = Tiled(tile_size=self.group), self.nested is not None
+            return Quantizer(Nf4Numerics(), AbsMax(), tiled, double_quant=double)
         if self.kind == "fp4":  # NVFP4: qbits.config.presets.nvfp4's weights
             return Quantizer(
                 FpNumerics("float4_e2m1fn"), AbsMax(), Tiled(tile_size=16), "e4m3"
@@ -104,9 +109,11 @@ def to_qtensor(d: Decoded) -> QTensor:
     fp4 = d.kind == "fp4"
     own = {"fp4": ml_dtypes.float4_e2m1fn, "nf4": ml_dtypes.uint4}
     dtype = np.dtype(own.get(d.kind) or _STORAGE[d.kind, d.bits])
+    scale_dtype = jnp.float8_e4m3fn if fp4 else jnp.float32
+    nested = (None, None) if d.nested is None else d.nested
     qt = QTensor(
         jnp.asarray(d.codes.astype(dtype)),
-        jnp.asarray(d.scale, jnp.float8_e4m3fn if fp4 else jnp.float32),
+        jnp.asarray(d.scale, jnp.uint8 if d.nested is not None else scale_dtype),
         qdtype=dtype,
         dtype=np.dtype(np.float32),
         zero_point=None if d.zero is None else jnp.asarray(d.zero, jnp.int16),
@@ -114,6 +121,8 @@ def to_qtensor(d: Decoded) -> QTensor:
         if d.tensor_scale is None
         else jnp.full((1, 1), d.tensor_scale, jnp.float32),
         codebook=Nf4Numerics().levels if d.kind == "nf4" else None,
+        scale_absmax=None if nested[0] is None else jnp.asarray(nested[0]),
+        scale_offset=None if nested[1] is None else jnp.asarray(nested[1]),
     )
     return qt.pack(axis=-1) if d.bits == 4 else qt
 
@@ -127,7 +136,8 @@ def from_qtensor(qt: QTensor, owner: str, where: str) -> Decoded:
 
     Raises:
       InvalidArgumentError: For any other layout (a codebook, a tensor
-        scale but not NVFP4's, another format or rank).
+        scale but not NVFP4's, double-quantized scales, another format or
+        rank).
     """
     from qbits._errors import InvalidArgumentError
 
@@ -146,6 +156,7 @@ def from_qtensor(qt: QTensor, owner: str, where: str) -> Decoded:
     if (
         qdtype not in kinds
         or qt.codebook is not None
+        or qt.scale_absmax is not None  # double-quantized scales: not written
         or (qt.tensor_scale is not None) != fp4
         or (fp4 and not nvfp4)
         or len(qt.shape) != 2
@@ -153,10 +164,13 @@ def from_qtensor(qt: QTensor, owner: str, where: str) -> Decoded:
         raise InvalidArgumentError(
             owner,
             where,
-            f"a {qdtype} weight of shape {list(qt.shape)}",
+            f"a {qdtype} weight of shape {list(qt.shape)}"
+            + (" with a codebook (NF4)" if qt.codebook is not None else "")
+            + (" with double-quantized scales" if qt.scale_absmax is not None else ""),
             "a 2-D int4, uint4, int8, uint8 or float8_e4m3fn weight without "
-            "codebook or tensor scale, or NVFP4's (float4_e2m1fn codes, "
-            "float8_e4m3fn scales per 16 inputs, a tensor scale)",
+            "codebook, tensor scale or double-quantized scales, or NVFP4's "
+            "(float4_e2m1fn codes, float8_e4m3fn scales per 16 inputs, a "
+            "tensor scale)",
         )
     kind, bits = kinds[qdtype]
     codes = np.asarray(qt.unpack().qvalue)

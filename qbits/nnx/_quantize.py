@@ -248,6 +248,8 @@ def _run(module: Any, method: Callable[..., Any], args: Any, kwargs: Any) -> Any
                 zero_point=arrays.get("zero_point"),
                 tensor_scale=arrays.get("tensor_scale"),
                 codebook=codebook,
+                scale_absmax=arrays.get("scale_absmax"),
+                scale_offset=arrays.get("scale_offset"),
             )
     caller = dataclasses.replace(_CALLER, identity=(module, fn.graphdef, method))
     run = transform._quantize(  # identity: what fn is made of
@@ -428,7 +430,8 @@ def serving_copy(
       stored: ``{matmul path: QTensor}`` of the stored weights (values and
         scales; zero points, tensor scales and codebooks where they have
         them: kept as :class:`StoredWeight` s ``"zero_point"`` and
-        ``"tensor_scale"``, the codebook as static data).
+        ``"tensor_scale"`` (``"scale_absmax"``, ``"scale_offset"`` for a
+        double-quantized scale), the codebook as static data).
       fills: ``{key path (jax.tree_util.keystr of the model's state): (shape,
         dtype)}`` of the float weights the copy drops (a
         :class:`Placeholder` each).
@@ -451,7 +454,8 @@ def serving_copy(
     node: _Quantization = getattr(new, _ATTR)
     for path, qt in stored.items():
         parts = {"qvalue": qt.qvalue, "scale": qt.scale, "zero_point": qt.zero_point,
-                 "tensor_scale": qt.tensor_scale}  # fmt: skip
+                 "tensor_scale": qt.tensor_scale, "scale_absmax": qt.scale_absmax,
+                 "scale_offset": qt.scale_offset}  # fmt: skip
         node.stored[path] = {
             k: StoredWeight(v) for k, v in parts.items() if v is not None
         }

@@ -41,3 +41,12 @@ from qbits.numerics._keys import (  # isort: skip
     derive_key as _derive_key,  # noqa: F401
     hash_key as _hash_key,  # noqa: F401
 )
+
+# bitsandbytes' dynamic map and nearest-level rounding, for the quantizer's
+# double-quantized scales, QTensor and qbits.optim: not public.
+from qbits.numerics._dynamic import (  # isort: skip
+    SIGNED_MAP as _SIGNED_MAP,  # noqa: F401
+    count_below as _count_below,  # noqa: F401
+    dynamic_map as _dynamic_map,  # noqa: F401
+    nearest_level as _nearest_level,  # noqa: F401
+)

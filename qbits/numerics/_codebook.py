@@ -59,8 +59,9 @@ class Nf4Numerics(ClippedStraightThrough):
     it is zero where ``|x| > 1``.
 
     QLoRA quantizes weights in blocks of 64 (``Tiled(tile_size=64)``) with a
-    float32 absmax each: 4.5 bits per weight (its double quantization of the
-    absmax is not modelled).
+    float32 absmax each: 4.5 bits per weight, or 4.127 with its double
+    quantization of the absmax (``Quantizer(double_quant=True)``, the
+    ``nf4_dq`` preset).
 
     Attributes:
       clip_gradient: Zero the gradient where ``|x| > 1``.

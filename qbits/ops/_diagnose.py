@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
-from qbits._tensor import QTensor, expand_scale
+from qbits._tensor import QTensor, expand_scale, float_scale
 from qbits.ops._operands import SLOTS, block_amax
 
 __all__ = [
@@ -109,7 +109,7 @@ def measure(
     """
     x = x.astype(jnp.float32)
     xq = qt.dequant().astype(jnp.float32)
-    scale = qt.scale.astype(jnp.float32)
+    scale = float_scale(qt)  # a double-quantized scale decoded
     if qt.tensor_scale is not None:
         scale = scale * qt.tensor_scale.astype(jnp.float32)
     f32 = jnp.float32

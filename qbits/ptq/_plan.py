@@ -102,7 +102,8 @@ def plan(
       where: ``{key path: index in params}``.
 
     Raises:
-      InvalidArgumentError: For a parameter read by two quantized matmuls in
+      InvalidArgumentError: For a double-quantized weight quantizer, for a
+        parameter read by two quantized matmuls in
         other layouts or with other weight quantizers (naming both), and
         for a weight the model reads from its parameter other than whole and
         rearranged (a broadcast, a slice).
@@ -112,6 +113,14 @@ def plan(
         cfg = quant.resolve(ms.path).config
         if cfg is None or cfg.fwd.rhs.numerics.is_identity:
             continue  # float, or the activations only: the weight is kept
+        if cfg.fwd.rhs.double_quant:
+            raise InvalidArgumentError(
+                owner, "config", f"double_quant=True for {ms.path!r}",
+                "a weight quantizer without double_quant ('nf4', not 'nf4_dq')",
+                why="the methods choose codes for the float32 scales they "
+                "compute; quantizing those scales after would change them "
+                "(not yet modelled: qbits.lora and serving store nf4_dq)",
+            )  # fmt: skip
         name = jax.tree_util.keystr(ms.keys)
         if name not in where:
             raise InvalidArgumentError(

@@ -22,7 +22,7 @@ import numpy as np
 
 from qbits._errors import ConfigError, InvalidArgumentError
 from qbits._quantizer import Quantizer
-from qbits._tensor import QTensor, storage_dtype
+from qbits._tensor import QTensor, decode_scale, storage_dtype
 from qbits.config import QuantConfig, Rule, _to_dict, presets
 from qbits.ops import DotGeneralConfig, MatmulConfig
 
@@ -154,13 +154,16 @@ def stored_parts(quantizer: Quantizer) -> tuple[str, ...]:
     """The arrays a weight stored by ``quantizer`` has, ``qvalue`` and ``scale`` first.
 
     Asymmetric grids add ``zero_point``, two-level scales (NVFP4)
-    ``tensor_scale``.
+    ``tensor_scale``, double-quantized scales (``nf4_dq``: ``scale`` holds
+    their uint8 codes) ``scale_absmax`` and ``scale_offset``.
     """
     parts = ("qvalue", "scale")
     if quantizer.numerics.asymmetric:
         parts += ("zero_point",)
     if quantizer.scale_rounding == "e4m3":
         parts += ("tensor_scale",)
+    if quantizer.double_quant:
+        parts += ("scale_absmax", "scale_offset")
     return parts
 
 
@@ -178,6 +181,8 @@ def stored_qtensor(
         zero_point=arrays.get("zero_point"),
         tensor_scale=arrays.get("tensor_scale"),
         codebook=quantizer.numerics.codebook,
+        scale_absmax=arrays.get("scale_absmax"),
+        scale_offset=arrays.get("scale_offset"),
     )
 
 
@@ -200,7 +205,8 @@ def check_stored(
 ) -> None:
     """Raises unless the stored arrays of a layer have the stored layout.
 
-    ``extra``: the zero points or tensor scale, where the format has them.
+    ``extra``: the zero points, tensor scale or a double-quantized scale's
+    absmax and offset, where the format has them.
     """
     shape, dtype = expected_arrays(info)
     if np.dtype(qvalue.dtype) != dtype or tuple(qvalue.shape) != shape:
@@ -213,14 +219,30 @@ def check_stored(
             f"{dtype.name}{list(shape)}, as stored for {info.describe()}",
             why=f"layer {_show(info.path)}{hint}",
         )
-    if not jnp.issubdtype(scale.dtype, jnp.floating) or scale.ndim != len(info.shape):
+    nested = extra.get("scale_absmax")
+    kind = jnp.uint8 if nested is not None else jnp.floating
+    if not jnp.issubdtype(scale.dtype, kind) or scale.ndim != len(info.shape):
         raise InvalidArgumentError(
             owner,
             f"{info.path}/scale",
             f"an array {np.dtype(scale.dtype).name}{list(scale.shape)}",
-            f"a float array of rank {len(info.shape)}",
+            f"{'uint8 codes' if nested is not None else 'a float array'} of "
+            f"rank {len(info.shape)}",
             why=f"layer {_show(info.path)}",
         )
+    if nested is not None:
+        offset = extra.get("scale_offset")
+        try:
+            jax.eval_shape(decode_scale, scale, nested, offset)
+        except (InvalidArgumentError, AttributeError):
+            raise InvalidArgumentError(
+                owner,
+                f"{info.path}/scale_absmax, scale_offset",
+                f"{np.shape(nested)}, {np.shape(offset)}",
+                f"float32 [*layers, ceil(n / 256)] and [*layers, 1, ...] for "
+                f"the {list(scale.shape)} scale codes",
+                why=f"layer {_show(info.path)}",
+            ) from None
     tensor = extra.get("tensor_scale")
     for name, kind, shape in (
         ("zero_point", jnp.integer, tuple(scale.shape)),

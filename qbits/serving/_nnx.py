@@ -48,8 +48,9 @@ def convert_nnx(
 def served_layers(model: nnx.Module) -> list[tuple[LayerInfo, dict[str, Any]]]:
     """``(info, arrays)`` of every stored weight of a serving copy.
 
-    ``arrays``: ``{"qvalue": ..., "scale": ...}``, with ``"zero_point"`` and
-    ``"tensor_scale"`` where the format has them.
+    ``arrays``: ``{"qvalue": ..., "scale": ...}``, with ``"zero_point"``,
+    ``"tensor_scale"``, ``"scale_absmax"`` and ``"scale_offset"`` where the
+    format has them.
     """
     node = getattr(model, "qbits", None)
     infos = getattr(node, "info", ()) if node is not None else ()

@@ -75,7 +75,9 @@ class ServingParams(struct.PyTreeNode):
         placeholder (shape ``(0,)``, its dtype).
       weights: ``{matmul path: {"qvalue": array, "scale": array}}``: the
         stored weights (with ``"zero_point"`` for asymmetric grids,
-        ``"tensor_scale"`` for NVFP4's two-level scales, and
+        ``"tensor_scale"`` for NVFP4's two-level scales,
+        ``"scale_absmax"`` and ``"scale_offset"`` beside a double-quantized
+        scale's uint8 codes (``nf4_dq``), and
         ``"input_order"`` for a weight whose rows hold its inputs in
         another order, an act-order GPTQ checkpoint's: the matmul then
         multiplies ``x[..., input_order]``).
@@ -244,6 +246,8 @@ def _layout(qt: QTensor) -> str:
         + part("scale", qt.scale)
         + part("zero point", qt.zero_point)
         + part("tensor scale", qt.tensor_scale)
+        + part("scale absmax", qt.scale_absmax)
+        + part("scale offset", qt.scale_offset)
         + (", codebook" if qt.codebook is not None else "")
     )
 
@@ -292,9 +296,9 @@ def convert_params(
 
 
 def _arrays(qt: QTensor) -> dict[str, jax.Array]:
-    """A stored weight's arrays: values and scales, zero points, tensor scale."""
+    """A stored weight's arrays: values, scales and what the format adds."""
     arrays = {"qvalue": qt.qvalue, "scale": qt.scale}
-    for name in ("zero_point", "tensor_scale"):
+    for name in ("zero_point", "tensor_scale", "scale_absmax", "scale_offset"):
         if getattr(qt, name) is not None:
             arrays[name] = getattr(qt, name)
     return arrays

@@ -224,6 +224,7 @@ class Runner:
                 for label, part in (
                     ("zero point", q.zero_point),
                     ("tensor scale", q.tensor_scale),
+                    ("scale absmax", q.scale_absmax),
                     ("codebook", q.codebook),
                 )
                 if part is not None
@@ -236,7 +237,7 @@ class Runner:
 
         if not isinstance(qt, QTensor):
             got = f"a {type(qt).__name__}"
-        elif layout(qt) == layout(want) and jnp.issubdtype(qt.scale.dtype, np.floating):
+        elif layout(qt) == layout(want) and qt.scale.dtype == want.scale.dtype:
             return
         else:
             got = layout(qt)

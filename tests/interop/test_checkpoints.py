@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import qbits.interop
+from qbits._tensor import float_scale
 from qbits.interop._safetensors import read_tensors, write_tensors
 
 DATA = pathlib.Path(__file__).parents[1] / "data" / "quantized"
@@ -84,13 +85,34 @@ def test_reads_codes_and_scales_bit_for_bit_and_serves_the_reference(name):
             np.testing.assert_allclose(w, ref[f"weight32/{m}"], rtol=2**-22, atol=0)
         np.testing.assert_array_equal(got, ref[f"weight/{m}"])
         if name.startswith("bnb"):  # the absmax bitsandbytes double-dequantizes
-            np.testing.assert_array_equal(qt.scale.T.ravel(), ref[f"absmax/{m}"])
+            dq = "dq" in name
+            scale = np.asarray(float_scale(qt))
+            np.testing.assert_array_equal(scale.T.ravel(), ref[f"absmax/{m}"])
             # the file's bytes: codes, an absmax per block (double quantization:
-            # uint8, and a float32 per 256 blocks); qbits holds float32 absmax
+            # uint8, and a float32 per 256 blocks)
             n, blocks = w.size, qt.scale.size
-            absmax = blocks + 4 * -(-blocks // 256) if "dq" in name else 4 * blocks
+            absmax = blocks + 4 * -(-blocks // 256) if dq else 4 * blocks
             assert ckpt.stored_bytes[m] == n // 2 + absmax
-            assert qt.nbytes == n // 2 + 4 * blocks
+            # qbits holds the same (and the offset of the file's JSON state)
+            assert qt.nbytes == n // 2 + absmax + 4 * dq
+            assert (
+                (qt.scale_absmax is not None) == dq == ckpt.quantizers[m].double_quant
+            )
+            if dq:  # the file's uint8 codes (bitsandbytes' order), not float32
+                held = {k: v for k, v in vars(qt).items() if hasattr(v, "dtype")}
+                assert {k: (v.dtype.name, v.shape) for k, v in held.items()} == {
+                    "qvalue": ("uint8", (w.shape[1], w.shape[0] // 2)),
+                    "scale": ("uint8", (w.shape[1] // 32, w.shape[0])),
+                    "scale_absmax": ("float32", (-(-blocks // 256),)),
+                    "scale_offset": ("float32", (1, 1)),
+                }
+                file = read_tensors(DATA / name)
+                codes = file[f"{m}.weight.absmax"]
+                np.testing.assert_array_equal(np.asarray(qt.scale).T.ravel(), codes)
+                # compiled too (XLA would fuse the decode's product and sum)
+                got = jax.jit(lambda q: (float_scale(q), q.dequant()))(qt)
+                np.testing.assert_array_equal(got[0], scale)
+                np.testing.assert_array_equal(np.asarray(got[1]).T, ref[f"weight/{m}"])
         if name.startswith("awq"):  # AutoAWQ's zero points and fp16 scales
             np.testing.assert_array_equal(qt.zero_point.T, ref[f"zeros/{m}"])
             np.testing.assert_array_equal(
@@ -207,6 +229,14 @@ def test_bad_checkpoints_are_one_line_errors_naming_file_and_tensor(tmp_path):
         tmp_path, "bnb_nf4_dq", edit=lambda t: t.pop(f"{Q_PROJ}.weight.nested_absmax")
     )
     assert f"{Q_PROJ}.weight.nested_absmax='missing'" in _error(path)
+    path = _copy(
+        tmp_path,
+        "bnb_nf4_dq",
+        edit=lambda t: t.update(
+            {f"{Q_PROJ}.weight.nested_quant_map": np.ones(256, np.float32)}
+        ),
+    )
+    assert f"{Q_PROJ}.weight.nested_quant_map='other levels'" in _error(path)
     text = _error(
         _copy(
             tmp_path,
@@ -259,6 +289,22 @@ def test_writes_what_it_reads_gptq_and_compressed_tensors(tmp_path):
     ckpt = qbits.interop.read_checkpoint(DATA / "ct_fp8_tensor")
     with pytest.raises(qbits.InvalidArgumentError, match="compressed-tensors only"):
         qbits.interop.write_checkpoint(tmp_path / "fp8", ckpt.weights)  # GPTQ
+    # NF4 and double-quantized scales have no GPTQ or compressed-tensors form
+    nf4 = qbits.interop.read_checkpoint(DATA / "bnb_nf4_dq").weights
+    with pytest.raises(
+        qbits.InvalidArgumentError, match=r"codebook \(NF4\) with double"
+    ):
+        qbits.interop.write_checkpoint(tmp_path / "nf4", nf4, "compressed-tensors")
+    int4 = qbits.Quantizer(
+        qbits.IntNumerics(bits=4),
+        granularity=qbits.Tiled(tile_size=16),
+        double_quant=True,
+    )
+    dq = {Q_PROJ: int4.quant(jnp.ones((64, 32)), store=True, contracting_axes=(0,))}
+    with pytest.raises(
+        qbits.InvalidArgumentError, match="with double-quantized scales"
+    ):
+        qbits.interop.write_checkpoint(tmp_path / "dq", dq, "gptq")
     # float Linears beside GPTQ weights: transformers' selection names the rest
     ckpt = qbits.interop.read_checkpoint(DATA / "gptq_w4g16_sym")
     q_only, floats = (
@@ -455,7 +501,7 @@ def test_qbits_import_lists_the_weights_or_prints_the_one_line_error(capsys):
     out = capsys.readouterr().out
     assert f"{Q_PROJ} uint4 Tiled(16) + zero points" in out and "7.000" in out
     for name, stored, bits in (
-        ("bnb_nf4_dq", "NF4 (uint4 codes) Tiled(32)", "5.000   4.266"),
+        ("bnb_nf4_dq", "NF4 (uint4 codes) Tiled(32) + 8-bit scales", "4.281   4.266"),
         ("fp8_block24x48", "float8_e4m3fn Tiled(16 x 8)", "8.250   8.062"),
         ("gptq_w4g16_actorder", "int4 Tiled(16) + input order", "7.000   6.250"),
         ("ct_nvfp4", "float4_e2m1fn Tiled(16) + E4M3 scales, tensor scale", "4.516"),

@@ -12,13 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 import qbits
 from qbits import optim
-from qbits.optim._blockwise import (
-    _count_below,
-    dequantize,
-    dynamic_map,
-    levels,
-    quantize,
-)
+from qbits.numerics._dynamic import count_below as _count_below
+from qbits.numerics._dynamic import dynamic_map
+from qbits.optim._blockwise import dequantize, levels, quantize
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "bnb_optim.npz"
 FORMATS = [(8, "dynamic"), (8, "linear"), (8, "fp8"), (4, "dynamic"), (4, "linear")]

@@ -1,7 +1,8 @@
 """Serving the PTQ formats: zero points, NF4 codes, NVFP4's two-level scales.
 
 Each model mixes two formats (one rule per layer), so that two models
-cover the four presets; an nnx serving copy holds the extra arrays too.
+cover four presets (nf4_dq: NF4's double-quantized scales); an nnx
+serving copy holds the extra arrays too.
 """
 
 import flax.linen as nn
@@ -26,6 +27,10 @@ def nf4(k, n):  # packed codes, a float32 absmax per 64
     return k * n // 2 + k * n // 64 * 4
 
 
+def nf4_dq(k, n):  # packed codes, a byte per 64, a float32 per 256 of those, one
+    return k * n // 2 + k * n // 64 + -(-k * n // 64 // 256) * 4 + 4
+
+
 def nvfp4(k, n):  # packed codes, an e4m3 scale per 16, one float32
     return k * n // 2 + k * n // 16 + 4
 
@@ -34,6 +39,7 @@ def nvfp4(k, n):  # packed codes, an e4m3 scale per 16, one float32
 FORMATS = {
     "w4g128_asym": ({"zero_point": "int16"}, asym4),
     "nf4": ({}, nf4),
+    "nf4_dq": ({"scale_absmax": "float32", "scale_offset": "float32"}, nf4_dq),
     "nvfp4": ({"tensor_scale": "float32"}, nvfp4),
     "nvfp4_weight_only": ({"tensor_scale": "float32"}, nvfp4),
 }
@@ -86,14 +92,19 @@ def _rules(presets):
 
 def test_a_function_serves_bit_for_bit_and_checkpoints(tmp_path, setup):
     params, x = setup
-    presets = ("w4g128_asym", "nf4")
+    presets = ("w4g128_asym", "nf4_dq")
     config = _rules(presets)
     sp = serving.convert(mlp, config, params, x)
     served = _check(sp, presets, mlp, params, x, serving.serve(mlp, config))
+    assert sp.weights["w2"]["scale"].dtype == np.uint8  # double-quantized
     serving.save(tmp_path / "ckpt", sp)  # zero points survive a checkpoint
     back = serving.restore(tmp_path / "ckpt", jax.eval_shape(lambda: sp))
     assert set(back.weights["w1"]) == {"qvalue", "scale", "zero_point"}
+    assert set(back.weights["w2"]) == {"qvalue", "scale", *FORMATS["nf4_dq"][0]}
     np.testing.assert_array_equal(served(back, x), served(sp, x))
+    w2 = {**sp.weights["w2"], "scale_absmax": jnp.ones((3,))}  # 64 scales: 1 block
+    with pytest.raises(qbits.InvalidArgumentError, match="w2/scale_absmax"):
+        served(sp.replace(weights={**sp.weights, "w2": w2}), x)
 
 
 @pytest.mark.optimized  # float4 casts: XLA's default CPU emitters

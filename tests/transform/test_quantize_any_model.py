@@ -659,7 +659,8 @@ _ACTS = {  # what each preset runs on a matmul of two activations
     "w1_58a8": "w1_58a8 (activations: lhs quantizer on both operands)",
     "fp8_blockwise": "fp8_blockwise (activations: lhs quantizer on both operands)",
     **dict.fromkeys(
-        ("int4_weight_only", "w4g128_asym", "nf4", "nvfp4_weight_only"), "kept"
+        ("int4_weight_only", "w4g128_asym", "nf4", "nf4_dq", "nvfp4_weight_only"),
+        "kept",
     ),
 }
 
