@@ -124,7 +124,8 @@ def read_rows() -> list[dict]:
                 + (", zero points" if q.zero_point is not None else "")
                 + (", input order" if ckpt.input_orders else "")
                 + (", E4M3 scales, tensor scale" if q.tensor_scale is not None else "")
-                + (", 8-bit scales" if q.scale_absmax is not None else ""),
+                + (", 8-bit scales" if q.scale_absmax is not None else "")
+                + _inputs(ckpt.activations.get(NAMES["q"])),
                 "bit_exact": exact,
                 "served_rel_err": err,
                 "bytes_per_float32_byte": held / floats,
@@ -133,6 +134,17 @@ def read_rows() -> list[dict]:
             }
         )
     return rows
+
+
+def _inputs(q) -> str:
+    """The inputs the checkpoint quantizes (W8A8), e.g. ``; inputs int8 per token``."""
+    if q is None:
+        return ""
+    per = {"PerChannel": "per token", "PerTensor": "per tensor"}.get(
+        type(q.granularity).__name__, "per token and block"
+    )
+    static = " static" if hasattr(q.calibration, "value") else ""
+    return f"; inputs {q.numerics.get_dtype().name} {per}{static}"
 
 
 def _ptq(method: str, quantizer) -> dict:
