@@ -694,3 +694,23 @@ def test_a_placeholder_takes_no_part_but_its_place():
     want = int8.quant(x, store=True, contracting_axes=(1,))
     np.testing.assert_array_equal(qt.qvalue, want.qvalue)
     np.testing.assert_array_equal(qt.scale, want.scale)
+
+
+def test_a_fixed_tensor_amax_sets_the_two_level_tensor_scale():
+    # NVFP4 under a calibrated global scale: tensor_amax replaces the
+    # tensor's own amax (equal to it, the same result; smaller, the top
+    # blocks clip at E4M3's 448 block scale; larger, coarser block scales)
+    base = qbits.presets.get("nvfp4").fwd.lhs
+    x = jax.random.normal(jax.random.key(0), (4, 64))
+    own = float(jnp.abs(x).max())
+
+    def q(amax):
+        return base.replace(tensor_amax=amax).quant(x, contracting_axes=(1,)).dequant()
+
+    plain = base.quant(x, contracting_axes=(1,)).dequant()
+    np.testing.assert_array_equal(q(own), plain)
+    assert float(jnp.abs(q(own / 4)).max()) < own * 0.3  # clipped
+    assert not np.array_equal(q(own * 3), plain)  # (x4: the same, exactly)
+    for bad, rounding in ((0.0, "e4m3"), (float("inf"), "e4m3"), (1.0, "none")):
+        with pytest.raises(qbits.InvalidArgumentError, match="tensor_amax"):
+            base.replace(tensor_amax=bad, scale_rounding=rounding)

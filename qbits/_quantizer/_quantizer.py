@@ -24,7 +24,7 @@ from qbits._calibration import (
     scale_limits,
 )
 from qbits._context import Context
-from qbits._errors import InvalidArgumentError, check_choice
+from qbits._errors import InvalidArgumentError, check_choice, check_float
 from qbits._formats import check_float_input, compute_dtype
 from qbits._granularity import BlockLayout, Granularity, PerTensor
 from qbits._jaxpr import varying
@@ -112,6 +112,9 @@ class Quantizer(struct.PyTreeNode):
       provider: A scale provider (scales from state), or ``None``.
       double_quant: Quantize the scales too, as bitsandbytes'
         ``bnb_4bit_use_double_quant`` (``nf4_dq``: 4.127 bits a weight).
+      tensor_amax: With ``scale_rounding="e4m3"``: the amax the tensor
+        scale is computed from, fixed (a calibrated global scale, as NVFP4
+        W4A4 checkpoints ship their inputs'); ``None``: each tensor's own.
 
     Example:
       >>> import jax.numpy as jnp
@@ -134,6 +137,7 @@ class Quantizer(struct.PyTreeNode):
     )
     provider: ScaleProvider | None = struct.field(pytree_node=False, default=None)
     double_quant: bool = struct.field(pytree_node=False, default=False)
+    tensor_amax: float | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self) -> None:
         if isinstance(self.calibration, ScaleProvider):
@@ -166,6 +170,16 @@ class Quantizer(struct.PyTreeNode):
                 "grid's scale and zero point are not rounded)",
             )
         check_double_quant(self)
+        if self.tensor_amax is not None:
+            check_float(
+                "Quantizer", "tensor_amax", self.tensor_amax, lo=0.0, lo_open=True
+            )
+            if self.scale_rounding != "e4m3":
+                raise InvalidArgumentError(
+                    "Quantizer", "tensor_amax", self.tensor_amax,
+                    "None unless scale_rounding='e4m3' (a two-level scale's "
+                    "tensor level)",
+                )  # fmt: skip
         if self.provider is not None and (asymmetric or self.scale_rounding == "e4m3"):
             what = "a zero point" if asymmetric else "a two-level (e4m3) scale"
             raise InvalidArgumentError(

@@ -10,7 +10,9 @@ largest finite magnitude of the whole tensor, in float32:
           q = \mathrm{numerics}\Big(\frac{x}{b\, g}\Big), \qquad
           \hat{x} = q\, (b\, g),
 
-with ``bound`` each block's calibration (its absmax with
+(``amax`` fixed by ``Quantizer(tensor_amax=...)``: a calibrated global
+scale, as NVFP4 W4A4 checkpoints ship their inputs'; values beyond it may
+clip at the top block scale), with ``bound`` each block's calibration (its absmax with
 :class:`~qbits.AbsMax`), ``e4m3`` rounding to nearest even onto
 ``float8_e4m3fn`` (saturating at 448) and ``b g`` one float32 product. The
 tensor scale ``g`` makes the block with the largest bound use the top of
@@ -101,6 +103,8 @@ def quantize_two_level(
     mapped = float(numerics.abs_val_mapped_to())
     finite = jnp.where(jnp.isfinite(xs), jnp.abs(xs), 0)
     amax = jnp.max(finite) if x.size else jnp.zeros((), xs.dtype)
+    if request.quantizer.tensor_amax is not None:  # a calibrated global scale
+        amax = jnp.asarray(request.quantizer.tensor_amax, xs.dtype)
 
     def on_grid(v: jax.Array, b: jax.Array, g: jax.Array) -> jax.Array:
         y, zero = _encode(v, b, g)

@@ -99,9 +99,10 @@ class Checkpoint:
       activations: ``{module name: Quantizer}`` for the layers whose inputs
         the checkpoint quantizes as it runs (compressed-tensors' FP8
         ``input_activations``, dynamic or on a static ``input_scale``, and
-        int8 per token; DeepSeek FP8's per-token blocks):
+        int8 per token, NVFP4 under a static global scale; DeepSeek FP8's
+        per-token blocks):
         :func:`serving_params` quantizes those inputs so. What qbits does
-        not reproduce (NVFP4 inputs, other static scales) is
+        not reproduce (asymmetric int8 inputs, other static scales) is
         named in a warning when the checkpoint is read.
 
     Example:
@@ -149,9 +150,10 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     Warns:
       UserWarning: Naming what the checkpoint declares about its layers'
         inputs (or outputs, or KV cache) that qbits does not reproduce
-        (NVFP4 inputs, other static scales): those are then served in
-        float. FP8 inputs (dynamic, or static per tensor) and int8 ones
-        (dynamic per token) are reproduced (:attr:`Checkpoint.activations`).
+        (asymmetric int8 inputs, other static scales): those are then served
+        in float. FP8 inputs (dynamic, or static per tensor), int8 ones
+        (dynamic per token) and NVFP4 ones are reproduced
+        (:attr:`Checkpoint.activations`).
 
     Raises:
       InvalidArgumentError: One line naming the file and tensor: an unknown

@@ -32,9 +32,16 @@ quantizes the inputs it can reproduce and says which it cannot:
   ``amax`` onto 127.5 instead (codes -128..127), a grid no serving engine
   runs.
 
+- compressed-tensors' NVFP4 inputs (``nvfp4-pack-quantized`` W4A4:
+  ``num_bits: 4``, ``strategy: tensor_group``, ``group_size: 16``,
+  ``dynamic: local``): E2M1 in groups of 16 with E4M3 scales computed as
+  they come, under the calibrated ``m.input_global_scale`` ``G``:
+  two-level scaling (``scale_rounding="e4m3"``) with the tensor amax fixed
+  at ``448 * 6 / G`` (``Quantizer(tensor_amax=...)``).
+
 Not reproduced, named in one warning (the layers then read float inputs):
 other static input scales (vLLM clips static int8 inputs at -128, qbits'
-``IntNumerics`` at -127), asymmetric int8 inputs, NVFP4 inputs,
+``IntNumerics`` at -127), asymmetric int8 inputs, other FP4 inputs,
 ``output_activations`` and a ``kv_cache_scheme`` (qbits' own
 :mod:`qbits.kvcache` quantizes a cache).
 """
@@ -54,7 +61,7 @@ from qbits._granularity import PerChannel, PerTensor, Tiled
 from qbits._quantizer import Quantizer
 from qbits.interop._compressed import config_group
 from qbits.interop._safetensors import bad
-from qbits.numerics import Fp8Numerics, IntNumerics
+from qbits.numerics import Fp8Numerics, FpNumerics, IntNumerics
 
 __all__ = ["INPUT_PARTS", "input_args", "input_quantizers", "written_inputs"]
 
@@ -137,6 +144,18 @@ def input_quantizers(
             found[m] = Quantizer(fp8, bound, PerTensor())
             read.add(f"{m}.input_scale")
             continue
+        if kind == ("float", 4, "local") and (strategy, args.get("group_size")) == (
+            "tensor_group",
+            16,
+        ):  # NVFP4 W4A4: E4M3 scales per 16 under the calibrated global scale
+            gs = _positive(tensors.get(f"{m}.input_global_scale"), m, where)
+            amax = float(np.float32(448 * 6) / np.float32(gs))
+            found[m] = Quantizer(
+                FpNumerics("float4_e2m1fn"), AbsMax(), Tiled(tile_size=16),
+                scale_rounding="e4m3", tensor_amax=amax,
+            )  # fmt: skip
+            read.add(f"{m}.input_global_scale")
+            continue
         if kind == ("int", 8, True) and strategy == "token" and args.get("symmetric"):
             found[m] = Quantizer(int8_as_vllm, AbsMax(), PerChannel())
             continue
@@ -150,9 +169,11 @@ def input_quantizers(
     return found, sorted(unread), read
 
 
-def _bound(scale: Any, m: str, where: str) -> float:
-    """The float32 bound whose scale (``bound / 448``) is ``scale``."""
-    s = None if scale is None else np.asarray(scale)
+def _positive(
+    value: Any, m: str, where: str, part: str = "input_global_scale"
+) -> float:
+    """The one positive finite float a static input tensor must hold."""
+    s = None if value is None else np.asarray(value)
     if (
         s is None
         or s.size != 1
@@ -161,11 +182,16 @@ def _bound(scale: Any, m: str, where: str) -> float:
         or not (s > 0).all()
     ):
         raise bad(
-            f"{where}: {m}.input_scale",
+            f"{where}: {m}.{part}",
             "missing" if s is None else f"{s.dtype}{list(s.shape)} {s.ravel()[:2]}",
             "one positive float: the static input scale input_activations declare",
         )
-    s = np.float32(s.ravel()[0])
+    return float(s.ravel()[0])
+
+
+def _bound(scale: Any, m: str, where: str) -> float:
+    """The float32 bound whose scale (``bound / 448``) is ``scale``."""
+    s = np.float32(_positive(scale, m, where, "input_scale"))
     mapped = np.float32(448)
     near = up = down = np.float32(s * mapped)
     nearest_first = [near]

@@ -133,15 +133,19 @@ def awq(name: str, group: int) -> None:
     _write(HERE / name, tensors, {"quantization_config": config}, ref)
 
 
-def nvfp4(name: str) -> None:
+def nvfp4(name: str, scheme: str = "NVFP4A16") -> None:
+    """NVFP4 weights; ``scheme="NVFP4"`` (W4A4): the inputs too, in groups
+    of 16 under a calibrated ``input_global_scale``; ``yq/<name>`` is then
+    compressed-tensors' forward with its own quantization of ``x``."""
     from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
     from compressed_tensors.quantization.utils import (
         calculate_qparams,
         generate_gparam,
     )
 
     weights = _float_weights(50)
-    model = quantizable_linears(weights, preset_name_to_scheme("NVFP4A16", ["Linear"]))
+    model = quantizable_linears(weights, preset_name_to_scheme(scheme, ["Linear"]))
     for mod in weights:
         m = getattr(model, mod.replace(".", "__"))
         args = m.quantization_scheme.weights
@@ -151,6 +155,11 @@ def nvfp4(name: str) -> None:
         s, _ = calculate_qparams(g.amin(-1), g.amax(-1), args, global_scale=gs)
         m.weight_global_scale.data.copy_(gs)
         m.weight_scale.data.copy_(s)
+        if m.quantization_scheme.input_activations is not None:  # calibrated
+            # on a sample of its own, narrower than x (x's top blocks clip)
+            gen = torch.Generator().manual_seed(11)
+            calib = 0.8 * torch.randn(16, w.shape[1], generator=gen)
+            m.input_global_scale.data.copy_(generate_gparam(calib.amin(), calib.amax()))
     path, parts, group, ref = compress_and_read(
         model, "nvfp4-pack-quantized", name, weights, 50
     )
@@ -159,6 +168,13 @@ def nvfp4(name: str) -> None:
         # dequantizes them (decompress returns bfloat16)
         read = nvfp4_reference(mod, part, group)
         ref.update({k: read[k] for k in (f"codes/{mod}", f"weight32/{mod}")})
+        m = getattr(model, mod.replace(".", "__"))
+        acts = m.quantization_scheme.input_activations
+        if acts is not None:
+            w = torch.from_numpy(ref[f"weight32/{mod}"])
+            x = torch.from_numpy(ref["x"][:, : w.shape[1]])
+            xq = forward_quantize(m, x[None], "input", acts)[0]  # [batch, seq, in]
+            ref[f"yq/{mod}"] = (xq @ w.t()).numpy()
     np.savez_compressed(path / "reference.npz", **ref)
 
 
@@ -237,6 +253,7 @@ def bnb_nf4(name: str, block: int, double: bool = True) -> None:
 def main() -> None:
     awq("awq_w4g16", 16)
     nvfp4("ct_nvfp4")
+    nvfp4("ct_nvfp4_w4a4", "NVFP4")
     fp8_blocks("fp8_block16x32", (16, 32))
     fp8_blocks("fp8_block24x48", (24, 48))
     fp8_blocks("fp8_block16x32_ue8m0", (16, 32), "ue8m0")

@@ -219,3 +219,22 @@ def test_a_compressed_tensors_nvfp4_checkpoint_serves_on_its_codes_and_scales():
     got = serving.serve(fn, config)(sp, x)
     want = ref["x"][:, :64] @ ref[f"weight32/{q}"].T @ ref[f"weight32/{o}"].T
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.optimized  # float4 casts (run in this module's optimized process)
+def test_nvfp4_checkpoint_inputs_are_quantized_under_its_global_scale():
+    # compressed-tensors' NVFP4 (W4A4, tests/interop/test_inputs.py): E2M1 in
+    # groups of 16, E4M3 scales as the inputs come, under the static
+    # input_global_scale G; against compressed-tensors' own forward
+    from qbits.interop._safetensors import read_tensors
+    from tests.interop.test_inputs import DATA, Q_PROJ, _read_quietly, _served_q
+
+    ckpt = _read_quietly(DATA / "ct_nvfp4_w4a4")
+    inputs = ckpt.activations[Q_PROJ]
+    gs = read_tensors(DATA / "ct_nvfp4_w4a4")[f"{Q_PROJ}.input_global_scale"][0]
+    assert inputs.scale_rounding == "e4m3" and inputs.granularity.tile_size == 16
+    assert inputs.tensor_amax == np.float32(448 * 6) / gs
+    ref = np.load(DATA / "ct_nvfp4_w4a4" / "reference.npz")
+    q = _served_q(ckpt, jnp.asarray(ref["x"][:, :64]))
+    np.testing.assert_allclose(q, ref[f"yq/{Q_PROJ}"], rtol=1e-5, atol=1e-6)
+    assert np.abs(q - ref[f"y/{Q_PROJ}"]).max() > 5e-2  # float inputs: 10% off
