@@ -8,7 +8,8 @@ head), its parameters sharded over a 4 x 2 mesh: the ``embed`` axis over
 axis rules and for nnx with sharding annotations, with the ``int8`` and
 ``fp8_delayed`` presets (linen) and ``int8`` (nnx), all through the one
 engine (``qbits.quantize``): loss and gradients equal the unsharded ones within
-float32 rounding; the gradients keep the parameters' shardings. The same
+float32 rounding; each gradient is sharded as float32's or within its
+parameter's sharding (linen; the parameters' own under explicit axes). The same
 for a plain-JAX block under explicit mesh axes (``out_sharding`` on every
 einsum) through ``qbits.quantize``. An FSDP shard quantized with the
 amax reduced over the shards gives the gathered weight's codes bit for bit.
