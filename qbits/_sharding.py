@@ -25,9 +25,13 @@ from typing import Any
 import jax
 import numpy as np
 from jax import lax
-from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+try:  # jax 0.10 has it, 0.11.2 not (then nothing is tied)
+    from jax.experimental.shard_alike import shard_alike
+except ImportError:  # pragma: no cover
+    shard_alike = None
 
 __all__ = ["abstract", "alike", "like", "max_on_shards", "spec_entries", "take"]
 
@@ -130,14 +134,16 @@ def alike(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
     user wants and move the (float) array there. Tied with
     ``shard_alike``, the product is made where the array lives. Nothing
     changes on one device, under explicit mesh axes (the types say where
-    each value lives) or inside ``shard_map``'s manual axes.
+    each value lives), inside ``shard_map``'s manual axes, or with a jax
+    that has no ``shard_alike`` (0.11.2 has none: XLA then lays the product
+    out itself, as before; the same numbers).
 
     Example:
       >>> from qbits._sharding import alike
       >>> [v.shape for v in alike(jnp.ones((2, 3)), jnp.zeros((2, 3)))]
       [(2, 3), (2, 3)]
     """
-    if jax.device_count() == 1:
+    if shard_alike is None or jax.device_count() == 1:
         return x, y
     types = getattr(jax.typeof(x).sharding.mesh, "axis_types", ())
     if any(t != AxisType.Auto for t in types):

@@ -1,7 +1,10 @@
 """An FSDP + tensor-parallel LM on 8 CPU devices, quantized by the one engine."""
 
+import importlib.util
 import json
 import pathlib
+
+import pytest
 
 from tests.helpers import run_script
 
@@ -12,6 +15,10 @@ def test_sharded_lm_equals_unsharded_and_adds_no_resharding():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     counts = report["collectives"]
     assert set(counts) == {"float32", "int8", "fp8_delayed"}
+    if importlib.util.find_spec("jax.experimental.shard_alike") is None:
+        # Values and gradient shardings are checked above; the counts below
+        # are those of scales tied to what they scale (qbits._sharding.alike).
+        pytest.skip("this jax has no shard_alike (0.11.2): no scale is tied")
 
     def ops(config, kind):
         return counts[config].get(kind, {}).get("ops", 0)
