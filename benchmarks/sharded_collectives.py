@@ -200,13 +200,14 @@ def markdown(data: dict) -> str:
         return counts.get(kind, {}).get("ops", 0)
 
     lines = [
-        "| config | " + " | ".join(KINDS) + " | bytes (2 blocks) |",
-        "|---" * (len(KINDS) + 2) + "|",
+        "| config | " + " | ".join(KINDS) + " | all | bytes (2 blocks) |",
+        "|---" * (len(KINDS) + 3) + "|",
     ]
     for config, counts in two.items():
-        per = [str(ops(counts, k) - ops(one[config], k)) for k in KINDS]
+        per = [ops(counts, k) - ops(one[config], k) for k in KINDS]
         total = sum(v["bytes"] for v in counts.values())
-        lines.append(f"| {config} | {' | '.join(per)} | {total / 1024:.0f} KiB |")
+        cells = " | ".join(map(str, [*per, sum(per)]))
+        lines.append(f"| {config} | {cells} | {total / 1024:.0f} KiB |")
     r1, r2 = data["roles_1"], data["roles_2"]
     names = list(next(iter(r2.values())))
     lines += ["", "| config (per block) | " + " | ".join(names) + " |",

@@ -616,11 +616,11 @@ def collectives() -> str:
         ratio = total(config) / total("float32")
         rows.append(
             [config]
-            + [str(n) for n in per_block]
+            + [str(n) for n in [*per_block, sum(per_block)]]
             + [f"{total(config) / 1024:.0f} KiB ({ratio:.2f}x)"]
         )
     header = ["config", "all-gathers", "collective-permutes", "all-reduces",
-              "all-to-alls", "bytes, whole step (2 blocks)"]  # fmt: skip
+              "all-to-alls", "all", "bytes, whole step (2 blocks)"]  # fmt: skip
     r1, r2 = data["roles_1"], data["roles_2"]
     roles = ["scale all-gathers", "of them, slices of a replicated value",
              "second-stage all-reduces"]  # fmt: skip

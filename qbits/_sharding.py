@@ -28,7 +28,12 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["abstract", "like", "max_on_shards", "spec_entries", "take"]
+try:  # jax 0.10 has it, 0.11.2 not (then nothing is tied)
+    from jax.experimental.shard_alike import shard_alike
+except ImportError:  # pragma: no cover
+    shard_alike = None
+
+__all__ = ["abstract", "alike", "like", "max_on_shards", "spec_entries", "take"]
 
 
 def _layout(x: Any) -> tuple[Any, tuple[Any, ...], bool] | None:
@@ -119,6 +124,31 @@ def like(value: Any, x: Any, axes: Sequence[int | None]) -> Any:
     if AxisType.Explicit not in mesh.axis_types:  # a concrete auto-axes mesh
         return jax.lax.with_sharding_constraint(value, sharding)
     return jax.sharding.reshard(value, sharding)
+
+
+def alike(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x`` and ``y`` (of one shape) partitioned alike under auto mesh axes.
+
+    A scale broadcast against the array it scales has no layout of its
+    own: XLA's sharding propagation may lay the product out as a later
+    user wants and move the (float) array there. Tied with
+    ``shard_alike``, the product is made where the array lives. Nothing
+    changes on one device, under explicit mesh axes (the types say where
+    each value lives), inside ``shard_map``'s manual axes, or with a jax
+    that has no ``shard_alike`` (0.11.2 has none: XLA then lays the product
+    out itself, as before; the same numbers).
+
+    Example:
+      >>> from qbits._sharding import alike
+      >>> [v.shape for v in alike(jnp.ones((2, 3)), jnp.zeros((2, 3)))]
+      [(2, 3), (2, 3)]
+    """
+    if shard_alike is None or jax.device_count() == 1:
+        return x, y
+    types = getattr(jax.typeof(x).sharding.mesh, "axis_types", ())
+    if any(t != AxisType.Auto for t in types):
+        return x, y
+    return shard_alike(x, y)
 
 
 def abstract(x: Any) -> jax.ShapeDtypeStruct:

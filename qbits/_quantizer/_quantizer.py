@@ -39,6 +39,7 @@ from qbits._quantizer._double import check_double_quant, double_quantize
 from qbits._quantizer._storage import blocked, encode, to_storage
 from qbits._quantizer._two_level import quantize_two_level
 from qbits._quantizer._zero_point import quantize_asymmetric
+from qbits._sharding import alike
 from qbits._tensor import QTensor, decode_scale
 from qbits.numerics import QNumerics
 
@@ -502,10 +503,14 @@ def _encode(
     def times(v: jax.Array, per_block: jax.Array) -> jax.Array:
         # lax, not jnp: jnp's broadcasting multiply is a small jitted
         # function, traced anew for every shape (trace time per layer).
+        # A per-tensor scale is tied to the tensor (fp8, sharded LM: -6
+        # all-gathers, -5 all-reduces, -2 all-to-alls per block); a
+        # per-channel one not: XLA then makes an FSDP weight's scale on
+        # shards of its other axis and gathers it
+        # (benchmarks/sharded_collectives.py).
         dims = tuple(range(v.ndim))
-        return lax.mul(
-            v, lax.broadcast_in_dim(per_block.reshape(blocks), v.shape, dims)
-        )
+        b = lax.broadcast_in_dim(per_block.reshape(blocks), v.shape, dims)
+        return lax.mul(*(alike(v, b) if per_block.size == 1 else (v, b)))
 
     numerics = self.numerics
     unclipped = numerics.unclipped() if p.request.store else None

@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from qbits._errors import InvalidArgumentError
+from qbits._sharding import alike
 from qbits._tensor import QTensor
 from qbits.ops._config import MatmulConfig
 from qbits.ops._dims import Axes, Dims
@@ -254,6 +255,11 @@ def real_dot(
             lax.broadcast_in_dim(_scale_to_output(s, dims, side), out.shape, dims_out)
             for s, side in ((sl, "lhs"), (sr, "rhs"))
         )
+        # Tied to the output: each device scales its own part (int8,
+        # sharded LM: -12 all-gathers, -3 all-to-alls, +4 all-reduces per
+        # block; benchmarks/sharded_collectives.py).
+        out, left = alike(out, left)
+        out, right = alike(out, right)
         out = unless_lost(
             lax.mul(lax.mul(out, left), right),
             out,

@@ -8,7 +8,8 @@ head), its parameters sharded over a 4 x 2 mesh: the ``embed`` axis over
 axis rules and for nnx with sharding annotations, with the ``int8`` and
 ``fp8_delayed`` presets (linen) and ``int8`` (nnx), all through the one
 engine (``qbits.quantize``): loss and gradients equal the unsharded ones within
-float32 rounding; the gradients keep the parameters' shardings. The same
+float32 rounding; each gradient is sharded as float32's or within its
+parameter's sharding (linen; the parameters' own under explicit axes). The same
 for a plain-JAX block under explicit mesh axes (``out_sharding`` on every
 einsum) through ``qbits.quantize``. An FSDP shard quantized with the
 amax reduced over the shards gives the gathered weight's codes bit for bit.
@@ -56,6 +57,12 @@ def _init(axes):
     return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
 
 
+def _dense(features, axes, name):
+    """A Dense layer whose kernel and bias are sharded by their logical axes."""
+    bias = nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:])
+    return nn.Dense(features, kernel_init=_init(axes), bias_init=bias, name=name)
+
+
 class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -77,10 +84,8 @@ class Block(nn.Module):
             name="out",
         )(ctx)
         h = nn.LayerNorm(use_scale=False, use_bias=False)(x)
-        h = nn.Dense(MLP, kernel_init=_init(("embed", "mlp")), name="fc1")(h)
-        h = nn.Dense(WIDTH, kernel_init=_init(("mlp", "embed")), name="fc2")(
-            jax.nn.gelu(h)
-        )
+        h = _dense(MLP, ("embed", "mlp"), "fc1")(h)
+        h = _dense(WIDTH, ("mlp", "embed"), "fc2")(jax.nn.gelu(h))
         return x + h
 
 
@@ -92,7 +97,7 @@ class LM(nn.Module):
         )(tokens)
         for i in range(LAYERS):
             x = Block(name=f"blocks_{i}")(x)
-        return nn.Dense(VOCAB, kernel_init=_init(("embed", "vocab")), name="head")(x)
+        return _dense(VOCAB, ("embed", "vocab"), "head")(x)
 
 
 def _loss(logits, tokens):
@@ -350,13 +355,25 @@ def linen_case(mesh, tokens, variant, reference=None):
         want = step(variables, tokens)
         _close(got[0], want[0], f"linen {variant} loss")
         _close(got, want, f"linen {variant}", flips=True)
-    # The gradients get the shardings float32's get (XLA picks them under
-    # auto axes; the FSDP/TP kernels keep their own).
-    grads = [g.sharding for g in jax.tree.leaves(got[1]["params"])]
-    if reference is not None:
-        for g, s in zip(grads, reference, strict=True):
-            if not g.is_equivalent_to(s, len(s.spec)):
-                raise AssertionError(f"linen {variant}: {g} != {s}")
+    # Each gradient is sharded as float32's (XLA picks them under auto axes)
+    # or as its parameter, some axes replicated (each device holds its shard
+    # of the parameter's gradient: the optimizer update needs no collective).
+    found = jax.tree_util.tree_flatten_with_path(got[1]["params"])[0]
+    grads = [g.sharding for _, g in found]
+    params = jax.tree.leaves(shardings["params"])
+    for (path, g), s, p in zip(found, reference or grads, params, strict=True):
+        have, want = (
+            tuple(x.spec) + (None,) * (g.ndim - len(x.spec)) for x in (g.sharding, p)
+        )
+        if not (
+            g.sharding.is_equivalent_to(s, g.ndim)
+            or all(h in (None, (), w) for h, w in zip(have, want, strict=True))
+        ):
+            where = jax.tree_util.keystr(path)
+            raise AssertionError(
+                f"linen {variant} {where} gradient: {g.sharding.spec}, "
+                f"not float32's {s.spec} nor within {p.spec}"
+            )
     text = compiled.as_text()
     return count_collectives(text), collective_roles(text), grads
 
