@@ -34,6 +34,7 @@ import pathlib
 import re
 import tarfile
 import time
+from typing import Any
 
 import qbits.hlo
 
@@ -101,6 +102,36 @@ def loop_as_tiled(p: qbits.hlo.Program) -> float:
     return round(estimate(p.kernels, t).total_ms, 3)
 
 
+def fast_accumulation(p: qbits.hlo.Program) -> float:
+    """The estimate with every FP8 GEMM at the fast-accumulation rate.
+
+    qbits' presets run the backward FP8 GEMMs with ``precision=HIGHEST``
+    (full float32 accumulation, Transformer Engine's split accumulator);
+    this is what CUBLASLT_MATMUL_DESC_FAST_ACCUM would give them, a
+    precision decision the presets leave alone. The same program, repriced.
+    """
+    rates = dict(p.target.gemm_rates, fp8_exact=p.target.gemm_rates["fp8"])
+    t = dataclasses.replace(p.target, gemm_rates=rates)
+    return round(estimate(p.kernels, t).total_ms, 3)
+
+
+def no_excess_precision(make: Any, fargs: tuple) -> dict[str, Any]:
+    """The program compiled with ``xla_allow_excess_precision=False`` too.
+
+    XLA then keeps every bfloat16 rounding the program asks for instead of
+    reading float32 values it has at hand (a GEMM output, an attention
+    gradient): fewer bytes in places, other GPU numerics. A precision
+    decision left to users; its estimate (and with fast accumulation too).
+    """
+    options = dict(qbits.hlo.GPU_COMPILER_OPTIONS, xla_allow_excess_precision=False)
+    p = qbits.hlo.program(make(), *fargs, target="h200", compiler_options=options)
+    return {
+        "device_ms": round(p.estimate().total_ms, 3),
+        "device_ms_fast_accumulation": fast_accumulation(p),
+        "kernels": len(p.kernels),
+    }
+
+
 def _lm_before() -> dict[str, qbits.hlo.Program]:
     """The LM programs the H200 ran on 2026-11-27."""
     with tarfile.open(RESULTS / "train_step_gpu_hlo.tgz") as tar:
@@ -133,6 +164,7 @@ def lm_rows(hlo_dir: str | None = None) -> list[dict]:
             "h200": {
                 "device_ms": round(e.total_ms, 3),
                 "device_ms_loop_transposes_tiled": loop_as_tiled(p),
+                "device_ms_fast_accumulation": fast_accumulation(p),
                 "split_ms": lm_split(p, LM_SIZES),
                 "by_category": {k: round(v, 3) for k, v in e.by_category.items()},
                 "kernels": len(p.kernels),
@@ -141,6 +173,8 @@ def lm_rows(hlo_dir: str | None = None) -> list[dict]:
                 "deviceless_compile_s": round(time.perf_counter() - start, 1),
             },
         }
+        if name.endswith("_proj"):
+            row["h200"]["no_excess_precision"] = no_excess_precision(make, fargs)
         if name in before:
             row["h200_before"] = {
                 "measured_step_ms": measured[name],
@@ -274,6 +308,27 @@ def lm_markdown(lm: dict | None) -> str:
             f"| {split['gemm']:.2f} "
             f"| {split['attention_gemm']:.2f} | {split['attention_scores']:.2f} "
             f"| {split['rest']:.2f} |"
+        )
+    lines += [
+        "",
+        "Precision decisions the presets leave alone, priced (H200, estimated, "
+        "over bf16's): FP8 GEMMs with fast accumulation (the backward ones run "
+        "`precision=HIGHEST` now: repriced, the same program), "
+        "`xla_allow_excess_precision=False` (compiled again), both.",
+        "",
+        "| variant | now | fast accumulation | no excess precision | both |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        now, strict = r["h200"], r["h200"].get("no_excess_precision")
+        if strict is None:
+            continue
+        fast = "device_ms_fast_accumulation"
+        cells = (now["device_ms"], now[fast], strict["device_ms"], strict[fast])
+        lines.append(
+            f"| {r['variant']} | "
+            + " | ".join(f"{base['device_ms'] / ms:.3f}x ({ms:.2f} ms)" for ms in cells)
+            + " |"
         )
     return "\n".join(lines) + "\n"
 

@@ -167,6 +167,20 @@ def test_fp8_dot_is_xlas_fp8_form_on_gpu():
         assert "stablehlo.multiply" not in uses, uses
 
 
+def test_fp8_forms_scale_product_is_the_product_to_float32_ulps():
+    # XLA's FP8 form takes the scales' product from the inverses the casts
+    # use (one small kernel for all three on a GPU): 1 / ((1/a)(1/b)) is
+    # a * b within a few float32 ulps, then rounded to bfloat16 by the form.
+    from qbits.ops._rescale import _scale_product
+
+    e = jax.random.uniform(jax.random.key(0), (2, 4096), minval=-60, maxval=60)
+    a, b = (jnp.exp2(e[i]).reshape(-1, 1, 1) for i in range(2))
+    got = jax.jit(jax.vmap(_scale_product))(a, b)
+    want = (a * b).reshape(-1)
+    ulp = jnp.finfo(jnp.float32).eps
+    assert float(jnp.max(jnp.abs(got / want - 1))) <= 4 * ulp
+
+
 def test_fp8_dots_of_float16_write_float32_on_gpu():
     # float16 cannot hold the scales' product of small operands (2.5e-7 is a
     # subnormal with two significant bits): its dots write float32, scaled
