@@ -59,3 +59,13 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = [line for line in ci.splitlines() if line.startswith("python3 -m venv")]
     assert len(command) == 1 and command[0] in readme
+
+
+def test_no_module_over_600_lines():
+    # One idea per module: a module past 600 lines holds two (issue 41).
+    lengths = {
+        str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+        for p in (ROOT / "qbits").rglob("*.py")
+    }
+    long = {path: n for path, n in lengths.items() if n > 600}
+    assert not long, f"split these modules: {long}"

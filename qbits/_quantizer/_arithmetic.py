@@ -11,13 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qbits._errors import InvalidArgumentError
 from qbits._platform import per_platform
 
 __all__ = [
     "flat_vector",
+    "given_scale",
     "negatives_stay_negative",
     "pre_factor",
     "scales_and_inverses",
@@ -133,3 +136,20 @@ def negatives_stay_negative_jvp(primals: Any, tangents: Any) -> Any:
     # y's own derivative: what the flushed zero was replaced by is a constant
     # only in value, not in the straight-through gradient.
     return negatives_stay_negative(*primals), tangents[0]
+
+
+def given_scale(scale: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """A given scale as an array of the scale ``shape``, in the compute ``dtype``.
+
+    (float32, or float64 for a float64 tensor under ``jax_enable_x64``: the
+    dtype the scale arithmetic of a computed scale runs in.)
+    """
+    scale = jnp.asarray(scale)
+    if scale.size != int(np.prod(shape)):
+        raise InvalidArgumentError(
+            "Quantizer.quant",
+            "scale.shape",
+            scale.shape,
+            f"a scale of shape {shape} (one entry per block)",
+        )
+    return scale.reshape(shape).astype(dtype)

@@ -24,7 +24,7 @@ from qbits._calibration import (
     scale_limits,
 )
 from qbits._context import Context
-from qbits._errors import InvalidArgumentError, check_choice, check_float
+from qbits._errors import InvalidArgumentError, check_choice
 from qbits._formats import check_float_input, compute_dtype
 from qbits._granularity import BlockLayout, Granularity, PerTensor
 from qbits._jaxpr import varying
@@ -32,12 +32,13 @@ from qbits._platform import per_platform
 from qbits._providers import ScaleProvider
 from qbits._quantizer._arithmetic import (
     flat_vector,
+    given_scale,
     negatives_stay_negative,
     scales_and_inverses,
 )
 from qbits._quantizer._double import check_double_quant, double_quantize
 from qbits._quantizer._storage import blocked, encode, to_storage
-from qbits._quantizer._two_level import quantize_two_level
+from qbits._quantizer._two_level import check_tensor_amax, quantize_two_level
 from qbits._quantizer._zero_point import quantize_asymmetric
 from qbits._sharding import alike
 from qbits._tensor import QTensor, decode_scale
@@ -171,16 +172,7 @@ class Quantizer(struct.PyTreeNode):
                 "grid's scale and zero point are not rounded)",
             )
         check_double_quant(self)
-        if self.tensor_amax is not None:
-            check_float(
-                "Quantizer", "tensor_amax", self.tensor_amax, lo=0.0, lo_open=True
-            )
-            if self.scale_rounding != "e4m3":
-                raise InvalidArgumentError(
-                    "Quantizer", "tensor_amax", self.tensor_amax,
-                    "None unless scale_rounding='e4m3' (a two-level scale's "
-                    "tensor level)",
-                )  # fmt: skip
+        check_tensor_amax(self)
         if self.provider is not None and (asymmetric or self.scale_rounding == "e4m3"):
             what = "a zero point" if asymmetric else "a two-level (e4m3) scale"
             raise InvalidArgumentError(
@@ -442,7 +434,7 @@ def _calibrate(
     elif given is not None:
         bound = None
         blocks = layout.reduced_shape
-        flat = flat_vector(_given_scale(given, layout.scale_shape, compute))
+        flat = flat_vector(given_scale(given, layout.scale_shape, compute))
     else:
         if x.size and _exact_in_input_dtype(self.calibration, x.dtype):
             # The same bound from the tensor as it is (no float32 copy: a
@@ -595,23 +587,6 @@ def _exact_in_input_dtype(calibration: Any, dtype: Any) -> bool:
         and calibration.clip_factor == 1.0
         and np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
     )
-
-
-def _given_scale(scale: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """A given scale as an array of the scale ``shape``, in the compute ``dtype``.
-
-    (float32, or float64 for a float64 tensor under ``jax_enable_x64``: the
-    dtype the scale arithmetic of a computed scale runs in.)
-    """
-    scale = jnp.asarray(scale)
-    if scale.size != int(np.prod(shape)):
-        raise InvalidArgumentError(
-            "Quantizer.quant",
-            "scale.shape",
-            scale.shape,
-            f"a scale of shape {shape} (one entry per block)",
-        )
-    return scale.reshape(shape).astype(dtype)
 
 
 def _identity(g: jax.Array) -> jax.Array:

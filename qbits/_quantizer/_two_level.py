@@ -44,17 +44,35 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qbits._errors import InvalidArgumentError, check_float
 from qbits._formats import float_format, round_to_format
 from qbits._quantizer._storage import Blocked, encode, to_storage
 from qbits._tensor import QTensor
 from qbits.numerics import QNumerics
 
-__all__ = ["BLOCK_SCALE_DTYPE", "quantize_two_level", "two_level_scale"]
+__all__ = [
+    "BLOCK_SCALE_DTYPE",
+    "check_tensor_amax",
+    "quantize_two_level",
+    "two_level_scale",
+]
 
 #: How stored block scales are kept.
 BLOCK_SCALE_DTYPE = np.dtype(float_format("float8_e4m3fn").dtype)
 _E4M3 = float_format("float8_e4m3fn")
 _TINY = float(np.finfo(np.float32).tiny)
+
+
+def check_tensor_amax(q: Any) -> None:
+    """Raises unless ``q.tensor_amax`` is ``None`` or fits a two-level scale."""
+    if q.tensor_amax is None:
+        return
+    check_float("Quantizer", "tensor_amax", q.tensor_amax, lo=0.0, lo_open=True)
+    if q.scale_rounding != "e4m3":
+        raise InvalidArgumentError(
+            "Quantizer", "tensor_amax", q.tensor_amax,
+            "None unless scale_rounding='e4m3' (a two-level scale's tensor level)",
+        )  # fmt: skip
 
 
 def two_level_scale(
