@@ -76,6 +76,12 @@ def _init(axes):
     return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
 
 
+def _dense(features, axes, name):
+    """A Dense layer whose kernel and bias are sharded by their logical axes."""
+    bias = nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:])
+    return nn.Dense(features, kernel_init=_init(axes), bias_init=bias, name=name)
+
+
 class Block(nn.Module):
     """Pre-norm causal self-attention and a GELU MLP."""
 
@@ -105,10 +111,8 @@ class Block(nn.Module):
             name="out",
         )(ctx)
         h = nn.LayerNorm(use_bias=False)(x)
-        h = nn.Dense(4 * self.width, kernel_init=_init(("embed", "mlp")), name="fc1")(h)
-        h = nn.Dense(self.width, kernel_init=_init(("mlp", "embed")), name="fc2")(
-            jax.nn.gelu(h)
-        )
+        h = _dense(4 * self.width, ("embed", "mlp"), "fc1")(h)
+        h = _dense(self.width, ("mlp", "embed"), "fc2")(jax.nn.gelu(h))
         return x + h
 
 
@@ -131,8 +135,7 @@ class LM(nn.Module):
         for i in range(self.layers):
             x = Block(self.width, self.heads, name=f"blocks_{i}")(x)
         x = nn.LayerNorm(use_bias=False)(x)
-        head = nn.Dense(self.vocab, kernel_init=_init(("embed", "vocab")), name="head")
-        return head(x)
+        return _dense(self.vocab, ("embed", "vocab"), "head")(x)
 
 
 def corpus_tokens() -> tuple[np.ndarray, int]:
